@@ -1,0 +1,196 @@
+"""Toy skills for the MCP server, agent and skills-admin tests (no SAM, no torch needed).
+
+`write_toy_skill(root)` creates `root/toy-skill/` with tools that cover what a real tool
+does: a quick typed call, a long call that reports progress, an anticipated error
+(OmskillsError), a crash (RuntimeError), and a writer that takes a path and prints on
+stdout at both the Python and the file-descriptor level.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import yaml
+
+TOY_SKILL = "toy-skill"
+
+_SKILL_MD = """\
+---
+name: toy-skill
+description: Toy tools for testing the omskills MCP server. Use in tests only.
+---
+
+# Toy skill
+
+Call `toy_add` to add, `toy_slow` for a long job with progress, `toy_fail` for an
+anticipated error, `toy_crash` for a crash, `toy_stage` to mark a stage done, `toy_write` to write a file.
+"""
+
+_REFERENCE = "# Toy reference\n\nLoaded on demand.\n"
+
+_TOOLS = {
+    "toy_add": '''
+        """Add two integers."""
+
+        from pydantic import BaseModel
+
+
+        class Sum(BaseModel):
+            total: int
+
+
+        def toy_add(a: int, b: int = 1) -> Sum:
+            """Add a and b.
+
+            Returns the total.
+            """
+            return Sum(total=a + b)
+        ''',
+    "toy_slow": '''
+        """A long job that reports progress."""
+
+        import time
+
+        from pydantic import BaseModel
+
+        from omskills.progress import track
+
+
+        class Slow(BaseModel):
+            steps: int
+
+
+        def toy_slow(steps: int = 4, pause: float = 0.05) -> Slow:
+            """Sleep `steps` times, reporting progress after each step."""
+            done = 0
+            for _ in track(range(steps), total=steps, desc="toy steps"):
+                time.sleep(pause)
+                done += 1
+            return Slow(steps=done)
+        ''',
+    "toy_fail": '''
+        """A tool that refuses its input the way engine tools do."""
+
+        from pydantic import BaseModel
+
+        from omskills.errors import InputError
+
+
+        class Never(BaseModel):
+            ok: bool
+
+
+        def toy_fail(name: str) -> Never:
+            """Always refuse, naming the argument."""
+            raise InputError(f"argument 'name': no model called {name!r}")
+        ''',
+    "toy_crash": '''
+        """A tool with a bug."""
+
+        from pydantic import BaseModel
+
+
+        class Never(BaseModel):
+            ok: bool
+
+
+        def toy_crash(x: int) -> Never:
+            """Crash with an unexpected exception."""
+            raise RuntimeError(f"boom at {x}")
+        ''',
+    "toy_stage": '''
+        """A stage tool: writes its result into the task record, as the real stage tools do."""
+
+        from pydantic import BaseModel
+
+        from omskills.records.stages import StageResult
+        from omskills.task_record import now_iso, updating
+
+
+        class StageDone(BaseModel):
+            stage: str
+
+
+        def toy_stage(task: str, stage: str = "toy_stage") -> StageDone:
+            """Mark `stage` done in the task record `task`."""
+            with updating(task) as record:
+                record.stages[stage] = StageResult(status="done", finished=now_iso(), note="toy")
+            return StageDone(stage=stage)
+        ''',
+    "toy_write": '''
+        """Write a text file, printing noise on stdout the way chatty libraries do."""
+
+        import os
+        import subprocess
+        from pathlib import Path
+
+        from pydantic import BaseModel
+
+
+        # Import-time noise: the server imports tool scripts before the transport starts.
+        print("import-time noise on stdout")
+        os.write(1, b"import-time fd noise on stdout\n")
+
+
+        class Written(BaseModel):
+            out: str
+            bytes: int
+
+
+        def toy_write(out: str, text: str) -> Written:
+            """Write `text` to the file `out` and return where it went."""
+            print("python-level noise on stdout")
+            os.write(1, b"fd-level noise on stdout\\n")
+            subprocess.run(["echo", "child-process noise on stdout"], check=True)
+            path = Path(out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return Written(out=str(path), bytes=len(text.encode()))
+        ''',
+}
+
+_CLI_TAIL = """
+
+if __name__ == "__main__":
+    import sys
+
+    from omskills.toolkit import run_cli
+
+    sys.exit(run_cli({name}))
+"""
+
+
+def write_tool(skill_dir: Path, name: str, body: str) -> Path:
+    path = skill_dir / "scripts" / f"{name}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(body).lstrip() + _CLI_TAIL.format(name=name))
+    return path
+
+
+def write_toy_skill(root: Path, tools: dict[str, str] | None = None) -> Path:
+    skill = root / TOY_SKILL
+    (skill / "references").mkdir(parents=True, exist_ok=True)
+    (skill / "SKILL.md").write_text(_SKILL_MD)
+    (skill / "references" / "toy.md").write_text(_REFERENCE)
+    for name, body in (tools or _TOOLS).items():
+        write_tool(skill, name, body)
+    return skill
+
+
+def toy_tool_names() -> list[str]:
+    return sorted(_TOOLS)
+
+
+def write_task_record(path: Path, record_id: str = "toy-task") -> Path:
+    """A minimal valid task record (the intake a SAM 3 tiny run would have)."""
+    data = {
+        "id": record_id,
+        "intake": {
+            "model": {"family": "sam3", "builder": "sam3.model_builder:build_sam3_video_model", "scale": "tiny"},
+            "inputs": {"video": "builtin:moving_square", "prompt": "a square", "frames": 2},
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,284 @@
+"""Stage 2: exportability verdicts, ATC shape strategies, merge suggestions, contract table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from omskills.boundaries import analyze_boundary, propose_shape_strategy, render_contract_table, suggest_merges
+from omskills.contracts import ProvenanceTracker, capture_contracts
+from omskills.errors import OmskillsError
+from omskills.records.contracts import ContractSpec, DimRef, QuantityLimit
+
+
+class Double(nn.Module):
+    """Returns every tensor doubled; any number of tensor inputs."""
+
+    def forward(self, *xs):
+        return [x * 2 for x in xs]
+
+
+class Root(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+
+def _contract_for_calls(calls: list[tuple], block: nn.Module | None = None, tmp_path: Path | None = None) -> ContractSpec:
+    """Capture the contract of `block` called with each argument tuple in `calls`."""
+    root = Root(block or Double())
+
+    def run():
+        with torch.no_grad():
+            for args in calls:
+                root.block(*args)
+
+    (contract,) = capture_contracts(root, {"block": "block"}, run, samples_dir=tmp_path, relative_to=tmp_path)
+    return contract
+
+
+def _shapes(*shapes):
+    return tuple(torch.zeros(*s) for s in shapes)
+
+
+# --------------------------------------------------------------------------- shape strategy rules
+
+
+def test_one_call_and_no_source_limit_gives_static_and_says_why():
+    strategy = propose_shape_strategy(_contract_for_calls([_shapes((2, 8))]))
+    assert strategy.kind == "static"
+    assert strategy.input_shapes == {"in_0": [2, 8]}
+    assert "only one call observed" in strategy.rationale
+
+
+def test_identical_shapes_across_calls_give_static():
+    strategy = propose_shape_strategy(_contract_for_calls([_shapes((2, 8))] * 3))
+    assert strategy.kind == "static"
+    assert "3 calls observed, no dimension varies" in strategy.rationale
+
+
+def test_only_dim_0_varying_together_across_inputs_gives_dynamic_batch_size():
+    calls = [_shapes((b, 8), (b, 3, 4)) for b in (1, 4, 2)]
+    strategy = propose_shape_strategy(_contract_for_calls(calls))
+    assert strategy.kind == "dynamic_batch_size"
+    assert strategy.gears == [[1], [2], [4]]
+    assert strategy.input_shapes == {"in_0": [-1, 8], "in_1": [-1, 3, 4]}
+    assert "falls back to PyTorch" in strategy.rationale  # observed-only gears are flagged
+
+
+def test_only_h_and_w_of_an_image_varying_gives_dynamic_image_size():
+    calls = [_shapes((1, 3, h, w)) for h, w in ((224, 224), (320, 480), (224, 224))]
+    strategy = propose_shape_strategy(_contract_for_calls(calls))
+    assert strategy.kind == "dynamic_image_size"
+    assert strategy.gears == [[224, 224], [320, 480]]
+    assert strategy.input_shapes == {"in_0": [1, 3, -1, -1]}
+
+
+def test_a_few_independent_dims_with_discrete_values_give_dynamic_dims_gears():
+    calls = [_shapes((2, n), (m, 4)) for n, m in ((3, 1), (5, 1), (5, 2))]
+    strategy = propose_shape_strategy(_contract_for_calls(calls))
+    assert strategy.kind == "dynamic_dims"
+    assert strategy.input_shapes == {"in_0": [2, -1], "in_1": [-1, 4]}
+    assert strategy.gears == [[3, 1], [5, 1], [5, 2]]  # combinations seen together, input order
+
+
+def test_a_declared_source_range_is_matched_to_the_dim_whose_observed_values_lie_in_it():
+    calls = [_shapes((2, n, 4)) for n in (2, 3)]
+    strategy = propose_shape_strategy(_contract_for_calls(calls), source_limits={"num_objects": [1, 16]})
+    assert strategy.kind == "dynamic_dims"
+    assert strategy.gears == [[n] for n in range(1, 17)]
+    assert "num_objects in [1, 16]" in strategy.rationale
+
+
+def test_a_dim_bound_to_a_source_quantity_is_dynamic_even_from_a_single_call():
+    contract = _contract_for_calls([_shapes((2, 8))])
+    limit = QuantityLimit(quantity="num_objects", low=1, high=16, evidence="bucket of 16 objects",
+                          dims=[DimRef(input="in_0", dim=0)])
+    strategy = propose_shape_strategy(contract, source_limits=[limit])
+    assert strategy.kind == "dynamic_batch_size"
+    assert strategy.gears == [[n] for n in range(1, 17)]
+    assert "bucket of 16 objects" in strategy.rationale
+
+
+def test_more_combinations_than_atc_gears_give_dynamic_shape_with_ranges():
+    contract = _contract_for_calls([_shapes((2, 8)), _shapes((3, 8))])
+    limit = QuantityLimit(quantity="tokens", low=1, high=1000, dims=[DimRef(input="args[0]", dim=0)])
+    strategy = propose_shape_strategy(contract, source_limits=[limit])
+    assert strategy.kind == "dynamic_shape"
+    assert strategy.ranges == {"in_0": [[1, 1000], [8, 8]]}
+    assert "exceed ATC's 100" in strategy.rationale
+
+
+def test_a_source_limit_contradicted_by_observed_values_or_naming_no_input_is_an_error():
+    contract = _contract_for_calls([_shapes((20, 8)), _shapes((3, 8))])
+    too_small = QuantityLimit(quantity="num_objects", low=1, high=16, dims=[DimRef(input="in_0", dim=0)])
+    with pytest.raises(OmskillsError, match=r"num_objects \[1, 16\] does not hold for in_0\[0\]"):
+        propose_shape_strategy(contract, source_limits=[too_small])
+    unknown = QuantityLimit(quantity="num_objects", low=1, high=32, dims=[DimRef(input="masks", dim=0)])
+    with pytest.raises(OmskillsError, match="no tensor input named 'masks'"):
+        propose_shape_strategy(contract, source_limits=[unknown])
+
+
+# --------------------------------------------------------------------------- exportability
+
+
+class Repeat(nn.Module):
+    def forward(self, x, times: int):
+        return x.repeat(times, 1)
+
+
+def test_a_non_tensor_argument_that_changes_per_call_is_not_exportable_and_is_named():
+    contract = _contract_for_calls([(torch.ones(1, 2), n) for n in (1, 2, 3)], block=Repeat())
+    decision = analyze_boundary(contract)
+    assert not decision.exportable
+    assert any("non-tensor argument args[1] changes between calls (1, 2, 3)" in r for r in decision.reasons)
+    assert decision.shape_strategy is None
+
+
+def test_a_tensor_only_module_with_constant_arguments_is_exportable_with_the_constants_listed():
+    contract = _contract_for_calls([(torch.ones(1, 2), 2)] * 2, block=Repeat())
+    decision = analyze_boundary(contract)
+    assert decision.exportable
+    assert decision.reasons[0].startswith("tensor-only after flattening: 1 tensor inputs, 1 tensor outputs")
+    assert "args[1]=2" in decision.reasons[1]
+    assert decision.shape_strategy.kind == "static"
+
+
+class OptionalMask(nn.Module):
+    def forward(self, x, mask=None):
+        return x if mask is None else x * mask
+
+
+def test_calls_with_different_structures_are_not_exportable_as_one_graph():
+    calls = [(torch.ones(2), None), (torch.ones(2), torch.ones(2))]
+    decision = analyze_boundary(_contract_for_calls(calls, block=OptionalMask()))
+    assert not decision.exportable
+    assert "2 different structures" in decision.reasons[0]
+
+
+class DataDependentBranch(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # Python branch on tensor data
+            return x * 2
+        return x - 1
+
+
+class CountingBranch(nn.Module):
+    """Branches on a Python counter: traces fine, but the graph of call 0 is wrong for call 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * 2 if self.calls == 1 else x * 3
+
+
+class Clean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+def test_trial_export_reports_data_dependent_python_control_flow(tmp_path):
+    block = DataDependentBranch()
+    contract = _contract_for_calls([(torch.ones(2, 2),), (-torch.ones(2, 2),)], block=block, tmp_path=tmp_path)
+    decision = analyze_boundary(contract, module=block, trial_export=True, samples_root=tmp_path)
+    assert not decision.exportable
+    assert any(r.startswith("trial torch.export failed") for r in decision.reasons)
+
+
+def test_trial_export_replays_the_graph_on_other_calls_and_catches_a_changed_branch(tmp_path):
+    block = CountingBranch()
+    contract = _contract_for_calls([(torch.ones(2, 2),), (torch.ones(2, 2),)], block=block, tmp_path=tmp_path)
+    decision = analyze_boundary(contract, module=block, trial_export=True, samples_root=tmp_path)
+    assert not decision.exportable
+    assert any("gives a different out on call 0" in r for r in decision.reasons)
+
+
+def test_trial_export_of_a_clean_module_with_a_dynamic_batch_reproduces_every_sample(tmp_path):
+    block = Clean().eval()
+    contract = _contract_for_calls([(torch.randn(b, 4),) for b in (1, 3, 2)], block=block, tmp_path=tmp_path)
+    decision = analyze_boundary(contract, module=block, trial_export=True, samples_root=tmp_path)
+    assert decision.exportable, decision.reasons
+    assert decision.shape_strategy.kind == "dynamic_batch_size"
+    assert any("reproduces the outputs of calls [0, 1, 2]" in r for r in decision.reasons)
+
+
+# --------------------------------------------------------------------------- merges, control plane, table
+
+
+class Stem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, img):
+        return self.conv(img)
+
+
+class Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class Fuse(nn.Module):
+    def forward(self, feats, img, prompt):
+        return feats.mean((1, 2, 3)) + img.mean() + prompt.float().mean()
+
+
+class Pipeline(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.body, self.fuse = Stem(), Body(), Fuse()
+
+    def forward(self, img, prompt):
+        return self.fuse(self.body(self.stem(img)), img, prompt)
+
+
+def _pipeline_contracts():
+    model = Pipeline().eval()
+    tracker = ProvenanceTracker()
+
+    def run():
+        with torch.no_grad():
+            for _ in range(2):
+                img = tracker.tag(torch.randn(1, 3, 4, 4), "image", "frames")
+                model(img, tracker.tag(torch.tensor([[3, 1]]), "prompt", "tokenizer"))
+
+    return capture_contracts(model, {"stem": "stem", "body": "body", "fuse": "fuse"}, run, tracker)
+
+
+def test_adjacent_candidates_that_exchange_tensors_only_with_each_other_are_suggested_for_merging():
+    merges = suggest_merges(_pipeline_contracts())
+    # fuse also reads the image and the prompt: it stays apart.
+    assert merges == {"stem": ["body"], "body": ["stem"]}
+
+
+def test_control_plane_lists_prompt_and_frame_handling_with_evidence():
+    fuse = _pipeline_contracts()[2]
+    plane = analyze_boundary(fuse).control_plane
+    assert any(p.startswith("prompt handling: input prompt is produced by tokenizer") for p in plane)
+    assert any(p.startswith("frame loading and preprocessing: input img comes from frames") for p in plane)
+
+
+def test_contract_table_has_one_row_per_candidate_with_origins_consumers_and_verdict():
+    contracts = _pipeline_contracts()
+    decisions = [analyze_boundary(c) for c in contracts]
+    table = render_contract_table(contracts, decisions)
+    lines = table.splitlines()
+    assert lines[0].startswith("| candidate | module | calls |")
+    assert len(lines) == 2 + len(contracts)
+    stem_row = next(line for line in lines if line.startswith("| stem "))
+    assert "← image (frames)" in stem_row and "→ body" in stem_row and "| static |" in stem_row

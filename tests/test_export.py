@@ -1,0 +1,222 @@
+"""omskills.export: the contract wrapper and export_onnx, on a toy candidate.
+
+Export writes an ONNX file whose inputs and outputs are the contract's (names, order, dynamic
+batch), which ONNX Runtime runs to the same numbers as PyTorch; it targets an opset ATC accepts;
+it keeps everything the exporter prints out of stdout; a failure keeps its log and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from export_helpers import BATCH_DIMS, capture_head_contract, head_inputs, make_host
+from omskills import export as export_module
+from omskills.contracts import capture_contracts
+from omskills.contracts.pytree import flatten
+from omskills.errors import InputError
+from omskills.export import (
+    ATC_MAX_OPSET,
+    ContractWrapper,
+    ExportError,
+    dynamic_dims_from_strategy,
+    export_onnx,
+)
+from omskills.records.contracts import ShapeStrategy
+
+
+@pytest.fixture(scope="module")
+def host():
+    return make_host()
+
+
+@pytest.fixture(scope="module")
+def contract(host):
+    return capture_head_contract(host)
+
+
+def ort_outputs(path, inputs: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = ["x", "pair_0", "pair_1"]
+    taken = {i.name for i in session.get_inputs()}
+    feeds = {n: t.numpy() for n, t in zip(names, inputs) if n in taken}
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def torch_outputs(host, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        out = host.head(inputs[0], (inputs[1], inputs[2]), scale=2.0, mode="sum")
+    return {"y": out["y"], "extra_0": out["extra"][0], "extra_1": out["extra"][1], "best": out["best"]}
+
+
+def test_wrapper_takes_flat_tensors_and_returns_the_flat_tensor_outputs(host, contract):
+    wrapper = ContractWrapper(host.head, contract)
+    inputs = head_inputs(2)
+    with torch.no_grad():
+        flat = wrapper(*inputs)
+    expected = torch_outputs(host, inputs)
+    assert [o.name for o in contract.outputs] == list(expected)
+    for got, want in zip(flat, expected.values()):
+        torch.testing.assert_close(got, want)
+
+
+def test_wrapper_binds_the_recorded_constants(host, contract):
+    # The capture saw scale=2.0, mode="sum"; the wrapper must call the head with exactly those.
+    seen = {}
+    hook = host.head.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            ContractWrapper(host.head, contract)(*head_inputs(2))
+    finally:
+        hook.remove()
+    assert seen == {"scale": 2.0, "mode": "sum"}
+
+
+def test_a_constant_without_recorded_value_needs_one_from_a_sample(host, contract):
+    args = [a.model_copy(update={"value": None}) if a.tree_path == "kwargs['mode']" else a
+            for a in contract.non_tensor_args]
+    repr_only = contract.model_copy(update={"non_tensor_args": args})
+    with pytest.raises(InputError, match=r"kwargs\['mode'\].*constants="):
+        ContractWrapper(host.head, repr_only)
+    wrapper = ContractWrapper(host.head, repr_only, constants={"kwargs['mode']": "sum"})
+    assert wrapper.constants == [2.0, "sum"]
+
+
+def test_a_varying_constant_cannot_be_bound(host, contract):
+    args = [a.model_copy(update={"constant": False}) if a.tree_path == "kwargs['scale']" else a
+            for a in contract.non_tensor_args]
+    with pytest.raises(InputError, match=r"kwargs\['scale'\] varies across calls"):
+        ContractWrapper(host.head, contract.model_copy(update={"non_tensor_args": args}))
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_export_runs_in_onnxruntime_like_torch_at_any_batch(host, contract, tmp_path, capfd, exporter):
+    result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx",
+                         dynamic_dims=BATCH_DIMS, exporter=exporter)
+
+    assert capfd.readouterr().out == ""  # exporter chatter goes to the log, never stdout
+    assert result.exporter == exporter
+    assert result.opset == ATC_MAX_OPSET and result.converted_from_opset is None
+    assert result.output_names == ["y", "extra_0", "extra_1", "best"]
+    assert result.input_names == ["x", "pair_0", "pair_1"]
+    assert "CANN" in result.fact_source and "18" in result.fact_source
+    assert not result.external_data
+    data = (tmp_path / "head.onnx").read_bytes()
+    assert result.sha256 == hashlib.sha256(data).hexdigest() and result.bytes == len(data)
+    assert (tmp_path / "head.onnx.export.log").read_text().startswith(f"# export of head (head) with the {exporter}")
+
+    model = onnx.load(result.path)
+    assert [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim] == ["batch", ""]
+    for batch in (1, 7):  # neither was seen at capture: the batch dim is symbolic
+        inputs = head_inputs(batch)
+        got, want = ort_outputs(result.path, inputs), torch_outputs(host, inputs)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_an_exporter_opset_above_the_target_is_converted_down(host, contract, tmp_path):
+    result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx",
+                         exporter="dynamo", opset=17, exporter_opset=18)
+    assert (result.opset, result.converted_from_opset) == (17, 18)
+    assert onnx.load(result.path).opset_import[0].version == 17
+    inputs = head_inputs(2)
+    np.testing.assert_allclose(ort_outputs(result.path, inputs)["y"], torch_outputs(host, inputs)["y"].numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_an_opset_above_what_atc_accepts_is_refused(host, contract, tmp_path):
+    with pytest.raises(InputError, match=r"opset: 19 is outside what ATC accepts \(9\.\.18; .*CANN"):
+        export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx", opset=19)
+
+
+def test_a_conversion_onnx_cannot_do_fails_with_the_reason(tmp_path):
+    # GELU became an ONNX op in opset 20; there is no older form to convert it to.
+    host = nn.Sequential(nn.GELU()).eval()
+    [contract] = _capture_single(host, torch.randn(2, 3))
+    with pytest.raises(ExportError, match=r"No Previous Version of Gelu"):
+        export_onnx(host[0], contract, [torch.randn(2, 3)], tmp_path / "gelu.onnx", exporter_opset=20)
+
+
+def test_a_model_too_big_for_protobuf_gets_one_external_data_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD_BYTES", 0)  # every model counts as big
+    mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))  # 16 KiB weights: external
+    host = nn.Sequential(mlp).eval()
+    x = torch.randn(2, 64)
+    [contract] = _capture_single(host, x)
+    result = export_onnx(mlp, contract, [x], tmp_path / "mlp.onnx")
+    assert result.external_data
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".log")) == ["mlp.onnx", "mlp.onnx.data"]
+    both = (tmp_path / "mlp.onnx").read_bytes() + (tmp_path / "mlp.onnx.data").read_bytes()
+    assert result.bytes == len(both) and result.sha256 == hashlib.sha256(both).hexdigest()
+    session = ort.InferenceSession(result.path, providers=["CPUExecutionProvider"])
+    [got] = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(got, mlp(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+@torch.library.custom_op("omskills_test::opaque", mutates_args=())
+def opaque(x: torch.Tensor) -> torch.Tensor:
+    """An operator no exporter can translate."""
+    return x.clone()
+
+
+@opaque.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Opaque(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque(x) + 1
+
+
+def _capture_single(host: nn.Module, x: torch.Tensor):
+    """The contract of host[0] (the candidate "block") on one call."""
+    return capture_contracts(host, {"block": "0"}, lambda: host(x))
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_a_failed_export_keeps_its_log_and_names_the_candidate(tmp_path, capfd, exporter):
+    host = nn.Sequential(Opaque()).eval()
+    [contract] = _capture_single(host, torch.randn(2, 3))
+    log = tmp_path / "block.log"
+    with pytest.raises(ExportError) as failure:
+        export_onnx(host[0], contract, [torch.randn(2, 3)], tmp_path / "block.onnx", exporter=exporter, log_path=log)
+
+    message = str(failure.value)
+    assert message.startswith(f"export of block with the {exporter} exporter failed: ")
+    assert "omskills_test" in message and str(log) in message and "\n" not in message
+    assert "Traceback" in log.read_text()
+    assert not (tmp_path / "block.onnx").exists()
+    assert capfd.readouterr().out == ""
+
+
+def test_inputs_that_do_not_match_the_contract_are_refused(host, contract, tmp_path):
+    with pytest.raises(InputError, match="expected 3 tensors in contract order, got 2"):
+        export_onnx(host.head, contract, head_inputs(2)[:2], tmp_path / "head.onnx")
+    with pytest.raises(InputError, match="x is float64, the contract says float32"):
+        export_onnx(host.head, contract, head_inputs(2, torch.float64), tmp_path / "head.onnx")
+    with pytest.raises(InputError, match="'z' is not an input or output"):
+        export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx", dynamic_dims={"z": {0: "b"}})
+
+
+def test_dynamic_dims_follow_the_shape_strategy(contract):
+    batch = ShapeStrategy(kind="dynamic_batch_size", input_shapes={"x": [-1, 4], "pair_0": [-1, 3]},
+                          gears=[[1], [2]], rationale="test")
+    assert dynamic_dims_from_strategy(contract, batch) == {"x": {0: "batch"}, "pair_0": {0: "batch"}}
+    dims = ShapeStrategy(kind="dynamic_dims", input_shapes={"x": [-1, -1]}, gears=[[1, 4]], rationale="test")
+    assert dynamic_dims_from_strategy(contract, dims) == {"x": {0: "x_d0", 1: "x_d1"}}
+
+
+def test_flat_outputs_of_the_wrapper_follow_the_contract_paths(host, contract):
+    with torch.no_grad():
+        out = flatten(host.head(*head_inputs(2)[:1], (torch.zeros(2, 3), torch.zeros(2, 3)), scale=2.0))
+    tensor_paths = [p for p, leaf in zip(out.paths, out.leaves) if isinstance(leaf, torch.Tensor)]
+    assert tensor_paths == [o.tree_path for o in contract.outputs]
+    assert [a.tree_path for a in contract.non_tensor_outputs] == ["out['n']"]

@@ -1,0 +1,222 @@
+"""optimize_variants: original / onnxslim / auto_optimizer, each checked and probed, one preferred."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from omskills.auto_optimizer_compat import DEFAULT_OFF, apply_knowledges, install_onnx_mapping, load_auto_optimizer, mapping_tables
+from omskills.errors import InputError
+from omskills.optimize import choose_preferred, optimize_variants
+from omskills.records.toolchain import VariantResult
+
+
+class Tiny(torch.nn.Module):
+    """Conv + BN + pooling + a split/concat: the legacy exporter leaves Constant/Shape noise to slim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3))
+        a, b = y[:, :4], y[:, 4:]
+        return self.head(torch.cat([a, b], 1)), (a * b).sum(1)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A TorchScript-exported tiny model and two PyTorch reference samples."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = Tiny().eval()
+    path = folder / "tiny.onnx"
+    x0 = torch.randn(2, 3, 8, 8)
+    torch.onnx.export(model, (x0,), str(path), input_names=["x"], output_names=["logits", "score"], dynamo=False, opset_version=17)
+    samples = []
+    for seed in (1, 2):
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            logits, score = model(x)
+        samples.append(({"x": x.numpy()}, {"logits": logits.numpy(), "score": score.numpy()}))
+    return path, samples
+
+
+def test_every_variant_is_built_checked_and_probed(exported, tmp_path, capfd):
+    path, samples = exported
+
+    result = optimize_variants(path, tmp_path, samples)
+
+    variants = {v.name: v for v in result.variants}
+    assert list(variants) == ["original", "onnxslim", "auto_optimizer"]
+    for v in variants.values():
+        assert v.status == "ok", v.reason
+        assert [c.name for c in v.checks] == ["onnx_checker", "outputs_produced", "ort_load", "parity"]
+        assert all(c.passed for c in v.checks)
+        assert v.parity_verdict == "pass" and v.samples_probed == 2
+        assert {p.name for p in v.parity} == {"logits", "score"}
+    # onnxslim removes the exporter's Constant/Shape noise.
+    assert variants["onnxslim"].node_count < variants["original"].node_count
+    # auto_optimizer works on the slimmed model and reports what each knowledge did.
+    assert variants["auto_optimizer"].built_from == variants["onnxslim"].path
+    assert {k.outcome for k in variants["auto_optimizer"].knowledges} <= {"applied", "not_matched", "failed", "rejected"}
+    assert len(variants["auto_optimizer"].knowledges) >= 5
+    assert result.preferred == "auto_optimizer" and result.preferred_path == variants["auto_optimizer"].path
+    # Nothing reached stdout (onnxslim prints tables; stdout may be an MCP stream).
+    assert capfd.readouterr().out == ""
+
+
+def test_auto_optimizer_reports_unavailable_when_not_importable(exported, tmp_path, monkeypatch):
+    path, samples = exported
+    monkeypatch.setitem(sys.modules, "auto_optimizer", None)  # import auto_optimizer -> ImportError
+
+    result = optimize_variants(path, tmp_path, samples)
+
+    auto = next(v for v in result.variants if v.name == "auto_optimizer")
+    assert auto.status == "unavailable" and "ait-surgeon" in auto.reason
+    assert result.preferred == "onnxslim"
+    assert "auto_optimizer: unavailable" in result.why
+
+
+def test_wrong_reference_fails_parity_and_nothing_is_preferred(exported, tmp_path):
+    path, samples = exported
+    feeds, reference = samples[0]
+    wrong = {name: value + 1.0 for name, value in reference.items()}
+
+    result = optimize_variants(path, tmp_path, [(feeds, wrong)], variants=["original", "onnxslim"])
+
+    assert [v.status for v in result.variants] == ["failed", "failed"]
+    assert all(v.parity_verdict == "fail" for v in result.variants)
+    assert result.preferred is None and "no variant passed" in result.why
+
+
+def test_graph_output_that_no_node_produces_fails_the_variant(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+        "dangling",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]), helper.make_tensor_value_info("ghost", TensorProto.FLOAT, [2])],
+    )
+    path = tmp_path / "dangling.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+    result = optimize_variants(path, tmp_path / "out", [], variants=["original"])
+
+    original = result.variants[0]
+    assert original.status == "failed"
+    check = next(c for c in original.checks if c.name == "outputs_produced")
+    assert not check.passed and "ghost" in check.detail
+
+
+def test_corrupt_original_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(b"not an onnx file")
+    with pytest.raises(InputError, match="bad.onnx"):
+        optimize_variants(path, tmp_path / "out", [])
+
+
+def test_a_less_accurate_variant_is_not_preferred():
+    def variant(name, verdict):
+        return VariantResult(name=name, status="ok", parity_verdict=verdict, path=f"{name}.onnx")
+
+    chosen, why = choose_preferred([variant("original", "pass"), variant("onnxslim", "pass"), variant("auto_optimizer", "review")])
+
+    assert chosen.name == "onnxslim"
+    assert "auto_optimizer: parity review is worse than the original's" in why
+
+
+# -- the compatibility layer ----------------------------------------------------------------
+
+
+def test_onnx_mapping_tables_are_rebuilt_from_onnx_helper():
+    tensor_to_np, np_to_tensor = mapping_tables()
+    assert tensor_to_np[TensorProto.FLOAT] == np.dtype("float32")
+    assert np_to_tensor[np.dtype("int64")] == TensorProto.INT64
+    assert np_to_tensor[np.dtype("float32")] == TensorProto.FLOAT
+    install_onnx_mapping()
+    import onnx.mapping
+
+    assert onnx.mapping.NP_TYPE_TO_TENSOR_TYPE[np.dtype("bool")] == TensorProto.BOOL
+    assert install_onnx_mapping() is False  # already there: nothing replaced
+
+
+def _consecutive_concat_model(path):
+    """Slice -> Slice -> Concat -> Concat: knowledges to merge both pairs exist."""
+    ints = lambda name, values: helper.make_tensor(name, TensorProto.INT64, [len(values)], values)  # noqa: E731
+    nodes = [
+        helper.make_node("Slice", ["x", "s1", "e1", "a1"], ["t"], name="slice1"),
+        helper.make_node("Slice", ["t", "s2", "e2", "a2"], ["y"], name="slice2"),
+        helper.make_node("Concat", ["y", "y"], ["c"], axis=1, name="concat1"),
+        helper.make_node("Concat", ["c", "y"], ["z"], axis=1, name="concat2"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 12, 4])],
+        [ints("s1", [1]), ints("e1", [5]), ints("a1", [1]), ints("s2", [2]), ints("e2", [6]), ints("a2", [2])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_knowledges_apply_one_by_one_and_the_result_computes_the_same(tmp_path):
+    import onnxruntime as ort
+
+    path = tmp_path / "concat.onnx"
+    _consecutive_concat_model(path)
+    api = load_auto_optimizer()
+
+    model, outcomes = apply_knowledges(api, path)
+
+    assert [o.name for o in outcomes] == [n for n in api.knowledge_pool if n not in DEFAULT_OFF]
+    assert {o.name: o.outcome for o in outcomes}["KnowledgeMergeConsecutiveConcat"] == "applied"
+    assert [n.op_type for n in model.graph.node].count("Concat") == 1
+    x = np.random.default_rng(0).random((1, 8, 8), dtype=np.float32)
+    before = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    after = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(before, after)
+
+
+def test_a_knowledge_that_raises_is_recorded_and_the_next_one_still_applies(tmp_path):
+    # ait-surgeon 0.1.1's KnowledgeMergeConsecutiveSlice raises IndexError on this graph.
+    path = tmp_path / "concat.onnx"
+    _consecutive_concat_model(path)
+
+    _, outcomes = apply_knowledges(load_auto_optimizer(), path, ["KnowledgeMergeConsecutiveSlice", "KnowledgeMergeConsecutiveConcat"])
+
+    assert outcomes[0].outcome == "failed" and "IndexError" in outcomes[0].error
+    assert outcomes[1].outcome == "applied"
+
+
+def test_a_knowledge_that_breaks_the_graph_is_undone(tmp_path):
+    # KnowledgeTypeCast casts the shared index constant for one Slice input only, leaving
+    # int32 and int64 indices on one node: strict shape inference rejects it.
+    ints = lambda name, values: helper.make_tensor(name, TensorProto.INT64, [len(values)], values)  # noqa: E731
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "four", "one", "one"], ["y"], name="slice"),
+        helper.make_node("ReduceSum", ["y", "one"], ["z"], name="sum", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])], [ints("zero", [0]), ints("four", [4]), ints("one", [1])],
+    )
+    path = tmp_path / "shared_index.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+    model, outcomes = apply_knowledges(load_auto_optimizer(), path, ["KnowledgeTypeCast"])
+
+    assert outcomes[0].outcome == "rejected" and "Slice" in outcomes[0].error
+    assert {i.name: i.data_type for i in model.graph.initializer}["one"] == TensorProto.INT64  # untouched
+    onnx.checker.check_model(model, full_check=True)
+
+
+def test_unknown_knowledge_name_is_an_error(tmp_path):
+    path = tmp_path / "concat.onnx"
+    _consecutive_concat_model(path)
+    with pytest.raises(Exception, match="KnowledgeNope"):
+        apply_knowledges(load_auto_optimizer(), path, ["KnowledgeNope"])

@@ -1,0 +1,181 @@
+"""ModuleProfiler: the module call tree of a run, with calls per frame and wall-time shares."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from omskills.profiler import ModuleProfiler
+
+# time.sleep overshoots by a fraction of a millisecond per call on a busy machine.
+TOLERANCE_S = 0.015
+
+
+class Sleeper(nn.Module):
+    def __init__(self, seconds: float, width: int = 2):
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+class Block(nn.Module):
+    """Own work 5 ms, then a (20 ms) once and b (10 ms) twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Sleeper(0.02)
+        self.b = Sleeper(0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)
+        return self.b(self.b(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.head = Sleeper(0.01, width=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+class Recursive(nn.Module):
+    """Calls itself `depth` times: 10 ms of own work per level."""
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        time.sleep(0.01)
+        return self(x, depth - 1) if depth else x
+
+
+def run_frames(net: nn.Module, frames: int, control_plane_s: float = 0.0):
+    x = torch.zeros(2)
+    with ModuleProfiler(net) as profiler:
+        profiler.mark_prompt()
+        for _ in range(frames):
+            net(x)
+            time.sleep(control_plane_s)  # Python between module calls (the control plane)
+            profiler.mark_frame()
+    return profiler.report()
+
+
+@pytest.fixture(scope="module")
+def net_report():
+    return run_frames(Net(), frames=3, control_plane_s=0.01)
+
+
+def test_counts_calls_per_module_per_frame_and_per_prompt(net_report):
+    b = net_report.node("block.b")
+    assert (b.calls, b.calls_per_frame, b.calls_per_prompt, b.frames_called) == (6, 2.0, 6.0, 3)
+    assert net_report.node("").calls == 3
+    assert (net_report.frames, net_report.prompts) == (3, 1)
+
+
+def test_records_class_parameters_and_dynamic_parent(net_report):
+    block = net_report.node("block")
+    assert block.module_class == "Block" and block.parent == ""
+    assert block.params_own == 0 and block.params_total == 2 * (2 * 2 + 2)
+    assert net_report.node("head.linear") is None  # never called: not a node
+    assert net_report.node("").parent is None and net_report.node("").depth == 0
+
+
+def test_exclusive_time_is_inclusive_minus_direct_children(net_report):
+    block = net_report.node("block")
+    children = net_report.node("block.a").inclusive_s + net_report.node("block.b").inclusive_s
+    assert block.exclusive_s == pytest.approx(block.inclusive_s - children, abs=1e-9)
+    assert block.exclusive_s == pytest.approx(3 * 0.005, abs=TOLERANCE_S)
+    assert net_report.node("block.b").exclusive_s == pytest.approx(6 * 0.01, abs=TOLERANCE_S)
+
+
+def test_shares_add_up_to_at_most_the_whole_run(net_report):
+    assert sum(n.exclusive_share for n in net_report.nodes) <= 1.0
+    top_level = [n for n in net_report.nodes if n.parent is None]
+    assert sum(n.share for n in top_level) <= 1.0
+    # 3 x 10 ms of control plane outside any module is part of the run, not of any module.
+    assert net_report.control_plane_seconds == pytest.approx(0.03, abs=TOLERANCE_S)
+    assert net_report.node("").share == pytest.approx(net_report.module_seconds / net_report.total_seconds)
+
+
+def test_a_module_calling_itself_is_not_counted_twice():
+    with ModuleProfiler(Recursive()) as profiler:
+        profiler.root(torch.zeros(1), 2)
+    node = profiler.report().node("")
+    assert node.calls == 3
+    assert node.inclusive_s == pytest.approx(0.03, abs=TOLERANCE_S)
+    assert node.exclusive_s == pytest.approx(0.03, abs=TOLERANCE_S)
+    assert node.share <= 1.0
+
+
+class Failing(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.01)
+        raise ValueError("boom")
+
+
+class Guarded(nn.Module):
+    """Calls a child that raises, catches it, and goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.failing = Failing()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            self.failing(x)
+        except ValueError:
+            pass
+        time.sleep(0.01)
+        return x
+
+
+def test_a_forward_that_raises_still_closes_its_timing():
+    with ModuleProfiler(Guarded()) as profiler:
+        profiler.root(torch.zeros(1))
+    report = profiler.report()
+    assert report.node("failing").calls == 1
+    assert report.node("").exclusive_s == pytest.approx(0.01, abs=TOLERANCE_S)
+
+
+def test_hooks_are_removed_on_exit_even_after_an_error():
+    net = Net()
+    with pytest.raises(RuntimeError, match="driver failed"):
+        with ModuleProfiler(net):
+            net(torch.zeros(2))
+            raise RuntimeError("driver failed")
+    for module in net.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+class Chain(nn.Module):
+    """A deep chain: only the heavy first child matters."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.inner = Chain(depth - 1) if depth else None
+        self.heavy = Sleeper(0.03) if depth == 6 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.heavy is not None:
+            self.heavy(x)
+        return self.inner(x) if self.inner is not None else x
+
+
+def test_small_deep_nodes_are_dropped_but_totals_stay_right():
+    with ModuleProfiler(Chain(6), min_share=0.05, kept_depth=3) as profiler:
+        profiler.root(torch.zeros(1))
+    report = profiler.report()
+    assert report.node("inner.inner.inner") is not None  # depth 3: always kept
+    assert report.node("inner.inner.inner.inner.inner") is None  # depth 5, tiny share: dropped
+    assert report.node("heavy") is not None
+    assert report.dropped_nodes == 3
+    kept = sum(n.exclusive_s for n in report.nodes)
+    assert kept + report.dropped_exclusive_s == pytest.approx(report.module_seconds, abs=1e-9)
+    assert all(n.parent is None or report.node(n.parent) is not None for n in report.nodes)

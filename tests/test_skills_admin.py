@@ -1,0 +1,192 @@
+"""Contributing a skill: `new-skill` scaffolds one the server serves at once, `validate` is
+the gate (spec + tool rules, with reasons), `install-skills` copies skills for Claude Code."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from omskills.errors import InputError
+from omskills.orchestrator.mcp_client import connect
+from omskills.orchestrator.skills_admin import install_skills, new_skill, validate_skills
+from omskills.toolkit import skills_root
+
+from mcp_helpers import write_task_record, write_tool
+
+CLI = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"]
+
+
+def omskills(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture()
+def skills_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "skills"
+    shutil.copytree(skills_root(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_new_skill_is_served_and_callable_with_no_other_change(skills_copy, tmp_path):
+    made = omskills("new-skill", "demo-model", "--description", "Demo: adapt the demo model.", "--skills-dir", str(skills_copy))
+    assert made.returncode == 0, made.stderr
+    folder = skills_copy / "demo-model"
+    tool = "demo_model_task_summary"
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        "SKILL.md", "references/README.md", f"scripts/{tool}.py", f"tests/test_{tool}.py",
+    ]
+    workspace = tmp_path / "ws"
+    task = write_task_record(workspace / "task.yaml", record_id="demo")
+
+    async def list_and_call():
+        async with connect(workspace, skills_copy) as client:
+            names = {t.name: t.skill for t in await client.list_tools()}
+            return names, await client.call(tool, {"task": "task.yaml"})
+
+    names, outcome = anyio.run(list_and_call)
+    assert names[tool] == "demo-model"
+    assert not outcome.is_error, outcome.text
+    assert outcome.structured == {"task_id": "demo", "model_family": "sam3", "stages": [], "decisions": 0}
+    assert task.exists()
+
+
+def test_the_scaffold_passes_the_gate_and_its_own_tests(tmp_path):
+    created = new_skill("demo-model", "Demo: adapt the demo model.", tmp_path)
+    report = validate_skills([created.folder])
+    assert report.ok, report.problems
+    assert (report.skills, report.tools) == (["demo-model"], 1)
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(created.folder / "tests")],
+                           capture_output=True, text=True, timeout=300)
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "2 passed" in tests.stdout
+
+
+def test_new_skill_refuses_a_bad_name_and_an_existing_folder(tmp_path):
+    with pytest.raises(InputError, match="lowercase"):
+        new_skill("Demo_Model", None, tmp_path)
+    new_skill("demo", None, tmp_path)
+    with pytest.raises(InputError, match="already exists"):
+        new_skill("demo", None, tmp_path)
+
+
+def test_validate_passes_on_the_shipped_skills():
+    shipped = [d for d in sorted(skills_root().iterdir()) if (d / "SKILL.md").is_file()]
+    assert shipped, "no shipped skill has a SKILL.md yet"
+    report = validate_skills(shipped)
+    assert report.ok, "\n".join(f"{p.where}: {p.message}" for p in report.problems)
+
+
+# ---- each way a skill can be broken, and the reason the gate gives
+
+
+def _break_frontmatter_name(skill: Path) -> None:
+    md = skill / "SKILL.md"
+    md.write_text(md.read_text().replace("name: demo-model", "name: Demo_Model", 1))
+
+
+def _untyped_parameter(skill: Path) -> None:
+    write_tool(skill, "demo_model_task_summary", '''
+        def demo_model_task_summary(task) -> dict:
+            """Summarise."""
+            return {}
+        ''')
+
+
+def _untyped_return(skill: Path) -> None:
+    write_tool(skill, "demo_model_task_summary", '''
+        def demo_model_task_summary(task: str):
+            """Summarise."""
+            return {}
+        ''')
+
+
+def _no_docstring(skill: Path) -> None:
+    write_tool(skill, "demo_model_task_summary", '''
+        def demo_model_task_summary(task: str) -> dict:
+            return {}
+        ''')
+
+
+def _duplicate_tool_name(skill: Path) -> None:
+    other = new_skill("other-model", None, skill.parent)
+    write_tool(other.folder, "demo_model_task_summary", '''
+        def demo_model_task_summary(task: str) -> dict:
+            """Same name as demo-model's tool."""
+            return {}
+        ''')
+
+
+def _unnamed_in_skill_md(skill: Path) -> None:
+    write_tool(skill, "extra_tool", '''
+        def extra_tool(x: int) -> int:
+            """A tool SKILL.md never mentions."""
+            return x
+        ''')
+
+
+def _invalid_tool_name(skill: Path) -> None:
+    (skill / "scripts" / "bad.name.py").write_text("def f(): pass\n")
+
+
+def _help_fails(skill: Path) -> None:
+    script = skill / "scripts" / "demo_model_task_summary.py"
+    script.write_text(script.read_text().replace("sys.exit(run_cli(demo_model_task_summary))", "sys.exit(3)"))
+
+
+BREAKAGES = {
+    "bad frontmatter name": (_break_frontmatter_name, "SKILL.md", "Skill name 'Demo_Model' must be lowercase"),
+    "untyped parameter": (_untyped_parameter, "demo_model_task_summary.py", "parameter 'task' has no type annotation"),
+    "untyped return": (_untyped_return, "demo_model_task_summary.py", "the return type is not annotated"),
+    "missing docstring": (_no_docstring, "demo_model_task_summary.py", "has no docstring"),
+    "duplicate tool name": (_duplicate_tool_name, "demo_model_task_summary.py", "tool name 'demo_model_task_summary' is also defined in"),
+    "SKILL.md not naming a tool": (_unnamed_in_skill_md, "SKILL.md", "does not name the tool 'extra_tool'"),
+    "invalid tool name": (_invalid_tool_name, "bad.name.py", "is not valid for MCP/Anthropic"),
+    "CLI --help failing": (_help_fails, "demo_model_task_summary.py", "--help` failed (exit 3)"),
+}
+
+
+@pytest.mark.parametrize("breakage", list(BREAKAGES))
+def test_validate_fails_with_the_reason(tmp_path, breakage):
+    created = new_skill("demo-model", "Demo: adapt the demo model.", tmp_path)
+    damage, where, reason = BREAKAGES[breakage]
+    damage(created.folder)
+    report = validate_skills([created.folder], run_help=breakage == "CLI --help failing")
+    assert not report.ok
+    matching = [p for p in report.problems if reason in p.message]
+    assert matching, report.problems
+    assert matching[0].where.endswith(where)
+
+
+def test_validate_cli_exits_non_zero_and_lists_the_problems(tmp_path):
+    created = new_skill("demo-model", None, tmp_path)
+    _no_docstring(created.folder)
+    _unnamed_in_skill_md(created.folder)
+    proc = omskills("validate", str(tmp_path))
+    assert proc.returncode == 1
+    lines = proc.stdout.strip().splitlines()
+    assert any("has no docstring" in line for line in lines)
+    assert any("does not name the tool 'extra_tool'" in line for line in lines)
+    assert lines[-1].startswith("FAILED: 1 skill(s), 2 tool(s), 2 problem(s)")
+
+
+def test_install_skills_copies_skill_md_references_and_scripts(tmp_path):
+    source = tmp_path / "skills"
+    new_skill("demo-model", None, source)
+    target = tmp_path / "claude" / "skills"
+    assert install_skills(target, source) == [target / "demo-model"]
+    installed = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
+    assert installed == ["demo-model/SKILL.md", "demo-model/references/README.md", "demo-model/scripts/demo_model_task_summary.py"]
+    # A second install replaces the first; a folder that is not a skill is left alone.
+    (target / "demo-model" / "scripts" / "stale.py").write_text("")
+    install_skills(target, source)
+    assert not (target / "demo-model" / "scripts" / "stale.py").exists()
+    shutil.rmtree(target / "demo-model")
+    (target / "demo-model").mkdir()
+    (target / "demo-model" / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="not an installed skill"):
+        install_skills(target, source)
