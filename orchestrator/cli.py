@@ -49,7 +49,7 @@ def _tool(ns: argparse.Namespace) -> int:
 
 def _load_subcommand_modules() -> None:
     # Each front-end module registers its commands with @command on import.
-    from omskills.orchestrator import commands  # noqa: F401
+    from omskills.orchestrator import commands, job_commands  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -130,7 +130,7 @@ _TOOLS = {
 
         # Import-time noise: the server imports tool scripts before the transport starts.
         print("import-time noise on stdout")
-        os.write(1, b"import-time fd noise on stdout\n")
+        os.write(1, b"import-time fd noise on stdout\\n")
 
 
         class Written(BaseModel):

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from omskills.boundaries import analyze_boundary, propose_shape_strategy, render_contract_table, suggest_merges
+from omskills.boundaries import (
+    analyze_boundaries,
+    analyze_boundary,
+    propose_shape_strategy,
+    render_contract_table,
+    suggest_merges,
+)
 from omskills.contracts import ProvenanceTracker, capture_contracts
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, DimRef, QuantityLimit
@@ -27,7 +33,8 @@ class Root(nn.Module):
         self.block = block
 
 
-def _contract_for_calls(calls: list[tuple], block: nn.Module | None = None, tmp_path: Path | None = None) -> ContractSpec:
+def _contract_for_calls(calls: list[tuple], block: nn.Module | None = None,
+                        tmp_path: Path | None = None) -> ContractSpec:
     """Capture the contract of `block` called with each argument tuple in `calls`."""
     root = Root(block or Double())
 
@@ -275,10 +282,18 @@ def test_control_plane_lists_prompt_and_frame_handling_with_evidence():
 
 def test_contract_table_has_one_row_per_candidate_with_origins_consumers_and_verdict():
     contracts = _pipeline_contracts()
-    decisions = [analyze_boundary(c) for c in contracts]
+    decisions = analyze_boundaries(contracts)
+    assert [d.merge_with for d in decisions] == [["body"], ["stem"], []]
     table = render_contract_table(contracts, decisions)
     lines = table.splitlines()
     assert lines[0].startswith("| candidate | module | calls |")
     assert len(lines) == 2 + len(contracts)
     stem_row = next(line for line in lines if line.startswith("| stem "))
     assert "← image (frames)" in stem_row and "→ body" in stem_row and "| static |" in stem_row
+    assert stem_row.endswith("| body |")
+
+
+def test_a_declared_quantity_is_never_guessed_onto_a_dim_from_a_single_call():
+    strategy = propose_shape_strategy(_contract_for_calls([_shapes((2, 8))]), source_limits={"num_objects": [1, 16]})
+    assert strategy.kind == "static"
+    assert "only one call observed" in strategy.rationale and "bind them with DimRef" in strategy.rationale

@@ -91,7 +91,8 @@ def test_call_paths_name_args_and_kwargs_and_rebuild_the_call():
     flat = pytree.flatten_call(args, kwargs)
 
     assert flat.paths == ["args[0][0]", "args[0][1]", "args[1]", "kwargs['mask']", "kwargs['mode']"]
-    rebuilt_args, rebuilt_kwargs = pytree.unflatten_call(flat.leaves, pytree.spec_from_str(pytree.spec_to_str(flat.spec)))
+    spec = pytree.spec_from_str(pytree.spec_to_str(flat.spec))
+    rebuilt_args, rebuilt_kwargs = pytree.unflatten_call(flat.leaves, spec)
     assert rebuilt_args[1] == 7 and rebuilt_kwargs["mode"] == "nearest"
     assert torch.equal(rebuilt_args[0][1], args[0][1])
 
@@ -440,7 +441,8 @@ def test_a_spec_written_in_one_process_loads_in_another_that_imports_the_classes
             print(type(rebuilt).__name__, type(rebuilt.scores[0]).__name__, rebuilt.scores[0].b)
     """)
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
-    written = subprocess.run([sys.executable, "-c", script, "write"], env=env, capture_output=True, text=True, check=True)
+    written = subprocess.run([sys.executable, "-c", script, "write"], env=env, capture_output=True, text=True,
+                             check=True)
     loaded = subprocess.run([sys.executable, "-c", script, "read"], input=written.stdout, env=env,
                             capture_output=True, text=True, check=True)
     assert loaded.stdout.split() == ["Out", "Pair", "3"]
@@ -450,3 +452,44 @@ def test_a_spec_naming_a_class_that_cannot_be_imported_is_a_clear_error():
     text = '[1, {"type": "no_such_module:Thing", "context": "[]", "children_spec": []}]'
     with pytest.raises(OmskillsError, match="no_such_module:Thing"):
         pytree.spec_from_str(text)
+
+
+class MaskDecoder(nn.Module):
+    def forward(self, feats):
+        return feats.mean(1, keepdim=True)
+
+
+class MemoryEncoder(nn.Module):
+    def forward(self, feats, mask):
+        return feats * mask
+
+
+class Tracker(nn.Module):
+    """Computes the memory encoder's mask in Python between two modules, as SAM's tracker does."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder, self.memory = MaskDecoder(), MemoryEncoder()
+
+    def forward(self, feats):
+        logits = self.decoder(feats)
+        mask_for_memory = (torch.sigmoid(logits) > 0.5).float() * 20.0 - 10.0
+        return self.memory(feats, mask_for_memory)
+
+
+@pytest.mark.parametrize("trace_ops", [True, False])
+def test_a_tensor_computed_in_python_from_a_module_output_is_traced_to_that_module(trace_ops):
+    model = Tracker()
+    tracker = ProvenanceTracker(trace_ops=trace_ops)
+
+    def run():
+        model(tracker.tag(torch.randn(1, 4, 3, 3), "image", "frames"))
+
+    (memory,) = capture_contracts(model, {"memory": "memory"}, run, tracker)
+    feats, mask = memory.inputs
+    assert (feats.provenance.kind, feats.provenance.source, feats.provenance.derived) == ("image", "frames", False)
+    if trace_ops:
+        origin = mask.provenance
+        assert (origin.kind, origin.source, origin.derived) == ("module_output", "decoder", True)
+    else:
+        assert mask.provenance.kind == "unknown"

@@ -186,6 +186,7 @@ def test_a_failed_export_keeps_its_log_and_names_the_candidate(tmp_path, capfd, 
     host = nn.Sequential(Opaque()).eval()
     [contract] = _capture_single(host, torch.randn(2, 3))
     log = tmp_path / "block.log"
+    (tmp_path / "block.onnx").write_bytes(b"an earlier export")
     with pytest.raises(ExportError) as failure:
         export_onnx(host[0], contract, [torch.randn(2, 3)], tmp_path / "block.onnx", exporter=exporter, log_path=log)
 
@@ -193,7 +194,7 @@ def test_a_failed_export_keeps_its_log_and_names_the_candidate(tmp_path, capfd, 
     assert message.startswith(f"export of block with the {exporter} exporter failed: ")
     assert "omskills_test" in message and str(log) in message and "\n" not in message
     assert "Traceback" in log.read_text()
-    assert not (tmp_path / "block.onnx").exists()
+    assert not (tmp_path / "block.onnx").exists()  # nothing stale looks like this export's result
     assert capfd.readouterr().out == ""
 
 

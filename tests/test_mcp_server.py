@@ -6,7 +6,6 @@ the real skills' listing and the HTTP transport get servers of their own.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from export_helpers import BATCH_DIMS, OBSERVED_BATCHES, capture_head_contract, head_inputs, make_host
+from omskills.contracts import capture_contracts
 from omskills.export import ContractWrapper, export_onnx
 from omskills.records.contracts import ShapeStrategy
 from omskills.runtime import IOSpec, open_backend
@@ -145,16 +146,19 @@ def test_a_shape_strategy_decides_which_sizes_the_backend_takes(host, contract, 
 
 
 def test_wrong_dtype_structure_or_autograd_fall_back_each_with_its_kind(host, contract, double):
+    x, pair_0, pair_1 = head_inputs(2, torch.float64)
     with splice(host, [(contract, double)]) as handle:
         with torch.no_grad():
-            host(torch.randn(2, 4, dtype=torch.float64).float().double().float())  # float32 again: fine
-            host.head(*head_inputs(2, torch.float64)[:1], tuple(head_inputs(2, torch.float64)[1:]),
-                      scale=2.0, mode="sum")
-            host.head(head_inputs(2)[0], tuple(head_inputs(2)[1:]), scale=2.0)  # mode missing
+            host(torch.randn(2, 4))  # inside the contract
+            with pytest.raises(RuntimeError, match="same dtype"):  # PyTorch itself refuses float64 here
+                host.head(x, (pair_0, pair_1), scale=2.0, mode="sum")
+            host.head(x.float(), (pair_0.float(), pair_1.float()), scale=2.0)  # mode left out
         host(torch.randn(2, 4, requires_grad=True))
     assert [e.kind for e in handle.fallbacks()] == ["dtype", "structure", "autograd"]
-    assert handle.stats()[0].fallback_kinds == {"dtype": 1, "structure": 1, "autograd": 1}
-    assert handle.stats()[0].backend_calls == 1
+    assert handle.fallbacks()[0].reason == "input x is float64, the contract's is float32"
+    [stats] = handle.stats()
+    assert stats.fallback_kinds == {"dtype": 1, "structure": 1, "autograd": 1}
+    assert (stats.calls, stats.backend_calls) == (4, 1)
 
 
 def test_unsplice_puts_the_original_object_back(host, contract, double):
@@ -186,3 +190,24 @@ def test_a_backend_that_lacks_a_contract_output_is_refused(host, contract, doubl
     double.outputs = double.outputs[:-1]
     with pytest.raises(SpliceError, match=r"has no output\(s\) \['best'\] of the contract"):
         splice(host, [(contract, double)])
+
+
+class Scaler(torch.nn.Module):
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encode(x) + 1
+
+
+def test_a_contract_on_another_method_splices_that_method_only():
+    host = torch.nn.Sequential(Scaler())
+    [captured] = capture_contracts(host, {"scaler": "0"}, lambda: host(torch.randn(2, 3)))
+    contract = captured.model_copy(update={"method": "encode"})  # the caller uses host[0].encode(x)
+    double = TorchBackendDouble(host[0], contract)
+    x = torch.randn(2, 3)
+    with splice(host, [(contract, double)]) as handle:
+        torch.testing.assert_close(host[0].encode(x), x * 2)
+        torch.testing.assert_close(host[0](x), x * 2 + 1)  # forward is not in the contract: PyTorch runs it
+    assert len(double.feeds) == 1
+    assert [e.kind for e in handle.fallbacks()] == ["method"]

@@ -165,7 +165,8 @@ def _as_limits(source_limits: SourceLimits | None) -> list[QuantityLimit]:
         for quantity, bounds in source_limits.items():
             if len(bounds) != 2 or bounds[0] > bounds[1]:
                 raise OmskillsError(f"source_limits[{quantity!r}] must be [low, high] with low <= high, got {bounds}")
-            limits.append(QuantityLimit(quantity=quantity, low=bounds[0], high=bounds[1], evidence="declared by the driver"))
+            limits.append(QuantityLimit(quantity=quantity, low=bounds[0], high=bounds[1],
+                                        evidence="declared by the driver"))
         return limits
     return list(source_limits)
 
@@ -278,13 +279,17 @@ def _image_sizes(dims: list[_Dim], contract: ContractSpec, gears: list[list[int]
 
 def propose_shape_strategy(contract: ContractSpec, source_limits: SourceLimits | None = None) -> ShapeStrategy:
     """Exactly one ATC shape strategy, from observed varying dims and declared source ranges."""
-    dims, notes = _collect_dims(contract, _as_limits(source_limits))
+    limits = _as_limits(source_limits)
+    dims, notes = _collect_dims(contract, limits)
     symbols = _symbols(dims)
     input_shapes = _input_shapes(contract, dims)
     observed_calls = f"{contract.calls} call{'s' if contract.calls != 1 else ''}"
     if not dims:
         if contract.calls <= 1:
-            why = (f"only one call observed and no source limit known: static on the observed shapes "
+            known = "no source limit known" if not limits else (
+                f"the declared quantities ({', '.join(q.quantity for q in limits)}) name no dim of it "
+                "(bind them with DimRef)")
+            why = (f"only one call observed and {known}: static on the observed shapes "
                    "(a single sample cannot show which dims vary)")
         else:
             why = f"{observed_calls} observed, no dimension varies and no source range is declared"
@@ -420,7 +425,8 @@ def analyze_boundary(
     `source_limits`: quantities whose range the source shows, either {"num_objects": [1, 16]}
     (matched to varying dims whose observed values lie within) or QuantityLimit records that name
     the dims explicitly. `trial_export` runs torch.export on the captured samples (paths relative to
-    `samples_root`) and replays the graph on the other samples.
+    `samples_root`) and replays the graph on every sample; tracing runs the module's Python forward
+    once more, so Python-side state it keeps (counters, caches) advances by one call.
     """
     exportable, reasons = _exportability(contract)
     strategy = propose_shape_strategy(contract, source_limits) if exportable else None
@@ -436,6 +442,25 @@ def analyze_boundary(
         control_plane=_control_plane(contract),
         shape_strategy=strategy,
     )
+
+
+def analyze_boundaries(
+    contracts: list[ContractSpec],
+    modules: dict[str, nn.Module] | None = None,
+    source_limits: dict[str, SourceLimits] | None = None,
+    trial_export: bool = False,
+    samples_root: Path | None = None,
+) -> list[BoundaryDecision]:
+    """`analyze_boundary` for every contract (modules and limits keyed by candidate name), with merges."""
+    modules, source_limits = modules or {}, source_limits or {}
+    merges = suggest_merges(contracts)
+    decisions = []
+    for contract in contracts:
+        decision = analyze_boundary(contract, modules.get(contract.candidate), source_limits.get(contract.candidate),
+                                    trial_export=trial_export, samples_root=samples_root)
+        decision.merge_with = merges.get(contract.candidate, [])
+        decisions.append(decision)
+    return decisions
 
 
 def _feeds_only(producer: ContractSpec, consumer: ContractSpec) -> bool:
@@ -478,10 +503,11 @@ def suggest_merges(contracts: list[ContractSpec]) -> dict[str, list[str]]:
 def _tensor_cell(spec: TensorSpec, show_origin: bool) -> str:
     dims = "".join(f" d{d}∈{v}" for d, v in spec.dynamic_dims.items())
     text = f"`{spec.name}` {spec.dtype}{spec.shape}{dims}"
-    if show_origin:
-        origin = spec.provenance
-        text += f" ← {origin.kind}" + (f" ({origin.source})" if origin and origin.source else "") if origin else ""
-    elif spec.consumers:
+    origin = spec.provenance
+    if show_origin and origin is not None:
+        details = [d for d in (origin.source, "derived" if origin.derived else None) if d]
+        text += f" ← {origin.kind}" + (f" ({', '.join(details)})" if details else "")
+    elif not show_origin and spec.consumers:
         text += " → " + ", ".join(spec.consumers)
     return text.replace("|", "\\|")
 
@@ -500,7 +526,8 @@ def render_contract_table(contracts: list[ContractSpec], decisions: list[Boundar
     """Markdown table: one row per candidate, its contract and boundary decision side by side."""
     by_name = {d.candidate: d for d in decisions}
     lines = [
-        "| candidate | module | calls | inputs (← origin) | outputs (→ consumers) | exportable | shape strategy | merge with |",
+        "| candidate | module | calls | inputs (← origin) | outputs (→ consumers) | exportable | shape strategy "
+        "| merge with |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in contracts:

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
 import onnx
 import onnx.version_converter
@@ -109,7 +109,7 @@ class TreeLayout:
             elif path in other_at:
                 roles.append(LeafRole(False, other_at[path]))
             else:
-                raise InputError(f"{where}: {field} leaf {path} is neither a tensor nor a non-tensor leaf of the contract")
+                raise InputError(f"{where}: {field} leaf {path} is in neither the tensor nor the non-tensor leaves")
         tensor_order = [role.index for role in roles if role.is_tensor]
         if tensor_order != list(range(len(tensors))):
             raise InputError(f"{where}: tensors are not listed in the flat order of {field} ({paths})")
@@ -264,6 +264,9 @@ def export_onnx(
                 external = _save(model, out_path, _folder_bytes(Path(tmp)))
             except Exception as exc:  # every exporter failure becomes one ExportError with the log
                 traceback.print_exception(exc, file=log)
+                # No model from an earlier export may stand at out_path as if this one had made it.
+                out_path.unlink(missing_ok=True)
+                _data_path(out_path).unlink(missing_ok=True)
                 raise ExportError(
                     f"export of {contract.candidate} with the {exporter} exporter failed: "
                     f"{_cause_line(exc)} (log: {log_path})"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -247,9 +247,13 @@ class SplicedModule(nn.Module):
         violation = self._violation(flat)
         if violation is not None:
             self._fall_back(violation)
-            original = self.original if self.contract.method == "forward" else getattr(self.original, self.contract.method)
-            return original(*args, **kwargs)
+            return self._original_call()(*args, **kwargs)
         return self._run_backend(self.call_layout.tensors_of(flat.leaves))
+
+    def _original_call(self) -> Any:
+        if self.contract.method == "forward":
+            return self.original  # through __call__, so its hooks run as usual
+        return getattr(self.original, self.contract.method)
 
     def _violation(self, flat: FlatTree) -> Violation | None:
         if flat.spec != self.in_spec:
@@ -265,7 +269,8 @@ class SplicedModule(nn.Module):
         tensors = self.call_layout.tensors_of(flat.leaves)
         for spec, tensor in zip(self.contract.inputs, tensors):
             if dtype_name(tensor.dtype) != spec.dtype:
-                return Violation("dtype", f"input {spec.name} is {dtype_name(tensor.dtype)}, the contract's is {spec.dtype}")
+                found = dtype_name(tensor.dtype)
+                return Violation("dtype", f"input {spec.name} is {found}, the contract's is {spec.dtype}")
         shape_problem = self.shape_rule.violation(tensors)
         if shape_problem is not None:
             return Violation("shape", shape_problem)
@@ -292,9 +297,13 @@ class SplicedModule(nn.Module):
         self.backend_seconds.append(time.perf_counter() - started)
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
 
-    def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
+    def _output_tensor(
+        self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device
+    ) -> torch.Tensor:
         if spec.name not in produced:
-            raise SpliceError(f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}")
+            raise SpliceError(
+                f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}"
+            )
         array = np.ascontiguousarray(produced[spec.name])
         return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
 
@@ -334,19 +343,22 @@ class SpliceHandle:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self._replaced: list[_Replaced] = []
+        self._replaced: list[_Replaced] = []  # in place now
+        self._spliced: list[SplicedModule] = []  # every splice made, kept for stats after unsplice
 
     @property
     def modules(self) -> dict[str, SplicedModule]:
-        return {r.spliced.contract.candidate: r.spliced for r in self._replaced}
+        return {spliced.contract.candidate: spliced for spliced in self._spliced}
 
     def stats(self) -> list[SpliceStats]:
-        return [r.spliced.stats() for r in self._replaced]
+        return [spliced.stats() for spliced in self._spliced]
 
     def fallbacks(self) -> list[FallbackEvent]:
-        return [event for r in self._replaced for event in r.spliced.fallback_events]
+        return [event for spliced in self._spliced for event in spliced.fallback_events]
 
-    def add(self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None = None) -> SplicedModule:
+    def add(
+        self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None = None
+    ) -> SplicedModule:
         parent = _submodule(self.root, contract.parent_path, contract)
         original = getattr(parent, contract.attribute, None)
         where = f"{contract.candidate}: {contract.parent_path or '<root>'}.{contract.attribute}"
@@ -355,10 +367,12 @@ class SpliceHandle:
         if not isinstance(original, nn.Module):
             raise SpliceError(f"{where} is not a module (found {type(original).__name__})")
         if not _is_class(original, contract.module_class):
-            raise SpliceError(f"{where} is a {type(original).__qualname__}, the contract is for {contract.module_class}")
+            found = type(original).__qualname__
+            raise SpliceError(f"{where} is a {found}, the contract is for {contract.module_class}")
         spliced = SplicedModule(original, contract, backend, strategy)
         setattr(parent, contract.attribute, spliced)
         self._replaced.append(_Replaced(parent, contract.attribute, original, spliced))
+        self._spliced.append(spliced)
         return spliced
 
     def unsplice(self) -> None:
@@ -373,15 +387,15 @@ class SpliceHandle:
     def __exit__(self, *exc_info: object) -> None:
         self.unsplice()
 
-    def __iter__(self) -> Iterator[SplicedModule]:
-        return iter([r.spliced for r in self._replaced])
 
 
 def _submodule(root: nn.Module, path: str, contract: ContractSpec) -> nn.Module:
     try:
         return root.get_submodule(path)
     except AttributeError:
-        raise SpliceError(f"{contract.candidate}: parent_path {path!r} is not a submodule of {type(root).__name__}") from None
+        raise SpliceError(
+            f"{contract.candidate}: parent_path {path!r} is not a submodule of {type(root).__name__}"
+        ) from None
 
 
 def _is_class(module: nn.Module, module_class: str) -> bool:

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 from .errors import TaskRecordError
 from .records.base import Record
 from .records.environment import EnvironmentReport
+from .records.export import ExportResult
 from .records.intake import Intake
 from .records.inventory import Inventory
 from .records.stages import Decision, StageResult
@@ -35,6 +36,7 @@ class TaskRecord(Record):
     decisions: list[Decision] = Field(default_factory=list)
     environment: EnvironmentReport | None = None
     inventory: Inventory | None = None
+    exports: dict[str, ExportResult] = Field(default_factory=dict)  # candidate -> its ONNX export
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))

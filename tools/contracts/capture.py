@@ -201,8 +201,9 @@ def _merged_provenance(per_call: list[Provenance]) -> Provenance:
     if len(distinct) == 1:
         return first
     if len({kind for kind, _ in distinct}) == 1:
-        return Provenance(kind=first.kind, source="; ".join(s or "?" for _, s in distinct))
-    return Provenance(kind=first.kind, source="; ".join(f"{k}:{s or '?'}" for k, s in distinct))
+        return Provenance(kind=first.kind, source="; ".join(s or "?" for _, s in distinct), derived=first.derived)
+    joined = "; ".join(f"{k}:{s or '?'}" for k, s in distinct)
+    return Provenance(kind=first.kind, source=joined, derived=first.derived)
 
 
 def _reduced_consumers(consumers: list[str], producer: str, preferred: set[str]) -> list[str]:

@@ -11,14 +11,19 @@ Events on one storage are kept in time order:
     every module, so each tensor a module returns gets a "module_output" event naming the module;
     pre-hooks on every module record which modules receive each tensor (its consumers).
 A tensor passed through several nested modules gets one event per level, innermost first.
+With `trace_ops` (default), a TorchFunctionMode also gives each fresh tensor computed by a torch op
+the origin of its inputs, marked derived: a mask thresholded in Python between two modules is
+still traced to the module that produced the logits.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import weakref
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pt
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from omskills.records.contracts import Provenance, ProvenanceKind
 
@@ -71,7 +77,8 @@ class StorageHistory:
 class ProvenanceTracker:
     """Maps tensors to their origin during one run of a model's main path."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_ops: bool = True) -> None:
+        self.trace_ops = trace_ops
         self._histories: dict[int, tuple[weakref.ref, StorageHistory]] = {}
         self._clock = itertools.count(1)
         self.seq = 0  # sequence number of the latest event
@@ -161,9 +168,12 @@ class ProvenanceTracker:
         handles = []
         try:
             for path, module in root.named_modules():
+                if isinstance(module, torch.jit.ScriptModule):
+                    continue  # scripted modules take no Python hooks; their callers are still traced
                 handles.append(module.register_forward_pre_hook(self._consumer_hook(path), with_kwargs=True))
                 handles.append(module.register_forward_hook(self._producer_hook(path)))
-            yield self
+            with _LineageMode(self) if self.trace_ops else contextlib.nullcontext():
+                yield self
         finally:
             for handle in handles:
                 handle.remove()
@@ -213,8 +223,67 @@ class ProvenanceTracker:
         if not relevant:
             return events[0]  # only ancestors produced it (e.g. their previous call): the innermost
         last = relevant[-1]
-        if last.kind != "module_output":
+        if last.kind != "module_output" or last.derived:
             return last
-        chain = list(itertools.takewhile(lambda p: p.kind == "module_output", reversed(relevant)))
+        # Modules that returned this very tensor, outermost first (derived events are a new tensor).
+        chain = list(itertools.takewhile(lambda p: p.kind == "module_output" and not p.derived, reversed(relevant)))
         preferred = [p for p in chain if p.source in self.preferred]
         return preferred[0] if preferred else last
+
+    # ------------------------------------------------------------------ lineage through tensor ops
+
+    def inherit(self, outputs: Any, inputs: tuple[Any, ...]) -> None:
+        """Give fresh tensors in `outputs` the origin of the tensors in `inputs` (marked derived)."""
+        fresh = [t for t in _shallow_tensors(outputs) if (h := self.history(t)) is not None and not h.events]
+        if not fresh:
+            return
+        origins = [self.origin(t) for t in _shallow_tensors(inputs)]
+        informative = [o for o in origins if o.kind not in ("parameter", "constant", "unknown")]
+        chosen = informative or [o for o in origins if o.kind == "parameter"]
+        if not chosen:
+            return
+        distinct = list(dict.fromkeys((o.kind, o.source) for o in chosen))
+        if len(distinct) == 1:
+            provenance = Provenance(kind=distinct[0][0], source=distinct[0][1], derived=True)
+        else:
+            joined = "; ".join(f"{kind}:{source}" for kind, source in distinct)
+            provenance = Provenance(kind=distinct[0][0], source=joined, derived=True)
+        for tensor in fresh:
+            self._add_event(tensor, provenance)
+
+
+def _shallow_tensors(value: Any) -> list[torch.Tensor]:
+    # Torch ops take tensors directly or in one level of list/tuple (cat, stack): no pytree walk needed.
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        found = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                found += _shallow_tensors(item)
+        return found
+    if isinstance(value, dict):
+        return _shallow_tensors(list(value.values()))
+    return []
+
+
+class _LineageMode(TorchFunctionMode):
+    """Propagates origins through every torch op run while the tracker is attached."""
+
+    def __init__(self, tracker: ProvenanceTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self.tracker.inherit(out, (args, kwargs))
+        except Exception:  # lineage is an annotation: it must never break the model's run
+            _log.debug("provenance lineage skipped for %s", func, exc_info=True)
+        return out
+
+
+_log = logging.getLogger(__name__)

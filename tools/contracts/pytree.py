@@ -79,7 +79,8 @@ def _attribute_names(obj: Any) -> tuple[str, ...]:
     """The attributes that make up a struct: dataclass fields first, then any other instance attributes."""
     names: list[str] = []
     if dataclasses.is_dataclass(obj):
-        names = [f.name for f in dataclasses.fields(obj)]
+        # A field(init=False) may not be set yet: only attributes the object really has.
+        names = [f.name for f in dataclasses.fields(obj) if hasattr(obj, f.name)]
     names += [k for k in getattr(obj, "__dict__", {}) if k not in names]
     return tuple(names)
 

@@ -197,7 +197,28 @@ def _empty_batch_safe(original: Callable[..., Any]) -> Callable[..., tuple[bool,
     return connected_components_cpu
 
 
+def _linear_time_components(original: Callable[..., Any]) -> Callable[..., tuple[bool, Any]]:
+    """Same labels and counts as SAM's CPU fallback, in O(pixels) instead of O(components x pixels).
+
+    The fallback loops over components comparing the whole image each time; random-weight
+    masks have hundreds of components, which made a tiny-scale frame take over a minute.
+    """
+
+    def connected_components_cpu_single(values: torch.Tensor) -> tuple[bool, Any]:
+        from skimage.measure import label
+
+        labels, _ = label(values.cpu().numpy(), return_num=True)
+        sizes = np.bincount(labels.ravel())
+        sizes[0] = 0  # background keeps count 0, as in the original
+        labels_t = torch.from_numpy(labels)
+        return True, (labels_t, torch.from_numpy(sizes[labels]).to(labels_t.dtype))
+
+    return connected_components_cpu_single
+
+
 SAM3_FIXES = (
+    FunctionFix("sam3.perflib.connected_components", "connected_components_cpu_single", "cpu_fallback",
+                "connected_components_cpu_single: O(pixels) labelling (bincount) instead of a loop over components", _linear_time_components),
     FunctionFix("sam3.perflib.connected_components", "connected_components_cpu", "cpu_fallback",
                 "connected_components_cpu: empty batch answered without calling the CPU fallback", _empty_batch_safe),
 )

@@ -21,6 +21,9 @@ class Provenance(Record):
     kind: ProvenanceKind
     # For module_output: the producing module's path; for prompt/image/session: what tagged it.
     source: str | None = None
+    # True when the tensor was computed from that origin by Python-side tensor ops (e.g. a mask
+    # thresholded in the tracker's Python code), not handed over as is.
+    derived: bool = False
 
 
 class TensorSpec(Record):
