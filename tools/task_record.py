@@ -22,6 +22,10 @@ from .records.environment import EnvironmentReport
 from .records.export import ExportResult
 from .records.intake import Intake
 from .records.inventory import Inventory
+from .records.contracts import BoundaryDecision, ContractSpec
+from .records.main_path import MainPathReport
+from .records.plan import Plan, StudyRun
+from .records.profile import ProfileReport
 from .records.stages import Decision, StageResult
 
 SCHEMA_VERSION = 1
@@ -36,6 +40,11 @@ class TaskRecord(Record):
     decisions: list[Decision] = Field(default_factory=list)
     environment: EnvironmentReport | None = None
     inventory: Inventory | None = None
+    study: StudyRun | None = None
+    profile: ProfileReport | None = None
+    plan: Plan | None = None
+    contracts: dict[str, ContractSpec] = Field(default_factory=dict)  # candidate -> captured contract
+    boundaries: dict[str, BoundaryDecision] = Field(default_factory=dict)
     exports: dict[str, ExportResult] = Field(default_factory=dict)  # candidate -> its ONNX export
 
     def decide(self, by: str, what: str, why: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import LoadedModel, MainPathResult, ModelDriver, FrameResult, SeedCandidate
+from .base import FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
 
 def get_driver(family: str) -> ModelDriver:
@@ -19,4 +19,4 @@ def get_driver(family: str) -> ModelDriver:
     raise TaskRecordError(f"intake.model.family: no driver for {family!r}")
 
 
-__all__ = ["get_driver", "LoadedModel", "MainPathResult", "ModelDriver", "FrameResult", "SeedCandidate"]
+__all__ = ["get_driver", "LoadedModel", "MainPathResult", "ModelDriver", "FrameResult", "SeedCandidate", "ProvenanceSource"]

@@ -50,6 +50,17 @@ class SeedCandidate:
     name: str
     module_path: str
     description: str
+    group: str = ""  # seed subtree it belongs to when one seed is cut into several calls
+
+
+@dataclass(frozen=True)
+class ProvenanceSource:
+    """`owner.attribute` is a Python callable whose tensor outputs are of this provenance kind."""
+
+    owner: Any
+    attribute: str
+    kind: str  # "prompt" | "image" | "session"
+    source: str
 
 
 FrameHook = Callable[[int], None]
@@ -74,6 +85,9 @@ class ModelDriver(ABC):
     @abstractmethod
     def seed_candidates(self) -> list[SeedCandidate]:
         """The family's known heavy subtrees (the plan still ranks them by the profile)."""
+
+    def provenance_sources(self, loaded: LoadedModel) -> list[ProvenanceSource]:
+        return []
 
     def source_limits(self) -> dict[str, list[int]]:
         """Ranges the source declares for quantities that drive dynamic dims (e.g. objects)."""

@@ -23,7 +23,7 @@ from PIL import Image
 from ..errors import InputError, TaskRecordError
 from ..portability import DevicePortability, FunctionFix
 from ..records.intake import Intake, ModelSpec, VerificationSpec
-from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, SeedCandidate
+from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
 # Tiny scale: the same classes built by Meta's builder helpers, with small widths/depths.
 # Keys are names looked up in sam3.model_builder at build time; values override kwargs.
@@ -327,12 +327,35 @@ class Sam3Driver(ModelDriver):
                 forced = stack.enter_context(ForcedDetections(model, verification.force_top_k_detections).active())
             yield forced
 
+    def provenance_sources(self, loaded: LoadedModel) -> list[ProvenanceSource]:
+        """Python callables whose tensor outputs are prompt, image or session inputs."""
+        import sam3.model.sam3_video_inference as inference
+
+        tokenizer = loaded.root.detector.backbone.language_backbone.tokenizer
+        return [
+            ProvenanceSource(type(tokenizer), "__call__", "prompt", f"{type(tokenizer).__name__} (text prompt tokens)"),
+            ProvenanceSource(inference, "load_resource_as_video_frames", "image", "video frames (load_resource_as_video_frames)"),
+        ]
+
     def seed_candidates(self) -> list[SeedCandidate]:
         return [
-            SeedCandidate("text_encoder", "detector.backbone.language_backbone.encoder", "CLIP-style text transformer (tokens -> text features); the tokenizer stays in Python"),
-            SeedCandidate("vision_backbone", "detector.backbone.vision_backbone", "ViT trunk + dual ViTDet neck, once per frame"),
-            SeedCandidate("detector_grounding", "detector.transformer", "fusion encoder + DETR decoder over image and text features"),
-            SeedCandidate("tracker_propagation", "tracker.transformer.encoder", "memory attention over past frames' memories, per frame"),
-            SeedCandidate("mask_decoder", "tracker.sam_mask_decoder", "SAM mask decoder of the tracker, per frame and object"),
-            SeedCandidate("mask_memory_encoder", "tracker.maskmem_backbone", "encodes predicted masks into memory features"),
+            SeedCandidate("text_encoder", "detector.backbone.language_backbone.encoder",
+                          "CLIP-style text transformer (tokens -> text features); the tokenizer stays in Python", "text_encoder"),
+            SeedCandidate("vision_backbone", "detector.backbone.vision_backbone",
+                          "ViT trunk + dual ViTDet neck, once per frame", "vision_backbone"),
+            # The detector calls its transformer's encoder and decoder separately (no wrapper call).
+            SeedCandidate("grounding_encoder", "detector.transformer.encoder",
+                          "fusion encoder: image features attend to the text prompt", "detector_grounding"),
+            SeedCandidate("grounding_decoder", "detector.transformer.decoder",
+                          "DETR-style decoder: object queries -> boxes and presence", "detector_grounding"),
+            SeedCandidate("segmentation_head", "detector.segmentation_head",
+                          "pixel decoder + mask head of the detector", "detector_grounding"),
+            SeedCandidate("dot_prod_scoring", "detector.dot_prod_scoring",
+                          "query-text dot-product scores", "detector_grounding"),
+            SeedCandidate("memory_attention", "tracker.transformer.encoder",
+                          "memory attention over past frames' memories, per frame", "tracker_propagation"),
+            SeedCandidate("mask_decoder", "tracker.sam_mask_decoder",
+                          "SAM mask decoder of the tracker, per frame", "tracker_propagation"),
+            SeedCandidate("mask_memory_encoder", "tracker.maskmem_backbone",
+                          "encodes predicted masks into memory features", "mask_memory_encoder"),
         ]
