@@ -149,7 +149,7 @@ def _constant_value(candidate: str, arg: NonTensorArg, overrides: Mapping[str, A
         )
     if arg.tree_path in overrides:
         return overrides[arg.tree_path]
-    if arg.value is None:
+    if arg.value is None and arg.value_repr != "None":  # a genuine None leaf is a known value
         raise InputError(
             f"contract {candidate!r}: non-tensor argument {arg.tree_path} ({arg.value_repr}) has no recorded "
             "value; pass constants={path: value} taken from a sample call"

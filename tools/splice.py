@@ -160,6 +160,25 @@ def _same_constant(value: Any, arg: NonTensorArg, bound: Any) -> bool:
 # --------------------------------------------------------------------------- spliced module
 
 
+def spliced_class(original_class: type) -> type:
+    """A SplicedModule that also passes `isinstance(x, OriginalClass)`.
+
+    Model code branches on the class of its submodules (SAM 3 calls its mask memory encoder
+    differently unless `isinstance(self.maskmem_backbone, SimpleMaskEncoder)`), so a
+    replacement that fails that test would change the model's behaviour.
+    """
+    if issubclass(original_class, SplicedModule):
+        return original_class
+    cached = _SPLICED_CLASSES.get(original_class)
+    if cached is None:
+        cached = type(f"Spliced{original_class.__name__}", (SplicedModule, original_class), {})
+        _SPLICED_CLASSES[original_class] = cached
+    return cached
+
+
+_SPLICED_CLASSES: dict[type, type] = {}
+
+
 class SplicedModule(nn.Module):
     """Stands where the candidate stood; runs the backend for calls inside the contract."""
 
@@ -170,7 +189,7 @@ class SplicedModule(nn.Module):
         backend: SpliceBackend,
         strategy: ShapeStrategy | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): in a spliced_class the next base is the model class
         self.original = original  # registered: parameters and .to() still reach it for fallbacks
         self.contract = contract
         self.backend = backend
@@ -200,7 +219,7 @@ class SplicedModule(nn.Module):
 
     @staticmethod
     def _output_constants(contract: ContractSpec) -> list[Any]:
-        unusable = [arg.tree_path for arg in contract.non_tensor_outputs if not arg.constant or arg.value is None]
+        unusable = [arg.tree_path for arg in contract.non_tensor_outputs if not arg.constant or (arg.value is None and arg.value_repr != "None")]
         if unusable:
             raise SpliceError(f"{contract.candidate}: non-tensor outputs {unusable} vary or have no recorded value; "
                               "the output cannot be rebuilt from the backend's tensors")
@@ -369,7 +388,7 @@ class SpliceHandle:
         if not _is_class(original, contract.module_class):
             found = type(original).__qualname__
             raise SpliceError(f"{where} is a {found}, the contract is for {contract.module_class}")
-        spliced = SplicedModule(original, contract, backend, strategy)
+        spliced = spliced_class(type(original))(original, contract, backend, strategy)
         setattr(parent, contract.attribute, spliced)
         self._replaced.append(_Replaced(parent, contract.attribute, original, spliced))
         self._spliced.append(spliced)

@@ -36,9 +36,10 @@ def ensure_study(task_path: Path) -> TaskRecord:
     """Run the study unless a finished one with the same intake is in the record."""
     record = load_record(task_path)
     inputs_hash = study_inputs_hash(record)
-    if is_done(record, STEP, inputs_hash) and record.profile and record.contracts:
-        return record
     workdir = TaskRecord.workdir(task_path)
+    samples_present = all((workdir / p).exists() for c in record.contracts.values() for p in c.samples)
+    if is_done(record, STEP, inputs_hash) and record.profile and record.contracts and samples_present:
+        return record
     intake = record.intake
     frames = frames_for(record, workdir)
     driver, loaded, load_seconds = load_model(intake.model)

@@ -27,6 +27,8 @@ from .records.main_path import MainPathReport
 from .records.plan import Plan, StudyRun
 from .records.profile import ProfileReport
 from .records.stages import Decision, StageResult
+from .records.toolchain_stage import CandidateToolchain
+from .records.verify import VerifyReport
 
 SCHEMA_VERSION = 1
 
@@ -46,6 +48,8 @@ class TaskRecord(Record):
     contracts: dict[str, ContractSpec] = Field(default_factory=dict)  # candidate -> captured contract
     boundaries: dict[str, BoundaryDecision] = Field(default_factory=dict)
     exports: dict[str, ExportResult] = Field(default_factory=dict)  # candidate -> its ONNX export
+    toolchain: dict[str, CandidateToolchain] = Field(default_factory=dict)  # candidate -> probes, variants, ops, ATC
+    verification: VerifyReport | None = None
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))

@@ -38,6 +38,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "TransformerDecoderLayerv2": {"dim_feedforward": 512},
 }
 
+# Every scale: the tracker's RoPE in real arithmetic (same math as the complex form, which
+# neither ONNX exporter can translate; see FACTS: view_as_complex).
+EXPORT_OVERRIDES: dict[str, dict[str, Any]] = {"RoPEAttention": {"use_rope_real": True}}
+
 BPE_FILE = "bpe_simple_vocab_16e6.txt.gz"
 
 
@@ -66,9 +70,11 @@ def scaled_builder(scale: str) -> Iterator[None]:
     import sam3.model_builder as mb
 
     with contextlib.ExitStack() as stack:
+        overrides_by_name = dict(EXPORT_OVERRIDES)
         if scale == "tiny":
-            for name, overrides in TINY_OVERRIDES.items():
-                stack.enter_context(mock.patch.object(mb, name, _with_overrides(getattr(mb, name), overrides)))
+            overrides_by_name.update(TINY_OVERRIDES)
+        for name, overrides in overrides_by_name.items():
+            stack.enter_context(mock.patch.object(mb, name, _with_overrides(getattr(mb, name), overrides)))
         yield
 
 
