@@ -1,0 +1,22 @@
+# Two commands on a fresh machine (Python 3.11): `make run` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/omskills: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -e '.[test]'
+	# Huawei's auto_optimizer: its metadata pins onnxruntime<1.16; the API we use needs none of it.
+	$(BIN)/pip install --no-deps ait-surgeon==0.1.1
+	touch $@
+
+install: $(BIN)/omskills
+
+run: install  ## the main job: adapt SAM 3 (built-in task, full scale) end to end
+	$(BIN)/omskills adapt task_records/sam3-video-text.yaml
+
+test: install  ## the test suite (tiny SAM 3 on CPU) and the skill validation gate
+	$(BIN)/omskills validate
+	$(BIN)/pytest -q
+
+.PHONY: install run test

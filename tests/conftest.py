@@ -1,0 +1,27 @@
+"""Shared, expensive fixtures: one tiny SAM 3 adaptation reused by every end-to-end test."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TASK = REPO / "task_records" / "sam3-video-text.yaml"
+
+
+def omskills(*args: str, cwd: Path | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())", *args],
+                          cwd=cwd, capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="session")
+def tiny_adaptation(tmp_path_factory) -> Path:
+    """`omskills adapt` on tiny SAM 3, 2 frames: the run folder (task.yaml, onnx/, verify/...)."""
+    out = tmp_path_factory.mktemp("adapt") / "run"
+    result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

@@ -1,0 +1,56 @@
+"""Stages 1-4 end to end on tiny SAM 3 through MCP (issues 3-6), one shared run."""
+
+from __future__ import annotations
+
+import json
+
+from omskills.task_record import load_record
+
+
+def test_adapt_verifies_spliced_main_path(tiny_adaptation):
+    report = json.loads((tiny_adaptation / "verify" / "report.json").read_text())
+    main = report["main_path"]
+    assert report["weights"] == "random" and report["scale"] == "tiny"
+    assert main["obj_ids_equal"] and main["min_mask_iou"] >= 0.99 and main["fallbacks"] == 0
+    spliced = [c for c in report["candidates"]]
+    assert len(spliced) >= 4
+    assert all(c["backend"].startswith("onnxruntime:") and c["status"] == "integrated" for c in spliced)
+    assert all(c["probe"]["verdict"] in ("pass", "review") for c in spliced)
+    assert (tiny_adaptation / "verify" / "report.html").read_text().count("data:image/png;base64") >= 2
+
+
+def test_plan_has_seed_candidates_with_statuses_and_reasons(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    names = {c.name for c in record.plan.candidates}
+    assert {"text_encoder", "vision_backbone", "grounding_encoder", "memory_attention", "mask_memory_encoder"} <= names
+    assert all(c.reason for c in record.plan.candidates)
+    assert sum(n.exclusive_share for n in record.profile.nodes) <= 1.0
+    assert record.plan.candidates[0].name == max(record.plan.candidates, key=lambda c: c.score).name
+
+
+def test_contract_provenance_matches_the_main_path(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    kinds = lambda name: {s.provenance.kind for s in record.contracts[name].inputs if s.provenance}
+    assert kinds("text_encoder") == {"prompt"}
+    assert "image" in kinds("vision_backbone")
+    assert kinds("mask_memory_encoder") <= {"module_output", "session", "unknown"} and "module_output" in kinds("mask_memory_encoder")
+
+
+def test_atc_is_prepared_but_never_claimed(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    for name, tc in record.toolchain.items():
+        if tc.atc is not None:
+            assert tc.atc.status == "not_run" and "atc missing" in (tc.atc.reason or "")
+            assert (tiny_adaptation / tc.atc.script).is_file() or tc.atc.script
+            assert "--framework=5" in " ".join(tc.atc.command)
+
+
+def test_rerun_resumes_without_redoing_exports(tiny_adaptation):
+    from conftest import TASK, omskills
+
+    before = load_record(tiny_adaptation / "task.yaml").stages
+    exported = {k: v.finished for k, v in before.items() if k.startswith("export:") and v.status == "done"}
+    result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(tiny_adaptation))
+    assert result.returncode == 0, result.stderr[-2000:]
+    after = load_record(tiny_adaptation / "task.yaml").stages
+    assert exported and all(after[k].finished == v for k, v in exported.items())
