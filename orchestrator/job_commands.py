@@ -16,21 +16,27 @@ def _main_path_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default: runs/<task id>-<scale>/main_path)")
 
 
-@command("main-path", _main_path_args)
-def _main_path(ns: argparse.Namespace) -> int:
-    """Run the text-prompted video main path once and write main_path.json, masks and overlays."""
+def _with_overrides(record, ns: argparse.Namespace):
+    """Apply --scale/--frames to the record in memory (the YAML file is not changed)."""
     from omskills.errors import InputError
-    from omskills.main_path import run_and_report
-    from omskills.task_record import load_record
 
-    task_path = Path(ns.task)
-    record = load_record(task_path)
     if ns.scale:
         record.intake.model.scale = ns.scale
     if ns.frames is not None:
         if ns.frames < 1:
             raise InputError("--frames must be at least 1")
         record.intake.inputs.frames = ns.frames
+    return record
+
+
+@command("main-path", _main_path_args)
+def _main_path(ns: argparse.Namespace) -> int:
+    """Run the text-prompted video main path once and write main_path.json, masks and overlays."""
+    from omskills.main_path import run_and_report
+    from omskills.task_record import load_record
+
+    task_path = Path(ns.task)
+    record = _with_overrides(load_record(task_path), ns)
     out = Path(ns.out) if ns.out else Path("runs") / f"{record.id}-{record.intake.model.scale}" / "main_path"
     report, _ = run_and_report(record, task_path.resolve().parent, out)
     print(f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_frames} frames "
@@ -86,11 +92,7 @@ def _adapt(ns: argparse.Namespace) -> int:
 
     from omskills.task_record import load_record, save_record
 
-    source = load_record(ns.task)
-    if ns.scale:
-        source.intake.model.scale = ns.scale
-    if ns.frames is not None:
-        source.intake.inputs.frames = ns.frames
+    source = _with_overrides(load_record(ns.task), ns)
     out = Path(ns.out) if ns.out else Path("runs") / f"{source.id}-{source.intake.model.scale}"
     out.mkdir(parents=True, exist_ok=True)
     task = out / "task.yaml"

@@ -31,8 +31,3 @@ def load_model(spec: ModelSpec) -> tuple[ModelDriver, LoadedModel, float]:
         _cached = (key, loaded, time.perf_counter() - start)
         return driver, loaded, _cached[2]
 
-
-def forget() -> None:
-    global _cached
-    with _lock:
-        _cached = None

@@ -8,10 +8,10 @@ mid-stage redoes only the unfinished candidate.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Callable, Generic, Literal, TypeVar
 
 import numpy as np
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from . import progress
 from .atc import AtcOptions, run_atc
@@ -215,32 +215,25 @@ class CandidateFailure(Record):
     error: str
 
 
-class ExportBatch(Record):
-    results: dict[str, ExportResult] = Field(default_factory=dict)
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+
+class CandidateBatch(Record, Generic[ResultT]):
+    """One step over several candidates: the results, and the candidates that failed with why."""
+
+    results: dict[str, ResultT] = Field(default_factory=dict)
     failed: list[CandidateFailure] = Field(default_factory=list)
 
 
-class ProbeBatch(Record):
-    results: dict[str, ParityReport] = Field(default_factory=dict)
-    failed: list[CandidateFailure] = Field(default_factory=list)
+ExportBatch = CandidateBatch[ExportResult]
+ProbeBatch = CandidateBatch[ParityReport]
+OptimizeBatch = CandidateBatch[OptimizeResult]
+PrecheckBatch = CandidateBatch[OpPrecheck]
+AtcBatch = CandidateBatch[AtcResult]
 
 
-class OptimizeBatch(Record):
-    results: dict[str, OptimizeResult] = Field(default_factory=dict)
-    failed: list[CandidateFailure] = Field(default_factory=list)
-
-
-class PrecheckBatch(Record):
-    results: dict[str, OpPrecheck] = Field(default_factory=dict)
-    failed: list[CandidateFailure] = Field(default_factory=list)
-
-
-class AtcBatch(Record):
-    results: dict[str, AtcResult] = Field(default_factory=dict)
-    failed: list[CandidateFailure] = Field(default_factory=list)
-
-
-def for_each_candidate(task_path: Path, candidate: str | None, batch: Record, run: Callable[[str], Any], desc: str) -> Any:
+def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],
+                       run: Callable[[str], ResultT], desc: str) -> CandidateBatch[ResultT]:
     """Run one step per candidate; a failing candidate is recorded (status failed) and the rest go on.
 
     Asked for one candidate, its error is raised instead, so a caller sees the message.
@@ -248,11 +241,11 @@ def for_each_candidate(task_path: Path, candidate: str | None, batch: Record, ru
     names = candidates_for(task_path, candidate)
     for name in progress.track(names, len(names), desc):
         try:
-            batch.results[name] = run(name)  # type: ignore[attr-defined]
+            batch.results[name] = run(name)
         except OmskillsError as err:
             if candidate is not None:
                 raise
-            batch.failed.append(CandidateFailure(candidate=name, error=str(err)))  # type: ignore[attr-defined]
+            batch.failed.append(CandidateFailure(candidate=name, error=str(err)))
             with updating(task_path) as rec:
                 _set_status(rec, name, "failed", f"{desc}: {err}")
     return batch
