@@ -71,6 +71,7 @@ def adaptation_plan(task: str) -> list:
         step("precheck_ops", "3 ONNX -> OM", "operator precheck against ATC's list"),
         step("convert_atc", "3 ONNX -> OM", "ATC command (run where CANN exists)"),
         step("verify_main_path", "4 splice & verify", "spliced vs PyTorch main path"),
+        step("write_delivery_doc", "4 splice & verify", "delivery document"),
     ]
 
 

@@ -54,3 +54,13 @@ def test_rerun_resumes_without_redoing_exports(tiny_adaptation):
     assert result.returncode == 0, result.stderr[-2000:]
     after = load_record(tiny_adaptation / "task.yaml").stages
     assert exported and all(after[k].finished == v for k, v in exported.items())
+
+
+def test_delivery_document_states_verdict_backends_and_limits(tiny_adaptation):
+    text = (tiny_adaptation / "DELIVERY.md").read_text()
+    record = load_record(tiny_adaptation / "task.yaml")
+    assert f"**Verdict: {record.verification.verdict}**" in text
+    assert "random" in text and "--framework=5" in text
+    for name, backend in record.verification.backend_per_candidate.items():
+        assert name in text and backend.split(" ")[0] in text
+    assert "no OM was built here" in text
