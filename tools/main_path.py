@@ -33,6 +33,8 @@ def verification_notes(intake: Intake) -> list[str]:
         notes.append(f"force_top_k_detections={v.force_top_k_detections}: the top-{v.force_top_k_detections} detections of the prompted frame are kept whatever their score")
     if v.disable_hotstart:
         notes.append("disable_hotstart: hot-start delay set to 0 so forced objects are tracked at once")
+    if v.keep_objects_visible:
+        notes.append("keep_objects_visible: the tracker's object-visibility logit is taken as its absolute value")
     return notes
 
 

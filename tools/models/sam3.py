@@ -230,6 +230,13 @@ SAM3_FIXES = (
 )
 
 
+def _visible_objects(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+    """Verification: the mask decoder's 4th output is the object-visibility logit; SAM blanks the
+    mask of an object whose logit is negative. Its absolute value keeps random-weight objects."""
+    masks, ious, tokens, object_score_logits = output
+    return masks, ious, tokens, object_score_logits.abs()
+
+
 class Sam3Driver(ModelDriver):
     family = "sam3"
 
@@ -300,7 +307,7 @@ class Sam3Driver(ModelDriver):
                 predictor.handle_request({"type": "close_session", "session_id": session_id})
             total = time.perf_counter() - start
         if forced is not None:
-            notes.append(f"verification: top-{verification.force_top_k_detections} detections forced on frames {sorted(set(forced.forced_frames))}")
+            notes.append(f"top-{verification.force_top_k_detections} detections forced on frames {forced.forced_frames}")
         return MainPathResult(frames=results, prompt_seconds=prompt_seconds, total_seconds=total, notes=notes)
 
     @staticmethod
@@ -327,7 +334,10 @@ class Sam3Driver(ModelDriver):
         with contextlib.ExitStack() as stack:
             if verification.disable_hotstart and model.hotstart_delay > 0:
                 stack.enter_context(mock.patch.object(model, "hotstart_delay", 0))
-                notes.append("verification: hot-start delay disabled (hotstart_delay=0)")
+            if verification.keep_objects_visible:
+                # Hooked on whatever sits at tracker.sam_mask_decoder now (the original or its splice).
+                decoder = model.tracker.sam_mask_decoder
+                stack.callback(decoder.register_forward_hook(_visible_objects).remove)
             forced = None
             if verification.force_top_k_detections > 0:
                 forced = stack.enter_context(ForcedDetections(model, verification.force_top_k_detections).active())

@@ -48,11 +48,14 @@ class VerificationSpec(Record):
     With random weights no detection passes the score thresholds and the tracker never
     runs. `force_top_k_detections` keeps the K best-scoring detections of the prompted
     frame whatever their score; `disable_hotstart` removes the hot-start delay so they
-    are tracked at once. Both are reported in every output when on.
+    are tracked at once; `keep_objects_visible` makes the tracker's object-visibility
+    logit non-negative (its absolute value), so a random head does not blank every
+    tracked mask as "occluded". All are reported in every output when on.
     """
 
     force_top_k_detections: int = Field(2, ge=0)
     disable_hotstart: bool = True
+    keep_objects_visible: bool = False
 
 
 class Intake(Record):
