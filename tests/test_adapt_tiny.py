@@ -45,15 +45,27 @@ def test_atc_is_prepared_but_never_claimed(tiny_adaptation):
             assert "--framework=5" in " ".join(tc.atc.command)
 
 
-def test_rerun_resumes_without_redoing_exports(tiny_adaptation):
+def test_rerun_after_a_crash_in_stage_3_redoes_only_the_unfinished_export(tiny_adaptation):
     from conftest import TASK, omskills
+    from omskills.task_record import save_record
 
-    before = load_record(tiny_adaptation / "task.yaml").stages
-    exported = {k: v.finished for k, v in before.items() if k.startswith("export:") and v.status == "done"}
+    record = load_record(tiny_adaptation / "task.yaml")
+    done = sorted(k for k, v in record.stages.items() if k.startswith("export:") and v.status == "done")
+    assert len(done) >= 2
+    crashed = done[-1]
+    # What a kill during that export leaves behind: the step marked running, no result stored.
+    record.stages[crashed].status = "running"
+    record.stages[crashed].finished = None
+    record.exports.pop(crashed.split(":", 1)[1])
+    save_record(record, tiny_adaptation / "task.yaml")
+    finished_before = {k: record.stages[k].finished for k in done[:-1]}
+
     result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(tiny_adaptation))
     assert result.returncode == 0, result.stderr[-2000:]
-    after = load_record(tiny_adaptation / "task.yaml").stages
-    assert exported and all(after[k].finished == v for k, v in exported.items())
+    after = load_record(tiny_adaptation / "task.yaml")
+    assert all(after.stages[k].finished == v for k, v in finished_before.items()), "finished exports were redone"
+    assert after.stages[crashed].status == "done" and crashed.split(":", 1)[1] in after.exports
+    assert after.verification is not None and after.verification.main_path.fallbacks == 0
 
 
 def test_delivery_document_states_verdict_backends_and_limits(tiny_adaptation):
