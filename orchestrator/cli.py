@@ -76,4 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m omskills.orchestrator.cli`: call the imported module's main, where the
+    # subcommand modules register (this file would otherwise exist twice, as __main__ and by name).
+    from omskills.orchestrator.cli import main as _main
+
+    sys.exit(_main())

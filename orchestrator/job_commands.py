@@ -11,15 +11,22 @@ from .cli import command
 
 def _main_path_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("task", help="task record (YAML)")
-    p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale")
-    p.add_argument("--frames", type=int, help="override intake.inputs.frames")
+    _override_args(p)
     p.add_argument("--out", help="output folder (default: runs/<task id>-<scale>/main_path)")
 
 
+def _override_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale")
+    p.add_argument("--frames", type=int, help="override intake.inputs.frames")
+    p.add_argument("--source", help="override intake.model.source (a checkout path, or `package`)")
+
+
 def _with_overrides(record, ns: argparse.Namespace):
-    """Apply --scale/--frames to the record in memory (the YAML file is not changed)."""
+    """Apply --scale/--frames/--source to the record in memory (the YAML file is not changed)."""
     from omskills.errors import InputError
 
+    if ns.source:
+        record.intake.model.source = ns.source
     if ns.scale:
         record.intake.model.scale = ns.scale
     if ns.frames is not None:
@@ -79,8 +86,7 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
     from .commands import _agent_limits
 
     p.add_argument("task", help="task record (YAML); it is copied into the output folder, which holds the run")
-    p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale")
-    p.add_argument("--frames", type=int, help="override intake.inputs.frames")
+    _override_args(p)
     p.add_argument("--out", help="run folder (default: runs/<task id>-<scale>); a rerun resumes there")
     p.add_argument("--agent", choices=["plan", "claude"], default="plan", help="built-in deterministic plan, or Claude")
     _agent_limits(p)

@@ -45,7 +45,8 @@ def skills_root() -> Path:
     if env:
         return Path(env).resolve()
     here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "skills", here / "skills"):
+    # A checkout (editable install) has skills/ beside tools/; a wheel ships them as omskills/_skills.
+    for candidate in (here.parent / "skills", here / "_skills"):
         if candidate.is_dir():
             return candidate
     raise OmskillsError("cannot find the skills folder: set OMSKILLS_SKILLS_DIR")

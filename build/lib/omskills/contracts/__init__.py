@@ -1,0 +1,15 @@
+"""Stage 2 engine: capture the real I/O contracts of candidate modules on the main path.
+
+- `pytree`: flatten/unflatten calls and outputs (dataclasses, NestedTensor registered on demand),
+  serialisable tree specs, readable leaf paths and ONNX-valid names;
+- `provenance`: `ProvenanceTracker`, where each tensor came from (prompt, image, session,
+  parameter, another module) and which modules consume it;
+- `capture`: `capture_contracts`, hooks on the candidates during one run -> `ContractSpec`s;
+- `samples`: npz samples of real calls that reload bit-exactly.
+"""
+
+from .capture import capture_contracts
+from .provenance import ProvenanceTracker
+from .samples import Sample, load_sample, save_sample
+
+__all__ = ["ProvenanceTracker", "Sample", "capture_contracts", "load_sample", "save_sample"]

@@ -1,0 +1,390 @@
+"""Capture the real I/O contract of candidate modules while the main path runs.
+
+One run of the driver's `run()` with forward pre-hooks and forward hooks on each candidate. Per
+call we flatten (args, kwargs) and the output, and keep only what the contract needs: the tree
+specs, each leaf's shape/dtype/device or non-tensor value, the provenance of each input tensor,
+and handles to the output storages so their consumers can be read after the run. Inputs are
+cloned only for the bounded set of calls kept as samples (a module may modify them in place).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omskills.errors import OmskillsError
+from omskills.records.contracts import CallShape, ContractSpec, NonTensorArg, Provenance, TensorSpec
+
+from . import pytree
+from .provenance import ProvenanceTracker, StorageHistory, is_ancestor
+from .samples import dtype_name, save_sample
+
+# How many distinct values of a varying non-tensor argument are quoted in the record.
+_QUOTED_VALUES = 5
+
+
+# --------------------------------------------------------------------------- per-call observation
+
+
+@dataclass
+class _LeafInfo:
+    """One leaf of one call: a tensor's shape/dtype/device, or a non-tensor value."""
+
+    is_tensor: bool
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    device: str = ""
+    value: Any = None
+
+
+def _describe(leaves: list[Any]) -> list[_LeafInfo]:
+    infos = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            infos.append(_LeafInfo(True, tuple(leaf.shape), dtype_name(leaf.dtype), str(leaf.device)))
+        else:
+            infos.append(_LeafInfo(False, value=leaf))
+    return infos
+
+
+def _structure_key(spec: str, infos: list[_LeafInfo]) -> str:
+    # Same tree spec is not enough: a leaf may be None in one call and a tensor in the next.
+    return spec + "|" + "".join("T" if info.is_tensor else "c" for info in infos)
+
+
+@dataclass
+class _Call:
+    index: int
+    in_spec: str
+    in_paths: list[str]
+    in_leaves: list[_LeafInfo]
+    provenance: list[Provenance]  # one per input tensor, flat order
+    sample_inputs: list[torch.Tensor] | None = None
+    out_spec: str = ""
+    out_paths: list[str] = field(default_factory=list)
+    out_leaves: list[_LeafInfo] = field(default_factory=list)
+    out_histories: list[StorageHistory | None] = field(default_factory=list)
+    out_seq: int = 0
+    sample_outputs: list[torch.Tensor] | None = None
+
+    @property
+    def in_key(self) -> str:
+        return _structure_key(self.in_spec, self.in_leaves)
+
+    @property
+    def structure(self) -> str:
+        return self.in_key + "||" + _structure_key(self.out_spec, self.out_leaves)
+
+    def input_signature(self) -> tuple[Any, ...]:
+        return tuple((i.shape, i.dtype) for i in self.in_leaves if i.is_tensor)
+
+    def shapes(self) -> CallShape:
+        return CallShape(
+            inputs=[list(i.shape) for i in self.in_leaves if i.is_tensor],
+            outputs=[list(i.shape) for i in self.out_leaves if i.is_tensor],
+        )
+
+
+class _SampleSelector:
+    """Keeps at most `limit` sampled calls per input structure, preferring distinct input shapes.
+
+    Decided at pre-hook time (before the inputs are cloned): a call is taken while there is room,
+    or when its shapes are new and a kept call has shapes seen twice (that one is evicted).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept: dict[str, list[_Call]] = {}
+
+    def _evictable(self, kept: list[_Call]) -> _Call | None:
+        counts = Counter(c.input_signature() for c in kept)
+        duplicates = [c for c in kept if counts[c.input_signature()] > 1]
+        return duplicates[-1] if duplicates else None
+
+    def wants(self, call: _Call) -> bool:
+        kept = self.kept.get(call.in_key, [])
+        if len(kept) < self.limit:
+            return True
+        is_new_shape = call.input_signature() not in {c.input_signature() for c in kept}
+        return is_new_shape and self._evictable(kept) is not None
+
+    def add(self, call: _Call) -> None:
+        kept = self.kept.setdefault(call.in_key, [])
+        if len(kept) >= self.limit:
+            victim = self._evictable(kept)
+            if victim is None:
+                return
+            kept.remove(victim)
+        kept.append(call)
+
+    def for_structure(self, structure: str) -> list[_Call]:
+        calls = [c for kept in self.kept.values() for c in kept if c.structure == structure]
+        return sorted(calls, key=lambda c: c.index)
+
+
+# --------------------------------------------------------------------------- one candidate
+
+
+class _CandidateRecorder:
+    def __init__(self, name: str, path: str, module: nn.Module, tracker: ProvenanceTracker, max_samples: int):
+        self.name = name
+        self.path = path
+        self.module = module
+        self.tracker = tracker
+        self.parameter_names = pytree.positional_parameter_names(module.forward)
+        self.calls: list[_Call] = []
+        self.selector = _SampleSelector(max_samples)
+        self._in_flight: list[_Call] = []
+
+    def attach(self) -> list[Any]:
+        return [
+            self.module.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.module.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        flat = pytree.flatten_call(args, kwargs)
+        call = _Call(
+            index=len(self.calls) + len(self._in_flight),
+            in_spec=pytree.spec_to_str(flat.spec),
+            in_paths=flat.paths,
+            in_leaves=_describe(flat.leaves),
+            provenance=[self.tracker.origin(t, consumer=self.path) for t in flat.tensors()],
+        )
+        if self.selector.wants(call):
+            call.sample_inputs = [t.detach().clone() for t in flat.tensors()]
+        self._in_flight.append(call)
+
+    def _after(self, _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any) -> None:
+        call = self._in_flight.pop()
+        flat = pytree.flatten(output)
+        call.out_spec = pytree.spec_to_str(flat.spec)
+        call.out_paths = flat.paths
+        call.out_leaves = _describe(flat.leaves)
+        call.out_histories = [self.tracker.history(t) for t in flat.tensors()]
+        call.out_seq = self.tracker.seq
+        if call.sample_inputs is not None:
+            call.sample_outputs = [t.detach().clone() for t in flat.tensors()]
+            self.selector.add(call)
+        self.calls.append(call)
+
+
+# --------------------------------------------------------------------------- building the contract
+
+
+def _replacement_point(path: str) -> tuple[str, str]:
+    parent, _, attribute = path.rpartition(".")
+    return parent, attribute
+
+
+def _dynamic_dims(shapes: list[tuple[int, ...]]) -> dict[str, list[int]]:
+    dims: dict[str, list[int]] = {}
+    if len({len(s) for s in shapes}) != 1:
+        return dims  # rank changes: no per-dim statement holds (the strategy step treats it)
+    for d in range(len(shapes[0])):
+        values = sorted({s[d] for s in shapes})
+        if len(values) > 1:
+            dims[str(d)] = values
+    return dims
+
+
+def _merged_provenance(per_call: list[Provenance]) -> Provenance:
+    first = per_call[0]
+    distinct = list(dict.fromkeys((p.kind, p.source) for p in per_call))
+    if len(distinct) == 1:
+        return first
+    if len({kind for kind, _ in distinct}) == 1:
+        return Provenance(kind=first.kind, source="; ".join(s or "?" for _, s in distinct), derived=first.derived)
+    joined = "; ".join(f"{k}:{s or '?'}" for k, s in distinct)
+    return Provenance(kind=first.kind, source=joined, derived=first.derived)
+
+
+def _reduced_consumers(consumers: list[str], producer: str, preferred: set[str]) -> list[str]:
+    """Keep the outermost receiving modules, plus candidates among the inner ones."""
+    consumers = [c for c in consumers if not is_ancestor(producer, c)]  # the producer's own insides
+    outermost = [c for c in consumers if not any(is_ancestor(o, c) for o in consumers)]
+    return [c for c in consumers if c in outermost or c in preferred]
+
+
+def _json_scalar(value: Any) -> bool | int | float | str | None:
+    return value if isinstance(value, (bool, int, float, str)) or value is None else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # objects whose == is ambiguous or raises: only identity counts
+        return False
+
+
+def _non_tensor_leaves(calls: list[_Call], outputs: bool) -> list[NonTensorArg]:
+    first = calls[0]
+    leaves = first.out_leaves if outputs else first.in_leaves
+    paths = first.out_paths if outputs else first.in_paths
+    result = []
+    for index, (info, path) in enumerate(zip(leaves, paths)):
+        if info.is_tensor:
+            continue
+        values = [(c.out_leaves if outputs else c.in_leaves)[index].value for c in calls]
+        distinct: list[Any] = []
+        for value in values:
+            if not any(_same(value, seen) for seen in distinct):
+                distinct.append(value)
+        constant = len(distinct) == 1
+        shown = repr(distinct[0]) if constant else ", ".join(repr(v) for v in distinct[:_QUOTED_VALUES])
+        if len(distinct) > _QUOTED_VALUES:
+            shown += f", ... ({len(distinct)} distinct)"
+        result.append(NonTensorArg(tree_path=path, value_repr=shown, constant=constant,
+                                   value=_json_scalar(info.value), flat_index=index))
+    return result
+
+
+def _tensor_indices(leaves: list[_LeafInfo]) -> list[int]:
+    return [i for i, info in enumerate(leaves) if info.is_tensor]
+
+
+def _input_specs(recorder: _CandidateRecorder, calls: list[_Call]) -> list[TensorSpec]:
+    first = calls[0]
+    indices = _tensor_indices(first.in_leaves)
+    names = pytree.input_names([first.in_paths[i] for i in indices], recorder.parameter_names)
+    specs = []
+    for k, (index, name) in enumerate(zip(indices, names)):
+        info = first.in_leaves[index]
+        specs.append(TensorSpec(
+            name=name, tree_path=first.in_paths[index], shape=list(info.shape), dtype=info.dtype,
+            device=info.device, dynamic_dims=_dynamic_dims([c.in_leaves[index].shape for c in calls]),
+            provenance=_merged_provenance([c.provenance[k] for c in calls]), flat_index=index,
+        ))
+    return specs
+
+
+def _output_specs(recorder: _CandidateRecorder, calls: list[_Call], taken: set[str]) -> list[TensorSpec]:
+    first = calls[0]
+    indices = _tensor_indices(first.out_leaves)
+    names = pytree.output_names([first.out_paths[i] for i in indices], taken)
+    specs = []
+    for k, (index, name) in enumerate(zip(indices, names)):
+        info = first.out_leaves[index]
+        consumers: dict[str, None] = {}
+        for call in calls:
+            history = call.out_histories[k]
+            if history is not None:
+                consumers.update(dict.fromkeys(history.consumers_after(call.out_seq)))
+        specs.append(TensorSpec(
+            name=name, tree_path=first.out_paths[index], shape=list(info.shape), dtype=info.dtype,
+            device=info.device, dynamic_dims=_dynamic_dims([c.out_leaves[index].shape for c in calls]),
+            consumers=_reduced_consumers(list(consumers), recorder.path, recorder.tracker.preferred),
+            flat_index=index,
+        ))
+    return specs
+
+
+def _save_samples(recorder: _CandidateRecorder, structure: str, inputs: list[TensorSpec],
+                  outputs: list[TensorSpec], samples_dir: Path, relative_to: Path | None) -> list[str]:
+    paths = []
+    for n, call in enumerate(recorder.selector.for_structure(structure)):
+        assert call.sample_inputs is not None and call.sample_outputs is not None
+        path = save_sample(
+            samples_dir / f"{recorder.name}_{n}.npz", recorder.name, call.index,
+            inputs={spec.name: t for spec, t in zip(inputs, call.sample_inputs)},
+            outputs={spec.name: t for spec, t in zip(outputs, call.sample_outputs)},
+        )
+        paths.append(str(path.relative_to(relative_to)) if relative_to else str(path))
+    return paths
+
+
+def _contract(recorder: _CandidateRecorder, frames: int | None, samples_dir: Path,
+              relative_to: Path | None) -> ContractSpec:
+    structures = Counter(c.structure for c in recorder.calls)
+    main = structures.most_common(1)[0][0]  # ties: Counter keeps first-seen order
+    calls = [c for c in recorder.calls if c.structure == main]
+    inputs = _input_specs(recorder, calls)
+    outputs = _output_specs(recorder, calls, {spec.name for spec in inputs})
+    parent, attribute = _replacement_point(recorder.path)
+    return ContractSpec(
+        candidate=recorder.name,
+        module_path=recorder.path,
+        module_class=f"{type(recorder.module).__module__}.{type(recorder.module).__qualname__}",
+        parent_path=parent,
+        attribute=attribute,
+        method="forward",
+        calls=len(recorder.calls),
+        calls_per_frame=len(recorder.calls) / frames if frames else None,
+        in_spec=calls[0].in_spec,
+        out_spec=calls[0].out_spec,
+        inputs=inputs,
+        outputs=outputs,
+        non_tensor_args=_non_tensor_leaves(calls, outputs=False),
+        non_tensor_outputs=_non_tensor_leaves(calls, outputs=True),
+        structure_variants=len(structures),
+        call_shapes=list({json.dumps(s.model_dump()): s for s in (c.shapes() for c in calls)}.values()),
+        samples=_save_samples(recorder, main, inputs, outputs, samples_dir, relative_to),
+    )
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _resolve(root: nn.Module, name: str, path: str) -> nn.Module:
+    try:
+        return root.get_submodule(path)
+    except AttributeError as exc:
+        raise OmskillsError(
+            f"candidate {name}: module path {path!r} does not exist in {type(root).__name__}"
+        ) from exc
+
+
+def capture_contracts(
+    root: nn.Module,
+    candidates: dict[str, str],
+    run: Callable[[], Any],
+    tracker: ProvenanceTracker | None = None,
+    samples_dir: Path | None = None,
+    max_samples: int = 3,
+    frame_counter: Callable[[], int] | None = None,
+    relative_to: Path | None = None,
+) -> list[ContractSpec]:
+    """Run `run()` once with hooks on the candidates (name -> module path) and return their contracts.
+
+    `tracker` is the driver's ProvenanceTracker (so it can tag frames, prompts and session state
+    during the run); one is made if none is given. Samples go to `samples_dir` as
+    `<name>_<k>.npz` (none are kept without a samples_dir), their paths stored relative to
+    `relative_to` when given (the task workdir).
+    `frame_counter()` returns the number of frames processed so far, for calls_per_frame.
+    """
+    if max_samples < 0:
+        raise OmskillsError(f"max_samples must be >= 0, got {max_samples}")
+    tracker = tracker or ProvenanceTracker()
+    recorders = [
+        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples if samples_dir else 0)
+        for name, path in candidates.items()
+    ]
+    tracker.preferred = set(candidates.values())
+    handles: list[Any] = []
+    try:
+        with tracker.attached(root):
+            for recorder in recorders:
+                handles += recorder.attach()
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    never_called = [r for r in recorders if not r.calls]
+    if never_called:
+        named = ", ".join(f"{r.name} ({r.path})" for r in never_called)
+        verb = "was" if len(never_called) == 1 else "were"
+        raise OmskillsError(f"candidate {named} {verb} never called on the main path")
+    frames = frame_counter() if frame_counter else None
+    return [_contract(r, frames, Path(samples_dir or "."), relative_to) for r in recorders]

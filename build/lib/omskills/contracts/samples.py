@@ -1,0 +1,95 @@
+"""Real input/output samples of a candidate call, stored as npz for the probes of stage 3.
+
+Keys are the contract's tensor names prefixed "in:" / "out:", in flat order. numpy has no bfloat16
+(and no other torch-only dtypes), so such tensors are stored as raw bits in an integer array of the
+same width and the torch dtype is written to the "meta" entry: loading gives back the exact bits.
+The file holds no pickled objects (np.load with allow_pickle=False reads it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omskills.errors import InputError
+
+INPUT_PREFIX = "in:"
+OUTPUT_PREFIX = "out:"
+META_KEY = "meta"
+
+# torch dtypes numpy lacks -> the integer dtype of the same width their bits are stored as.
+_BITS_AS = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.int8,
+    torch.float8_e5m2: torch.int8,
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    candidate: str
+    call_index: int
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype in _BITS_AS:
+        tensor = tensor.view(_BITS_AS[tensor.dtype])
+    return tensor.numpy().copy()
+
+
+def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.from_numpy(array.copy())
+    return tensor.view(dtype) if tensor.dtype != dtype else tensor
+
+
+def save_sample(
+    path: Path,
+    candidate: str,
+    call_index: int,
+    inputs: dict[str, torch.Tensor],
+    outputs: dict[str, torch.Tensor],
+) -> Path:
+    """Write one call's tensors (already copied by the caller) to `path` (.npz)."""
+    arrays: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs)):
+        for name, tensor in tensors.items():
+            arrays[prefix + name] = _to_numpy(tensor)
+            dtypes[prefix + name] = dtype_name(tensor.dtype)
+    meta = {"candidate": candidate, "call_index": call_index, "dtypes": dtypes}
+    arrays[META_KEY] = np.array(json.dumps(meta))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:  # np.savez on a path would append ".npz" to other suffixes
+        np.savez(handle, **arrays)
+    return path
+
+
+def load_sample(path: Path) -> Sample:
+    """Read a sample written by `save_sample`, with the original torch dtypes and bits."""
+    if not Path(path).is_file():
+        raise InputError(f"sample file {path} does not exist")
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(str(data[META_KEY]))
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        for key, dtype in meta["dtypes"].items():
+            tensor = _from_numpy(data[key], getattr(torch, dtype))
+            if key.startswith(INPUT_PREFIX):
+                inputs[key.removeprefix(INPUT_PREFIX)] = tensor
+            else:
+                outputs[key.removeprefix(OUTPUT_PREFIX)] = tensor
+    return Sample(inputs=inputs, outputs=outputs, candidate=meta["candidate"], call_index=meta["call_index"])

@@ -1,0 +1,33 @@
+"""One loaded model per process, reused across tools (the MCP server keeps it between calls).
+
+Loading full-scale SAM 3 takes tens of seconds and several GB; the stages of one
+adaptation all use the same model, so it is built once per (family, source, builder,
+scale, checkpoint, seed, device). Only one model is kept, to bound memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .models import LoadedModel, ModelDriver, get_driver
+from .records.intake import ModelSpec
+
+_lock = threading.Lock()
+_cached: tuple[str, LoadedModel, float] | None = None
+
+
+def load_model(spec: ModelSpec) -> tuple[ModelDriver, LoadedModel, float]:
+    """The driver, the loaded model and the seconds its (first) build took."""
+    global _cached
+    key = spec.model_dump_json()
+    driver = get_driver(spec.family)
+    with _lock:
+        if _cached is not None and _cached[0] == key:
+            return driver, _cached[1], _cached[2]
+        _cached = None  # free the previous model before building the next
+        start = time.perf_counter()
+        loaded = driver.load(spec)
+        _cached = (key, loaded, time.perf_counter() - start)
+        return driver, loaded, _cached[2]
+

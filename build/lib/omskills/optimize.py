@@ -1,0 +1,272 @@
+"""Optimisation variants of an exported ONNX model, each checked and probed.
+
+Variants: `original` (the export as is), `onnxslim` (onnxslim's graph simplification) and
+`auto_optimizer` (Huawei's msit surgeon knowledge bases, through `auto_optimizer_compat`).
+Every variant is checked the same way — onnx checker, ONNX Runtime loads it, every graph
+output is produced, parity against the PyTorch reference samples — and the preferred one is
+the first of auto_optimizer -> onnxslim -> original that passes and is no less accurate than
+the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .auto_optimizer_compat import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
+from .compare import OutputParity, Verdict, compare_outputs, overall_verdict
+from .errors import InputError, OmskillsError
+from .onnx_inspect import load_model_proto
+from .records.toolchain import (
+    OptimizeResult,
+    VariantCheck,
+    VariantName,
+    VariantResult,
+)
+
+# One probe sample: feeds by input name, reference (PyTorch) outputs by output name.
+Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
+
+VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
+PREFERENCE: tuple[VariantName, ...] = ("auto_optimizer", "onnxslim", "original")
+VERDICT_RANK: dict[str, int] = {"pass": 0, "review": 1, "fail": 2}
+# Protobuf cannot serialise a message over 2 GiB: bigger models keep their weights beside them.
+PROTOBUF_LIMIT = 2**31 - 1
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout — Python prints and C-level writes — to stderr.
+
+    onnxslim prints tables; stdout may be an MCP stdio stream or a tool's JSON result.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> Path:
+    """Save, with external data (`<name>.data` beside it) when the model exceeds 2 GiB."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_file = path.with_name(path.name + ".data")
+    # onnx appends to an existing external-data file: start clean on a rerun.
+    data_file.unlink(missing_ok=True)
+    if model.ByteSize() > PROTOBUF_LIMIT:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file.name)
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
+def optimize_variants(
+    original_path: str | Path,
+    out_dir: str | Path,
+    samples: Sequence[Sample],
+    variants: Sequence[VariantName] = VARIANTS,
+    knowledges: list[str] | None = None,
+) -> OptimizeResult:
+    """Build each variant in `out_dir`, check and probe it, and choose the preferred one.
+
+    `samples` are (feeds, reference outputs) pairs; without samples parity is not probed and
+    the choice rests on the structural checks alone. `knowledges` restricts auto_optimizer to
+    the named knowledges (default: all that the tool enables by default).
+    """
+    original = Path(original_path)
+    load_model_proto(original)  # clear error for a missing or corrupt file, before any work
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise InputError(f"variants: unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
+    results: list[VariantResult] = []
+    for name in variants:
+        results.append(_build_and_check(name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges))
+    preferred, why = choose_preferred(results)
+    return OptimizeResult(
+        original=str(original),
+        variants=results,
+        preferred=preferred.name if preferred else None,
+        preferred_path=preferred.path if preferred else None,
+        why=why,
+    )
+
+
+def _source_for(name: VariantName, original: Path, done: Sequence[VariantResult]) -> Path:
+    """auto_optimizer works on the onnxslim variant when that one passed (msit's own flow
+    simplifies first), so the preference order is also an order of increasing optimisation."""
+    slim = next((r for r in done if r.name == "onnxslim" and r.status == "ok" and r.path), None)
+    return Path(slim.path) if name == "auto_optimizer" and slim else original
+
+
+def _build_and_check(
+    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None
+) -> VariantResult:
+    started = time.perf_counter()
+    target = source if name == "original" else destination
+    knowledge_outcomes = []
+    try:
+        if name == "onnxslim":
+            make_onnxslim(source, target)
+        elif name == "auto_optimizer":
+            knowledge_outcomes = make_auto_optimizer(source, target, knowledges)
+    except AutoOptimizerUnavailable as err:
+        return VariantResult(name=name, status="unavailable", built_from=str(source), reason=str(err))
+    except Exception as err:  # one variant's failure must not stop the others
+        return VariantResult(
+            name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
+        )
+    seconds = 0.0 if name == "original" else time.perf_counter() - started
+    result = check_variant(name, target, samples)
+    result.seconds = round(seconds, 3)
+    result.built_from = str(source)
+    result.knowledges = knowledge_outcomes
+    if name == "auto_optimizer":
+        by_outcome = {o: [k.name for k in knowledge_outcomes if k.outcome == o] for o in ("applied", "failed", "rejected")}
+        note = f"knowledges applied: {by_outcome['applied'] or 'none'}"
+        if by_outcome["failed"]:
+            note += f"; raised an error (skipped): {by_outcome['failed']}"
+        if by_outcome["rejected"]:
+            note += f"; broke the graph (undone): {by_outcome['rejected']}"
+        result.reason = f"{result.reason}; {note}" if result.reason else note
+    return result
+
+
+def make_onnxslim(source: Path, target: Path) -> Path:
+    import onnxslim
+
+    with stdout_to_stderr():
+        # Given a path only, slim() returns the model quietly; saving is ours (external data).
+        model = onnxslim.slim(str(source))
+    if not isinstance(model, onnx.ModelProto):
+        raise OmskillsError(f"onnxslim returned {type(model).__name__}, not a model, for {source}")
+    return save_model(model, target)
+
+
+def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None):
+    with stdout_to_stderr():
+        api = load_auto_optimizer()
+        model, outcomes = apply_knowledges(api, source, knowledges)
+    save_model(model, target)
+    return outcomes
+
+
+def check_variant(name: VariantName, path: Path, samples: Sequence[Sample]) -> VariantResult:
+    """onnx checker, ORT load, outputs produced, and parity on `samples`."""
+    model = onnx.load(str(path), load_external_data=False)
+    checks = [checker_check(path), outputs_produced_check(model)]
+    metrics: list[OutputParity] = []
+    verdict: Verdict | None = None
+    try:
+        from .runtime import open_backend
+
+        backend = open_backend(path, "onnxruntime")
+    except Exception as err:
+        checks.append(VariantCheck(name="ort_load", passed=False, detail=f"{type(err).__name__}: {err}"[:500]))
+        backend = None
+    if backend is not None:
+        checks.append(VariantCheck(name="ort_load", passed=True, detail=backend.describe()))
+        with backend:
+            if samples:
+                metrics, verdict, detail = probe_parity(backend, samples)
+                checks.append(VariantCheck(name="parity", passed=verdict != "fail", detail=detail))
+    failed = [c.name for c in checks if not c.passed]
+    return VariantResult(
+        name=name,
+        status="failed" if failed else "ok",
+        path=str(path),
+        reason=f"failed check(s): {failed}" if failed else None,
+        node_count=len(model.graph.node),
+        checks=checks,
+        samples_probed=len(samples) if verdict is not None else 0,
+        parity_verdict=verdict,
+        parity=metrics,
+    )
+
+
+def checker_check(path: Path) -> VariantCheck:
+    """onnx.checker on the file path (works past 2 GiB); full_check adds strict shape inference."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+        return VariantCheck(name="onnx_checker", passed=True, detail="full_check")
+    except Exception as full_err:
+        try:
+            onnx.checker.check_model(str(path))
+        except Exception as err:
+            return VariantCheck(name="onnx_checker", passed=False, detail=f"{type(err).__name__}: {err}"[:500])
+        return VariantCheck(
+            name="onnx_checker",
+            passed=True,
+            detail=f"structure valid; full_check (strict shape inference) failed: {full_err}"[:500],
+        )
+
+
+def outputs_produced_check(model: onnx.ModelProto) -> VariantCheck:
+    """Every graph output must come from a node, a graph input or an initializer."""
+    graph = model.graph
+    produced = {o for node in graph.node for o in node.output if o}
+    produced |= {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    dangling = [o.name for o in graph.output if o.name not in produced]
+    names = [o.name for o in graph.output]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if dangling or duplicated:
+        parts = ([f"not produced by any node: {dangling}"] if dangling else []) + (
+            [f"listed twice: {duplicated}"] if duplicated else []
+        )
+        return VariantCheck(name="outputs_produced", passed=False, detail="; ".join(parts))
+    return VariantCheck(name="outputs_produced", passed=True, detail=f"{len(names)} output(s)")
+
+
+def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity], Verdict, str]:
+    """Run every sample and compare with its reference; per output, the worst sample counts."""
+    worst: dict[str, OutputParity] = {}
+    for feeds, reference in samples:
+        report = compare_outputs(reference, backend.run(feeds))
+        for parity in report.outputs:
+            if parity.name not in worst or _worse(parity, worst[parity.name]):
+                worst[parity.name] = parity
+    per_output = list(worst.values())
+    verdict = overall_verdict(per_output)
+    return per_output, verdict, f"{len(samples)} sample(s), {len(per_output)} output(s), verdict {verdict}"
+
+
+def _worse(a: OutputParity, b: OutputParity) -> bool:
+    rank_a, rank_b = VERDICT_RANK[a.verdict], VERDICT_RANK[b.verdict]
+    if rank_a != rank_b:
+        return rank_a > rank_b
+    return (a.max_abs or 0.0) > (b.max_abs or 0.0)
+
+
+def choose_preferred(results: Sequence[VariantResult]) -> tuple[VariantResult | None, str]:
+    """First of auto_optimizer -> onnxslim -> original that passed every check and is no less
+    accurate than the original (an optimisation must not move a model down a parity tier)."""
+    by_name = {r.name: r for r in results}
+    original = by_name.get("original")
+    ceiling = VERDICT_RANK[original.parity_verdict] if original and original.parity_verdict else None
+    passed_over: list[str] = []
+    for name in PREFERENCE:
+        result = by_name.get(name)
+        if result is None:
+            continue
+        if result.status != "ok":
+            passed_over.append(f"{name}: {result.status}")
+            continue
+        if ceiling is not None and result.parity_verdict and VERDICT_RANK[result.parity_verdict] > ceiling:
+            passed_over.append(f"{name}: parity {result.parity_verdict} is worse than the original's")
+            continue
+        reason = f"first in order {list(PREFERENCE)} that passed its checks"
+        return result, reason + (f" (passed over: {'; '.join(passed_over)})" if passed_over else "")
+    return None, "no variant passed its checks: " + "; ".join(passed_over)

@@ -1,0 +1,83 @@
+"""`omskills` command line: a thin layer over the engine and the orchestrator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from omskills.errors import OmskillsError
+
+Handler = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
+
+
+def command(name: str, configure: Callable[[argparse.ArgumentParser], None]) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        _COMMANDS[name] = (configure, handler)
+        return handler
+
+    return register
+
+
+def _tool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="tool name (see `omskills tool --list`)", nargs="?")
+    p.add_argument("--args", default="{}", help="arguments as a JSON object")
+    p.add_argument("--list", action="store_true", help="list the tools and exit")
+
+
+@command("tool", _tool_args)
+def _tool(ns: argparse.Namespace) -> int:
+    from omskills.toolkit import call_tool, discover_tools, to_jsonable
+
+    tools = discover_tools()
+    if ns.list or not ns.name:
+        for info in tools.values():
+            summary = info.description.splitlines()[0] if info.description else ""
+            print(f"{info.name:28s} [{info.skill}] {summary}")
+        return 0
+    if ns.name not in tools:
+        raise OmskillsError(f"unknown tool {ns.name!r}; known: {', '.join(tools)}")
+    try:
+        args = json.loads(ns.args)
+    except json.JSONDecodeError as err:
+        raise OmskillsError(f"--args is not valid JSON: {err}") from None
+    print(json.dumps(to_jsonable(call_tool(tools[ns.name].func, args)), indent=2))
+    return 0
+
+
+def _load_subcommand_modules() -> None:
+    # Each front-end module registers its commands with @command on import.
+    from omskills.orchestrator import commands, job_commands  # noqa: F401
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_subcommand_modules()
+    parser = argparse.ArgumentParser(prog="omskills", description="Adapt PyTorch models (SAM 3 / SAM 3.1) to Ascend OM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (configure, handler) in _COMMANDS.items():
+        p = sub.add_parser(name, help=(handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None)
+        configure(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.handler(ns)
+    except OmskillsError as err:
+        print(f"omskills: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("omskills: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    # Run as `python -m omskills.orchestrator.cli`: call the imported module's main, where the
+    # subcommand modules register (this file would otherwise exist twice, as __main__ and by name).
+    from omskills.orchestrator.cli import main as _main
+
+    sys.exit(_main())

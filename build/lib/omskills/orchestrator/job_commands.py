@@ -1,0 +1,160 @@
+"""`omskills main-path` and `omskills adapt`: the main jobs, thin over the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cli import command
+
+
+def _main_path_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", help="task record (YAML)")
+    _override_args(p)
+    p.add_argument("--out", help="output folder (default: runs/<task id>-<scale>/main_path)")
+
+
+def _override_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale")
+    p.add_argument("--frames", type=int, help="override intake.inputs.frames")
+    p.add_argument("--source", help="override intake.model.source (a checkout path, or `package`)")
+
+
+def _with_overrides(record, ns: argparse.Namespace):
+    """Apply --scale/--frames/--source to the record in memory (the YAML file is not changed)."""
+    from omskills.errors import InputError
+
+    if ns.source:
+        record.intake.model.source = ns.source
+    if ns.scale:
+        record.intake.model.scale = ns.scale
+    if ns.frames is not None:
+        if ns.frames < 1:
+            raise InputError("--frames must be at least 1")
+        record.intake.inputs.frames = ns.frames
+    return record
+
+
+@command("main-path", _main_path_args)
+def _main_path(ns: argparse.Namespace) -> int:
+    """Run the text-prompted video main path once and write main_path.json, masks and overlays."""
+    from omskills.main_path import run_and_report
+    from omskills.task_record import load_record
+
+    task_path = Path(ns.task)
+    record = _with_overrides(load_record(task_path), ns)
+    out = Path(ns.out) if ns.out else Path("runs") / f"{record.id}-{record.intake.model.scale}" / "main_path"
+    report, _ = run_and_report(record, task_path.resolve().parent, out)
+    print(f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_frames} frames "
+          f"in {report.total_seconds:.1f} s ({report.seconds_per_frame:.2f} s/frame) | load {report.load_seconds:.1f} s "
+          f"| peak RSS {report.peak_rss_mb / 1024:.2f} GB", file=sys.stderr)
+    for line in report.verification:
+        print(f"  verification: {line}", file=sys.stderr)
+    for f in report.frames:
+        print(f"  frame {f.frame}: ids {f.obj_ids} scores {[round(s, 3) for s in f.scores]} areas {f.mask_areas}", file=sys.stderr)
+    print(f"  {len(report.portability_findings)} portability sites touched; outputs in {out}", file=sys.stderr)
+    print(str(out / "main_path.json"))
+    return 0
+
+
+def adaptation_plan(task: str) -> list:
+    """The built-in deterministic plan: stages 1 -> 4, each a skill tool called through MCP."""
+    from .plan_runner import PlanStep
+
+    def step(tool: str, stage: str, label: str, **extra: object) -> PlanStep:
+        return PlanStep(tool=tool, args={"task": task, **extra}, stage=stage, label=label)
+
+    return [
+        step("check_environment", "1 inventory & plan", "environment gate"),
+        step("inventory_entries", "1 inventory & plan", "static inventory of the model source"),
+        step("profile_main_path", "1 inventory & plan", "instrumented main-path run (profile + contracts)"),
+        step("plan_candidates", "1 inventory & plan", "rank candidates, choose the first batch"),
+        step("capture_contracts", "2 contracts & boundaries", "contracts of the selected candidates"),
+        step("analyze_boundaries", "2 contracts & boundaries", "exportability and ATC shape strategy"),
+        step("export_onnx", "3 ONNX -> OM", "export to ONNX"),
+        step("probe_onnx", "3 ONNX -> OM", "probe ONNX Runtime against PyTorch"),
+        step("optimize_onnx", "3 ONNX -> OM", "onnxslim / auto_optimizer variants"),
+        step("precheck_ops", "3 ONNX -> OM", "operator precheck against ATC's list"),
+        step("convert_atc", "3 ONNX -> OM", "ATC command (run where CANN exists)"),
+        step("verify_main_path", "4 splice & verify", "spliced vs PyTorch main path"),
+        step("write_delivery_doc", "4 splice & verify", "delivery document"),
+    ]
+
+
+def _adapt_args(p: argparse.ArgumentParser) -> None:
+    from .commands import _agent_limits
+
+    p.add_argument("task", help="task record (YAML); it is copied into the output folder, which holds the run")
+    _override_args(p)
+    p.add_argument("--out", help="run folder (default: runs/<task id>-<scale>); a rerun resumes there")
+    p.add_argument("--agent", choices=["plan", "claude"], default="plan", help="built-in deterministic plan, or Claude")
+    _agent_limits(p)
+
+
+@command("adapt", _adapt_args)
+def _adapt(ns: argparse.Namespace) -> int:
+    """Adapt a model end to end: inventory, plan, contracts, ONNX/ATC, splice and verify."""
+    import asyncio
+
+    from omskills.task_record import load_record, save_record
+
+    source = _with_overrides(load_record(ns.task), ns)
+    out = Path(ns.out) if ns.out else Path("runs") / f"{source.id}-{source.intake.model.scale}"
+    out.mkdir(parents=True, exist_ok=True)
+    task = out / "task.yaml"
+    if task.exists():  # resume: keep the results, take the intake from the command line
+        record = load_record(task)
+        record.intake = source.intake
+    else:
+        record = source
+    _resolve_relative_paths(record, Path(ns.task).resolve().parent)
+    save_record(record, task)
+    if ns.agent == "claude":
+        from .agent import agent_settings, run_agent
+
+        settings = agent_settings(ns.model, ns.max_turns, ns.max_tokens)
+        result = asyncio.run(run_agent(str(task), settings=settings, workspace=out))
+        print(f"agent stopped: {result.stop}; transcript {result.transcript_path}", file=sys.stderr)
+        return 0 if result.stop == "end_turn" else 1
+    from .plan_runner import run_plan
+
+    result = asyncio.run(run_plan(adaptation_plan("task.yaml"), workspace=out))
+    _print_summary(task)
+    if not result.ok:
+        print(f"omskills: error: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _resolve_relative_paths(record, base: Path) -> None:
+    """Paths in the copied record stay valid from the run folder."""
+    inputs, model = record.intake.inputs, record.intake.model
+    if not inputs.video.startswith("builtin:") and not Path(inputs.video).is_absolute():
+        inputs.video = str((base / inputs.video).resolve())
+    if model.source != "package" and not Path(model.source).is_absolute():
+        model.source = str((base / model.source).resolve())
+    if model.checkpoint and not Path(model.checkpoint).is_absolute():
+        model.checkpoint = str((base / model.checkpoint).resolve())
+
+
+def _print_summary(task: Path) -> None:
+    from omskills.task_record import load_record
+
+    record = load_record(task)
+    if record.plan is None:
+        return
+    print("\ncandidate              status       share   backend                         probe     cos        max abs", file=sys.stderr)
+    verification = record.verification
+    for cand in record.plan.candidates:
+        backend = verification.backend_per_candidate.get(cand.name, "-") if verification else "-"
+        probe = record.toolchain.get(cand.name).probes.get("original") if cand.name in record.toolchain else None
+        print(f"{cand.name:22s} {cand.status:12s} {cand.share:6.1%}  {backend:31s} "
+              f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
+              f"{f'{probe.worst_max_abs:.1e}' if probe else '-'}", file=sys.stderr)
+    if verification:
+        m = verification.main_path
+        print(f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.frames} frames | ids equal {m.obj_ids_equal} "
+              f"| min mask IoU {m.min_mask_iou:.4f} | fallbacks {m.fallbacks} | torch {m.torch_s_per_frame:.2f} s/frame, "
+              f"spliced {m.spliced_s_per_frame:.2f} s/frame (ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}",
+              file=sys.stderr)

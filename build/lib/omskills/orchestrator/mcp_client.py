@@ -1,0 +1,179 @@
+"""An MCP client session with `omskills serve`, started over stdio with the real SDK client.
+
+Everything the orchestrator does to the skills goes through here: list the tools, call
+one with a progress callback, read a SKILL.md or task record resource. The plan runner
+and the Claude loop share it, so `--agent plan` and `--agent claude` take the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import mcp_types as types
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel
+
+from omskills.errors import OmskillsError
+
+# Called as progress notifications arrive: (done, total or None, message or None).
+ProgressFn = Callable[[float, float | None, str | None], Awaitable[None]]
+
+_SERVE_ENTRY = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
+
+# Secrets the tool server has no use for stay out of its environment.
+_WITHHELD_ENV_PREFIXES = ("ANTHROPIC_",)
+
+
+class ToolSpec(BaseModel):
+    """One tool as the server lists it."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    skill: str | None = None
+
+
+class ToolCallOutcome(BaseModel):
+    """What one tool call returned: text for a model to read, structured data for code."""
+
+    name: str
+    arguments: dict[str, Any]
+    is_error: bool
+    text: str
+    structured: Any = None
+    seconds: float
+
+
+class ResourceSpec(BaseModel):
+    uri: str
+    name: str
+    mime_type: str | None = None
+
+
+class OmskillsClient:
+    """A connected MCP session; create it with `connect()` or `connect_http()`."""
+
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+        self._tools: list[ToolSpec] | None = None
+
+    async def list_tools(self) -> list[ToolSpec]:
+        if self._tools is None:
+            listed = await self.session.list_tools()
+            self._tools = [
+                ToolSpec(
+                    name=t.name,
+                    description=t.description or "",
+                    input_schema=t.input_schema,
+                    skill=(t.meta or {}).get("omskills/skill"),
+                )
+                for t in listed.tools
+            ]
+        return self._tools
+
+    async def call(self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None) -> ToolCallOutcome:
+        """Call a tool. A tool failure is an outcome with `is_error`, not an exception."""
+        started = time.perf_counter()
+        result = await self.session.call_tool(name, arguments, progress_callback=on_progress)
+        text = "\n".join(block.text for block in result.content if isinstance(block, types.TextContent))
+        structured = result.structured_content
+        if not text and structured is not None:
+            text = json.dumps(structured)
+        return ToolCallOutcome(
+            name=name,
+            arguments=arguments,
+            is_error=bool(result.is_error),
+            text=text,
+            structured=structured,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    async def list_resources(self) -> list[ResourceSpec]:
+        listed = await self.session.list_resources()
+        return [ResourceSpec(uri=str(r.uri), name=r.name, mime_type=r.mime_type) for r in listed.resources]
+
+    async def read_text(self, uri: str) -> str:
+        result = await self.session.read_resource(uri)
+        parts = [c.text for c in result.contents if isinstance(c, types.TextResourceContents)]
+        if not parts:
+            raise OmskillsError(f"resource {uri} has no text content")
+        return "\n".join(parts)
+
+
+def server_parameters(workspace: Path, skills_dir: Path | None = None, env: dict[str, str] | None = None) -> StdioServerParameters:
+    """How to start `omskills serve` with this interpreter (works without the console script)."""
+    # `-c` rather than `-m omskills.orchestrator.cli`: run as __main__, cli.py would be a second
+    # module instance whose command table the subcommand modules never register into.
+    args = ["-c", _SERVE_ENTRY, "serve", "--workspace", str(workspace)]
+    if skills_dir is not None:
+        args += ["--skills-dir", str(skills_dir)]
+    # The SDK passes only a few safe variables by default; the tools need the rest
+    # (PATH, LD_LIBRARY_PATH and ASCEND_* for CANN, OMSKILLS_*, thread counts).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(_WITHHELD_ENV_PREFIXES)}
+    # The server's own log stays quiet unless asked: the orchestrator reports every outcome itself.
+    inherited.setdefault("OMSKILLS_LOG_LEVEL", "WARNING")
+    return StdioServerParameters(command=sys.executable, args=args, env=inherited | (env or {}), cwd=str(workspace))
+
+
+async def _initialized(session: ClientSession, server: str) -> OmskillsClient:
+    try:
+        await session.initialize()
+    except MCPError as err:
+        raise OmskillsError(f"the MCP server ({server}) did not start: {err.error.message} (its stderr says why)") from None
+    return OmskillsClient(session)
+
+
+def _only_omskills_error(group: BaseExceptionGroup) -> OmskillsError | None:
+    """The single OmskillsError inside nested task-group errors, if that is all there is."""
+    leaves = []
+    stack: list[BaseException] = [group]
+    while stack:
+        err = stack.pop()
+        if isinstance(err, BaseExceptionGroup):
+            stack.extend(err.exceptions)
+        else:
+            leaves.append(err)
+    return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], OmskillsError) else None
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    workspace: str | Path,
+    skills_dir: str | Path | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    errlog: TextIO = sys.stderr,
+) -> AsyncIterator[OmskillsClient]:
+    """Start `omskills serve --workspace WORKSPACE` as a child process and connect over stdio."""
+    params = server_parameters(Path(workspace).resolve(), Path(skills_dir).resolve() if skills_dir else None, env)
+    try:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                yield await _initialized(session, "omskills serve")
+    except BaseExceptionGroup as group:
+        if (err := _only_omskills_error(group)) is not None:
+            raise err from None
+        raise
+
+
+@contextlib.asynccontextmanager
+async def connect_http(url: str) -> AsyncIterator[OmskillsClient]:
+    """Connect to a running `omskills serve --http HOST:PORT` (url like http://127.0.0.1:8765/mcp)."""
+    try:
+        async with streamable_http_client(url) as (read, write):
+            async with ClientSession(read, write) as session:
+                yield await _initialized(session, url)
+    except BaseExceptionGroup as group:
+        if (err := _only_omskills_error(group)) is not None:
+            raise err from None
+        raise

@@ -1,0 +1,116 @@
+"""Run a deterministic plan — a list of tool calls — through the MCP server.
+
+`omskills adapt --agent plan` builds the steps; this runs them over the same MCP path
+the Claude agent uses, shows progress on stderr, and stops at the first error with its
+message. Nothing here knows what the tools do.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+
+from .mcp_client import OmskillsClient, ProgressFn, ToolCallOutcome, connect
+
+
+class PlanStep(BaseModel):
+    """One tool call of the plan."""
+
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    # The task-record step this call produces ("main_path", "export:vision_backbone", ...).
+    stage: str
+    # What a person reads in the progress output.
+    label: str
+
+
+class StepOutcome(BaseModel):
+    step: PlanStep
+    outcome: ToolCallOutcome
+
+    @property
+    def ok(self) -> bool:
+        return not self.outcome.is_error
+
+
+class PlanResult(BaseModel):
+    ok: bool
+    completed: list[StepOutcome] = Field(default_factory=list)
+    # The step that failed and the tool's message, when one did; later steps did not run.
+    failed: StepOutcome | None = None
+    skipped: list[PlanStep] = Field(default_factory=list)
+
+    @property
+    def error(self) -> str | None:
+        return self.failed.outcome.text if self.failed else None
+
+
+class ToolCallDisplay:
+    """A start line, a tqdm bar fed by progress notifications, an end line (on stderr)."""
+
+    def __init__(self, prefix: str, tool: str, stream: TextIO) -> None:
+        self.prefix = prefix
+        self.stream = stream
+        self.bar: tqdm | None = None
+        print(f"{self.prefix}: {tool} ...", file=stream, flush=True)
+
+    async def on_progress(self, done: float, total: float | None, message: str | None) -> None:
+        if self.bar is None:
+            # disable=None: a bar on a terminal, nothing in a log file.
+            self.bar = tqdm(total=total, desc=self.prefix, file=self.stream, leave=False, disable=None, dynamic_ncols=True)
+        if total is not None:
+            self.bar.total = total
+        self.bar.n = done
+        if message:
+            self.bar.set_postfix_str(message, refresh=False)
+        self.bar.refresh()
+
+    def finish(self, outcome: ToolCallOutcome) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        status = "FAILED" if outcome.is_error else "ok"
+        line = f"{self.prefix}: {status} in {outcome.seconds:.1f}s"
+        if outcome.is_error:
+            line += f" — {outcome.text}"
+        print(line, file=self.stream, flush=True)
+
+
+async def _run_steps(steps: Sequence[PlanStep], client: OmskillsClient, stream: TextIO) -> PlanResult:
+    result = PlanResult(ok=True)
+    for index, step in enumerate(steps, start=1):
+        display = ToolCallDisplay(f"[{index}/{len(steps)}] {step.label}", step.tool, stream)
+        progress: ProgressFn = display.on_progress
+        outcome = await client.call(step.tool, step.args, on_progress=progress)
+        display.finish(outcome)
+        done = StepOutcome(step=step, outcome=outcome)
+        if outcome.is_error:
+            result.ok = False
+            result.failed = done
+            result.skipped = list(steps[index:])
+            return result
+        result.completed.append(done)
+    return result
+
+
+async def run_plan(
+    steps: Sequence[PlanStep],
+    client: OmskillsClient | None = None,
+    *,
+    workspace: str | Path | None = None,
+    skills_dir: str | Path | None = None,
+    stream: TextIO = sys.stderr,
+) -> PlanResult:
+    """Run `steps` in order through MCP; stop at the first error.
+
+    With `client` the steps go through that session; without, a server is started for
+    `workspace` (default: cwd) for the duration of the plan.
+    """
+    if client is not None:
+        return await _run_steps(steps, client, stream)
+    async with connect(Path(workspace or Path.cwd()), skills_dir) as started:
+        return await _run_steps(steps, started, stream)

@@ -1,0 +1,124 @@
+"""I/O contracts of candidate modules, as captured on the real main path (stage 2).
+
+Everything later (export wrapper, shape strategy, splice-back) is built from these.
+A contract describes one candidate's call signature after flattening: the args/kwargs and
+outputs are pytrees whose structure is kept as serialised tree specs; tensor leaves are
+listed in flat order with their names; non-tensor leaves are constants (or flagged varying).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Record
+
+ProvenanceKind = Literal["prompt", "image", "session", "parameter", "module_output", "constant", "unknown"]
+
+
+class Provenance(Record):
+    kind: ProvenanceKind
+    # For module_output: the producing module's path; for prompt/image/session: what tagged it.
+    source: str | None = None
+    # True when the tensor was computed from that origin by Python-side tensor ops (e.g. a mask
+    # thresholded in the tracker's Python code), not handed over as is.
+    derived: bool = False
+
+
+class TensorSpec(Record):
+    """One tensor leaf of a call, in flat order."""
+
+    name: str  # valid ONNX I/O name, unique within the contract
+    tree_path: str  # where it sits in the (args, kwargs) or output pytree, e.g. "[0][1].tensors"
+    shape: list[int]  # shape seen in the first call
+    dtype: str  # "float32", "int64", "bool", ...
+    device: str
+    # dim index (as str, YAML/JSON keys) -> sorted distinct sizes seen across calls (only dims that vary)
+    dynamic_dims: dict[str, list[int]] = Field(default_factory=dict)
+    provenance: Provenance | None = None  # inputs only
+    consumers: list[str] = Field(default_factory=list)  # outputs only: modules that read it next
+    # Position among all leaves (tensor and non-tensor) of the flattened tree, to rebuild it.
+    flat_index: int | None = None
+
+
+class NonTensorArg(Record):
+    tree_path: str
+    value_repr: str  # the value (first call); when varying, the distinct values seen
+    constant: bool  # the same on every call
+    # The value itself when it is a JSON scalar (to rebuild the call without the live objects).
+    value: bool | int | float | str | None = None
+    flat_index: int | None = None
+
+
+class CallShape(Record):
+    """Shapes of one call, flat order, for the record of observed values."""
+
+    inputs: list[list[int]]
+    outputs: list[list[int]]
+
+
+class ContractSpec(Record):
+    candidate: str  # candidate name, e.g. "vision_backbone"
+    module_path: str  # dotted path from the model root, e.g. "detector.backbone.vision_backbone"
+    module_class: str
+    parent_path: str  # replacement point: parent module path ...
+    attribute: str  # ... attribute on the parent ...
+    method: str = "forward"  # ... and the method that is called
+    calls: int
+    calls_per_frame: float | None = None
+    in_spec: str  # serialised pytree spec of (args, kwargs)
+    out_spec: str  # serialised pytree spec of the output
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    non_tensor_args: list[NonTensorArg] = Field(default_factory=list)
+    non_tensor_outputs: list[NonTensorArg] = Field(default_factory=list)
+    # Distinct call structures seen (tree spec + which leaves are tensors). Above 1, the fields above
+    # describe the most frequent one and the other calls cannot be served by one graph.
+    structure_variants: int = 1
+    call_shapes: list[CallShape] = Field(default_factory=list)  # distinct per-call shapes, first-seen order
+    samples: list[str] = Field(default_factory=list)  # npz paths, relative to the task workdir
+
+
+class DimRef(Record):
+    """Dimension `dim` of the contract input named `input` (its name or tree path)."""
+
+    input: str
+    dim: int
+
+
+class QuantityLimit(Record):
+    """A model quantity whose range the source shows, declared by the model-family driver.
+
+    E.g. num_objects in [1, 16] because SAM 3.1 buckets objects by 16. `dims` names the input dims
+    that follow it; left empty, it is matched to varying dims whose observed values lie in range.
+    """
+
+    quantity: str
+    low: int
+    high: int
+    evidence: str = ""
+    dims: list[DimRef] = Field(default_factory=list)
+
+
+class ShapeStrategy(Record):
+    """Exactly one ATC shape strategy for a candidate."""
+
+    kind: Literal["static", "dynamic_batch_size", "dynamic_image_size", "dynamic_dims", "dynamic_shape"]
+    # Input name -> shape, -1 marking a dynamic dim (ATC --input_shape).
+    input_shapes: dict[str, list[int]]
+    # dynamic_batch_size: [[b1], [b2]...]; dynamic_image_size: [[h,w],...]; dynamic_dims: one row per gear,
+    # values of all -1 dims in input order.
+    gears: list[list[int]] = Field(default_factory=list)
+    # dynamic_shape: input name -> per-dim [min, max] ranges ("1~16" in ATC syntax)
+    ranges: dict[str, list[list[int]]] = Field(default_factory=dict)
+    rationale: str
+
+
+class BoundaryDecision(Record):
+    candidate: str
+    exportable: bool
+    reasons: list[str]
+    control_plane: list[str] = Field(default_factory=list)  # what stays in Python, with evidence
+    shape_strategy: ShapeStrategy | None = None
+    merge_with: list[str] = Field(default_factory=list)

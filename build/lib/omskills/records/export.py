@@ -1,0 +1,59 @@
+"""Records of exporting a candidate to ONNX (stage 3) and of splicing the compiled candidate
+back into the live model (stage 4)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Record
+
+ExporterName = Literal["dynamo", "legacy"]
+
+
+class ExportResult(Record):
+    """One ONNX export of a candidate through its contract wrapper."""
+
+    path: str  # the .onnx file
+    exporter: ExporterName  # which exporter really ran
+    opset: int  # default-domain opset of the saved model
+    # The exporter's own opset when it was above the requested one and onnx.version_converter
+    # brought it down; None when no conversion ran.
+    converted_from_opset: int | None = None
+    seconds: float  # exporter run plus conversion and save
+    bytes: int  # the .onnx file plus its external data file
+    sha256: str  # of the .onnx file followed by its external data file (when there is one)
+    external_data: bool  # weights in "<name>.onnx.data" next to the .onnx (models over 2 GB)
+    log_path: str  # everything the exporter printed or warned
+    input_names: list[str]  # graph inputs in order (an exporter may drop unused contract inputs)
+    output_names: list[str]
+    fact_source: str  # where the opset limit we target comes from
+
+
+FallbackKind = Literal["structure", "constant", "dtype", "shape", "autograd", "method"]
+
+
+class FallbackEvent(Record):
+    """A call a spliced module could not send to its backend, so PyTorch ran it instead."""
+
+    candidate: str
+    call: int  # 1-based index among the spliced module's calls
+    kind: FallbackKind
+    reason: str  # names the input, dim or constant that is outside the contract
+
+
+class SpliceStats(Record):
+    """What one spliced candidate did during a run."""
+
+    candidate: str
+    module_path: str
+    backend_kind: str
+    backend_device: str
+    calls: int
+    backend_calls: int
+    fallbacks: int
+    fallback_kinds: dict[FallbackKind, int] = Field(default_factory=dict)  # kind -> count
+    fallback_reasons: list[str] = Field(default_factory=list)  # distinct reasons, first seen first
+    total_backend_seconds: float = 0.0  # feeds conversion + backend run + output rebuild
+    mean_backend_seconds: float | None = None  # None when the backend never ran

@@ -1,0 +1,58 @@
+"""The candidate plan (stage 1): which heavy subtrees to adapt first, and why."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Record
+
+CandidateStatus = Literal[
+    "pending", "selected", "deferred", "excluded",
+    "exported", "optimised", "converted", "validated", "integrated", "failed", "fallback",
+]
+
+
+class Candidate(Record):
+    name: str
+    module_path: str
+    module_class: str
+    description: str
+    group: str = ""  # the seed subtree it belongs to (e.g. detector_grounding)
+    share: float  # inclusive wall-time share of the main path
+    calls: int
+    calls_per_frame: float | None
+    params: int
+    boundary_clarity: float  # 1.0 = tensors only in/out, constant non-tensor args
+    state_dependent: bool  # reads session state (memories, caches) across frames
+    score: float
+    rank: int
+    status: CandidateStatus
+    reason: str
+    # Where the stages put this candidate's artefacts (ONNX, OM) once produced.
+    onnx_path: str | None = None
+    om_path: str | None = None
+
+
+class Plan(Record):
+    candidates: list[Candidate]
+    first_batch: list[str]
+    rationale: str
+    report_path: str | None = None
+    chart_path: str | None = None
+
+    def candidate(self, name: str) -> Candidate | None:
+        return next((c for c in self.candidates if c.name == name), None)
+
+    def selected(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.name in self.first_batch]
+
+
+class StudyRun(Record):
+    """The one instrumented run of the main path that feeds the profile and the contracts."""
+
+    inputs_hash: str
+    main_path_json: str
+    contracts_captured: list[str] = Field(default_factory=list)
+    seconds: float

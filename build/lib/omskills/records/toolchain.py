@@ -1,0 +1,160 @@
+"""Records of the ONNX -> OM toolchain (stage 3): inspection, optimisation variants, the
+operator precheck against ATC's list, and ATC conversion.
+
+The ATC option model (`AtcOptions`, with its validation) lives in `omskills.atc`, next to the
+code that turns it into a command line; this module only holds what the tools report.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..compare import OutputParity, Verdict
+from .base import Record
+
+
+# -- inspect_onnx ---------------------------------------------------------------------------
+
+
+class OnnxTensorInfo(Record):
+    """One graph input or output as declared in the ONNX file."""
+
+    name: str
+    dtype: str  # numpy spelling ("float32", "int64", ...); "unknown" when the file does not say
+    # Static sizes are ints, symbolic ones keep their name ("batch"), undeclared ones are "?".
+    shape: list[int | str] | None  # None: no shape declared at all
+
+
+class ExternalDataInfo(Record):
+    files: list[str] = Field(default_factory=list)  # relative to the model's folder, as stored in the model
+    bytes: int = 0  # tensor bytes held outside the .onnx file
+    missing: list[str] = Field(default_factory=list)  # referenced files that are not there
+
+
+class OnnxSummary(Record):
+    path: str
+    file_bytes: int  # the .onnx file alone
+    total_bytes: int  # with its external data
+    ir_version: int
+    producer: str | None = None
+    # Operator-set domain ("ai.onnx" for the default domain) -> version.
+    opsets: dict[str, int]
+    inputs: list[OnnxTensorInfo]
+    outputs: list[OnnxTensorInfo]
+    symbolic_dims: list[str] = Field(default_factory=list)  # names of all symbolic dims in inputs/outputs
+    node_count: int  # nodes of the main graph (subgraphs and functions counted apart)
+    subgraph_node_count: int = 0  # nodes inside If/Loop/Scan bodies
+    # op type -> count over the main graph and subgraphs; non-default domains as "domain::Op"
+    op_histogram: dict[str, int]
+    local_functions: list[str] = Field(default_factory=list)  # "domain::name" of model-local functions
+    initializer_count: int
+    external_data: ExternalDataInfo
+
+
+# -- optimize_onnx --------------------------------------------------------------------------
+
+VariantName = Literal["original", "onnxslim", "auto_optimizer"]
+VariantStatus = Literal["ok", "failed", "unavailable"]
+CheckName = Literal["onnx_checker", "ort_load", "outputs_produced", "parity"]
+
+
+class VariantCheck(Record):
+    name: CheckName
+    passed: bool
+    detail: str | None = None
+
+
+class KnowledgeOutcome(Record):
+    """What one auto_optimizer knowledge did to the model."""
+
+    name: str
+    # rejected: it applied, but the result failed strict ONNX shape inference, so it was undone
+    outcome: Literal["applied", "not_matched", "failed", "rejected"]
+    error: str | None = None
+
+
+class VariantResult(Record):
+    name: VariantName
+    status: VariantStatus
+    path: str | None = None
+    built_from: str | None = None  # the model file the variant was made from
+    reason: str | None = None  # why failed / unavailable, or what to watch when ok
+    node_count: int | None = None
+    seconds: float | None = None  # time to produce the variant (0 for the original)
+    checks: list[VariantCheck] = Field(default_factory=list)
+    samples_probed: int = 0
+    parity_verdict: Verdict | None = None  # None: no samples were given, parity not probed
+    parity: list[OutputParity] = Field(default_factory=list)  # per output, its worst sample
+    knowledges: list[KnowledgeOutcome] = Field(default_factory=list)  # auto_optimizer only
+
+
+class OptimizeResult(Record):
+    original: str
+    variants: list[VariantResult]
+    # Preference auto_optimizer -> onnxslim -> original among variants that pass every check
+    # and whose parity is no worse than the original's.
+    preferred: VariantName | None = None
+    preferred_path: str | None = None
+    why: str
+
+
+# -- precheck_ops ---------------------------------------------------------------------------
+
+OpStatus = Literal["supported", "constrained", "unsupported"]
+
+
+class OpCheckRow(Record):
+    op_type: str
+    domain: str  # "" for the default ONNX domain
+    count: int
+    status: OpStatus
+    nodes: list[str]  # node names (first 50; `count` is the full number)
+    reason: str | None = None
+    constraints: str | None = None  # the documented constraints, when there are any
+    opsets: str | None = None  # the opsets the table accepts for this op
+    range_from: str | None = None  # "op page" or "assumed" (see tools/data/atc_onnx_ops.README.md)
+    source: str | None = None
+
+
+class OpPrecheck(Record):
+    model: str
+    soc: str
+    opset: int  # the model's default-domain opset, which ATC's parser keys on
+    table: str  # which document the table comes from
+    verdict: Verdict  # fail: an op is unsupported; review: constraints apply; pass: neither
+    counts: dict[str, int]  # status -> number of op types
+    rows: list[OpCheckRow]
+
+
+# -- convert_atc ----------------------------------------------------------------------------
+
+AtcStatus = Literal["converted", "failed", "not_run"]
+
+
+class AtcInstall(Record):
+    atc: str  # the atc executable
+    set_env: str | None = None  # CANN's set_env.sh, sourced before atc when known
+    toolkit_home: str | None = None
+
+
+class AtcErrorAdvice(Record):
+    code: str  # "E19010", or "message" when matched on the text only
+    message: str  # the log line
+    advice: str
+
+
+class AtcResult(Record):
+    status: AtcStatus
+    reason: str | None = None
+    command: list[str]  # argv of atc
+    script: str  # ready-to-run shell script with the same command
+    atc: str | None = None  # which atc ran
+    log: str | None = None
+    exit_code: int | None = None
+    seconds: float | None = None
+    om_path: str | None = None
+    om_sha256: str | None = None
+    om_bytes: int | None = None
+    errors: list[AtcErrorAdvice] = Field(default_factory=list)

@@ -1,0 +1,16 @@
+"""Per-candidate results of stage 3 kept in the task record."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ..compare import ParityReport
+from .base import Record
+from .toolchain import AtcResult, OpPrecheck, OptimizeResult
+
+
+class CandidateToolchain(Record):
+    probes: dict[str, ParityReport] = Field(default_factory=dict)  # variant -> probe on captured samples
+    optimize: OptimizeResult | None = None
+    precheck: OpPrecheck | None = None
+    atc: AtcResult | None = None

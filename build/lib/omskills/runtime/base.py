@@ -1,0 +1,185 @@
+"""One interface for every runtime that can execute a compiled candidate.
+
+Shaped like NVIDIA Polygraphy's runners: this base class owns the life cycle
+(activate -> run -> close), checks each feed against the model's input metadata before the
+backend sees it, and times the inference; a backend only implements the three `_impl`
+hooks. A spliced module therefore behaves the same whichever backend runs underneath.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import numpy as np
+from pydantic import field_validator
+
+from ..errors import OmskillsError
+from ..records.base import Record
+
+BackendKind = Literal["onnxruntime", "om"]
+
+# Shown for a dimension whose size is only known at run time and has no name.
+ANONYMOUS_DIM = "?"
+
+
+class BackendError(OmskillsError):
+    """A backend cannot be opened or cannot run (missing runtime, bad option, load failure)."""
+
+
+class BackendInputError(BackendError):
+    """A feed does not match the model's inputs (name, rank, dtype or a static dimension)."""
+
+
+class IOSpec(Record):
+    """One input or output of a loaded model, as the runtime reports it."""
+
+    name: str
+    # Static sizes are ints; symbolic sizes keep their name ("batch"), unnamed ones are "?".
+    shape: list[int | str]
+    dtype: str  # numpy spelling: "float32", "int64", "bool", ...
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _symbolic_dims_as_text(cls, dims: object) -> object:
+        # Runtimes spell "unknown" as None (ONNX Runtime) or a negative size (ACL's -1).
+        if not isinstance(dims, (list, tuple)):
+            return dims
+        return [ANONYMOUS_DIM if d is None or (isinstance(d, int) and d < 0) else d for d in dims]
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+
+class RuntimeBackend(ABC):
+    """A loaded model that maps named numpy feeds to named numpy outputs.
+
+    Use as a context manager, or call `close()`. The model is loaded on first use
+    (`activate()`, `run()`, `inputs`, `outputs` or entering the `with` block).
+    """
+
+    kind: ClassVar[BackendKind]
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise BackendError(f"model file not found: {self.path}")
+        # Filled by the backend on activation: where the model really runs.
+        self.device: str = ""
+        # Wall time of the last `run` call's inference, in seconds (feed checks excluded).
+        self.last_seconds: float | None = None
+        self._inputs: list[IOSpec] = []
+        self._outputs: list[IOSpec] = []
+        self._active = False
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def activate(self) -> RuntimeBackend:
+        if not self._active:
+            self._inputs, self._outputs = self._activate_impl()
+            self._active = True
+        return self
+
+    def close(self) -> None:
+        if self._active:
+            self._active = False
+            self._deactivate_impl()
+
+    def __enter__(self) -> RuntimeBackend:
+        return self.activate()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> list[IOSpec]:
+        self.activate()
+        return list(self._inputs)
+
+    @property
+    def outputs(self) -> list[IOSpec]:
+        self.activate()
+        return list(self._outputs)
+
+    def describe(self) -> str:
+        """Short label for reports: which runtime and device really ran."""
+        return f"{self.kind}:{self.device}" if self.device else self.kind
+
+    # -- inference --------------------------------------------------------------------------
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check `feeds` against the inputs, run the model, return outputs by name (model order)."""
+        self.activate()
+        arrays = check_feeds(self._inputs, feeds, model=self.path.name)
+        started = time.perf_counter()
+        produced = self._infer_impl(arrays)
+        self.last_seconds = time.perf_counter() - started
+        return self._ordered_outputs(produced)
+
+    def _ordered_outputs(self, produced: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [spec.name for spec in self._outputs if spec.name not in produced]
+        if missing:
+            raise BackendError(f"{self.kind} backend on {self.path.name} returned no value for output(s) {missing}")
+        return {spec.name: np.asarray(produced[spec.name]) for spec in self._outputs}
+
+    # -- hooks for backends -----------------------------------------------------------------
+
+    @abstractmethod
+    def _activate_impl(self) -> tuple[list[IOSpec], list[IOSpec]]:
+        """Load the model; set `self.device`; return (inputs, outputs) in the model's order."""
+
+    @abstractmethod
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Run once on feeds already checked (one array per input name)."""
+
+    @abstractmethod
+    def _deactivate_impl(self) -> None:
+        """Free what `_activate_impl` allocated."""
+
+
+def check_feeds(specs: list[IOSpec], feeds: Mapping[str, object], model: str) -> dict[str, np.ndarray]:
+    """Return the feeds as arrays after checking names, dtype, rank and static dims.
+
+    Each problem raises `BackendInputError` naming the input, so a caller outside the
+    contract learns what to fix instead of reading a runtime's stack trace.
+    """
+    expected = [spec.name for spec in specs]
+    missing = [name for name in expected if name not in feeds]
+    unknown = [name for name in feeds if name not in expected]
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing input(s) {missing}")
+        if unknown:
+            parts.append(f"unknown input(s) {unknown}")
+        raise BackendInputError(f"{model}: {'; '.join(parts)}; the model takes {expected}")
+    return {spec.name: _checked_array(spec, feeds[spec.name], model) for spec in specs}
+
+
+def _checked_array(spec: IOSpec, value: object, model: str) -> np.ndarray:
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        raise BackendInputError(
+            f"{model}: input '{spec.name}' must be a numpy.ndarray, got {type(value).__name__}"
+        )
+    if value.dtype != np.dtype(spec.dtype):
+        raise BackendInputError(f"{model}: input '{spec.name}' has dtype {value.dtype}, expected {spec.dtype}")
+    if value.ndim != len(spec.shape):
+        raise BackendInputError(
+            f"{model}: input '{spec.name}' has rank {value.ndim} (shape {list(value.shape)}), "
+            f"expected rank {len(spec.shape)} (shape {spec.shape})"
+        )
+    for axis, (size, want) in enumerate(zip(value.shape, spec.shape)):
+        if isinstance(want, int) and size != want:
+            raise BackendInputError(
+                f"{model}: input '{spec.name}' has size {size} on dim {axis} (shape {list(value.shape)}), "
+                f"expected {want} (shape {spec.shape})"
+            )
+    return value

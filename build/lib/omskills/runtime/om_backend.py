@@ -1,0 +1,172 @@
+"""OM backend: runs an ATC-compiled `.om` model through ais_bench's InferSession.
+
+Interface used (and nothing else), as documented in the ait/msit benchmark
+"interface python API" guide (gitee.com/ascend/ait, ait/docs/benchmark/API_GUIDE.md; mirrored at
+github.com/mjlovesz/test-my-pages docs/benchmark/API_GUIDE.md) and its samples
+(ait/components/benchmark/api_samples/interface_api_usage/api_infer/infer_api_*.py):
+
+- `InferSession(device_id: int, model_path: str, acl_json_path=None, debug=False, loop=1)`
+- `get_inputs()` / `get_outputs()` -> list of `aclruntime.tensor_desc` with `.name`, `.shape`
+  (list[int], -1 for a dimension that varies) and `.datatype` (enum `aclruntime.dtype`: 'uint8',
+  'int8', 'uint16', 'int16', 'uint32', 'int32', 'uint64', 'int64', 'float16', 'float32',
+  'double64', 'bool')
+- `infer(feeds: list, mode='static', custom_sizes=100000, out_array=True)` -> list[np.ndarray];
+  feeds are positional in `get_inputs()` order; outputs come in `get_outputs()` order; `mode` is
+  one of 'static', 'dymbatch', 'dymhw', 'dymdims', 'dymshape' and must match how ATC compiled
+  the model; `custom_sizes` (bytes per output, int or list) only matters for 'dymshape'.
+- `free_resource()` frees the session's device memory (newer releases; older ones lack it).
+
+`ais_bench` and `aclruntime` are not on PyPI: they come as wheels built for an Ascend host
+with CANN installed, so this module imports them only when a session is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+
+from .base import BackendError, IOSpec, RuntimeBackend
+
+OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]
+OM_MODES: tuple[str, ...] = get_args(OmMode)
+
+# ATC shape strategy (records.contracts.ShapeStrategy.kind) -> InferSession.infer mode.
+_MODE_FOR_STRATEGY: dict[str, OmMode] = {
+    "static": "static",
+    "dynamic_batch_size": "dymbatch",
+    "dynamic_image_size": "dymhw",
+    "dynamic_dims": "dymdims",
+    "dynamic_shape": "dymshape",
+}
+
+# Gear models (dynamic batch / image size / dims) get an extra input through which ACL is told
+# the gear; it is the runtime's business, not a model input (CANN AscendCL guide,
+# "Model Inference with Dynamic-Shape Inputs": ACL_DYNAMIC_TENSOR_NAME).
+ACL_DYNAMIC_TENSOR_NAME = "ascend_mbatch_shape_data"
+
+# aclruntime.dtype names that numpy spells differently.
+_ACL_TO_NUMPY = {"double64": "float64"}
+
+_MISSING_AIS_BENCH = (
+    "the OM backend needs an Ascend NPU host with CANN and the ais_bench + aclruntime wheels "
+    "(not on PyPI; built from Ascend's msit/ait benchmark tool): {reason}"
+)
+
+
+def om_mode_for_strategy(kind: str) -> OmMode:
+    """The InferSession mode that matches an ATC shape strategy kind."""
+    try:
+        return _MODE_FOR_STRATEGY[kind]
+    except KeyError:
+        known = list(_MODE_FOR_STRATEGY)
+        raise BackendError(f"shape strategy: unknown kind {kind!r}; expected one of {known}") from None
+
+
+def import_infer_session():
+    """`ais_bench.infer.interface.InferSession`, or a BackendError saying what is missing."""
+    try:
+        from ais_bench.infer.interface import InferSession
+    except ImportError as exc:  # aclruntime also fails here when CANN's libraries are absent
+        raise BackendError(_MISSING_AIS_BENCH.format(reason=exc)) from exc
+    return InferSession
+
+
+def ais_bench_available() -> bool:
+    try:
+        import_infer_session()
+    except BackendError:
+        return False
+    return True
+
+
+class OmBackend(RuntimeBackend):
+    kind = "om"
+
+    def __init__(
+        self,
+        path: str | Path,
+        device_id: int = 0,
+        mode: OmMode = "static",
+        custom_sizes: int | list[int] | None = None,
+    ) -> None:
+        super().__init__(path)
+        if mode not in OM_MODES:
+            raise BackendError(
+                f"mode: {mode!r} is not an InferSession mode; expected one of {list(OM_MODES)} "
+                "(om_mode_for_strategy() maps an ATC shape strategy to its mode)"
+            )
+        if custom_sizes is not None and mode != "dymshape":
+            raise BackendError(f"custom_sizes: only used with mode='dymshape', not mode={mode!r}")
+        self.device_id = device_id
+        self.mode: OmMode = mode
+        self.custom_sizes = custom_sizes
+        self._session = None
+
+    def _activate_impl(self) -> tuple[list[IOSpec], list[IOSpec]]:
+        infer_session = import_infer_session()
+        try:
+            self._session = infer_session(self.device_id, str(self.path))
+        except Exception as exc:  # aclruntime raises RuntimeError with ACL's code in the text
+            raise BackendError(f"ais_bench cannot load {self.path} on npu:{self.device_id}: {exc}") from exc
+        self.device = f"npu:{self.device_id}"
+        inputs = [self._spec(d) for d in self._session.get_inputs() if d.name != ACL_DYNAMIC_TENSOR_NAME]
+        outputs = [self._spec(d) for d in self._session.get_outputs()]
+        self._check_mode_matches(inputs)
+        return inputs, outputs
+
+    def _spec(self, desc) -> IOSpec:
+        shape = [int(d) for d in desc.shape]
+        if self.mode in ("dymbatch", "dymhw", "dymdims"):
+            # A gear model's descriptor may report -1 or the largest gear depending on the
+            # aclruntime release; only rank and dtype are checked here and ACL itself rejects a
+            # shape that is not one of the compiled gears.
+            shape = [-1] * len(shape)
+        return IOSpec(name=desc.name, shape=shape, dtype=_numpy_dtype(desc.datatype, desc.name))
+
+    def _check_mode_matches(self, inputs: list[IOSpec]) -> None:
+        # The one mismatch visible from the metadata: ACL reports -1 for dims a model leaves
+        # open, and a static session cannot feed those.
+        if self.mode == "static":
+            dynamic = [spec.name for spec in inputs if not spec.is_static]
+            if dynamic:
+                raise BackendError(
+                    f"mode: 'static' does not match {self.path.name}, whose input(s) {dynamic} have dynamic "
+                    "dims; pass the mode of the ATC shape strategy (om_mode_for_strategy)"
+                )
+
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        # InferSession takes feeds by position, in get_inputs() order, and reads raw buffers.
+        ordered = [np.ascontiguousarray(feeds[spec.name]) for spec in self._inputs]
+        options: dict[str, object] = {"mode": self.mode}
+        if self.custom_sizes is not None:
+            options["custom_sizes"] = self.custom_sizes
+        try:
+            values = self._session.infer(ordered, **options)
+        except Exception as exc:
+            raise BackendError(f"ais_bench failed to run {self.path.name} (mode={self.mode}): {exc}") from exc
+        if len(values) != len(self._outputs):
+            raise BackendError(
+                f"ais_bench returned {len(values)} outputs for {self.path.name}, which declares {len(self._outputs)}"
+            )
+        return {spec.name: np.asarray(value) for spec, value in zip(self._outputs, values)}
+
+    def _deactivate_impl(self) -> None:
+        # free_resource() releases this session's device memory only; finalize() would tear
+        # down ACL for the whole process, including other open sessions, so it is not called.
+        free = getattr(self._session, "free_resource", None)
+        if callable(free):
+            free()
+        self._session = None
+
+
+def _numpy_dtype(datatype: object, name: str) -> str:
+    # aclruntime.dtype is a pybind11 enum: `.name` is 'float32'; str() would be 'dtype.float32'.
+    label = getattr(datatype, "name", None) or str(datatype).rsplit(".", 1)[-1]
+    label = _ACL_TO_NUMPY.get(label, label)
+    try:
+        return np.dtype(label).name
+    except TypeError:
+        raise BackendError(f"OM I/O '{name}': unsupported datatype {datatype!r}") from None

@@ -1,0 +1,101 @@
+"""ONNX Runtime backend: CPU everywhere, CUDA where a GPU exists, CANN on Ascend.
+
+The CANN execution provider ships as the `onnxruntime-cann` wheel, which installs under the
+same import name as `onnxruntime`; whichever wheel is installed decides what is available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .base import BackendError, IOSpec, RuntimeBackend
+
+# Tried in this order when the caller does not choose: the Ascend provider first (the point
+# of this project), then a GPU, then the CPU that is always there.
+PREFERRED_PROVIDERS = ("CANNExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+# ONNX Runtime reports element types as "tensor(<onnx name>)"; these are the names that
+# differ from numpy's spelling. Others ("int64", "bool", "float16", ...) are the same.
+_ORT_TO_NUMPY = {"float": "float32", "double": "float64", "string": "object"}
+
+
+def available_providers() -> list[str]:
+    import onnxruntime
+
+    return list(onnxruntime.get_available_providers())
+
+
+def resolve_providers(requested: Sequence[str] | None) -> list[str]:
+    """The providers to ask for: the caller's (each must be available) or the preferred ones present."""
+    available = available_providers()
+    if requested is None:
+        chosen = [name for name in PREFERRED_PROVIDERS if name in available]
+        if not chosen:
+            raise BackendError(f"onnxruntime offers none of {list(PREFERRED_PROVIDERS)}; available: {available}")
+        return chosen
+    if isinstance(requested, str):
+        requested = [requested]
+    unavailable = [name for name in requested if name not in available]
+    if unavailable:
+        raise BackendError(f"providers: {unavailable} not available in this onnxruntime; available: {available}")
+    return list(requested)
+
+
+def numpy_dtype_of(ort_type: str) -> str:
+    """'tensor(float)' -> 'float32'."""
+    inner = ort_type.removeprefix("tensor(").removesuffix(")")
+    return _ORT_TO_NUMPY.get(inner, inner)
+
+
+class OnnxRuntimeBackend(RuntimeBackend):
+    kind = "onnxruntime"
+
+    def __init__(
+        self, path: str | Path, providers: Sequence[str] | None = None, threads: int | None = None
+    ) -> None:
+        super().__init__(path)
+        if threads is not None and threads < 1:
+            raise BackendError(f"threads: must be >= 1, got {threads}")
+        self.providers = resolve_providers(providers)
+        self.threads = threads
+        self._session = None
+
+    def _activate_impl(self) -> tuple[list[IOSpec], list[IOSpec]]:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        # Errors only: ORT's warnings go to stderr and would drown the progress display.
+        options.log_severity_level = 3
+        if self.threads is not None:
+            options.intra_op_num_threads = self.threads
+        try:
+            self._session = onnxruntime.InferenceSession(str(self.path), sess_options=options, providers=self.providers)
+        except Exception as exc:  # ORT raises its own types (InvalidProtobuf, Fail, ...)
+            raise BackendError(f"onnxruntime cannot load {self.path}: {_first_line(exc)}") from exc
+        # ORT drops providers that fail to initialise; the first one kept is the one that runs
+        # the graph (nodes it does not support fall back to the next, typically the CPU).
+        self.device = self._session.get_providers()[0]
+        return _specs(self._session.get_inputs()), _specs(self._session.get_outputs())
+
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        names = [spec.name for spec in self._outputs]
+        try:
+            values = self._session.run(names, feeds)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime failed to run {self.path.name}: {_first_line(exc)}") from exc
+        return dict(zip(names, values))
+
+    def _deactivate_impl(self) -> None:
+        self._session = None
+
+
+def _specs(node_args) -> list[IOSpec]:
+    return [IOSpec(name=arg.name, shape=list(arg.shape), dtype=numpy_dtype_of(arg.type)) for arg in node_args]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,251 @@
+"""onnx-atc-pipeline stage functions over a task record (stage 3).
+
+Each step works on one candidate, is recorded as `<step>:<candidate>` with a fingerprint of
+its inputs, and is skipped on a rerun when already done with the same inputs: a crash
+mid-stage redoes only the unfinished candidate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Generic, Literal, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from . import progress
+from .atc import AtcOptions, run_atc
+from .atc_ops import precheck_ops as _precheck
+from .compare import ParityReport, compare_outputs
+from .contracts.samples import Sample, load_sample
+from .deployer import selected_candidates
+from .errors import OmskillsError, StageError
+from .export import dynamic_dims_from_strategy, export_onnx as _export
+from .model_cache import load_model
+from .optimize import optimize_variants
+from .records.base import Record
+from .records.contracts import ContractSpec
+from .records.export import ExportResult
+from .records.stages import Artifact
+from .records.toolchain import AtcResult, OpPrecheck, OptimizeResult
+from .records.toolchain_stage import CandidateToolchain
+from .runtime import open_backend
+from .stage_steps import fingerprint, is_done, running_step
+from .task_record import TaskRecord, load_record, updating
+
+Exporter = Literal["dynamo", "legacy"]
+
+
+def _contract(record: TaskRecord, name: str) -> ContractSpec:
+    if name not in record.contracts:
+        raise StageError(f"no contract for candidate {name!r}: run capture_contracts first")
+    return record.contracts[name]
+
+
+def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
+    contract = _contract(record, name)
+    if not contract.samples:
+        raise StageError(f"candidate {name!r} has no captured samples")
+    return [load_sample(workdir / p) for p in contract.samples]
+
+
+def _numpy(sample_part: dict) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in sample_part.items()}
+
+
+def _set_status(record: TaskRecord, name: str, status: str, reason: str | None = None) -> None:
+    if record.plan and (cand := record.plan.candidate(name)):
+        cand.status = status  # type: ignore[assignment]
+        if reason:
+            cand.reason = reason
+
+
+def _toolchain(record: TaskRecord, name: str) -> CandidateToolchain:
+    return record.toolchain.setdefault(name, CandidateToolchain())
+
+
+def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") -> ExportResult:
+    record = load_record(task_path)
+    workdir = TaskRecord.workdir(task_path)
+    contract = _contract(record, name)
+    boundary = record.boundaries.get(name)
+    if boundary is None or not boundary.exportable or boundary.shape_strategy is None:
+        raise StageError(f"candidate {name!r} has no exportable boundary: run analyze_boundaries first")
+    inputs_hash = fingerprint(contract, boundary.shape_strategy, exporter)
+    step = f"export:{name}"
+    if is_done(record, step, inputs_hash) and name in record.exports and (workdir / record.exports[name].path).exists():
+        return record.exports[name]
+    sample = _samples(record, workdir, name)[0]
+    _, loaded, _ = load_model(record.intake.model)
+    module = loaded.root.get_submodule(contract.module_path)
+    out = workdir / "onnx" / name / f"{name}.onnx"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with running_step(task_path, step, inputs_hash) as handle:
+        handle.result.logs.append(str((out.parent / f"{name}.onnx.export.log").relative_to(workdir)))
+        with loaded.portability:
+            result = _export(module, contract, [sample.inputs[s.name] for s in contract.inputs], out,
+                             dynamic_dims=dynamic_dims_from_strategy(contract, boundary.shape_strategy),
+                             exporter=exporter, log_path=out.parent / f"{name}.onnx.export.log")
+        result.path = str(Path(result.path).resolve().relative_to(workdir))
+
+        def store(rec: TaskRecord) -> None:
+            rec.exports[name] = result
+            _set_status(rec, name, "exported")
+
+        handle.update(store)
+        handle.result.artifacts.append(Artifact(path=result.path, sha256=result.sha256, bytes=result.bytes))
+    return result
+
+
+def _model_path(record: TaskRecord, workdir: Path, name: str, variant: str) -> Path:
+    if variant == "original":
+        if name not in record.exports:
+            raise StageError(f"candidate {name!r} is not exported: run export_onnx first")
+        return workdir / record.exports[name].path
+    opt = record.toolchain.get(name, CandidateToolchain()).optimize
+    found = next((v for v in (opt.variants if opt else []) if v.name == variant and v.path), None)
+    if found is None:
+        raise StageError(f"candidate {name!r} has no {variant!r} variant: run optimize_onnx first")
+    return Path(found.path) if Path(found.path).is_absolute() else workdir / found.path
+
+
+def probe_candidate(task_path: Path, name: str, variant: str = "original") -> ParityReport:
+    record = load_record(task_path)
+    workdir = TaskRecord.workdir(task_path)
+    path = _model_path(record, workdir, name, variant)
+    samples = _samples(record, workdir, name)
+    with open_backend(path, "onnxruntime") as backend:
+        wanted = {spec.name for spec in backend.inputs}
+        reports = []
+        for sample in samples:
+            got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
+            reports.append(compare_outputs(_numpy(sample.outputs), got))
+    worst = min(reports, key=lambda r: (r.worst_cosine, -r.worst_max_abs))
+    worst_by_verdict = max(reports, key=lambda r: ["pass", "review", "fail"].index(r.verdict))
+    report = worst_by_verdict if worst_by_verdict.verdict != "pass" else worst
+    with updating(task_path) as rec:
+        _toolchain(rec, name).probes[variant] = report
+        rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
+                   f"{len(samples)} captured samples; worst cosine {report.worst_cosine:.6f}, max abs {report.worst_max_abs:.2e}")
+    return report
+
+
+def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
+    record = load_record(task_path)
+    workdir = TaskRecord.workdir(task_path)
+    original = _model_path(record, workdir, name, "original")
+    inputs_hash = fingerprint(record.exports[name].sha256)
+    step = f"optimize:{name}"
+    existing = record.toolchain.get(name, CandidateToolchain()).optimize
+    if is_done(record, step, inputs_hash) and existing is not None:
+        return existing
+    samples = [(_numpy(s.inputs), _numpy(s.outputs)) for s in _samples(record, workdir, name)]
+    with running_step(task_path, step, inputs_hash) as handle:
+        result = optimize_variants(original, original.parent, samples)
+
+        def store(rec: TaskRecord) -> None:
+            _toolchain(rec, name).optimize = result
+            if result.preferred:
+                _set_status(rec, name, "optimised")
+            rec.decide("optimize_onnx", f"{name}: preferred variant {result.preferred}", result.why)
+
+        handle.update(store)
+    return result
+
+
+def preferred_model(record: TaskRecord, workdir: Path, name: str) -> Path:
+    opt = record.toolchain.get(name, CandidateToolchain()).optimize
+    if opt is not None and opt.preferred_path:
+        path = Path(opt.preferred_path)
+        return path if path.is_absolute() else workdir / path
+    return _model_path(record, workdir, name, "original")
+
+
+def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> OpPrecheck:
+    record = load_record(task_path)
+    workdir = TaskRecord.workdir(task_path)
+    result = _precheck(preferred_model(record, workdir, name), soc or record.intake.target.soc)
+    with updating(task_path) as rec:
+        _toolchain(rec, name).precheck = result
+        rec.decide("precheck_ops", f"{name}: operator precheck {result.verdict}", f"counts {result.counts} against {result.table}")
+    return result
+
+
+def convert_candidate(task_path: Path, name: str, precision_mode: str | None = None) -> AtcResult:
+    record = load_record(task_path)
+    workdir = TaskRecord.workdir(task_path)
+    boundary = record.boundaries.get(name)
+    if boundary is None or boundary.shape_strategy is None:
+        raise StageError(f"candidate {name!r} has no shape strategy: run analyze_boundaries first")
+    model = preferred_model(record, workdir, name)
+    out_dir = workdir / "om" / name
+    options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(out_dir / name),
+                                       soc_version=record.intake.target.soc,
+                                       **({"precision_mode": precision_mode} if precision_mode else {}))
+    inputs_hash = fingerprint(options)
+    step = f"atc:{name}"
+    with running_step(task_path, step, inputs_hash) as handle:
+        result = run_atc(options, out_dir)
+        handle.result.logs += [p for p in (result.log, result.script) if p]
+        if result.status == "not_run":
+            handle.result.status = "not_run"
+            handle.result.note = result.reason
+        elif result.status == "failed":
+            handle.result.status = "failed"
+            handle.result.error = result.reason
+
+        def store(rec: TaskRecord) -> None:
+            _toolchain(rec, name).atc = result
+            if result.status == "converted":
+                _set_status(rec, name, "converted")
+                if rec.plan and (cand := rec.plan.candidate(name)):
+                    cand.om_path = result.om_path
+            rec.decide("convert_atc", f"{name}: ATC {result.status}", result.reason or "ATC exited 0 and wrote the OM")
+
+        handle.update(store)
+    return result
+
+
+def candidates_for(task_path: Path, candidate: str | None) -> list[str]:
+    return selected_candidates(load_record(task_path), candidate)
+
+
+class CandidateFailure(Record):
+    candidate: str
+    error: str
+
+
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+
+class CandidateBatch(Record, Generic[ResultT]):
+    """One step over several candidates: the results, and the candidates that failed with why."""
+
+    results: dict[str, ResultT] = Field(default_factory=dict)
+    failed: list[CandidateFailure] = Field(default_factory=list)
+
+
+ExportBatch = CandidateBatch[ExportResult]
+ProbeBatch = CandidateBatch[ParityReport]
+OptimizeBatch = CandidateBatch[OptimizeResult]
+PrecheckBatch = CandidateBatch[OpPrecheck]
+AtcBatch = CandidateBatch[AtcResult]
+
+
+def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],
+                       run: Callable[[str], ResultT], desc: str) -> CandidateBatch[ResultT]:
+    """Run one step per candidate; a failing candidate is recorded (status failed) and the rest go on.
+
+    Asked for one candidate, its error is raised instead, so a caller sees the message.
+    """
+    names = candidates_for(task_path, candidate)
+    for name in progress.track(names, len(names), desc):
+        try:
+            batch.results[name] = run(name)
+        except OmskillsError as err:
+            if candidate is not None:
+                raise
+            batch.failed.append(CandidateFailure(candidate=name, error=str(err)))
+            with updating(task_path) as rec:
+                _set_status(rec, name, "failed", f"{desc}: {err}")
+    return batch
