@@ -4,7 +4,9 @@
 the main path. While active it redirects the CUDA-only calls SAM makes (`.cuda()`,
 `pin_memory`, `device="cuda"` in tensor factories, CUDA device queries, CUDA bf16
 autocast, bf16 casts) to the target device in fp32, and records every site it touched as a
-`PortabilityFinding` (file:line inside the model source, what it did, how often). On exit
+`PortabilityFinding` (file:line inside the model source, what it did, how often). Drivers can
+also add `FunctionFix`es (one function replaced) and `WatchedImport`s (imports of modules some
+hosts lack, e.g. triton or pkg_resources, recorded and stood in for when missing). On exit
 everything is restored. Nothing is patched at import time.
 
 These findings are the same places an NPU port must touch (there, the target device is
@@ -13,15 +15,18 @@ These findings are the same places an NPU port must touch (there, the target dev
 
 from __future__ import annotations
 
+import builtins
 import functools
 import importlib
+import importlib.resources
+import importlib.util
 import sys
 import threading
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, SimpleNamespace
+from types import FrameType, ModuleType, SimpleNamespace
 from typing import Any, Callable
 from unittest import mock
 
@@ -57,6 +62,74 @@ class FunctionFix:
     make: Callable[[Callable[..., Any]], Callable[..., tuple[bool, Any]]]
 
 
+@dataclass(frozen=True)
+class WatchedImport:
+    """A module the model source imports that accelerator hosts may lack (triton, pkg_resources).
+
+    While the layer is active, every `import <name>` executed by the model source is a finding
+    at its file:line. When the module cannot be found, `stand_in()` provides substitute modules
+    (module name -> module) for as long as the layer is active, so the import itself succeeds.
+    """
+
+    name: str
+    kind: str
+    detail: str
+    stand_in: Callable[[], dict[str, ModuleType]] | None = None
+
+
+def pkg_resources_stand_in() -> dict[str, ModuleType]:
+    """`pkg_resources.resource_filename` (gone from setuptools >= 81) on importlib.resources."""
+    module = ModuleType("pkg_resources")
+
+    def resource_filename(package: str, resource: str) -> str:
+        return str(importlib.resources.files(package).joinpath(resource))
+
+    module.resource_filename = resource_filename  # type: ignore[attr-defined]
+    return {"pkg_resources": module}
+
+
+class _UnavailableKernel:
+    """What the triton stand-in hands out: usable at import time, raises if a kernel is launched."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> "_UnavailableKernel":
+        return _UnavailableKernel(f"{self._name}.{attribute}")
+
+    def __getitem__(self, _key: Any) -> "_UnavailableKernel":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self._name}: triton is not installed (omskills portability stand-in)")
+
+
+def _identity_decorator(*args: Any, **kwargs: Any) -> Any:
+    """`@triton.jit` and `@triton.jit(...)`: the function stays a plain (unlaunchable) function."""
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return args[0]
+    return lambda fn: fn
+
+
+def triton_stand_in() -> dict[str, ModuleType]:
+    """Enough of triton for modules that define kernels at import time and never launch them."""
+    modules: dict[str, ModuleType] = {}
+    for name in ("triton", "triton.language"):
+        module = ModuleType(name)
+        module.__getattr__ = lambda attribute, _n=name: _UnavailableKernel(f"{_n}.{attribute}")  # type: ignore[method-assign]
+        modules[name] = module
+    for decorator in ("jit", "autotune", "heuristics"):
+        setattr(modules["triton"], decorator, _identity_decorator)
+    modules["triton"].language = modules["triton.language"]  # type: ignore[attr-defined]
+    return modules
+
+
+HOST_DEPENDENT_IMPORTS = (
+    WatchedImport("triton", "triton", "CUDA/ROCm kernel library; no NPU build", triton_stand_in),
+    WatchedImport("pkg_resources", "pkg_resources", "removed from setuptools >= 81", pkg_resources_stand_in),
+)
+
+
 class DevicePortability:
     def __init__(self, device: str | torch.device, source_root: Path, fp32: bool = True):
         self.device = torch.device(device)
@@ -66,10 +139,15 @@ class DevicePortability:
         self._lock = threading.Lock()
         self._stack: ExitStack | None = None
         self._function_fixes: list[FunctionFix] = []
+        self._watched_imports: dict[str, WatchedImport] = {}
 
     def add_fix(self, fix: "FunctionFix") -> None:
         """A model-specific replacement of one function, applied (and recorded) while active."""
         self._function_fixes.append(fix)
+
+    def watch_import(self, watched: "WatchedImport") -> None:
+        """Record imports of `watched.name` from the model source; stand in for it when missing."""
+        self._watched_imports[watched.name] = watched
 
     # -- recording ---------------------------------------------------------------------
     def _site(self) -> tuple[str, int]:
@@ -208,12 +286,46 @@ class DevicePortability:
             stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", self._cuda_query("get_device_properties", self._device_properties)))
             stack.enter_context(mock.patch.object(torch.cuda, "synchronize", self._cuda_query("synchronize", lambda *a, **k: None)))
             stack.enter_context(mock.patch.object(torch.cuda, "empty_cache", self._cuda_query("empty_cache", lambda *a, **k: None)))
+        if self._watched_imports:
+            # Before the function fixes: importing their modules may import watched ones.
+            self._watch_imports(stack)
         for fix in self._function_fixes:
             module = importlib.import_module(fix.module)
             original = getattr(module, fix.attribute)
             stack.enter_context(mock.patch.object(module, fix.attribute, self._recorded_fix(fix, original)))
         self._stack = stack
         return self
+
+    def _watch_imports(self, stack: ExitStack) -> None:
+        stand_ins: dict[str, ModuleType] = {}
+        for watched in self._watched_imports.values():
+            if watched.stand_in is not None and watched.name not in sys.modules and importlib.util.find_spec(watched.name) is None:
+                stand_ins.update(watched.stand_in())
+        missing = {name.split(".")[0] for name in stand_ins}
+        # Not mock.patch.dict: on exit it would also drop every module imported meanwhile.
+        sys.modules.update(stand_ins)
+        stack.callback(self._remove_stand_ins, stand_ins)
+        stack.enter_context(mock.patch.object(builtins, "__import__", self._recording_import(builtins.__import__, missing)))
+
+    @staticmethod
+    def _remove_stand_ins(stand_ins: dict[str, ModuleType]) -> None:
+        for name, module in stand_ins.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+
+    def _recording_import(self, original: Callable[..., Any], missing: set[str]) -> Callable[..., Any]:
+        portability = self
+
+        @functools.wraps(original)
+        def recording_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+            watched = portability._watched_imports.get(name.split(".")[0]) if level == 0 else None
+            # Only imports written in the model source count (not, e.g., torch importing triton).
+            if watched is not None and sys._getframe(1).f_code.co_filename.startswith(portability.source_root):
+                how = "not installed: stand-in module for the run" if watched.name in missing else "imported"
+                portability._record(watched.kind, f"import {name} {how} ({watched.detail})")
+            return original(name, globals, locals, fromlist, level)
+
+        return recording_import
 
     def _recorded_fix(self, fix: "FunctionFix", original: Callable[..., Any]) -> Callable[..., Any]:
         replacement = fix.make(original)
