@@ -51,6 +51,8 @@ def _main_path(ns: argparse.Namespace) -> int:
           f"| peak RSS {report.peak_rss_mb / 1024:.2f} GB", file=sys.stderr)
     for line in report.verification:
         print(f"  verification: {line}", file=sys.stderr)
+    for line in report.notes:
+        print(f"  note: {line}", file=sys.stderr)
     for f in report.frames:
         print(f"  frame {f.frame}: ids {f.obj_ids} scores {[round(s, 3) for s in f.scores]} areas {f.mask_areas}", file=sys.stderr)
     print(f"  {len(report.portability_findings)} portability sites touched; outputs in {out}", file=sys.stderr)

@@ -65,6 +65,8 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
             decisions = _analyze(contracts, modules, driver.source_limits(), trial_export=trial_export, samples_root=workdir)
 
             def store(rec: TaskRecord) -> None:
+                for note in driver.control_plane_notes():
+                    rec.decide("analyze_boundaries", "stays in Python", note)
                 for d in decisions:
                     rec.boundaries[d.candidate] = d
                     strategy = d.shape_strategy.kind if d.shape_strategy else "none"
@@ -75,5 +77,5 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     table = workdir / "contracts" / "boundaries.md"
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text(render_contract_table(contracts, decisions))
-    control = sorted({line for d in decisions for line in d.control_plane})
+    control = get_driver(record.intake.model.family).control_plane_notes() + sorted({line for d in decisions for line in d.control_plane})
     return BoundariesResult(decisions=decisions, table_path=str(table.relative_to(workdir)), control_plane=control)

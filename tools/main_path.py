@@ -72,7 +72,7 @@ def write_main_path(record: TaskRecord, loaded, result: MainPathResult, frames, 
     report = MainPathReport(
         task_id=record.id, model_family=intake.model.family, scale=intake.model.scale, weights=loaded.weights,
         device=intake.model.device, prompt=intake.inputs.prompt, video=intake.inputs.video, num_frames=len(result.frames),
-        verification=verification_notes(intake) + result.notes,
+        verification=verification_notes(intake),
         load_seconds=round(load_seconds, 3), prompt_seconds=round(result.prompt_seconds, 3),
         total_seconds=round(result.total_seconds, 3), seconds_per_frame=round(sum(f.seconds for f in result.frames) / n, 3),
         peak_rss_mb=round(peak_rss_mb(), 1),
@@ -80,7 +80,7 @@ def write_main_path(record: TaskRecord, loaded, result: MainPathResult, frames, 
                             boxes_xywh=[[round(v, 6) for v in b] for b in f.boxes_xywh],
                             mask_areas=[int(m.sum()) for m in f.masks], seconds=round(f.seconds, 3)) for f in result.frames],
         masks_path=masks_path.name, overlays=overlays,
-        portability_findings=loaded.portability.findings(), notes=list(loaded.notes),
+        portability_findings=loaded.portability.findings(), notes=list(loaded.notes) + result.notes,
     )
     (out_dir / "main_path.json").write_text(report.model_dump_json(indent=2))
     return report

@@ -89,6 +89,10 @@ class ModelDriver(ABC):
     def provenance_sources(self, loaded: LoadedModel) -> list[ProvenanceSource]:
         return []
 
+    def control_plane_notes(self) -> list[str]:
+        """What the family keeps in Python around its candidates, and why (for the record)."""
+        return []
+
     def source_limits(self) -> dict[str, list[int]]:
         """Ranges the source declares for quantities that drive dynamic dims (e.g. objects)."""
         return {}
