@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def _with_overrides(record, ns: argparse.Namespace):
 
     if ns.source:
         record.intake.model.source = ns.source
+    elif record.intake.model.family == "sam3.1":
+        from omskills.models.sam31 import SOURCE_ENV
+
+        if os.environ.get(SOURCE_ENV):  # into the run's copy of the record: every stage reads one checkout
+            record.intake.model.source = os.environ[SOURCE_ENV]
     if ns.scale:
         record.intake.model.scale = ns.scale
     if ns.frames is not None:
