@@ -31,3 +31,12 @@ def load_model(spec: ModelSpec) -> tuple[ModelDriver, LoadedModel, float]:
         _cached = (key, loaded, time.perf_counter() - start)
         return driver, loaded, _cached[2]
 
+
+def release() -> None:
+    """Drop the cached model (stages that do not need it, like optimising a 2 GB ONNX, want the RAM)."""
+    global _cached
+    with _lock:
+        _cached = None
+    import gc
+
+    gc.collect()

@@ -21,6 +21,7 @@ from .contracts.samples import Sample, load_sample
 from .deployer import selected_candidates
 from .errors import OmskillsError, StageError
 from .export import dynamic_dims_from_strategy, export_onnx as _export
+from . import model_cache
 from .model_cache import load_model
 from .optimize import optimize_variants
 from .records.base import Record
@@ -140,6 +141,9 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     if is_done(record, step, inputs_hash) and existing is not None:
         return existing
     samples = [(_numpy(s.inputs), _numpy(s.outputs)) for s in _samples(record, workdir, name)]
+    # At full scale the model (several GB) plus a 2 GB ONNX in three variants and their ORT
+    # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
+    model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
         result = optimize_variants(original, original.parent, samples)
 
