@@ -493,3 +493,21 @@ def test_a_tensor_computed_in_python_from_a_module_output_is_traced_to_that_modu
         assert (origin.kind, origin.source, origin.derived) == ("module_output", "decoder", True)
     else:
         assert mask.provenance.kind == "unknown"
+
+
+def test_a_struct_the_model_registered_without_keys_is_re_registered_with_paths():
+    """SAM 3.1 registers its NestedTensor as a pytree node without keys or a serialised name."""
+    import torch.utils._pytree as pt
+
+    from omskills.contracts.pytree import ensure_registered, flatten_call, spec_to_str
+
+    class KeylessNested:
+        def __init__(self, tensors, mask):
+            self.tensors, self.mask = tensors, mask
+
+    pt.register_pytree_node(KeylessNested, lambda x: ([x.tensors, x.mask], None), lambda v, _: KeylessNested(*v))
+    call = ((KeylessNested(torch.ones(2), torch.zeros(2, dtype=torch.bool)),), {})
+    ensure_registered(call)
+    flat = flatten_call(*call)
+    assert flat.paths == ["args[0].tensors", "args[0].mask"]
+    assert spec_to_str(flat.spec)

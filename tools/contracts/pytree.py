@@ -53,7 +53,11 @@ def serialized_name(cls: type) -> str:
 
 
 def is_registered(cls: type) -> bool:
-    return cls in pt.SUPPORTED_NODES
+    """Registered with what flattening by path and serialising the spec need (keys, a type name)."""
+    node = pt.SUPPORTED_NODES.get(cls)
+    if node is None:
+        return False
+    return node.flatten_with_keys_fn is not None
 
 
 def _is_nested_tensor_like(obj: Any) -> bool:
@@ -93,6 +97,10 @@ def register_struct(cls: type) -> None:
     """
     if is_registered(cls):
         return
+    if cls in pt.SUPPORTED_NODES:
+        # The model registered it itself without keys or a serialised name (SAM 3.1 does for
+        # NestedTensor): replace that registration with one that has both; same children.
+        pt._deregister_pytree_node(cls)
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...]]:
         names = _attribute_names(obj)
@@ -132,10 +140,19 @@ def ensure_registered(tree: Any) -> None:
     """Register every dataclass / NestedTensor found in `tree` (repeats until nested ones are found too)."""
     while True:
         found = {type(leaf) for leaf in pt.tree_leaves(tree) if _needs_registration(leaf)}
+        found |= {t for t in _node_types(pt.tree_structure(tree)) if t is not None and not is_registered(t)}
         if not found:
             return
         for cls in found:
             register_struct(cls)
+
+
+def _node_types(spec: pt.TreeSpec) -> set[type]:
+    """Every node type in a spec (a model may have registered some without keys)."""
+    types = {spec.type}
+    for child in spec.children():
+        types |= _node_types(child)
+    return types
 
 
 def _ensure_serialisable(spec: pt.TreeSpec) -> None:
