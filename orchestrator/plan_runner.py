@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pydantic import BaseModel, Field
+from mcp.shared.exceptions import MCPError
 from tqdm import tqdm
 
 from .mcp_client import OmskillsClient, ProgressFn, ToolCallOutcome, connect
@@ -85,7 +86,13 @@ async def _run_steps(steps: Sequence[PlanStep], client: OmskillsClient, stream: 
     for index, step in enumerate(steps, start=1):
         display = ToolCallDisplay(f"[{index}/{len(steps)}] {step.label}", step.tool, stream)
         progress: ProgressFn = display.on_progress
-        outcome = await client.call(step.tool, step.args, on_progress=progress)
+        try:
+            outcome = await client.call(step.tool, step.args, on_progress=progress)
+        except MCPError as err:
+            # The server process is gone (e.g. killed for memory); say so instead of a traceback.
+            outcome = ToolCallOutcome(name=step.tool, arguments=step.args, is_error=True, seconds=0.0, structured=None,
+                                      text=f"the tool server stopped during {step.tool} ({err}); it may have been "
+                                           "killed (out of memory?). The task record keeps what finished: rerun to resume.")
         display.finish(outcome)
         done = StepOutcome(step=step, outcome=outcome)
         if outcome.is_error:
