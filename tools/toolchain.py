@@ -121,9 +121,8 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
         for sample in samples:
             got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
             reports.append(compare_outputs(_numpy(sample.outputs), got))
-    worst = min(reports, key=lambda r: (r.worst_cosine, -r.worst_max_abs))
-    worst_by_verdict = max(reports, key=lambda r: ["pass", "review", "fail"].index(r.verdict))
-    report = worst_by_verdict if worst_by_verdict.verdict != "pass" else worst
+    # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
+    report = max(reports, key=lambda r: (["pass", "review", "fail"].index(r.verdict), -r.worst_cosine))
     with updating(task_path) as rec:
         _toolchain(rec, name).probes[variant] = report
         rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
