@@ -48,11 +48,13 @@ def run_and_report(record: TaskRecord, task_dir: Path, out_dir: Path,
     intake = record.intake
     frames = frames_for(record, task_dir)
     driver, loaded, load_seconds = load_model(intake.model)
-    bar = progress.track(range(len(frames)), len(frames), "main path frames")
-    iterator = iter(bar)
-    result = driver.run_main_path(loaded, frames, intake, on_frame=lambda _f: next(iterator, None))
-    for _ in iterator:
-        pass
+    done = [0]
+
+    def on_frame(_frame: int) -> None:  # SAM shows its own tqdm bar; this feeds MCP progress
+        done[0] += 1
+        progress.report(done[0], len(frames), "main path frames")
+
+    result = driver.run_main_path(loaded, frames, intake, on_frame=on_frame)
     report = write_main_path(record, loaded, result, frames, out_dir, load_seconds)
     return report, result
 
