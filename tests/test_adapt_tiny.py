@@ -76,3 +76,13 @@ def test_delivery_document_states_verdict_backends_and_limits(tiny_adaptation):
     for name, backend in record.verification.backend_per_candidate.items():
         assert name in text and backend.split(" ")[0].lower() in text.lower()
     assert "no OM was built here" in text
+
+
+def test_object_count_dims_are_dynamic_from_the_source_limit_and_observed_values(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    strategy = record.boundaries["mask_memory_encoder"].shape_strategy
+    assert strategy.kind == "dynamic_dims" and "num_objects in [1, 16]" in strategy.rationale
+    assert strategy.input_shapes["pix_feat"][0] == -1
+    observed = {shape.inputs[0][0] for shape in record.contracts["mask_memory_encoder"].call_shapes}
+    assert observed == {2}, "two forced objects on every call"
+    assert all(any(g[0] == n for g in strategy.gears) for n in range(1, 17))

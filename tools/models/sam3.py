@@ -22,6 +22,7 @@ from PIL import Image
 
 from ..errors import InputError, TaskRecordError
 from ..portability import DevicePortability, FunctionFix
+from ..records.contracts import DimRef, QuantityLimit
 from ..records.intake import Intake, ModelSpec, VerificationSpec
 from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
@@ -352,6 +353,19 @@ class Sam3Driver(ModelDriver):
             ProvenanceSource(type(tokenizer), "__call__", "prompt", f"{type(tokenizer).__name__} (text prompt tokens)"),
             ProvenanceSource(inference, "load_resource_as_video_frames", "image", "video frames (load_resource_as_video_frames)"),
         ]
+
+    def source_limits(self) -> dict[str, list[QuantityLimit]]:
+        """The tracker batches all tracked objects; the source compiles for up to 16 of them."""
+
+        def objects(*dims: tuple[str, int]) -> QuantityLimit:
+            return QuantityLimit(quantity="num_objects", low=1, high=16,
+                                 evidence="sam3/model/sam3_video_base.py:123 num_obj_for_compile = 16 (tracked objects per batch)",
+                                 dims=[DimRef(input=name, dim=d) for name, d in dims])
+
+        return {
+            "mask_memory_encoder": [objects(("pix_feat", 0), ("masks", 0))],
+            "memory_attention": [objects(("src_0", 1), ("src_pos_0", 1), ("prompt", 1), ("prompt_pos", 1))],
+        }
 
     def seed_candidates(self) -> list[SeedCandidate]:
         return [
