@@ -220,3 +220,18 @@ def test_unknown_knowledge_name_is_an_error(tmp_path):
     _consecutive_concat_model(path)
     with pytest.raises(Exception, match="KnowledgeNope"):
         apply_knowledges(load_auto_optimizer(), path, ["KnowledgeNope"])
+
+
+def test_a_variant_that_drops_an_unused_input_is_probed_on_the_inputs_it_takes(tmp_path):
+    """onnxslim removes graph inputs nothing reads; the probe must not feed them (seen on SAM 3)."""
+    from onnx import TensorProto, helper
+
+    a, b, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("a", "b", "y"))
+    graph = helper.make_graph([helper.make_node("Add", ["a", "a"], ["y"])], "unused_input", [a, b], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    x = np.ones(2, np.float32)
+    result = optimize_variants(tmp_path / "m.onnx", tmp_path, [({"a": x, "b": x}, {"y": 2 * x})], variants=("original", "onnxslim"))
+    assert [v.status for v in result.variants] == ["ok", "ok"]
+    assert result.preferred == "onnxslim"
