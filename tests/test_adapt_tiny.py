@@ -86,3 +86,25 @@ def test_object_count_dims_are_dynamic_from_the_source_limit_and_observed_values
     observed = {shape.inputs[0][0] for shape in record.contracts["mask_memory_encoder"].call_shapes}
     assert observed == {2}, "two forced objects on every call"
     assert all(any(g[0] == n for g in strategy.gears) for n in range(1, 17))
+
+
+def test_samples_reload_with_the_contract_names_shapes_and_dtypes(tiny_adaptation):
+    from omskills.contracts.samples import dtype_name, load_sample
+
+    record = load_record(tiny_adaptation / "task.yaml")
+    for contract in record.contracts.values():
+        assert contract.samples, f"{contract.candidate}: no samples"
+        first = load_sample(tiny_adaptation / contract.samples[0])
+        again = load_sample(tiny_adaptation / contract.samples[0])
+        for spec in contract.inputs:
+            tensor = first.inputs[spec.name]
+            assert dtype_name(tensor.dtype) == spec.dtype and tensor.dim() == len(spec.shape)
+            assert tensor.equal(again.inputs[spec.name])
+
+
+def test_inventory_marks_the_cuda_sites_the_portability_layer_touched(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    seen = [f for f in record.inventory.portability if f.seen_at_runtime]
+    assert {"cuda_call", "pin_memory"} <= {f.kind for f in seen}
+    assert all(f.line > 0 and f.file.endswith(".py") for f in seen)
+    assert record.inventory.predictor("Sam3VideoPredictor") is not None
