@@ -56,6 +56,8 @@ def _numpy(sample_part: dict) -> dict[str, np.ndarray]:
 
 def _set_status(record: TaskRecord, name: str, status: str, reason: str | None = None) -> None:
     if record.plan and (cand := record.plan.candidate(name)):
+        if status == "failed" and cand.status == "failed":
+            return  # keep the first failure's reason (the export error), not "not exported" from later steps
         cand.status = status  # type: ignore[assignment]
         if reason:
             cand.reason = reason
