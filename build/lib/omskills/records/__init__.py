@@ -1,1 +1,0 @@
-"""Typed records stored in the task record. Each stage owns one module here."""
