@@ -36,7 +36,7 @@ from ..portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
 from ..records.contracts import QuantityLimit
 from ..records.intake import Intake, ModelSpec, VerificationSpec
 from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
-from .sam3 import SAM3_FIXES, _with_overrides, bpe_vocabulary_path, deterministic_uninitialised, reinit_non_finite
+from .sam3 import SAM3_FIXES, ForcedDetections, _with_overrides, bpe_vocabulary_path, deterministic_uninitialised, reinit_non_finite
 
 SOURCE_ENV = "OMSKILLS_SAM31_SOURCE"
 MULTIPLEX_PREDICTOR_FILE = Path("sam3") / "model" / "sam3_multiplex_video_predictor.py"
@@ -126,7 +126,7 @@ SAM31_FIXES = SAM3_FIXES + (
 )
 
 
-class MultiplexForcedDetections:
+class MultiplexForcedDetections(ForcedDetections):
     """Verification setting: keep the top-K detections of the prompted frame whatever their score.
 
     With random weights nothing passes SAM 3.1's score thresholds and the tracker never runs.
@@ -138,13 +138,8 @@ class MultiplexForcedDetections:
     """
 
     def __init__(self, model: Any, k: int, prompt_frame: int = 0):
-        self.model = model
-        self.k = k
-        self.prompt_frame = prompt_frame
+        super().__init__(model, k, prompt_frame)
         self._nms_frames: list[int] = []
-        self._detect_frame: int | None = None
-        self._thresholds = (model.score_threshold_detection, model.new_det_thresh)
-        self.forced_threshold: dict[int, float] = {}
 
     def _chunk(self, original: Callable[..., Any], frames_of: Callable[[dict[str, Any]], list[int]]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -175,24 +170,6 @@ class MultiplexForcedDetections:
 
         return nms_masks
 
-    def _detection(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def run_backbone_and_detection(*args: Any, **kwargs: Any) -> Any:
-            # Thresholds set here hold until the next frame's detection: the association step
-            # that creates new objects runs after this call returns.
-            self._detect_frame = kwargs.get("frame_idx")
-            self.model.score_threshold_detection, self.model.new_det_thresh = self._thresholds
-            self._lower_thresholds_if_forced()
-            return original(*args, **kwargs)
-
-        return run_backbone_and_detection
-
-    def _lower_thresholds_if_forced(self) -> None:
-        threshold = self.forced_threshold.get(self.prompt_frame)
-        if self._detect_frame == self.prompt_frame and threshold is not None:
-            self.model.score_threshold_detection = min(self._thresholds[0], threshold)
-            self.model.new_det_thresh = min(self._thresholds[1], threshold)
-
     @contextlib.contextmanager
     def active(self) -> Iterator["MultiplexForcedDetections"]:
         import sam3.model.sam3_multiplex_detector as detector_module
@@ -208,10 +185,6 @@ class MultiplexForcedDetections:
                 yield self
             finally:
                 self.model.score_threshold_detection, self.model.new_det_thresh = self._thresholds
-
-    @property
-    def forced_frames(self) -> list[int]:
-        return sorted(self.forced_threshold)
 
 
 def _visible_objects(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
