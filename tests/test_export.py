@@ -221,3 +221,48 @@ def test_flat_outputs_of_the_wrapper_follow_the_contract_paths(host, contract):
     tensor_paths = [p for p, leaf in zip(out.paths, out.leaves) if isinstance(leaf, torch.Tensor)]
     assert tensor_paths == [o.tree_path for o in contract.outputs]
     assert [a.tree_path for a in contract.non_tensor_outputs] == ["out['n']"]
+
+
+@torch._dynamo.disable
+def _untraceable_by_dynamo(x: torch.Tensor) -> torch.Tensor:
+    """Like the portability layer's factory wrappers: strict (dynamo) capture cannot go through."""
+    return x * 1.0
+
+
+class SizeCached(nn.Module):
+    """A module written for torch.compile, like SAM's grounding decoder: a feature size read from
+    a tensor is compared with a cached one unless torch.compile is tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored_size = (4, 4)
+        self.register_buffer("grid", torch.arange(16.0).reshape(4, 4))
+
+    def forward(self, x: torch.Tensor, spatial_shapes: torch.Tensor) -> torch.Tensor:
+        size = (spatial_shapes[0, 0], spatial_shapes[0, 1])
+        if torch.compiler.is_dynamo_compiling() or self.stored_size == size:
+            grid = self.grid
+        else:
+            grid = torch.zeros(int(size[0]), int(size[1]))
+        return _untraceable_by_dynamo(x) + grid
+
+
+def test_a_data_dependent_guard_is_exported_on_the_models_compile_path(tmp_path):
+    block = SizeCached().eval()
+    x, shapes = torch.randn(2, 4, 4), torch.tensor([[4, 4]])
+    [contract] = capture_contracts(nn.ModuleDict({"block": block}), {"block": "block"}, lambda: block(x, shapes))
+    result = export_onnx(block, contract, [x, shapes], tmp_path / "block.onnx")
+
+    assert result.capture == "compile_path" and "GuardOnDataDependentSymNode" in result.capture_reason
+    assert "retrying with torch.compiler.is_dynamo_compiling() reporting True" in open(result.log_path).read()
+    session = ort.InferenceSession(result.path, providers=["CPUExecutionProvider"])
+    taken = {i.name for i in session.get_inputs()}
+    feeds = {spec.name: t.numpy() for spec, t in zip(contract.inputs, [x, shapes]) if spec.name in taken}
+    np.testing.assert_allclose(session.run(None, feeds)[0], (x + block.grid).numpy(), atol=1e-6)
+    assert torch.compiler.is_dynamo_compiling() is False  # the flag is put back
+
+
+def test_a_plain_module_is_captured_non_strict_with_the_group_norm_translation(host, contract, tmp_path):
+    result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx")
+    assert result.capture == "torch_export" and result.capture_reason is None
+    assert "aten.group_norm.default" in result.custom_translations

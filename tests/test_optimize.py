@@ -235,3 +235,23 @@ def test_a_variant_that_drops_an_unused_input_is_probed_on_the_inputs_it_takes(t
     result = optimize_variants(tmp_path / "m.onnx", tmp_path, [({"a": x, "b": x}, {"y": 2 * x})], variants=("original", "onnxslim"))
     assert [v.status for v in result.variants] == ["ok", "ok"]
     assert result.preferred == "onnxslim"
+
+
+def test_the_original_reuses_the_probe_onnx_report_instead_of_running_again(exported, tmp_path, monkeypatch):
+    from omskills import runtime
+    from omskills.compare import compare_outputs
+
+    path, samples = exported
+    feeds, reference = samples[0]
+    probed = compare_outputs(reference, {k: v + 0.5 for k, v in reference.items()})  # a probe that failed
+    opened: list[str] = []
+    real_open = runtime.open_backend
+    monkeypatch.setattr(runtime, "open_backend", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k))
+
+    result = optimize_variants(path, tmp_path, samples, variants=["original", "onnxslim"], original_probe=probed)
+
+    original = result.variants[0]
+    assert str(path) not in opened  # neither loaded nor run again
+    assert original.parity_verdict == "fail" and original.status == "failed"
+    assert "probe_onnx" in next(c.detail for c in original.checks if c.name == "parity")
+    assert result.variants[1].samples_probed == 2  # the variant is still probed itself

@@ -32,6 +32,7 @@ from torch import nn
 
 from .contracts.pytree import OUTPUT_ROOT, flatten, leaf_paths, spec_from_str, unflatten_call
 from .errors import InputError, OmskillsError
+from .onnx_translations import translated_ops, translation_table
 from .records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from .records.export import ExporterName, ExportResult
 
@@ -254,7 +255,8 @@ def export_onnx(
         with log_path.open("w", encoding="utf-8") as log, _exporter_output_to(log):
             log.write(f"# export of {contract.candidate} ({contract.module_path}) with the {exporter} exporter\n")
             try:
-                _run_exporter(wrapper, samples, raw_path, contract, axes, exporter, exporter_opset or opset)
+                capture, capture_reason = _capture(wrapper, samples, raw_path, contract, axes, exporter,
+                                                   exporter_opset or opset, log)
                 model, produced_opset = _load_exported(raw_path)
                 if produced_opset > opset:
                     log.write(f"# converting opset {produced_opset} -> {opset} (onnx.version_converter)\n")
@@ -279,6 +281,9 @@ def export_onnx(
     return ExportResult(
         path=str(out_path),
         exporter=exporter,
+        capture=capture,
+        capture_reason=capture_reason,
+        custom_translations=translated_ops() if exporter == "dynamo" else [],
         opset=_default_opset(model),
         converted_from_opset=produced_opset if produced_opset > opset else None,
         seconds=round(seconds, 3),
@@ -379,6 +384,65 @@ def _warnings_to(log: TextIO) -> Iterator[None]:
         yield
 
 
+def _capture(
+    wrapper: ContractWrapper,
+    samples: tuple[torch.Tensor, ...],
+    path: Path,
+    contract: ContractSpec,
+    axes: dict[str, dict[int, str]],
+    exporter: ExporterName,
+    opset: int,
+    log: TextIO,
+) -> tuple[str | None, str | None]:
+    """Run the exporter; a dynamo capture that stops on a data-dependent guard is retried on the
+    model's compile path. Returns (capture, reason) for the record."""
+    if exporter == "legacy":
+        _run_exporter(wrapper, samples, path, contract, axes, exporter, opset)
+        return None, None
+    try:
+        _run_exporter(wrapper, samples, path, contract, axes, exporter, opset)
+        return "torch_export", None
+    except Exception as exc:
+        if not _is_data_dependent_guard(exc):
+            raise
+        reason = _cause_line(exc)
+        traceback.print_exception(exc, file=log)
+        log.write(f"# non-strict capture stopped on a data-dependent guard ({reason}); "
+                  "retrying with torch.compiler.is_dynamo_compiling() reporting True (the model's compile path)\n")
+    with model_compile_path():
+        _run_exporter(wrapper, samples, path, contract, axes, exporter, opset)
+    return "compile_path", reason
+
+
+def _is_data_dependent_guard(exc: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, GuardOnDataDependentSymNode):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "GuardOnDataDependentSymNode" in str(exc)
+
+
+@contextlib.contextmanager
+def model_compile_path() -> Iterator[None]:
+    """Model code that asks torch.compiler.is_dynamo_compiling() takes its torch.compile branch.
+
+    Models written for torch.compile keep data-dependent Python behind that check (SAM's
+    decoder compares a tensor-valued feature size with a cached one, then asserts shapes);
+    torch.export's non-strict capture does not set the flag, so those lines stop it on a
+    data-dependent guard. With the flag on, the traced graph is the one torch.compile would
+    run, which the probe then checks against the eager outputs.
+    """
+    original = torch.compiler.is_dynamo_compiling
+    torch.compiler.is_dynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_dynamo_compiling = original
+
+
 def _run_exporter(
     wrapper: ContractWrapper,
     samples: tuple[torch.Tensor, ...],
@@ -404,6 +468,7 @@ def _run_exporter(
                 input_names=input_names,
                 output_names=output_names,
                 dynamic_shapes=(shapes,) if axes else None,
+                custom_translation_table=translation_table(),
                 external_data=True,
                 verbose=False,
             )

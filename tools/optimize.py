@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from .auto_optimizer_compat import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
-from .compare import OutputParity, Verdict, compare_outputs, overall_verdict
+from .compare import OutputParity, ParityReport, Verdict, compare_outputs, overall_verdict
 from .errors import InputError, OmskillsError
 from .onnx_inspect import load_model_proto
 from .records.toolchain import (
@@ -78,12 +78,15 @@ def optimize_variants(
     samples: Sequence[Sample],
     variants: Sequence[VariantName] = VARIANTS,
     knowledges: list[str] | None = None,
+    original_probe: ParityReport | None = None,
 ) -> OptimizeResult:
     """Build each variant in `out_dir`, check and probe it, and choose the preferred one.
 
     `samples` are (feeds, reference outputs) pairs; without samples parity is not probed and
     the choice rests on the structural checks alone. `knowledges` restricts auto_optimizer to
-    the named knowledges (default: all that the tool enables by default).
+    the named knowledges (default: all that the tool enables by default). `original_probe`:
+    probe_onnx's report on the original file, reused instead of loading and probing it again
+    (at full scale that is minutes for the 2 GB backbone).
     """
     original = Path(original_path)
     load_model_proto(original)  # clear error for a missing or corrupt file, before any work
@@ -94,6 +97,9 @@ def optimize_variants(
         raise InputError(f"variants: unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
     results: list[VariantResult] = []
     for name in variants:
+        if name == "original" and original_probe is not None:
+            results.append(check_variant(name, original, samples, probed=original_probe))
+            continue
         results.append(_build_and_check(name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges))
     preferred, why = choose_preferred(results)
     return OptimizeResult(
@@ -164,19 +170,26 @@ def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None
     return outcomes
 
 
-def check_variant(name: VariantName, path: Path, samples: Sequence[Sample]) -> VariantResult:
-    """onnx checker, ORT load, outputs produced, and parity on `samples`."""
+def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None) -> VariantResult:
+    """onnx checker, ORT load, outputs produced, and parity on `samples` (or, given `probed`,
+    the load and parity that probe_onnx already measured on this file)."""
     model = onnx.load(str(path), load_external_data=False)
     checks = [checker_check(path), outputs_produced_check(model)]
     metrics: list[OutputParity] = []
     verdict: Verdict | None = None
-    try:
-        from .runtime import open_backend
+    backend = None
+    if probed is not None:
+        metrics, verdict = list(probed.outputs), probed.verdict
+        checks.append(VariantCheck(name="ort_load", passed=True, detail="loaded by probe_onnx"))
+        checks.append(VariantCheck(name="parity", passed=verdict != "fail",
+                                   detail=f"probe_onnx on {len(samples)} sample(s): verdict {verdict} (its worst sample)"))
+    else:
+        try:
+            from .runtime import open_backend
 
-        backend = open_backend(path, "onnxruntime")
-    except Exception as err:
-        checks.append(VariantCheck(name="ort_load", passed=False, detail=f"{type(err).__name__}: {err}"[:500]))
-        backend = None
+            backend = open_backend(path, "onnxruntime")
+        except Exception as err:
+            checks.append(VariantCheck(name="ort_load", passed=False, detail=f"{type(err).__name__}: {err}"[:500]))
     if backend is not None:
         checks.append(VariantCheck(name="ort_load", passed=True, detail=backend.describe()))
         with backend:

@@ -93,6 +93,7 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
 
         def store(rec: TaskRecord) -> None:
             rec.exports[name] = result
+            rec.toolchain.pop(name, None)  # probes, variants and ATC of an earlier export no longer apply
             _set_status(rec, name, "exported")
 
         handle.update(store)
@@ -146,7 +147,8 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
     model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
-        result = optimize_variants(original, original.parent, samples)
+        probed = record.toolchain.get(name, CandidateToolchain()).probes.get("original")
+        result = optimize_variants(original, original.parent, samples, original_probe=probed)
 
         def store(rec: TaskRecord) -> None:
             _toolchain(rec, name).optimize = result

@@ -17,6 +17,14 @@ class ExportResult(Record):
 
     path: str  # the .onnx file
     exporter: ExporterName  # which exporter really ran
+    # How the dynamo exporter captured the graph: "torch_export" (torch.onnx's own capture:
+    # torch.export non-strict, then strict), or "compile_path" when that stopped on a
+    # data-dependent guard and the model's own torch.compile branch was traced instead
+    # (torch.compiler.is_dynamo_compiling() reporting True); None for the legacy exporter.
+    capture: Literal["torch_export", "compile_path"] | None = None
+    capture_reason: str | None = None  # why the compile path was needed (the guard that stopped)
+    # aten ops translated by omskills.onnx_translations instead of torchlib (dynamo exporter)
+    custom_translations: list[str] = Field(default_factory=list)
     opset: int  # default-domain opset of the saved model
     # The exporter's own opset when it was above the requested one and onnx.version_converter
     # brought it down; None when no conversion ran.
