@@ -117,19 +117,29 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     path = _model_path(record, workdir, name, variant)
+    # A variant is made from the export deterministically: its sha and the samples fix the result.
+    inputs_hash = fingerprint(record.exports[name].sha256, variant, _contract(record, name).samples)
+    step = f"probe:{name}:{variant}"
+    existing = record.toolchain.get(name, CandidateToolchain()).probes.get(variant)
+    if is_done(record, step, inputs_hash) and existing is not None:
+        return existing
     samples = _samples(record, workdir, name)
-    with open_backend(path, "onnxruntime") as backend:
-        wanted = {spec.name for spec in backend.inputs}
-        reports = []
-        for sample in samples:
-            got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
-            reports.append(compare_outputs(_numpy(sample.outputs), got))
-    # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
-    report = max(reports, key=lambda r: (["pass", "review", "fail"].index(r.verdict), -r.worst_cosine))
-    with updating(task_path) as rec:
-        _toolchain(rec, name).probes[variant] = report
-        rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
-                   f"{len(samples)} captured samples; worst cosine {report.worst_cosine:.6f}, max abs {report.worst_max_abs:.2e}")
+    with running_step(task_path, step, inputs_hash) as handle:
+        with open_backend(path, "onnxruntime") as backend:
+            wanted = {spec.name for spec in backend.inputs}
+            reports = []
+            for sample in samples:
+                got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
+                reports.append(compare_outputs(_numpy(sample.outputs), got))
+        # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
+        report = max(reports, key=lambda r: (["pass", "review", "fail"].index(r.verdict), -r.worst_cosine))
+
+        def store(rec: TaskRecord) -> None:
+            _toolchain(rec, name).probes[variant] = report
+            rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
+                       f"{len(samples)} captured samples; worst cosine {report.worst_cosine:.6f}, max abs {report.worst_max_abs:.2e}")
+
+        handle.update(store)
     return report
 
 
