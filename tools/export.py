@@ -14,13 +14,14 @@ exporter is converted down with onnx.version_converter and recorded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import re
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -255,8 +256,9 @@ def export_onnx(
         with log_path.open("w", encoding="utf-8") as log, _exporter_output_to(log):
             log.write(f"# export of {contract.candidate} ({contract.module_path}) with the {exporter} exporter\n")
             try:
-                capture, capture_reason = _capture(wrapper, samples, raw_path, contract, axes, exporter,
-                                                   exporter_opset or opset, log)
+                run = functools.partial(_run_exporter, wrapper, samples, raw_path, contract, axes, exporter,
+                                        exporter_opset or opset)
+                capture, capture_reason = _capture(run, exporter, log)
                 model, produced_opset = _load_exported(raw_path)
                 if produced_opset > opset:
                     log.write(f"# converting opset {produced_opset} -> {opset} (onnx.version_converter)\n")
@@ -384,23 +386,14 @@ def _warnings_to(log: TextIO) -> Iterator[None]:
         yield
 
 
-def _capture(
-    wrapper: ContractWrapper,
-    samples: tuple[torch.Tensor, ...],
-    path: Path,
-    contract: ContractSpec,
-    axes: dict[str, dict[int, str]],
-    exporter: ExporterName,
-    opset: int,
-    log: TextIO,
-) -> tuple[str | None, str | None]:
+def _capture(run_exporter: Callable[[], None], exporter: ExporterName, log: TextIO) -> tuple[str | None, str | None]:
     """Run the exporter; a dynamo capture that stops on a data-dependent guard is retried on the
     model's compile path. Returns (capture, reason) for the record."""
     if exporter == "legacy":
-        _run_exporter(wrapper, samples, path, contract, axes, exporter, opset)
+        run_exporter()
         return None, None
     try:
-        _run_exporter(wrapper, samples, path, contract, axes, exporter, opset)
+        run_exporter()
         return "torch_export", None
     except Exception as exc:
         if not _is_data_dependent_guard(exc):
@@ -410,7 +403,7 @@ def _capture(
         log.write(f"# non-strict capture stopped on a data-dependent guard ({reason}); "
                   "retrying with torch.compiler.is_dynamo_compiling() reporting True (the model's compile path)\n")
     with model_compile_path():
-        _run_exporter(wrapper, samples, path, contract, axes, exporter, opset)
+        run_exporter()
     return "compile_path", reason
 
 
