@@ -60,8 +60,8 @@ def test_rerun_after_a_crash_in_stage_3_redoes_only_the_unfinished_export(tiny_a
     record.exports.pop(crashed.split(":", 1)[1])
     save_record(record, tiny_adaptation / "task.yaml")
     finished_before = {k: record.stages[k].finished for k in done[:-1]}
-    probes_before = {f"probe:{k.split(':', 1)[1]}:original": None for k in done[:-1]}
-    probes_before = {k: record.stages[k].finished for k in probes_before}
+    kept_probes = [f"probe:{k.split(':', 1)[1]}:original" for k in done[:-1]]
+    probes_before = {k: record.stages[k].finished for k in kept_probes}
 
     result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(tiny_adaptation))
     assert result.returncode == 0, result.stderr[-2000:]

@@ -262,7 +262,7 @@ def test_a_data_dependent_guard_is_exported_on_the_models_compile_path(tmp_path)
     assert torch.compiler.is_dynamo_compiling() is False  # the flag is put back
 
 
-def test_a_plain_module_is_captured_non_strict_with_the_group_norm_translation(host, contract, tmp_path):
+def test_a_plain_module_is_captured_by_torch_export_with_the_group_norm_translation(host, contract, tmp_path):
     result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx")
     assert result.capture == "torch_export" and result.capture_reason is None
     assert "aten.group_norm.default" in result.custom_translations
