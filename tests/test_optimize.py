@@ -255,3 +255,31 @@ def test_the_original_reuses_the_probe_onnx_report_instead_of_running_again(expo
     assert original.parity_verdict == "fail" and original.status == "failed"
     assert "probe_onnx" in next(c.detail for c in original.checks if c.name == "parity")
     assert result.variants[1].samples_probed == 2  # the variant is still probed itself
+
+
+def test_variants_of_a_big_model_are_built_in_child_processes_that_write_nothing_to_stdout(exported, tmp_path, capfd):
+    path, samples = exported
+
+    result = optimize_variants(path, tmp_path, samples, variants=["original", "onnxslim"], isolate=True)
+
+    assert [v.status for v in result.variants] == ["ok", "ok"]
+    assert result.variants[1].samples_probed == 2 and result.preferred == "onnxslim"
+    assert capfd.readouterr().out == ""
+
+
+def test_a_child_that_dies_fails_its_variant_and_the_caller_goes_on(exported, tmp_path, monkeypatch):
+    from omskills import optimize
+
+    path, samples = exported
+    monkeypatch.setattr(optimize, "_build_and_check", _die)  # what the OOM killer does to the child
+
+    result = optimize.optimize_variants(path, tmp_path, samples, variants=["original", "onnxslim"], isolate=True)
+
+    assert [v.status for v in result.variants] == ["failed", "failed"]
+    assert "died" in result.variants[1].reason and result.preferred is None
+
+
+def _die(*args):
+    import os
+
+    os._exit(137)

@@ -10,7 +10,9 @@ the original.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import sys
 import time
@@ -37,6 +39,8 @@ Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
 PREFERENCE: tuple[VariantName, ...] = ("auto_optimizer", "onnxslim", "original")
 VERDICT_RANK: dict[str, int] = {"pass": 0, "review": 1, "fail": 2}
+# Models this big are optimised one variant per child process (see _in_child_process).
+ISOLATE_MIN_BYTES = 512 * 2**20
 # Protobuf cannot serialise a message over 2 GiB: bigger models keep their weights beside them.
 PROTOBUF_LIMIT = 2**31 - 1
 
@@ -79,6 +83,7 @@ def optimize_variants(
     variants: Sequence[VariantName] = VARIANTS,
     knowledges: list[str] | None = None,
     original_probe: ParityReport | None = None,
+    isolate: bool | None = None,
 ) -> OptimizeResult:
     """Build each variant in `out_dir`, check and probe it, and choose the preferred one.
 
@@ -86,7 +91,8 @@ def optimize_variants(
     the choice rests on the structural checks alone. `knowledges` restricts auto_optimizer to
     the named knowledges (default: all that the tool enables by default). `original_probe`:
     probe_onnx's report on the original file, reused instead of loading and probing it again
-    (at full scale that is minutes for the 2 GB backbone).
+    (at full scale that is minutes for the 2 GB backbone). `isolate`: build and check each
+    variant in a child process (default: for models of ISOLATE_MIN_BYTES and more).
     """
     original = Path(original_path)
     load_model_proto(original)  # clear error for a missing or corrupt file, before any work
@@ -95,12 +101,15 @@ def optimize_variants(
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise InputError(f"variants: unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
+    if isolate is None:
+        isolate = _model_bytes(original) >= ISOLATE_MIN_BYTES
     results: list[VariantResult] = []
     for name in variants:
         if name == "original" and original_probe is not None:
             results.append(check_variant(name, original, samples, probed=original_probe))
             continue
-        results.append(_build_and_check(name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges))
+        args = (name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges)
+        results.append(_in_child_process(*args) if isolate else _build_and_check(*args))
     preferred, why = choose_preferred(results)
     return OptimizeResult(
         original=str(original),
@@ -109,6 +118,32 @@ def optimize_variants(
         preferred_path=preferred.path if preferred else None,
         why=why,
     )
+
+
+def _model_bytes(path: Path) -> int:
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def _in_child_process(
+    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None
+) -> VariantResult:
+    """_build_and_check in a fresh process: its memory (onnxslim's and ORT's copies of a 2 GB
+    model) goes back to the system when it ends, and if the OOM killer takes it, this variant
+    fails instead of the tool server dying."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_stdout_to_stderr_for_good) as pool:
+        try:
+            return pool.submit(_build_and_check, name, source, destination, samples, knowledges).result()
+        except concurrent.futures.process.BrokenProcessPool as err:
+            return VariantResult(name=name, status="failed", built_from=str(source),
+                                 reason=f"the process building and checking the variant died ({err}); out of memory?")
+
+
+def _stdout_to_stderr_for_good() -> None:
+    # A child inherits the parent's stdout, which may be the MCP stdio stream.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
 
 def _source_for(name: VariantName, original: Path, done: Sequence[VariantResult]) -> Path:
