@@ -8,6 +8,7 @@ and the report says which backend really ran each candidate.
 from __future__ import annotations
 
 import base64
+import gc
 import io
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 from .compare import ParityReport
 from .errors import StageError
 from .main_path import frames_for, verification_notes
-from .model_cache import load_model
+from .model_cache import load_model, return_freed_memory
 from .models import FrameResult, MainPathResult
 from .overlay import draw_overlay, side_by_side
 from .records.verify import CandidateVerification, FrameParity, MainPathParity, VerifyReport
@@ -114,6 +115,9 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend)
     with running_step(task_path, "verify", inputs_hash) as step:
         reference = driver.run_main_path(loaded, frames, intake)
+        # The reference run's activations are freed; hand the pages back before the ORT sessions load.
+        gc.collect()
+        return_freed_memory()
         replacements = [(record.contracts[n], open_backend(preferred_model(record, workdir, n), backend)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         with splice(loaded.root, replacements, strategies=strategies) as handle:
