@@ -511,3 +511,18 @@ def test_a_struct_the_model_registered_without_keys_is_re_registered_with_paths(
     flat = flatten_call(*call)
     assert flat.paths == ["args[0].tensors", "args[0].mask"]
     assert spec_to_str(flat.spec)
+
+
+def test_a_tensor_fed_back_into_itself_keeps_a_short_origin():
+    """SAM 3.1's mask NMS runs keep = keep & ~(overlap[:, i] & keep[:, i]) once per detection:
+    the origin of `keep` must not grow with each step (it doubled, and the study ran out of memory)."""
+    tracker = ProvenanceTracker()
+    overlap = tracker.tag(torch.rand(1, 40, 40) > 0.5, "module_output", "detector.segmentation_head")
+    keep = tracker.tag(torch.ones(1, 40, dtype=torch.bool), "session", "session.detections")
+    with tracker.attached(nn.Linear(1, 1)):
+        for i in range(40):
+            keep = keep & ~(overlap[:, i, :] & keep[:, i].unsqueeze(1))
+
+    origin = tracker.origin(keep)
+    assert origin.derived and len(origin.source) < 200, len(origin.source)
+    assert "detector.segmentation_head" in origin.source and "session.detections" in origin.source

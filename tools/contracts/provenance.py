@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.utils._pytree as pt
@@ -242,14 +242,32 @@ class ProvenanceTracker:
         chosen = informative or [o for o in origins if o.kind == "parameter"]
         if not chosen:
             return
-        distinct = list(dict.fromkeys((o.kind, o.source) for o in chosen))
+        # Joined origins are split back into their parts before joining again: a loop that feeds
+        # a tensor back into itself (SAM 3.1's mask NMS: keep = keep & ~f(keep), 200 times) would
+        # otherwise double the source string each step (24 GB in seconds).
+        distinct = list(dict.fromkeys(part for o in chosen for part in _origin_parts(o)))
         if len(distinct) == 1:
             provenance = Provenance(kind=distinct[0][0], source=distinct[0][1], derived=True)
         else:
-            joined = "; ".join(f"{kind}:{source}" for kind, source in distinct)
+            joined = _JOIN.join(f"{kind}:{source}" for kind, source in distinct)
             provenance = Provenance(kind=distinct[0][0], source=joined, derived=True)
         for tensor in fresh:
             self._add_event(tensor, provenance)
+
+
+_JOIN = "; "
+_KINDS = frozenset(get_args(ProvenanceKind))
+
+
+def _origin_parts(origin: Provenance) -> list[tuple[str, str | None]]:
+    """(kind, source) of each origin an inherited provenance joined ("kind:source; kind:source")."""
+    if not origin.derived or not origin.source or _JOIN not in origin.source:
+        return [(origin.kind, origin.source)]
+    parts = []
+    for part in origin.source.split(_JOIN):
+        kind, sep, source = part.partition(":")
+        parts.append((kind, source) if sep and kind in _KINDS else (origin.kind, part))
+    return parts
 
 
 def _shallow_tensors(value: Any) -> list[torch.Tensor]:
