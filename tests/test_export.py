@@ -266,3 +266,16 @@ def test_a_plain_module_is_captured_by_torch_export_with_the_group_norm_translat
     result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx")
     assert result.capture == "torch_export" and result.capture_reason is None
     assert "aten.group_norm.default" in result.custom_translations
+
+
+def test_the_export_traces_with_a_sample_whose_dynamic_dims_are_not_1():
+    from omskills.contracts.samples import Sample
+    from omskills.toolchain import _tracing_sample
+
+    def sample(batch: int) -> Sample:
+        return Sample(inputs={"x": torch.zeros(batch, 4)}, outputs={}, candidate="c", call_index=batch)
+
+    dims = {"x": {0: "x_d0"}}
+    assert _tracing_sample([sample(1), sample(2), sample(3)], dims).inputs["x"].shape[0] == 2
+    assert _tracing_sample([sample(1)], dims).inputs["x"].shape[0] == 1  # nothing better to take
+    assert _tracing_sample([sample(1), sample(2)], {}).inputs["x"].shape[0] == 1  # static: the first

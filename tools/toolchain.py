@@ -78,7 +78,8 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
     step = f"export:{name}"
     if is_done(record, step, inputs_hash) and name in record.exports and (workdir / record.exports[name].path).exists():
         return record.exports[name]
-    sample = _samples(record, workdir, name)[0]
+    dims = dynamic_dims_from_strategy(contract, boundary.shape_strategy)
+    sample = _tracing_sample(_samples(record, workdir, name), dims)
     _, loaded, _ = load_model(record.intake.model)
     module = loaded.root.get_submodule(contract.module_path)
     out = workdir / "onnx" / name / f"{name}.onnx"
@@ -87,7 +88,7 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
         handle.result.logs.append(str((out.parent / f"{name}.onnx.export.log").relative_to(workdir)))
         with loaded.portability:
             result = _export(module, contract, [sample.inputs[s.name] for s in contract.inputs], out,
-                             dynamic_dims=dynamic_dims_from_strategy(contract, boundary.shape_strategy),
+                             dynamic_dims=dims,
                              exporter=exporter, log_path=out.parent / f"{name}.onnx.export.log")
         result.path = str(Path(result.path).resolve().relative_to(workdir))
 
@@ -99,6 +100,15 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
         handle.update(store)
         handle.result.artifacts.append(Artifact(path=result.path, sha256=result.sha256, bytes=result.bytes))
     return result
+
+
+def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> Sample:
+    """The first sample in which no dynamic dim is 1: torch.export specialises a dim whose example
+    value is 1 (SAM 3.1's grounding sees chunks of 1 and 2 frames), so its graph would only run at 1."""
+    def has_a_one(sample: Sample) -> bool:
+        return any(sample.inputs[name].shape[i] == 1 for name, axes in dims.items() for i in axes if name in sample.inputs)
+
+    return next((s for s in samples if not has_a_one(s)), samples[0])
 
 
 def _model_path(record: TaskRecord, workdir: Path, name: str, variant: str) -> Path:
