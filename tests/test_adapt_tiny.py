@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from omskills.task_record import load_record
 
 
@@ -27,6 +29,20 @@ def test_plan_has_seed_candidates_with_statuses_and_reasons(tiny_adaptation):
     assert all(c.reason for c in record.plan.candidates)
     assert sum(n.exclusive_share for n in record.profile.nodes) <= 1.0
     assert record.plan.candidates[0].name == max(record.plan.candidates, key=lambda c: c.score).name
+
+
+def test_candidates_named_in_the_intake_deploy_list_are_selected_whatever_their_share(tiny_adaptation, monkeypatch):
+    import omskills.plan
+    from omskills.errors import TaskRecordError
+
+    record = load_record(tiny_adaptation / "task.yaml")
+    monkeypatch.setattr(omskills.plan, "MIN_SHARE", 1.0)  # every candidate is now below the share line
+    plan = omskills.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoder"])
+    assert plan.first_batch == ["text_encoder"]
+    assert "named in intake.target.deploy" in plan.candidate("text_encoder").reason
+    assert {c.status for c in plan.candidates if c.name != "text_encoder"} <= {"deferred", "excluded"}
+    with pytest.raises(TaskRecordError, match=r"intake.target.deploy: \['text_encoderr'\] are not sam3 candidates"):
+        omskills.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoderr"])
 
 
 def test_contract_provenance_matches_the_main_path(tiny_adaptation):

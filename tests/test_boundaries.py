@@ -17,7 +17,7 @@ from omskills.boundaries import (
 )
 from omskills.contracts import ProvenanceTracker, capture_contracts
 from omskills.errors import OmskillsError
-from omskills.records.contracts import ContractSpec, DimRef, QuantityLimit
+from omskills.records.contracts import ContractSpec, DimRef, QuantityLimit, QuantitySchedule
 
 
 class Double(nn.Module):
@@ -127,6 +127,54 @@ def test_a_source_limit_contradicted_by_observed_values_or_naming_no_input_is_an
     unknown = QuantityLimit(quantity="num_objects", low=1, high=32, dims=[DimRef(input="masks", dim=0)])
     with pytest.raises(OmskillsError, match="no tensor input named 'masks'"):
         propose_shape_strategy(contract, source_limits=[unknown])
+
+
+def _memory_calls(frames_and_pointers, hw=4, per_pointer=2):
+    """SAM 3.1-like memory inputs: memory_image has hw rows per memory frame; memory adds per_pointer
+    rows per pointer frame (inputs in_0 = memory_image, in_1 = memory)."""
+    return [_shapes((hw * m, 1, 3), (hw * m + per_pointer * p, 1, 3)) for m, p in frames_and_pointers]
+
+
+def _memory_limits(max_frames=3, max_pointers=5, hw=4, per_pointer=2, schedule=True):
+    frames = QuantityLimit(quantity="memory_frames", low=1, high=max_frames,
+                           dims=[DimRef(input="in_0", dim=0, scale=hw), DimRef(input="in_1", dim=0, scale=hw)])
+    pointers = QuantityLimit(quantity="pointer_frames", low=1, high=max_pointers,
+                             dims=[DimRef(input="in_1", dim=0, scale=per_pointer)])
+    rows = [[min(t, max_frames), min(t, max_pointers)] for t in range(1, max(max_frames, max_pointers) + 1)]
+    tied = QuantitySchedule(quantities=["memory_frames", "pointer_frames"], rows=rows, evidence="frame t")
+    return [frames, pointers] + ([tied] if schedule else [])
+
+
+def test_a_dim_that_sums_scaled_quantities_gets_one_gear_per_scheduled_joint_value():
+    contract = _contract_for_calls(_memory_calls([(1, 1), (2, 2)]))
+    strategy = propose_shape_strategy(contract, source_limits=_memory_limits())
+    assert strategy.kind == "dynamic_dims"
+    assert strategy.input_shapes == {"in_0": [-1, 1, 3], "in_1": [-1, 1, 3]}
+    # frame t: min(t, 3) memory frames (4 rows each) and min(t, 5) pointer frames (2 rows each)
+    assert strategy.gears == [[4, 6], [8, 12], [12, 18], [12, 20], [12, 22]]
+    assert "4 x memory_frames + 2 x pointer_frames" in strategy.rationale and "frame t" in strategy.rationale
+
+
+def test_without_a_schedule_scaled_quantities_cross_their_ranges():
+    contract = _contract_for_calls(_memory_calls([(1, 1), (2, 2)]))
+    strategy = propose_shape_strategy(contract, source_limits=_memory_limits(schedule=False))
+    assert len(strategy.gears) == 3 * 5
+    assert [12, 14] in strategy.gears  # 3 memory frames with 1 pointer frame: allowed by the ranges alone
+
+
+def test_an_observed_call_outside_the_schedule_is_an_error_naming_its_values():
+    contract = _contract_for_calls(_memory_calls([(1, 1), (2, 1)]))  # 2 memory frames, 1 pointer frame
+    with pytest.raises(OmskillsError, match=r"in_0\[0\]=8, in_1\[0\]=10 is none of the gears"):
+        propose_shape_strategy(contract, source_limits=_memory_limits())
+
+
+def test_a_quantity_with_a_single_value_leaves_its_dims_static():
+    contract = _contract_for_calls([_shapes((1, 8))] * 2)
+    one_bucket = QuantityLimit(quantity="num_buckets", low=1, high=1, dims=[DimRef(input="in_0", dim=0)])
+    assert propose_shape_strategy(contract, source_limits=[one_bucket]).kind == "static"
+    three = QuantityLimit(quantity="num_buckets", low=1, high=3, dims=[DimRef(input="in_0", dim=0)])
+    strategy = propose_shape_strategy(contract, source_limits=[three])
+    assert (strategy.kind, strategy.gears) == ("dynamic_batch_size", [[1], [2], [3]])
 
 
 # --------------------------------------------------------------------------- exportability

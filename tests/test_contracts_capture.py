@@ -526,3 +526,43 @@ def test_a_tensor_fed_back_into_itself_keeps_a_short_origin():
     origin = tracker.origin(keep)
     assert origin.derived and len(origin.source) < 200, len(origin.source)
     assert "detector.segmentation_head" in origin.source and "session.detections" in origin.source
+
+
+def test_samples_hold_what_forward_returned_even_when_another_hook_replaces_the_output(tmp_path):
+    model = InPlaceModel()
+    # Registered before the capture, as SAM's verification hooks are: it replaces the output.
+    model.step.register_forward_hook(lambda _m, _a, out: -out)
+    x = torch.ones(2, 2)
+    contracts = capture_contracts(model, {"step": "step"}, lambda: model(x), samples_dir=tmp_path)
+    sample = load_sample(Path(contracts[0].samples[0]))
+    assert torch.equal(sample.outputs["out"], torch.full((2, 2), 3.0))
+
+
+class CallsItsPartsBothWays(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.called = InPlace()
+        self.direct = InPlace()
+
+    def forward(self, x):
+        return self.called(x.clone()) + self.direct.forward(x.clone())  # SAM 3 calls some parts' forward
+
+
+def test_routed_modules_are_recorded_once_per_call_however_they_are_called(tmp_path):
+    from omskills.contracts.routing import route_forward_calls
+
+    model = CallsItsPartsBothWays()
+    model.called.register_forward_hook(lambda _m, _a, out: -out)  # e.g. a verification hook
+
+    def run():
+        with route_forward_calls([model.called, model.direct]):
+            model(torch.ones(2, 2))
+            model(torch.ones(2, 2))
+
+    contracts = {c.candidate: c for c in capture_contracts(model, {"called": "called", "direct": "direct"}, run,
+                                                            samples_dir=tmp_path)}
+    assert contracts["called"].calls == contracts["direct"].calls == 2
+    for contract in contracts.values():
+        for path in contract.samples:
+            assert torch.equal(load_sample(Path(path)).outputs["out"], torch.full((2, 2), 3.0))
+    assert "forward" not in model.called.__dict__ and not model.called._forward_pre_hooks

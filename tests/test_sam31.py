@@ -272,3 +272,41 @@ def test_tiny_31_tracks_objects_on_every_frame(tiny_31_main_path):
 def test_tiny_31_portability_findings_name_the_31_sites(tiny_31_main_path, file, kind):
     sites = [(f["file"], f["line"]) for f in tiny_31_main_path["portability_findings"] if f["kind"] == kind]
     assert any(site_file == file and line > 0 for site_file, line in sites), sites
+
+
+@pytest.fixture(scope="module")
+def tiny_31_adaptation(tmp_path_factory) -> Path:
+    """`omskills adapt` on tiny SAM 3.1 (the record's 4 frames) in a fresh process: the run folder."""
+    source = os.environ.get(SOURCE_ENV)
+    if not source:
+        pytest.skip(f"{SOURCE_ENV} is not set: point it at a SAM 3.1 checkout "
+                    "(git clone https://github.com/facebookresearch/sam3) to run the SAM 3.1 tests")
+    out = tmp_path_factory.mktemp("sam31") / "adapt"
+    result = omskills_cli("adapt", str(TASK), "--scale", "tiny", "--out", str(out), env={**os.environ, SOURCE_ENV: source})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.sam31
+def test_tiny_31_adapts_with_every_deployed_candidate_on_onnxruntime(tiny_31_adaptation):
+    from omskills.task_record import load_record
+
+    report = json.loads((tiny_31_adaptation / "verify" / "report.json").read_text())
+    main = report["main_path"]
+    assert main["obj_ids_equal"] and main["min_mask_iou"] >= 0.99 and main["fallbacks"] == 0
+    deploy = load_record(tiny_31_adaptation / "task.yaml").intake.target.deploy
+    backends = report["backend_per_candidate"]
+    assert {name: backends.get(name, "")[:12] for name in deploy} == {name: "onnxruntime:" for name in deploy}
+
+
+@pytest.mark.sam31
+def test_tiny_31_memory_attention_takes_every_memory_length_of_its_schedule(tiny_31_adaptation):
+    from omskills.task_record import load_record
+
+    record = load_record(tiny_31_adaptation / "task.yaml")
+    [count] = [a for a in record.contracts["memory_attention"].non_tensor_args if "num_obj_ptr_tokens" in a.tree_path]
+    assert not count.constant and count.derived is not None  # 16, 32, 48 tokens: computed from the shapes
+    strategy = record.boundaries["memory_attention"].shape_strategy
+    assert strategy.kind == "dynamic_dims" and len(strategy.gears) == 16  # frames 1..16: min(t, 7), min(t, 16)
+    hw = record.contracts["memory_attention"].inputs[0].shape[0]
+    assert [hw * 7, hw * 7 + 16 * 16] in [g[:2] for g in strategy.gears]  # memory_image, memory at t >= 16

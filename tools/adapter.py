@@ -50,7 +50,8 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     contracts = [record.contracts[n] for n in names if n in record.contracts]
     if len(contracts) != len(names):
         raise StageError("contracts missing for some selected candidates: run capture_contracts first")
-    inputs_hash = fingerprint([c.model_dump(mode="json") for c in contracts], trial_export)
+    limits = record.study.source_limits if record.study is not None else {}
+    inputs_hash = fingerprint(contracts, trial_export, limits)
     step_name = "boundaries" if candidate is None else f"boundaries:{candidate}"
     workdir = TaskRecord.workdir(task_path)
     if is_done(record, step_name, inputs_hash):
@@ -62,7 +63,7 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
             if trial_export:
                 _, loaded, _ = load_model(record.intake.model)
                 modules = {c.candidate: loaded.root.get_submodule(c.module_path) for c in contracts}
-            decisions = _analyze(contracts, modules, driver.source_limits(), trial_export=trial_export, samples_root=workdir)
+            decisions = _analyze(contracts, modules, limits, trial_export=trial_export, samples_root=workdir)
 
             def store(rec: TaskRecord) -> None:
                 for note in driver.control_plane_notes():

@@ -3,9 +3,9 @@
 From a captured ContractSpec:
   * `analyze_boundary` gives an exportability verdict with reasons, the control plane that stays in
     Python (with the evidence), and exactly one ATC shape strategy;
-  * `propose_shape_strategy` derives that strategy from the dims observed to vary across calls and
-    from the ranges the model-family driver declares from the source (`QuantityLimit`), never from
-    a single sample alone;
+  * the shape strategy comes from `shape_strategy.propose_shape_strategy`: dims observed to vary
+    across calls and the ranges the model-family driver declares from the source (`QuantityLimit`),
+    never a single sample alone;
   * `suggest_merges` finds adjacent candidates that exchange tensors only with each other;
   * `render_contract_table` renders contracts and decisions as a Markdown table.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +26,10 @@ from omskills.contracts import pytree
 from omskills.contracts.provenance import is_ancestor
 from omskills.contracts.samples import load_sample
 from omskills.errors import OmskillsError
-from omskills.records.contracts import BoundaryDecision, ContractSpec, QuantityLimit, ShapeStrategy, TensorSpec
+from omskills.records.contracts import BoundaryDecision, ContractSpec, ShapeStrategy, TensorSpec
+from omskills.shape_strategy import SourceLimits, propose_shape_strategy
 
-# ATC accepts 2..100 gears for --dynamic_batch_size, --dynamic_image_size and --dynamic_dims.
-MIN_GEARS = 2
-MAX_GEARS = 100
 _COMPLEX = {"complex32", "complex64", "complex128", "complex"}
-
-SourceLimits = dict[str, list[int]] | list[QuantityLimit]
 
 
 # --------------------------------------------------------------------------- exportability
@@ -62,7 +57,11 @@ def _exportability(contract: ContractSpec) -> tuple[bool, list[str]]:
     if not contract.outputs:
         blockers.append("no tensor outputs after flattening: nothing for a graph to return")
     for arg in contract.non_tensor_args:
-        if not arg.constant:
+        if arg.derived is not None:
+            notes.append(f"non-tensor argument {arg.tree_path} ({arg.value_repr}) = {arg.derived.formula()} on every "
+                         f"call ({arg.derived.evidence or 'declared by the driver'}): the graph computes it from its "
+                         "input shapes")
+        elif not arg.constant:
             blockers.append(
                 f"non-tensor argument {arg.tree_path} changes between calls ({arg.value_repr}): "
                 "a graph would freeze it to one value"
@@ -113,221 +112,6 @@ def _control_plane(contract: ContractSpec) -> list[str]:
     return plane
 
 
-# --------------------------------------------------------------------------- shape strategy
-
-
-@dataclass
-class _Dim:
-    """One dynamic dimension of one input, with its value in each distinct call shape."""
-
-    input_index: int
-    input_name: str
-    dim: int
-    per_call: tuple[int, ...]
-    quantity: QuantityLimit | None = None
-
-    @property
-    def observed(self) -> list[int]:
-        return sorted(set(self.per_call))
-
-
-@dataclass
-class _Symbol:
-    """Dims that move together: bound to one declared quantity, or equal in every observed call."""
-
-    dims: list[_Dim]
-    quantity: QuantityLimit | None
-
-    def values(self) -> list[int]:
-        if self.quantity is not None:
-            return list(range(self.quantity.low, self.quantity.high + 1))
-        return self.dims[0].observed
-
-    def range(self) -> list[int]:
-        if self.quantity is not None:
-            return [self.quantity.low, self.quantity.high]
-        return [min(self.dims[0].observed), max(self.dims[0].observed)]
-
-    def describe(self) -> str:
-        dims = ", ".join(f"{d.input_name}[{d.dim}]" for d in self.dims)
-        if self.quantity is not None:
-            q = self.quantity
-            evidence = f" ({q.evidence})" if q.evidence else ""
-            return f"{dims} follow {q.quantity} in [{q.low}, {q.high}] from the source{evidence}"
-        return f"{dims} observed {self.dims[0].observed}"
-
-
-def _as_limits(source_limits: SourceLimits | None) -> list[QuantityLimit]:
-    if source_limits is None:
-        return []
-    if isinstance(source_limits, dict):
-        limits = []
-        for quantity, bounds in source_limits.items():
-            if len(bounds) != 2 or bounds[0] > bounds[1]:
-                raise OmskillsError(f"source_limits[{quantity!r}] must be [low, high] with low <= high, got {bounds}")
-            limits.append(QuantityLimit(quantity=quantity, low=bounds[0], high=bounds[1],
-                                        evidence="declared by the driver"))
-        return limits
-    return list(source_limits)
-
-
-def _input_index(contract: ContractSpec, ref: str, quantity: str) -> int:
-    for index, spec in enumerate(contract.inputs):
-        if ref in (spec.name, spec.tree_path):
-            return index
-    raise OmskillsError(
-        f"source limit {quantity}: candidate {contract.candidate} has no tensor input named {ref!r} "
-        f"(inputs: {', '.join(s.name for s in contract.inputs)})"
-    )
-
-
-def _per_call(contract: ContractSpec, index: int, dim: int) -> tuple[int, ...]:
-    shapes = contract.call_shapes or []
-    values = tuple(s.inputs[index][dim] for s in shapes if dim < len(s.inputs[index]))
-    return values or (contract.inputs[index].shape[dim],)
-
-
-def _collect_dims(contract: ContractSpec, limits: list[QuantityLimit]) -> tuple[list[_Dim], list[str]]:
-    """Dynamic dims: those bound to a declared quantity, and those observed to vary."""
-    notes: list[str] = []
-    dims: dict[tuple[int, int], _Dim] = {}
-    for limit in limits:
-        for ref in limit.dims:
-            index = _input_index(contract, ref.input, limit.quantity)
-            spec = contract.inputs[index]
-            if not 0 <= ref.dim < len(spec.shape):
-                raise OmskillsError(f"source limit {limit.quantity}: input {spec.name} has no dim {ref.dim} "
-                                    f"(shape {spec.shape})")
-            per_call = _per_call(contract, index, ref.dim)
-            outside = [v for v in set(per_call) if not limit.low <= v <= limit.high]
-            if outside:
-                raise OmskillsError(f"source limit {limit.quantity} [{limit.low}, {limit.high}] does not hold for "
-                                    f"{spec.name}[{ref.dim}]: observed {sorted(set(per_call))}")
-            if limit.low < limit.high:
-                dims[(index, ref.dim)] = _Dim(index, spec.name, ref.dim, per_call, limit)
-    unbound = [q for q in limits if not q.dims]
-    for index, spec in enumerate(contract.inputs):
-        for dim_key in spec.dynamic_dims:
-            dim = int(dim_key)
-            if (index, dim) in dims:
-                continue
-            found = _Dim(index, spec.name, dim, _per_call(contract, index, dim))
-            fitting = [q for q in unbound if all(q.low <= v <= q.high for v in found.observed)]
-            if len(fitting) == 1:
-                found.quantity = fitting[0]
-            elif len(fitting) > 1:
-                notes.append(f"{spec.name}[{dim}] fits several declared quantities "
-                             f"({', '.join(q.quantity for q in fitting)}): bind it with DimRef to use a source range")
-            dims[(index, dim)] = found
-    return sorted(dims.values(), key=lambda d: (d.input_index, d.dim)), notes
-
-
-def _symbols(dims: list[_Dim]) -> list[_Symbol]:
-    symbols: list[_Symbol] = []
-    for dim in dims:
-        for symbol in symbols:
-            same_quantity = dim.quantity is not None and symbol.quantity is dim.quantity
-            same_values = dim.quantity is None and symbol.quantity is None and symbol.dims[0].per_call == dim.per_call
-            if same_quantity or same_values:
-                symbol.dims.append(dim)
-                break
-        else:
-            symbols.append(_Symbol([dim], dim.quantity))
-    return symbols
-
-
-def _input_shapes(contract: ContractSpec, dims: list[_Dim]) -> dict[str, list[int]]:
-    shapes = {spec.name: list(spec.shape) for spec in contract.inputs}
-    for dim in dims:
-        shapes[dim.input_name][dim.dim] = -1
-    return shapes
-
-
-def _gears(symbols: list[_Symbol], dims: list[_Dim]) -> tuple[int, list[list[int]]]:
-    """Number of gears and, when within ATC's limit, one row per gear: every -1 dim's value, input order.
-
-    Declared quantities contribute their whole range; observed-only symbols contribute the value
-    combinations actually seen together in one call (not their cross product).
-    """
-    declared = [s for s in symbols if s.quantity is not None]
-    observed = [s for s in symbols if s.quantity is None]
-    calls = len(observed[0].dims[0].per_call) if observed else 0
-    observed_rows = sorted({tuple(s.dims[0].per_call[c] for s in observed) for c in range(calls)}) or [()]
-    count = len(observed_rows) * math.prod(len(s.values()) for s in declared)
-    if count > MAX_GEARS:
-        return count, []
-    position = {id(d): k for k, s in enumerate(declared + observed) for d in s.dims}
-    rows = set()
-    for declared_values in itertools.product(*(s.values() for s in declared)):
-        for observed_values in observed_rows:
-            values = declared_values + observed_values
-            rows.add(tuple(values[position[id(d)]] for d in dims))
-    return len(rows), [list(r) for r in sorted(rows)]
-
-
-def _image_sizes(dims: list[_Dim], contract: ContractSpec, gears: list[list[int]]) -> list[list[int]] | None:
-    """[[h, w], ...] when only H and W of 4-D inputs vary, every such input having the same H and W."""
-    inputs = {d.input_index for d in dims}
-    if not all(len(contract.inputs[i].shape) == 4 and {d.dim for d in dims if d.input_index == i} == {2, 3}
-               for i in inputs):
-        return None
-    # dims are in input order, so each row is h1, w1, h2, w2, ...
-    if any(len(set(row[0::2])) > 1 or len(set(row[1::2])) > 1 for row in gears):
-        return None
-    return [list(p) for p in sorted({(row[0], row[1]) for row in gears})]
-
-
-def propose_shape_strategy(contract: ContractSpec, source_limits: SourceLimits | None = None) -> ShapeStrategy:
-    """Exactly one ATC shape strategy, from observed varying dims and declared source ranges."""
-    limits = _as_limits(source_limits)
-    dims, notes = _collect_dims(contract, limits)
-    symbols = _symbols(dims)
-    input_shapes = _input_shapes(contract, dims)
-    observed_calls = f"{contract.calls} call{'s' if contract.calls != 1 else ''}"
-    if not dims:
-        if contract.calls <= 1:
-            known = "no source limit known" if not limits else (
-                f"the declared quantities ({', '.join(q.quantity for q in limits)}) name no dim of it "
-                "(bind them with DimRef)")
-            why = (f"only one call observed and {known}: static on the observed shapes "
-                   "(a single sample cannot show which dims vary)")
-        else:
-            why = f"{observed_calls} observed, no dimension varies and no source range is declared"
-        return ShapeStrategy(kind="static", input_shapes=input_shapes, rationale="; ".join([why] + notes))
-
-    described = "; ".join(s.describe() for s in symbols)
-    only_observed = all(s.quantity is None for s in symbols)
-    caveat = (" Gears cover only values seen on the main path; a call outside them falls back to PyTorch — "
-              "declare a QuantityLimit in the driver where the source shows the real range.") if only_observed else ""
-    count, gears = _gears(symbols, dims)
-    fits_gears = MIN_GEARS <= count <= MAX_GEARS
-    image_sizes = _image_sizes(dims, contract, gears) if fits_gears else None
-
-    if fits_gears and len(symbols) == 1 and all(d.dim == 0 for d in dims):
-        batches = [[b] for b in sorted({row[0] for row in gears})]  # one value per gear: the batch size
-        return ShapeStrategy(kind="dynamic_batch_size", input_shapes=input_shapes, gears=batches,
-                             rationale=f"only dim 0 varies, the same in every input: {described}.{caveat}")
-    if image_sizes is not None:
-        return ShapeStrategy(kind="dynamic_image_size", input_shapes=input_shapes, gears=image_sizes,
-                             rationale=f"only H and W of 4-D image inputs vary: {described}.{caveat}")
-    if fits_gears:
-        return ShapeStrategy(kind="dynamic_dims", input_shapes=input_shapes, gears=gears,
-                             rationale=f"{count} gears over {len(dims)} dynamic dims: {described}.{caveat}")
-    ranges = {}
-    for name in {d.input_name for d in dims}:
-        spec = next(s for s in contract.inputs if s.name == name)
-        ranges[name] = [[size, size] for size in spec.shape]
-    for symbol in symbols:
-        for dim in symbol.dims:
-            ranges[dim.input_name][dim.dim] = symbol.range()
-    too_many = f"exceed ATC's {MAX_GEARS}" if count > MAX_GEARS else f"are below ATC's minimum of {MIN_GEARS}"
-    why = f"{count} value combinations {too_many} gears: dynamic shape with ranges; {described}"
-    if only_observed:
-        why += "; ranges are the observed min/max only"
-    return ShapeStrategy(kind="dynamic_shape", input_shapes=input_shapes, ranges=ranges,
-                         rationale="; ".join([why] + notes))
-
-
 # --------------------------------------------------------------------------- trial export
 
 
@@ -338,11 +122,14 @@ class _FlatCall(nn.Module):
         super().__init__()
         self.module = module
         self.spec = pytree.spec_from_str(contract.in_spec)
-        self.constants = {a.flat_index: a.value for a in contract.non_tensor_args}
+        self.contract = contract
         self.tensor_positions = [s.flat_index for s in contract.inputs]
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaves: list[Any] = [self.constants.get(i) for i in range(self.spec.num_leaves)]
+        leaves: list[Any] = [None] * self.spec.num_leaves
+        args = self.contract.non_tensor_args
+        for arg, value in zip(args, self.contract.call_values([a.value for a in args], tensors)):
+            leaves[arg.flat_index] = value
         for position, tensor in zip(self.tensor_positions, tensors):
             leaves[position] = tensor
         args, kwargs = pytree.unflatten_call(leaves, self.spec)

@@ -58,7 +58,8 @@ def plan_candidates(task_path: Path) -> Plan:
     record = load_record(task_path)
     require_study(record)
     assert record.profile is not None
-    inputs_hash = fingerprint(record.stages["study"].inputs_hash if "study" in record.stages else None)
+    inputs_hash = fingerprint(record.stages["study"].inputs_hash if "study" in record.stages else None,
+                              record.intake.target.deploy)
     if is_done(record, "plan", inputs_hash) and record.plan is not None:
         return record.plan
     workdir = TaskRecord.workdir(task_path)
@@ -67,7 +68,8 @@ def plan_candidates(task_path: Path) -> Plan:
         if inventory is None:
             model = record.intake.model
             inventory = scan_source(locate_source_root(model.source, model.family, workdir), model.family, model.builder, model.source)
-        plan = plan_from_study(record.intake.model.family, record.profile, record.contracts)
+        plan = plan_from_study(record.intake.model.family, record.profile, record.contracts,
+                               deploy=record.intake.target.deploy)
         report = render_plan_report(plan, inventory, record.profile, workdir / "plan")
         plan.report_path = str(report.relative_to(workdir))
         chart = report.parent / "compute_share.png"

@@ -144,6 +144,8 @@ def constant_values(contract: ContractSpec, overrides: Mapping[str, Any] | None 
 
 
 def _constant_value(candidate: str, arg: NonTensorArg, overrides: Mapping[str, Any]) -> Any:
+    if arg.derived is not None:
+        return None  # computed from the input shapes on each call (ContractSpec.call_values)
     if not arg.constant:
         raise InputError(
             f"contract {candidate!r}: non-tensor argument {arg.tree_path} varies across calls "
@@ -168,6 +170,7 @@ class ContractWrapper(nn.Module):
     def __init__(self, module: nn.Module, contract: ContractSpec, constants: Mapping[str, Any] | None = None):
         super().__init__()
         self.module = module
+        self.contract = contract
         self.candidate = contract.candidate
         self.method = contract.method
         self.input_count = len(contract.inputs)
@@ -181,7 +184,8 @@ class ContractWrapper(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(inputs) != self.input_count:
             raise InputError(f"{self.candidate}: wrapper takes {self.input_count} tensors, got {len(inputs)}")
-        args, kwargs = unflatten_call(self.call_layout.merge(inputs, self.constants), self.in_spec)
+        values = self.contract.call_values(self.constants, inputs)
+        args, kwargs = unflatten_call(self.call_layout.merge(inputs, values), self.in_spec)
         # forward through __call__ so the candidate's hooks run as they do on the main path.
         call = self.module if self.method == "forward" else getattr(self.module, self.method)
         out = flatten(call(*args, **kwargs))

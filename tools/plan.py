@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .boundaries import analyze_boundary
+from .errors import TaskRecordError
 from .inventory import render_inventory_report
 from .models import SeedCandidate, get_driver
 from .records.contracts import ContractSpec
@@ -53,8 +54,15 @@ def _candidate(seed: SeedCandidate, profile: ProfileReport, contract: ContractSp
     ), exportable, reasons
 
 
-def plan_from_study(family: str, profile: ProfileReport, contracts: dict[str, ContractSpec]) -> Plan:
+def plan_from_study(family: str, profile: ProfileReport, contracts: dict[str, ContractSpec],
+                    deploy: list[str] | None = None) -> Plan:
+    """Rank the family's seeds; `deploy` (intake.target.deploy) names candidates selected whatever their share."""
     seeds = get_driver(family).seed_candidates()
+    deploy = deploy or []
+    unknown = sorted(set(deploy) - {seed.name for seed in seeds})
+    if unknown:
+        raise TaskRecordError(f"intake.target.deploy: {unknown} are not {family} candidates "
+                              f"({', '.join(seed.name for seed in seeds)})")
     rows = [_candidate(seed, profile, contracts.get(seed.name)) for seed in seeds]
     rows.sort(key=lambda r: r[0].score, reverse=True)
     batch = []
@@ -62,16 +70,18 @@ def plan_from_study(family: str, profile: ProfileReport, contracts: dict[str, Co
         cand.rank = rank
         if not exportable:
             cand.status, cand.reason = "excluded", "boundary not exportable: " + "; ".join(reasons)
-        elif cand.share < MIN_SHARE:
+        elif cand.share < MIN_SHARE and cand.name not in deploy:
             cand.status, cand.reason = "deferred", f"share {cand.share:.2%} < {MIN_SHARE:.1%} of the main path"
         else:
             cand.status = "selected"
             cand.reason = (f"{cand.share:.1%} of main-path time, {cand.calls} calls"
                            f"{f' ({cand.calls_per_frame:.2f}/frame)' if cand.calls_per_frame else ''}; clear tensor boundary"
-                           + ("; reads session state (bridged from Python each frame)" if cand.state_dependent else ""))
+                           + ("; reads session state (bridged from Python each frame)" if cand.state_dependent else "")
+                           + ("; named in intake.target.deploy" if cand.name in deploy else ""))
             batch.append(cand.name)
     covered = sum(c.share for c, _, _ in rows if c.name in batch)
-    rationale = (f"first batch = every candidate with an exportable boundary and >= {MIN_SHARE:.1%} share, "
+    rationale = (f"first batch = every candidate with an exportable boundary and >= {MIN_SHARE:.1%} share "
+                 f"or named in intake.target.deploy, "
                  f"ranked by share x clarity x state factor; together {covered:.1%} of main-path wall time "
                  f"(the rest is Python control plane, post-processing and small modules)")
     return Plan(candidates=[r[0] for r in rows], first_batch=batch, rationale=rationale)

@@ -211,7 +211,7 @@ class SplicedModule(nn.Module):
     @staticmethod
     def _bound_constants(contract: ContractSpec) -> list[Any]:
         """The value each non-tensor argument must have; None: only its repr is known."""
-        varying = [arg.tree_path for arg in contract.non_tensor_args if not arg.constant]
+        varying = [arg.tree_path for arg in contract.non_tensor_args if not arg.constant and arg.derived is None]
         if varying:
             raise SpliceError(f"{contract.candidate}: non-tensor arguments {varying} vary across calls; "
                               "a compiled graph cannot take them")
@@ -282,10 +282,14 @@ class SplicedModule(nn.Module):
                 expected = "a tensor" if role.is_tensor else "a non-tensor constant"
                 return Violation("structure", f"{path} is {type(leaf).__name__}, the contract has {expected}")
         others = self.call_layout.others_of(flat.leaves)
-        for value, arg, bound in zip(others, self.contract.non_tensor_args, self.bound_constants):
-            if not _same_constant(value, arg, bound):
-                return Violation("constant", f"{arg.tree_path} is {value!r}, the contract binds {arg.value_repr}")
         tensors = self.call_layout.tensors_of(flat.leaves)
+        expected = self.contract.call_values(self.bound_constants, tensors)
+        for value, arg, bound in zip(others, self.contract.non_tensor_args, expected):
+            if arg.derived is not None and value != bound:
+                return Violation("constant", f"{arg.tree_path} is {value!r}, not {arg.derived.formula()} = {bound} "
+                                             "as the graph computes it")
+            if arg.derived is None and not _same_constant(value, arg, bound):
+                return Violation("constant", f"{arg.tree_path} is {value!r}, the contract binds {arg.value_repr}")
         for spec, tensor in zip(self.contract.inputs, tensors):
             if dtype_name(tensor.dtype) != spec.dtype:
                 found = dtype_name(tensor.dtype)

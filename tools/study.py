@@ -66,12 +66,14 @@ def ensure_study(task_path: Path) -> TaskRecord:
         start = time.perf_counter()
         contracts = capture_contracts(loaded.root, {s.name: s.module_path for s in seeds}, run, tracker,
                                       samples_dir=workdir / "samples", max_samples=MAX_SAMPLES,
-                                      frame_counter=lambda: frames_done[0], relative_to=workdir)
+                                      frame_counter=lambda: frames_done[0], relative_to=workdir,
+                                      derived_args=driver.derived_args())
         seconds = time.perf_counter() - start
         profile = profiler.report(notes=[f"instrumented run (profiler + contract capture); weights: {loaded.weights}"])
         report = write_main_path(record, loaded, outcome[0], frames, workdir / "study", load_seconds)
         study = StudyRun(inputs_hash=inputs_hash, main_path_json=str(Path("study") / "main_path.json"),
-                         contracts_captured=[c.candidate for c in contracts], seconds=round(seconds, 3))
+                         contracts_captured=[c.candidate for c in contracts], seconds=round(seconds, 3),
+                         source_limits=driver.source_limits(loaded))
 
         def store(rec: TaskRecord) -> None:
             rec.study, rec.profile = study, profile

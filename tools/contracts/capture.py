@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from omskills.errors import OmskillsError
-from omskills.records.contracts import CallShape, ContractSpec, NonTensorArg, Provenance, TensorSpec
+from omskills.records.contracts import CallShape, ContractSpec, NonTensorArg, Provenance, ShapeDerivedArg, TensorSpec
 
 from . import pytree
 from .provenance import ProvenanceTracker, StorageHistory, is_ancestor
@@ -144,9 +144,11 @@ class _CandidateRecorder:
         self._in_flight: list[_Call] = []
 
     def attach(self) -> list[Any]:
+        # The output hook goes first: a hook registered earlier may replace the output (SAM's
+        # verification takes |object_score_logits|), and the sample must hold what forward returned.
         return [
             self.module.register_forward_pre_hook(self._before, with_kwargs=True),
-            self.module.register_forward_hook(self._after, with_kwargs=True),
+            self.module.register_forward_hook(self._after, with_kwargs=True, prepend=True),
         ]
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -304,15 +306,38 @@ def _save_samples(recorder: _CandidateRecorder, structure: str, inputs: list[Ten
     return paths
 
 
+def _bind_derived(contract: ContractSpec, calls: list[_Call], derivations: dict[str, ShapeDerivedArg]) -> None:
+    """Mark the arguments the driver derives from shapes, where every observed call agrees."""
+    by_path = {arg.tree_path: arg for arg in contract.non_tensor_args}
+    unknown = sorted(set(derivations) - set(by_path))
+    if unknown:
+        raise OmskillsError(f"candidate {contract.candidate}: derived argument(s) {unknown} are not non-tensor "
+                            f"arguments (it has {sorted(by_path) or 'none'})")
+    for path, derivation in derivations.items():
+        arg = by_path[path]
+
+        def agrees(call: _Call) -> bool:
+            def shape_of(ref: str) -> tuple[int, ...]:
+                return call.in_leaves[contract.inputs[contract.input_index(ref)].flat_index].shape
+            return call.in_leaves[arg.flat_index].value == derivation.value(shape_of)
+
+        try:
+            holds = all(agrees(call) for call in calls)
+        except KeyError as exc:
+            raise OmskillsError(f"candidate {contract.candidate}: derived argument {path}: {exc.args[0]}") from exc
+        if holds:
+            arg.derived = derivation
+
+
 def _contract(recorder: _CandidateRecorder, frames: int | None, samples_dir: Path,
-              relative_to: Path | None) -> ContractSpec:
+              relative_to: Path | None, derivations: dict[str, ShapeDerivedArg]) -> ContractSpec:
     structures = Counter(c.structure for c in recorder.calls)
     main = structures.most_common(1)[0][0]  # ties: Counter keeps first-seen order
     calls = [c for c in recorder.calls if c.structure == main]
     inputs = _input_specs(recorder, calls)
     outputs = _output_specs(recorder, calls, {spec.name for spec in inputs})
     parent, attribute = _replacement_point(recorder.path)
-    return ContractSpec(
+    contract = ContractSpec(
         candidate=recorder.name,
         module_path=recorder.path,
         module_class=f"{type(recorder.module).__module__}.{type(recorder.module).__qualname__}",
@@ -331,6 +356,8 @@ def _contract(recorder: _CandidateRecorder, frames: int | None, samples_dir: Pat
         call_shapes=list({json.dumps(s.model_dump()): s for s in (c.shapes() for c in calls)}.values()),
         samples=_save_samples(recorder, main, inputs, outputs, samples_dir, relative_to),
     )
+    _bind_derived(contract, calls, derivations)
+    return contract
 
 
 # --------------------------------------------------------------------------- entry point
@@ -354,6 +381,7 @@ def capture_contracts(
     max_samples: int = 3,
     frame_counter: Callable[[], int] | None = None,
     relative_to: Path | None = None,
+    derived_args: dict[str, dict[str, ShapeDerivedArg]] | None = None,
 ) -> list[ContractSpec]:
     """Run `run()` once with hooks on the candidates (name -> module path) and return their contracts.
 
@@ -362,6 +390,8 @@ def capture_contracts(
     `<name>_<k>.npz` (none are kept without a samples_dir), their paths stored relative to
     `relative_to` when given (the task workdir).
     `frame_counter()` returns the number of frames processed so far, for calls_per_frame.
+    `derived_args` (candidate -> {argument tree path: derivation}) names non-tensor arguments the
+    source computes from input shapes; each is bound where every observed call agrees with it.
     """
     if max_samples < 0:
         raise OmskillsError(f"max_samples must be >= 0, got {max_samples}")
@@ -387,4 +417,5 @@ def capture_contracts(
         verb = "was" if len(never_called) == 1 else "were"
         raise OmskillsError(f"candidate {named} {verb} never called on the main path")
     frames = frame_counter() if frame_counter else None
-    return [_contract(r, frames, Path(samples_dir or "."), relative_to) for r in recorders]
+    derived_args = derived_args or {}
+    return [_contract(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {})) for r in recorders]

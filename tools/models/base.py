@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from ..portability import DevicePortability
+from ..records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from ..records.intake import Intake, ModelSpec
 
 
@@ -93,6 +94,12 @@ class ModelDriver(ABC):
         """What the family keeps in Python around its candidates, and why (for the record)."""
         return []
 
-    def source_limits(self) -> dict[str, list[int]]:
-        """Ranges the source declares for quantities that drive dynamic dims (e.g. objects)."""
+    def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
+        """Per candidate: quantities whose range the source shows and the input dims they drive
+        (e.g. tracked objects), read from the built model; the study stores them in the record."""
+        return {}
+
+    def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
+        """Per candidate: non-tensor arguments the source computes from input shapes (tree path ->
+        derivation); the contract binds each where every observed call agrees."""
         return {}

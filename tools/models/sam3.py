@@ -22,7 +22,7 @@ from PIL import Image
 
 from ..errors import InputError, TaskRecordError
 from ..portability import DevicePortability, FunctionFix
-from ..records.contracts import DimRef, QuantityLimit
+from ..records.contracts import DimRef, QuantityLimit, QuantitySchedule
 from ..records.intake import Intake, ModelSpec, VerificationSpec
 from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
@@ -354,7 +354,7 @@ class Sam3Driver(ModelDriver):
             ProvenanceSource(inference, "load_resource_as_video_frames", "image", "video frames (load_resource_as_video_frames)"),
         ]
 
-    def source_limits(self) -> dict[str, list[QuantityLimit]]:
+    def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
         """The tracker batches all tracked objects; the source compiles for up to 16 of them."""
 
         def objects(*dims: tuple[str, int]) -> QuantityLimit:

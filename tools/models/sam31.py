@@ -33,7 +33,7 @@ from PIL import Image
 
 from ..errors import InputError, TaskRecordError
 from ..portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
-from ..records.contracts import QuantityLimit
+from ..records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from ..records.intake import Intake, ModelSpec, VerificationSpec
 from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 from .sam3 import SAM3_FIXES, ForcedDetections, _with_overrides, bpe_vocabulary_path, deterministic_uninitialised, reinit_non_finite
@@ -218,9 +218,6 @@ def _init_state_accepting_known_kwargs(model: Any) -> Iterator[set[str]]:
 class Sam31Driver(ModelDriver):
     family = "sam3.1"
 
-    def __init__(self) -> None:
-        self._loaded_root: torch.nn.Module | None = None
-
     def source_root(self, spec: ModelSpec) -> Path:
         return resolve_checkout(spec.source)
 
@@ -254,7 +251,6 @@ class Sam31Driver(ModelDriver):
             notes.append(f"hub download of the {downloads[0]} checkpoint refused (no checkpoint given: random weights)")
         if fixed:
             notes.append(f"re-initialised non-finite parameters: {', '.join(fixed)}")
-        self._loaded_root = model
         return LoadedModel(predictor=predictor, root=model, source_root=source_root,
                            weights=spec.checkpoint or "random", portability=portability, notes=notes)
 
@@ -355,36 +351,60 @@ class Sam31Driver(ModelDriver):
                           "mask_memory_encoder"),
         ]
 
-    def quantity_limits(self, loaded: LoadedModel | None = None) -> list[QuantityLimit]:
-        """Ranges the 3.1 source sets for the quantities behind its varying dims.
+    def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
+        """The 3.1 source's ranges behind the propagation candidates' varying dims, read from the model.
 
-        Read from the loaded model when given (else from the last model this driver loaded):
-        objects per bucket (`multiplex_count`), objects in total (`max_num_objects`), buckets
-        (their ratio, rounded up) and memory length (`num_maskmem` frames, `max_obj_ptrs_in_encoder`
-        object-pointer frames).
+        Buckets: objects are muxed `multiplex_count` to a bucket, up to `max_num_objects`, so the
+        bucket count (leading dim of the decoder and memory encoder, batch dim of the memory
+        attention) is 1..ceil(max / count). Memory length: each memory frame adds HW image tokens,
+        each object-pointer frame `multiplex_count` pointer tokens; with one conditioning frame
+        (the text prompt on frame 0), frame t attends to min(t, num_maskmem) memory frames and
+        min(t, max_obj_ptrs_in_encoder) pointer frames.
         """
-        root = loaded.root if loaded is not None else self._loaded_root
-        if root is None:
-            raise TaskRecordError("sam3.1 source limits: load the model first (the limits are read from the built model)")
+        root = loaded.root
         tracker = root.tracker.model
         per_bucket = int(tracker.multiplex_controller.multiplex_count)
         max_objects = int(root.max_num_objects)
-        buckets = -(-max_objects // per_bucket)
-        return [
-            QuantityLimit(quantity="num_objects", low=1, high=max_objects,
-                          evidence=f"max_num_objects={max_objects} (build_sam3_multiplex_video_predictor)"),
-            QuantityLimit(quantity="objects_per_bucket", low=1, high=per_bucket,
-                          evidence=f"MultiplexController.multiplex_count={per_bucket}"),
-            QuantityLimit(quantity="num_buckets", low=1, high=buckets,
-                          evidence=f"ceil(max_num_objects / multiplex_count) = ceil({max_objects}/{per_bucket})"),
-            QuantityLimit(quantity="memory_frames", low=1, high=int(tracker.num_maskmem),
-                          evidence=f"num_maskmem={tracker.num_maskmem} (conditioning frame + past frames)"),
-            QuantityLimit(quantity="object_pointer_frames", low=1, high=int(tracker.max_obj_ptrs_in_encoder),
-                          evidence=f"max_obj_ptrs_in_encoder={tracker.max_obj_ptrs_in_encoder}"),
-        ]
+        side = int(tracker.sam_image_embedding_size)
+        maskmem, max_ptrs = int(tracker.num_maskmem), int(tracker.max_obj_ptrs_in_encoder)
+        cond = int(tracker.max_cond_frames_in_attn)
+        where = "sam3/model/video_tracking_multiplex.py"
 
-    def source_limits(self) -> dict[str, list[int]]:
-        return {limit.quantity: [limit.low, limit.high] for limit in self.quantity_limits()} if self._loaded_root is not None else {}
+        def buckets(*dims: tuple[str, int]) -> QuantityLimit:
+            return QuantityLimit(quantity="num_buckets", low=1, high=-(-max_objects // per_bucket),
+                                 evidence=f"ceil(max_num_objects {max_objects} / multiplex_count {per_bucket})",
+                                 dims=[DimRef(input=name, dim=d) for name, d in dims])
+
+        memory_frames = QuantityLimit(
+            quantity="memory_frames", low=1, high=maskmem - 1 + cond,
+            evidence=f"{where}: up to max_cond_frames_in_attn={cond} conditioning frames + num_maskmem-1={maskmem - 1} "
+                     f"previous frames, {side}x{side} tokens each",
+            dims=[DimRef(input=name, dim=0, scale=side * side) for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")])
+        pointer_frames = QuantityLimit(
+            quantity="object_pointer_frames", low=1, high=max_ptrs,
+            evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, multiplex_count={per_bucket} pointer tokens per frame",
+            dims=[DimRef(input=name, dim=0, scale=per_bucket) for name in ("memory", "memory_pos")])
+        memory_limits: list[QuantityLimit | QuantitySchedule] = [
+            memory_frames, pointer_frames, buckets(("src", 1), ("src_pos", 1), ("memory", 1), ("memory_pos", 1))]
+        if int(tracker.memory_temporal_stride_for_eval) == 1:
+            # Forward (or reverse) propagation from one conditioning frame; other prompts fall back.
+            memory_limits.append(QuantitySchedule(
+                quantities=["memory_frames", "object_pointer_frames"],
+                rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
+                evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames "
+                         f"({where}:1375), min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where}:1479)"))
+        return {
+            "mask_decoder": [buckets(("image_embeddings", 0), ("high_res_features_0", 0), ("high_res_features_1", 0),
+                                     ("extra_per_object_embeddings", 0))],
+            "mask_memory_encoder": [buckets(("pix_feat", 0), ("masks", 0))],
+            "memory_attention": memory_limits,
+        }
+
+    def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
+        return {"memory_attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
+            minuend=DimRef(input="memory", dim=0), subtrahend=DimRef(input="memory_image", dim=0),
+            evidence="sam3/model/decoder.py:1371 asserts memory.shape[1] - memory_image.shape[1] == num_obj_ptr_tokens "
+                     "(batch first)")}}
 
     def control_plane_notes(self) -> list[str]:
         """What stays in Python around the candidates, and why (for the record's control plane)."""

@@ -8,9 +8,10 @@ listed in flat order with their names; non-tensor leaves are constants (or flagg
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Record
 
@@ -42,6 +43,44 @@ class TensorSpec(Record):
     flat_index: int | None = None
 
 
+class DimRef(Record):
+    """Dimension `dim` of the contract input named `input` (its name or tree path).
+
+    Bound to a quantity, the dim grows by `scale` per unit of it; a dim named by several
+    quantities is the sum (SAM 3.1's memory: 5184 tokens per memory frame + 16 per pointer frame).
+    """
+
+    input: str
+    dim: int
+    scale: int = Field(1, ge=1)
+
+
+class ShapeDerivedArg(Record):
+    """A non-tensor argument the source computes from input shapes: `minuend` dim minus `subtrahend` dim.
+
+    SAM 3.1 passes `num_obj_ptr_tokens` = len(memory) - len(memory_image) (its decoder asserts it).
+    It varies with the memory length, yet a graph can compute it from the shapes it is given, so
+    the candidate stays exportable: the export computes it, the splice checks it per call.
+    """
+
+    minuend: DimRef
+    subtrahend: DimRef | None = None
+    evidence: str = ""
+
+    def value(self, shape_of: Callable[[str], Sequence[Any]]) -> Any:
+        """The argument from input shapes (`shape_of(input name)`); SymInts under export."""
+        value = shape_of(self.minuend.input)[self.minuend.dim]
+        if self.subtrahend is not None:
+            value = value - shape_of(self.subtrahend.input)[self.subtrahend.dim]
+        return value
+
+    def formula(self) -> str:
+        text = f"{self.minuend.input}.shape[{self.minuend.dim}]"
+        if self.subtrahend is not None:
+            text += f" - {self.subtrahend.input}.shape[{self.subtrahend.dim}]"
+        return text
+
+
 class NonTensorArg(Record):
     tree_path: str
     value_repr: str  # the value (first call); when varying, the distinct values seen
@@ -49,6 +88,8 @@ class NonTensorArg(Record):
     # The value itself when it is a JSON scalar (to rebuild the call without the live objects).
     value: bool | int | float | str | None = None
     flat_index: int | None = None
+    # Set when the driver declares it a function of input shapes and every observed call agrees.
+    derived: ShapeDerivedArg | None = None
 
 
 class CallShape(Record):
@@ -79,12 +120,19 @@ class ContractSpec(Record):
     call_shapes: list[CallShape] = Field(default_factory=list)  # distinct per-call shapes, first-seen order
     samples: list[str] = Field(default_factory=list)  # npz paths, relative to the task workdir
 
+    def input_index(self, ref: str) -> int:
+        """Position of the tensor input named `ref` (its name or tree path)."""
+        for index, spec in enumerate(self.inputs):
+            if ref in (spec.name, spec.tree_path):
+                return index
+        raise KeyError(f"contract {self.candidate!r} has no tensor input {ref!r} "
+                       f"(inputs: {', '.join(s.name for s in self.inputs)})")
 
-class DimRef(Record):
-    """Dimension `dim` of the contract input named `input` (its name or tree path)."""
-
-    input: str
-    dim: int
+    def call_values(self, constants: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
+        """Each non-tensor argument of one call: its bound constant, or its value derived from the
+        shapes of `tensors` (the call's tensor inputs, in contract order)."""
+        return [arg.derived.value(lambda ref: tensors[self.input_index(ref)].shape) if arg.derived else constant
+                for arg, constant in zip(self.non_tensor_args, constants)]
 
 
 class QuantityLimit(Record):
@@ -99,6 +147,25 @@ class QuantityLimit(Record):
     high: int
     evidence: str = ""
     dims: list[DimRef] = Field(default_factory=list)
+
+
+class QuantitySchedule(Record):
+    """The values declared quantities take together, one row per case, where the source ties them.
+
+    E.g. SAM 3.1 at frame t attends to min(t, 7) memory frames and min(t, 16) pointer frames:
+    16 joint values, where the ranges alone would allow 7 x 16.
+    """
+
+    quantities: list[str]
+    rows: list[list[int]]
+    evidence: str = ""
+
+    @model_validator(mode="after")
+    def _rows_fit(self) -> "QuantitySchedule":
+        bad = [row for row in self.rows if len(row) != len(self.quantities)]
+        if bad or not self.rows:
+            raise ValueError(f"rows: each row needs one value per quantity {self.quantities}; got {self.rows}")
+        return self
 
 
 class ShapeStrategy(Record):

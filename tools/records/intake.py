@@ -40,6 +40,8 @@ class InputSpec(Record):
 class TargetSpec(Record):
     soc: str = "Ascend910B4"
     cann_version: str | None = None
+    # Candidates to deploy whatever their share of the main path (the plan defers small ones).
+    deploy: list[str] = Field(default_factory=list)
 
 
 class VerificationSpec(Record):

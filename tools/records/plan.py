@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from .base import Record
+from .contracts import QuantityLimit, QuantitySchedule
 
 CandidateStatus = Literal[
     "pending", "selected", "deferred", "excluded",
@@ -56,3 +57,5 @@ class StudyRun(Record):
     main_path_json: str
     contracts_captured: list[str] = Field(default_factory=list)
     seconds: float
+    # Per candidate, the ranges the driver read from the built model (for the shape strategy).
+    source_limits: dict[str, list[QuantityLimit | QuantitySchedule]] = Field(default_factory=dict)
