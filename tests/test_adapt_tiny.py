@@ -148,12 +148,16 @@ def test_every_export_passes_the_probe_and_gets_an_operator_table(tiny_adaptatio
         assert chain.precheck.rows and chain.atc.command
 
 
-def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptation, tmp_path):
+def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptation, tmp_path, monkeypatch):
     """The plan defers candidates under 0.5 % of the main path (at tiny scale often the text
     encoder); named, a deferred candidate takes the same stage-3 path as the first batch, so
-    every seed candidate with an exportable boundary reaches ONNX and an ATC command."""
+    every seed candidate with an exportable boundary reaches ONNX and an ATC command. Their
+    probes run in a child process, as those of models over 512 MB do."""
+    import omskills.toolchain
     from omskills.adapter import analyze_boundaries
     from omskills.toolchain import convert_candidate, export_candidate, precheck_candidate, probe_candidate
+
+    monkeypatch.setattr(omskills.toolchain, "ISOLATE_MIN_BYTES", 0)
 
     task = tmp_path / "task.yaml"
     shutil.copy(tiny_adaptation / "task.yaml", task)

@@ -97,6 +97,18 @@ def test_wrong_reference_fails_parity_and_nothing_is_preferred(exported, tmp_pat
     assert result.preferred is None and "no variant passed" in result.why
 
 
+def test_a_variant_that_cannot_run_a_sample_fails_and_the_others_are_still_checked(exported, tmp_path):
+    path, samples = exported
+    feeds, reference = samples[0]
+    unrunnable = {"x": np.zeros((2, 5, 8, 8), np.float32)}  # 5 channels: the conv takes 3
+
+    result = optimize_variants(path, tmp_path, [(unrunnable, reference)], variants=["original", "onnxslim"])
+
+    assert [v.status for v in result.variants] == ["failed", "failed"]
+    assert all("does not run a sample" in v.checks[-1].detail for v in result.variants)
+    assert result.preferred is None
+
+
 def test_graph_output_that_no_node_produces_fails_the_variant(tmp_path):
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"], name="relu")],
@@ -283,3 +295,22 @@ def _die(*args):
     import os
 
     os._exit(137)
+
+
+def test_captured_samples_are_probed_in_a_child_process_and_its_death_is_an_error(exported, tmp_path):
+    from omskills.contracts.samples import save_sample
+    from omskills.isolation import ChildDied, run_in_child
+    from omskills.toolchain import probe_samples
+
+    path, samples = exported
+    saved = []
+    for k, (feeds, reference) in enumerate(samples):
+        saved.append(save_sample(tmp_path / f"tiny_{k}.npz", "tiny", k,
+                                 inputs={n: torch.from_numpy(v) for n, v in feeds.items()},
+                                 outputs={n: torch.from_numpy(v) for n, v in reference.items()}))
+
+    reports = run_in_child(probe_samples, path, saved)
+
+    assert [r.verdict for r in reports] == ["pass", "pass"]
+    with pytest.raises(ChildDied, match="out of memory"):
+        run_in_child(_die)

@@ -236,27 +236,63 @@ def test_start_session_keywords_the_multiplex_init_state_lacks_are_dropped():
     assert calls == [("frames", True)] and dropped == {"offload_state_to_cpu"}
 
 
+# -- source limits behind the propagation candidates' shapes ------------------------------
+
+def _built_model(max_num_objects=16, stride=1):
+    tracker = SimpleNamespace(multiplex_controller=SimpleNamespace(multiplex_count=16), sam_image_embedding_size=72,
+                              num_maskmem=7, max_obj_ptrs_in_encoder=16, max_cond_frames_in_attn=4,
+                              memory_temporal_stride_for_eval=stride)
+    root = SimpleNamespace(max_num_objects=max_num_objects, tracker=SimpleNamespace(model=tracker))
+    return SimpleNamespace(root=root)
+
+
+def test_bucket_count_follows_max_num_objects_over_multiplex_count():
+    limits = Sam31Driver().source_limits(_built_model(max_num_objects=40))
+    [decoder_buckets] = limits["mask_decoder"]
+    assert (decoder_buckets.quantity, decoder_buckets.low, decoder_buckets.high) == ("num_buckets", 1, 3)
+    assert {d.input for d in decoder_buckets.dims} == {"image_embeddings", "high_res_features_0",
+                                                         "high_res_features_1", "extra_per_object_embeddings"}
+    assert Sam31Driver().source_limits(_built_model())["mask_memory_encoder"][0].high == 1  # 16 objects: 1 bucket
+
+
+def test_memory_length_grows_by_image_tokens_per_frame_and_16_tokens_per_pointer_frame():
+    limits = {getattr(q, "quantity", "schedule"): q for q in Sam31Driver().source_limits(_built_model())["memory_attention"]}
+    assert {(d.input, d.scale) for d in limits["memory_frames"].dims} == {
+        (name, 72 * 72) for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")}
+    assert {(d.input, d.scale) for d in limits["object_pointer_frames"].dims} == {("memory", 16), ("memory_pos", 16)}
+    rows = limits["schedule"].rows
+    assert rows[:3] == [[1, 1], [2, 2], [3, 3]] and rows[6:8] == [[7, 7], [7, 8]] and rows[-1] == [7, 16]
+    # With a temporal stride the frames taken are not min(t, 7): no schedule, the ranges alone.
+    strided = Sam31Driver().source_limits(_built_model(stride=2))["memory_attention"]
+    assert not any(hasattr(q, "rows") for q in strided)
+
+
 # -- opt-in: tiny SAM 3.1 on CPU -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_31_main_path(tmp_path_factory) -> dict:
-    """`omskills main-path` on tiny SAM 3.1, 2 frames, in a fresh process: main_path.json."""
+def tiny_31_adaptation(tmp_path_factory) -> Path:
+    """`omskills adapt` on tiny SAM 3.1 (the record's 4 frames) in a fresh process: the run folder."""
     source = os.environ.get(SOURCE_ENV)
     if not source:
         pytest.skip(f"{SOURCE_ENV} is not set: point it at a SAM 3.1 checkout "
                     "(git clone https://github.com/facebookresearch/sam3) to run the SAM 3.1 tests")
-    out = tmp_path_factory.mktemp("sam31") / "main_path"
-    result = omskills_cli("main-path", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(out),
-                          env={**os.environ, SOURCE_ENV: source})
+    out = tmp_path_factory.mktemp("sam31") / "adapt"
+    result = omskills_cli("adapt", str(TASK), "--scale", "tiny", "--out", str(out), env={**os.environ, SOURCE_ENV: source})
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((out / "main_path.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_31_main_path(tiny_31_adaptation) -> dict:
+    """The main path of that adaptation's study run (PyTorch, instrumented): main_path.json."""
+    return json.loads((tiny_31_adaptation / "study" / "main_path.json").read_text())
 
 
 @pytest.mark.sam31
 def test_tiny_31_tracks_objects_on_every_frame(tiny_31_main_path):
     frames = tiny_31_main_path["frames"]
     assert tiny_31_main_path["model_family"] == "sam3.1" and tiny_31_main_path["weights"] == "random"
-    assert [f["frame"] for f in frames] == [0, 1]
+    assert [f["frame"] for f in frames] == [0, 1, 2, 3]
     assert all(len(f["obj_ids"]) >= 1 for f in frames), [f["obj_ids"] for f in frames]
 
 
@@ -272,19 +308,6 @@ def test_tiny_31_tracks_objects_on_every_frame(tiny_31_main_path):
 def test_tiny_31_portability_findings_name_the_31_sites(tiny_31_main_path, file, kind):
     sites = [(f["file"], f["line"]) for f in tiny_31_main_path["portability_findings"] if f["kind"] == kind]
     assert any(site_file == file and line > 0 for site_file, line in sites), sites
-
-
-@pytest.fixture(scope="module")
-def tiny_31_adaptation(tmp_path_factory) -> Path:
-    """`omskills adapt` on tiny SAM 3.1 (the record's 4 frames) in a fresh process: the run folder."""
-    source = os.environ.get(SOURCE_ENV)
-    if not source:
-        pytest.skip(f"{SOURCE_ENV} is not set: point it at a SAM 3.1 checkout "
-                    "(git clone https://github.com/facebookresearch/sam3) to run the SAM 3.1 tests")
-    out = tmp_path_factory.mktemp("sam31") / "adapt"
-    result = omskills_cli("adapt", str(TASK), "--scale", "tiny", "--out", str(out), env={**os.environ, SOURCE_ENV: source})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
 
 
 @pytest.mark.sam31

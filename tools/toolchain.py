@@ -23,7 +23,8 @@ from .errors import OmskillsError, StageError
 from .export import dynamic_dims_from_strategy, export_onnx as _export
 from . import model_cache
 from .model_cache import load_model
-from .optimize import optimize_variants
+from .isolation import ISOLATE_MIN_BYTES, ChildDied, run_in_child
+from .optimize import model_bytes, optimize_variants
 from .records.base import Record
 from .records.contracts import ContractSpec
 from .records.export import ExportResult
@@ -43,11 +44,15 @@ def _contract(record: TaskRecord, name: str) -> ContractSpec:
     return record.contracts[name]
 
 
-def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
+def _sample_paths(record: TaskRecord, workdir: Path, name: str) -> list[Path]:
     contract = _contract(record, name)
     if not contract.samples:
         raise StageError(f"candidate {name!r} has no captured samples")
-    return [load_sample(workdir / p) for p in contract.samples]
+    return [workdir / p for p in contract.samples]
+
+
+def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
+    return [load_sample(p) for p in _sample_paths(record, workdir, name)]
 
 
 def _numpy(sample_part: dict) -> dict[str, np.ndarray]:
@@ -123,6 +128,19 @@ def _model_path(record: TaskRecord, workdir: Path, name: str, variant: str) -> P
     return Path(found.path) if Path(found.path).is_absolute() else workdir / found.path
 
 
+def probe_samples(path: Path, sample_paths: list[Path]) -> list[ParityReport]:
+    """ONNX Runtime against each captured sample (loaded one at a time: 4-frame samples of the
+    full-scale backbone are GBs)."""
+    reports = []
+    with open_backend(path, "onnxruntime") as backend:
+        wanted = {spec.name for spec in backend.inputs}
+        for sample_path in sample_paths:
+            sample = load_sample(sample_path)
+            got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
+            reports.append(compare_outputs(_numpy(sample.outputs), got))
+    return reports
+
+
 def probe_candidate(task_path: Path, name: str, variant: str = "original") -> ParityReport:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
@@ -133,14 +151,18 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     existing = record.toolchain.get(name, CandidateToolchain()).probes.get(variant)
     if is_done(record, step, inputs_hash) and existing is not None:
         return existing
-    samples = _samples(record, workdir, name)
+    sample_paths = _sample_paths(record, workdir, name)
+    # Probing needs no PyTorch model; at full scale the model next to a 2 GB backbone's ORT
+    # session on 4-frame samples went past 24 GB. Big models are probed in a child process.
+    model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
-        with open_backend(path, "onnxruntime") as backend:
-            wanted = {spec.name for spec in backend.inputs}
-            reports = []
-            for sample in samples:
-                got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
-                reports.append(compare_outputs(_numpy(sample.outputs), got))
+        if model_bytes(path) >= ISOLATE_MIN_BYTES:
+            try:
+                reports = run_in_child(probe_samples, path, sample_paths)
+            except ChildDied as err:
+                raise StageError(f"{name}: the process probing {path.name} died ({err})") from err
+        else:
+            reports = probe_samples(path, sample_paths)
         # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
         report = max(reports, key=lambda r: (["pass", "review", "fail"].index(r.verdict), -r.worst_cosine))
 
@@ -162,7 +184,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     existing = record.toolchain.get(name, CandidateToolchain()).optimize
     if is_done(record, step, inputs_hash) and existing is not None:
         return existing
-    samples = [(_numpy(s.inputs), _numpy(s.outputs)) for s in _samples(record, workdir, name)]
+    samples = _sample_paths(record, workdir, name)  # loaded one at a time, where they are run
     # At full scale the model (several GB) plus a 2 GB ONNX in three variants and their ORT
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
     model_cache.release()

@@ -215,6 +215,36 @@ def _init_state_accepting_known_kwargs(model: Any) -> Iterator[set[str]]:
         yield dropped
 
 
+def _memory_limits(tracker: Any, per_bucket: int) -> list[QuantityLimit | QuantitySchedule]:
+    """Memory attention's sequence lengths: each memory frame adds HW image tokens, each
+    object-pointer frame `multiplex_count` pointer tokens. With one conditioning frame (the text
+    prompt on frame 0), frame t attends to min(t, num_maskmem) memory frames and
+    min(t, max_obj_ptrs_in_encoder) pointer frames: that schedule gives the gears."""
+    side = int(tracker.sam_image_embedding_size)
+    maskmem, max_ptrs = int(tracker.num_maskmem), int(tracker.max_obj_ptrs_in_encoder)
+    cond = int(tracker.max_cond_frames_in_attn)
+    where = "sam3/model/video_tracking_multiplex.py"
+    limits: list[QuantityLimit | QuantitySchedule] = [
+        QuantityLimit(quantity="memory_frames", low=1, high=maskmem - 1 + cond,
+                      evidence=f"{where}: up to max_cond_frames_in_attn={cond} conditioning frames + "
+                               f"num_maskmem-1={maskmem - 1} previous frames, {side}x{side} tokens each",
+                      dims=[DimRef(input=name, dim=0, scale=side * side)
+                            for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")]),
+        QuantityLimit(quantity="object_pointer_frames", low=1, high=max_ptrs,
+                      evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, multiplex_count={per_bucket} "
+                               "pointer tokens per frame",
+                      dims=[DimRef(input=name, dim=0, scale=per_bucket) for name in ("memory", "memory_pos")]),
+    ]
+    if int(tracker.memory_temporal_stride_for_eval) == 1:
+        # Forward (or reverse) propagation from one conditioning frame; other prompt layouts fall back.
+        limits.append(QuantitySchedule(
+            quantities=["memory_frames", "object_pointer_frames"],
+            rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
+            evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames "
+                     f"({where}:1375), min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where}:1479)"))
+    return limits
+
+
 class Sam31Driver(ModelDriver):
     family = "sam3.1"
 
@@ -356,48 +386,23 @@ class Sam31Driver(ModelDriver):
 
         Buckets: objects are muxed `multiplex_count` to a bucket, up to `max_num_objects`, so the
         bucket count (leading dim of the decoder and memory encoder, batch dim of the memory
-        attention) is 1..ceil(max / count). Memory length: each memory frame adds HW image tokens,
-        each object-pointer frame `multiplex_count` pointer tokens; with one conditioning frame
-        (the text prompt on frame 0), frame t attends to min(t, num_maskmem) memory frames and
-        min(t, max_obj_ptrs_in_encoder) pointer frames.
+        attention) is 1..ceil(max / count). Memory length: see `_memory_limits`.
         """
-        root = loaded.root
-        tracker = root.tracker.model
+        tracker = loaded.root.tracker.model
         per_bucket = int(tracker.multiplex_controller.multiplex_count)
-        max_objects = int(root.max_num_objects)
-        side = int(tracker.sam_image_embedding_size)
-        maskmem, max_ptrs = int(tracker.num_maskmem), int(tracker.max_obj_ptrs_in_encoder)
-        cond = int(tracker.max_cond_frames_in_attn)
-        where = "sam3/model/video_tracking_multiplex.py"
+        max_objects = int(loaded.root.max_num_objects)
 
         def buckets(*dims: tuple[str, int]) -> QuantityLimit:
             return QuantityLimit(quantity="num_buckets", low=1, high=-(-max_objects // per_bucket),
                                  evidence=f"ceil(max_num_objects {max_objects} / multiplex_count {per_bucket})",
                                  dims=[DimRef(input=name, dim=d) for name, d in dims])
 
-        memory_frames = QuantityLimit(
-            quantity="memory_frames", low=1, high=maskmem - 1 + cond,
-            evidence=f"{where}: up to max_cond_frames_in_attn={cond} conditioning frames + num_maskmem-1={maskmem - 1} "
-                     f"previous frames, {side}x{side} tokens each",
-            dims=[DimRef(input=name, dim=0, scale=side * side) for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")])
-        pointer_frames = QuantityLimit(
-            quantity="object_pointer_frames", low=1, high=max_ptrs,
-            evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, multiplex_count={per_bucket} pointer tokens per frame",
-            dims=[DimRef(input=name, dim=0, scale=per_bucket) for name in ("memory", "memory_pos")])
-        memory_limits: list[QuantityLimit | QuantitySchedule] = [
-            memory_frames, pointer_frames, buckets(("src", 1), ("src_pos", 1), ("memory", 1), ("memory_pos", 1))]
-        if int(tracker.memory_temporal_stride_for_eval) == 1:
-            # Forward (or reverse) propagation from one conditioning frame; other prompts fall back.
-            memory_limits.append(QuantitySchedule(
-                quantities=["memory_frames", "object_pointer_frames"],
-                rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
-                evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames "
-                         f"({where}:1375), min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where}:1479)"))
         return {
             "mask_decoder": [buckets(("image_embeddings", 0), ("high_res_features_0", 0), ("high_res_features_1", 0),
                                      ("extra_per_object_embeddings", 0))],
             "mask_memory_encoder": [buckets(("pix_feat", 0), ("masks", 0))],
-            "memory_attention": memory_limits,
+            "memory_attention": [*_memory_limits(tracker, per_bucket),
+                                 buckets(("src", 1), ("src_pos", 1), ("memory", 1), ("memory_pos", 1))],
         }
 
     def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:

@@ -1,0 +1,41 @@
+"""Run one memory-hungry call in a fresh child process.
+
+ONNX Runtime sessions and onnxslim passes over a 2 GB model take many GB that a long-lived
+process (the MCP tool server) would keep; in a child, that memory goes back to the system when
+it ends, and if the OOM killer takes the child, the caller gets `ChildDied` instead of dying.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+from .errors import OmskillsError
+
+# Models this big are probed and optimised in a child process.
+ISOLATE_MIN_BYTES = 512 * 2**20
+
+T = TypeVar("T")
+
+
+class ChildDied(OmskillsError):
+    """The child process ended without an answer (killed, most likely out of memory)."""
+
+
+def run_in_child(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a spawned process (fn and args must pickle); its stdout goes to stderr."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_stdout_to_stderr_for_good) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except concurrent.futures.process.BrokenProcessPool as err:
+            raise ChildDied(f"{err}; out of memory?") from err
+
+
+def _stdout_to_stderr_for_good() -> None:
+    # A child inherits the parent's stdout, which may be the MCP stdio stream.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
