@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -169,7 +169,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
         def store(rec: TaskRecord) -> None:
             _toolchain(rec, name).probes[variant] = report
             rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
-                       f"{len(samples)} captured samples; worst cosine {report.worst_cosine:.6f}, max abs {report.worst_max_abs:.2e}")
+                       f"{len(sample_paths)} captured samples; worst cosine {report.worst_cosine:.6f}, max abs {report.worst_max_abs:.2e}")
 
         handle.update(store)
     return report

@@ -69,6 +69,10 @@ class OnnxRuntimeBackend(RuntimeBackend):
         options = onnxruntime.SessionOptions()
         # Errors only: ORT's warnings go to stderr and would drown the progress display.
         options.log_severity_level = 3
+        # No per-session arena: each session would keep its peak activations (GBs for a 4-frame
+        # full-scale call), and verify holds one session per spliced candidate next to the
+        # PyTorch model; without the arena the memory goes back after each run.
+        options.enable_cpu_mem_arena = False
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
         try:
