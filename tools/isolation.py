@@ -11,6 +11,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from .errors import OmskillsError
@@ -19,6 +20,12 @@ from .errors import OmskillsError
 ISOLATE_MIN_BYTES = 512 * 2**20
 
 T = TypeVar("T")
+
+
+def model_bytes(path: Path) -> int:
+    """Size of an ONNX model with its external weights (`<name>.data`)."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
 class ChildDied(OmskillsError):

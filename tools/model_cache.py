@@ -37,14 +37,11 @@ def release() -> None:
     global _cached
     with _lock:
         _cached = None
-    import gc
-
-    gc.collect()
     return_freed_memory()
 
 
 def return_freed_memory() -> None:
-    """Give freed heap pages back to the system (glibc keeps them otherwise).
+    """Collect garbage, then give freed heap pages back to the system (glibc keeps them otherwise).
 
     After a full-scale model is dropped the process still shows ~10 GB RSS: torch's and
     protobuf's big buffers came from the heap, and glibc only returns its top. A child process
@@ -52,7 +49,9 @@ def return_freed_memory() -> None:
     """
     import ctypes
     import ctypes.util
+    import gc
 
+    gc.collect()
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only; elsewhere nothing to do

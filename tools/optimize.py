@@ -24,7 +24,7 @@ from .auto_optimizer_compat import AutoOptimizerUnavailable, apply_knowledges, l
 from .contracts.samples import load_sample
 from .compare import OutputParity, ParityReport, Verdict, compare_outputs, overall_verdict
 from .errors import InputError, OmskillsError
-from .isolation import ISOLATE_MIN_BYTES, ChildDied, run_in_child
+from .isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from .runtime.base import BackendError
 from .onnx_inspect import load_model_proto
 from .records.toolchain import (
@@ -40,7 +40,7 @@ from .records.toolchain import (
 Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path
 
 
-def _arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     if isinstance(sample, Path):
         loaded = load_sample(sample)
         return ({k: v.detach().cpu().numpy() for k, v in loaded.inputs.items()},
@@ -127,11 +127,6 @@ def optimize_variants(
         preferred_path=preferred.path if preferred else None,
         why=why,
     )
-
-
-def model_bytes(path: Path) -> int:
-    data = path.with_name(path.name + ".data")
-    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
 def _in_child_process(
@@ -288,7 +283,7 @@ def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity]
     worst: dict[str, OutputParity] = {}
     # An optimiser may drop graph inputs nothing reads (onnxslim does): feed what the variant takes.
     wanted = {spec.name for spec in backend.inputs}
-    for feeds, reference in map(_arrays, samples):
+    for feeds, reference in map(sample_arrays, samples):
         report = compare_outputs(reference, backend.run({k: v for k, v in feeds.items() if k in wanted}))
         for parity in report.outputs:
             if parity.name not in worst or _worse(parity, worst[parity.name]):

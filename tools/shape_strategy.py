@@ -94,13 +94,10 @@ def _as_limits(source_limits: SourceLimits | None) -> _Limits:
 
 
 def _input_index(contract: ContractSpec, ref: str, quantity: str) -> int:
-    for index, spec in enumerate(contract.inputs):
-        if ref in (spec.name, spec.tree_path):
-            return index
-    raise OmskillsError(
-        f"source limit {quantity}: candidate {contract.candidate} has no tensor input named {ref!r} "
-        f"(inputs: {', '.join(s.name for s in contract.inputs)})"
-    )
+    try:
+        return contract.input_index(ref)
+    except KeyError as exc:
+        raise OmskillsError(f"source limit {quantity}: {exc.args[0]}") from exc
 
 
 def _per_call(contract: ContractSpec, index: int, dim: int) -> tuple[int, ...]:

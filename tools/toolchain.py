@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Generic, Literal, TypeVar
 
-import numpy as np
 from pydantic import BaseModel, Field
 
 from . import progress
@@ -23,8 +22,8 @@ from .errors import OmskillsError, StageError
 from .export import dynamic_dims_from_strategy, export_onnx as _export
 from . import model_cache
 from .model_cache import load_model
-from .isolation import ISOLATE_MIN_BYTES, ChildDied, run_in_child
-from .optimize import model_bytes, optimize_variants
+from .isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
+from .optimize import optimize_variants, sample_arrays
 from .records.base import Record
 from .records.contracts import ContractSpec
 from .records.export import ExportResult
@@ -53,10 +52,6 @@ def _sample_paths(record: TaskRecord, workdir: Path, name: str) -> list[Path]:
 
 def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
     return [load_sample(p) for p in _sample_paths(record, workdir, name)]
-
-
-def _numpy(sample_part: dict) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in sample_part.items()}
 
 
 def _set_status(record: TaskRecord, name: str, status: str, reason: str | None = None) -> None:
@@ -135,9 +130,8 @@ def probe_samples(path: Path, sample_paths: list[Path]) -> list[ParityReport]:
     with open_backend(path, "onnxruntime") as backend:
         wanted = {spec.name for spec in backend.inputs}
         for sample_path in sample_paths:
-            sample = load_sample(sample_path)
-            got = backend.run({k: v for k, v in _numpy(sample.inputs).items() if k in wanted})
-            reports.append(compare_outputs(_numpy(sample.outputs), got))
+            feeds, reference = sample_arrays(sample_path)
+            reports.append(compare_outputs(reference, backend.run({k: v for k, v in feeds.items() if k in wanted})))
     return reports
 
 

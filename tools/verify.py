@@ -8,7 +8,6 @@ and the report says which backend really ran each candidate.
 from __future__ import annotations
 
 import base64
-import gc
 import io
 from pathlib import Path
 
@@ -116,7 +115,6 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
     with running_step(task_path, "verify", inputs_hash) as step:
         reference = driver.run_main_path(loaded, frames, intake)
         # The reference run's activations are freed; hand the pages back before the ORT sessions load.
-        gc.collect()
         return_freed_memory()
         replacements = [(record.contracts[n], open_backend(preferred_model(record, workdir, n), backend)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}

@@ -125,7 +125,7 @@ class ContractSpec(Record):
         for index, spec in enumerate(self.inputs):
             if ref in (spec.name, spec.tree_path):
                 return index
-        raise KeyError(f"contract {self.candidate!r} has no tensor input {ref!r} "
+        raise KeyError(f"candidate {self.candidate} has no tensor input named {ref!r} "
                        f"(inputs: {', '.join(s.name for s in self.inputs)})")
 
     def call_values(self, constants: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
