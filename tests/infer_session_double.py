@@ -19,7 +19,6 @@ import sys
 import types
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnxruntime
 
 DOCUMENTED_MODES = ("static", "dymbatch", "dymhw", "dymdims", "dymshape")

@@ -84,6 +84,8 @@ class ParityReport(Record):
     worst_cosine: float | None = None
     worst_max_abs: float | None = None
     gates: ParityGates
+    # Set when ONNX Runtime ran each batch in chunks of this many items (the task record's batch_split).
+    batch_chunks_of: int | None = None
 
     @classmethod
     def of(cls, outputs: list[OutputParity], gates: ParityGates) -> ParityReport:

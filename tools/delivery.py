@@ -24,6 +24,10 @@ def known_limits(record: TaskRecord) -> list[str]:
     for cand in record.plan.candidates if record.plan else []:
         if cand.status in ("failed", "excluded", "deferred"):
             limits.append(f"{cand.name} stays in PyTorch: {cand.reason}")
+    for name, tc in record.toolchain.items():
+        if tc.batch_split is not None:
+            limits.append(f"{name} ran on ONNX Runtime with the batch in chunks of {tc.batch_split.max_batch} "
+                          f"({tc.batch_split.reason}); the OM keeps its batch gears")
     v = record.intake.verification
     if v.force_top_k_detections:
         limits.append(f"verification forced the top-{v.force_top_k_detections} detections of the prompted frame")

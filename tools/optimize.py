@@ -26,8 +26,10 @@ from .compare import OutputParity, ParityReport, Verdict, compare_outputs, overa
 from .errors import InputError, OmskillsError
 from .isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from .runtime.base import BackendError
+from .runtime.batch_split import open_onnxruntime
 from .onnx_inspect import load_model_proto
 from .records.toolchain import (
+    BatchSplit,
     OptimizeResult,
     VariantCheck,
     VariantName,
@@ -93,6 +95,7 @@ def optimize_variants(
     knowledges: list[str] | None = None,
     original_probe: ParityReport | None = None,
     isolate: bool | None = None,
+    batch_split: BatchSplit | None = None,
 ) -> OptimizeResult:
     """Build each variant in `out_dir`, check and probe it, and choose the preferred one.
 
@@ -102,6 +105,7 @@ def optimize_variants(
     probe_onnx's report on the original file, reused instead of loading and probing it again
     (at full scale that is minutes for the 2 GB backbone). `isolate`: build and check each
     variant in a child process (default: for models of ISOLATE_MIN_BYTES and more).
+    `batch_split`: run the samples' batches in chunks (what probe_onnx found this machine needs).
     """
     original = Path(original_path)
     load_model_proto(original)  # clear error for a missing or corrupt file, before any work
@@ -115,9 +119,10 @@ def optimize_variants(
     results: list[VariantResult] = []
     for name in variants:
         if name == "original" and original_probe is not None:
-            results.append(check_variant(name, original, samples, probed=original_probe))
+            results.append(check_variant(name, original, samples, probed=original_probe, split=batch_split))
             continue
-        args = (name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges)
+        args = (name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges,
+                batch_split)
         results.append(_in_child_process(*args) if isolate else _build_and_check(*args))
     preferred, why = choose_preferred(results)
     return OptimizeResult(
@@ -130,12 +135,13 @@ def optimize_variants(
 
 
 def _in_child_process(
-    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None
+    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None,
+    split: BatchSplit | None,
 ) -> VariantResult:
     """_build_and_check in a fresh process (onnxslim's and ORT's copies of a 2 GB model): if the
     OOM killer takes it, this variant fails instead of the tool server dying."""
     try:
-        return run_in_child(_build_and_check, name, source, destination, samples, knowledges)
+        return run_in_child(_build_and_check, name, source, destination, samples, knowledges, split)
     except ChildDied as err:
         return VariantResult(name=name, status="failed", built_from=str(source),
                              reason=f"the process building and checking the variant died ({err})")
@@ -149,7 +155,8 @@ def _source_for(name: VariantName, original: Path, done: Sequence[VariantResult]
 
 
 def _build_and_check(
-    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None
+    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None,
+    split: BatchSplit | None = None,
 ) -> VariantResult:
     started = time.perf_counter()
     target = source if name == "original" else destination
@@ -166,7 +173,7 @@ def _build_and_check(
             name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
         )
     seconds = 0.0 if name == "original" else time.perf_counter() - started
-    result = check_variant(name, target, samples)
+    result = check_variant(name, target, samples, split=split)
     result.seconds = round(seconds, 3)
     result.built_from = str(source)
     result.knowledges = knowledge_outcomes
@@ -200,9 +207,10 @@ def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None
     return outcomes
 
 
-def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None) -> VariantResult:
+def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None,
+                  split: BatchSplit | None = None) -> VariantResult:
     """onnx checker, ORT load, outputs produced, and parity on `samples` (or, given `probed`,
-    the load and parity that probe_onnx already measured on this file)."""
+    the load and parity that probe_onnx already measured on this file); `split`: the batch in chunks."""
     model = onnx.load(str(path), load_external_data=False)
     checks = [checker_check(path), outputs_produced_check(model)]
     metrics: list[OutputParity] = []
@@ -215,9 +223,7 @@ def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], prob
                                    detail=f"probe_onnx on {len(samples)} sample(s): verdict {verdict} (its worst sample)"))
     else:
         try:
-            from .runtime import open_backend
-
-            backend = open_backend(path, "onnxruntime")
+            backend = open_onnxruntime(path, split)
         except Exception as err:
             checks.append(VariantCheck(name="ort_load", passed=False, detail=f"{type(err).__name__}: {err}"[:500]))
     if backend is not None:

@@ -23,7 +23,6 @@ from .records.export import ExportResult
 from .records.intake import Intake
 from .records.inventory import Inventory
 from .records.contracts import BoundaryDecision, ContractSpec
-from .records.main_path import MainPathReport
 from .records.plan import Plan, StudyRun
 from .records.profile import ProfileReport
 from .records.stages import Decision, StageResult

@@ -7,6 +7,7 @@ mid-stage redoes only the unfinished candidate.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable, Generic, Literal, TypeVar
 
@@ -28,13 +29,15 @@ from .records.base import Record
 from .records.contracts import ContractSpec
 from .records.export import ExportResult
 from .records.stages import Artifact
-from .records.toolchain import AtcResult, OpPrecheck, OptimizeResult
+from .records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from .records.toolchain_stage import CandidateToolchain
-from .runtime import open_backend
+from .runtime.batch_split import batch_split_for, open_onnxruntime
 from .stage_steps import fingerprint, is_done, running_step
 from .task_record import TaskRecord, load_record, updating
 
 Exporter = Literal["dynamo", "legacy"]
+
+logger = logging.getLogger(__name__)
 
 
 def _contract(record: TaskRecord, name: str) -> ContractSpec:
@@ -123,11 +126,11 @@ def _model_path(record: TaskRecord, workdir: Path, name: str, variant: str) -> P
     return Path(found.path) if Path(found.path).is_absolute() else workdir / found.path
 
 
-def probe_samples(path: Path, sample_paths: list[Path]) -> list[ParityReport]:
+def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None = None) -> list[ParityReport]:
     """ONNX Runtime against each captured sample (loaded one at a time: 4-frame samples of the
-    full-scale backbone are GBs)."""
+    full-scale backbone are GBs), the batch in chunks when `split` says so."""
     reports = []
-    with open_backend(path, "onnxruntime") as backend:
+    with open_onnxruntime(path, split) as backend:
         wanted = {spec.name for spec in backend.inputs}
         for sample_path in sample_paths:
             feeds, reference = sample_arrays(sample_path)
@@ -150,30 +153,62 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     # session on 4-frame samples went past 24 GB. Big models are probed in a child process.
     model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
-        if model_bytes(path) >= ISOLATE_MIN_BYTES:
-            try:
-                reports = run_in_child(probe_samples, path, sample_paths)
-            except ChildDied as err:
-                raise StageError(f"{name}: the process probing {path.name} died ({err})") from err
-        else:
-            reports = probe_samples(path, sample_paths)
+        reports, split = _probe_reports(record, name, path, sample_paths)
         # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
         report = max(reports, key=lambda r: (["pass", "review", "fail"].index(r.verdict), -r.worst_cosine))
+        if split is not None:
+            report = report.model_copy(update={"batch_chunks_of": split.max_batch})
 
         def store(rec: TaskRecord) -> None:
             _toolchain(rec, name).probes[variant] = report
+            _toolchain(rec, name).batch_split = split
+            chunked = f"; batch in chunks of {split.max_batch}: {split.reason}" if split else ""
             rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
-                       f"{len(sample_paths)} captured samples; worst cosine {report.worst_cosine:.6f}, max abs {report.worst_max_abs:.2e}")
+                       f"{len(sample_paths)} captured samples; worst cosine {report.worst_cosine:.6f}, "
+                       f"max abs {report.worst_max_abs:.2e}{chunked}")
 
         handle.update(store)
     return report
+
+
+def _probe_reports(record: TaskRecord, name: str, path: Path,
+                   sample_paths: list[Path]) -> tuple[list[ParityReport], BatchSplit | None]:
+    """Probe reports, and the batch split they needed: a big model whose probe dies on the whole
+    batch (ORT on CPU materialises attention scores) is probed again in chunks of its smallest gear."""
+    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    if model_bytes(path) < ISOLATE_MIN_BYTES:
+        return probe_samples(path, sample_paths, split), split
+    try:
+        return run_in_child(probe_samples, path, sample_paths, split), split
+    except ChildDied as err:
+        died = f"the process probing {path.name} died ({err})"
+        retry = None if split else _split_after_death(record, name, died)
+        if retry is None:
+            raise StageError(f"{name}: {died}") from err
+    logger.warning("%s: %s; probing again with the batch in chunks of %d", name, died, retry.max_batch)
+    try:
+        return run_in_child(probe_samples, path, sample_paths, retry), retry
+    except ChildDied as err:
+        raise StageError(f"{name}: {died}; in batch chunks of {retry.max_batch} it died too ({err})") from err
+
+
+def _split_after_death(record: TaskRecord, name: str, died: str) -> BatchSplit | None:
+    decision = record.boundaries.get(name)
+    strategy = decision.shape_strategy if decision else None
+    if strategy is None or not strategy.gears:
+        return None
+    smallest = min(gear[0] for gear in strategy.gears)
+    return batch_split_for(_contract(record, name), strategy, smallest,
+                           f"the whole batch did not run ({died}); outputs checked against PyTorch's whole-batch run")
 
 
 def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     original = _model_path(record, workdir, name, "original")
-    inputs_hash = fingerprint(record.exports[name].sha256)
+    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    # The split is part of the inputs only when there is one, so earlier records stay done.
+    inputs_hash = fingerprint(record.exports[name].sha256, *([split] if split else []))
     step = f"optimize:{name}"
     existing = record.toolchain.get(name, CandidateToolchain()).optimize
     if is_done(record, step, inputs_hash) and existing is not None:
@@ -184,7 +219,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
         probed = record.toolchain.get(name, CandidateToolchain()).probes.get("original")
-        result = optimize_variants(original, original.parent, samples, original_probe=probed)
+        result = optimize_variants(original, original.parent, samples, original_probe=probed, batch_split=split)
 
         def store(rec: TaskRecord) -> None:
             _toolchain(rec, name).optimize = result

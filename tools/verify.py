@@ -19,9 +19,11 @@ from .main_path import frames_for, verification_notes
 from .model_cache import load_model, return_freed_memory
 from .models import FrameResult, MainPathResult
 from .overlay import draw_overlay, side_by_side
+from .records.export import SpliceStats
 from .records.verify import CandidateVerification, FrameParity, MainPathParity, VerifyReport
 from .runtime import open_backend
-from .splice import splice
+from .runtime.batch_split import open_onnxruntime
+from .splice import SpliceBackend, splice
 from .stage_steps import fingerprint, running_step
 from .task_record import TaskRecord, load_record
 from .toolchain import preferred_model, CandidateToolchain
@@ -104,6 +106,16 @@ def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]
     return {"verdict": report.verdict, "cosine": round(report.worst_cosine, 7), "max_abs": float(f"{report.worst_max_abs:.3e}")}
 
 
+def _open(record: TaskRecord, workdir: Path, name: str, backend: str) -> SpliceBackend:
+    """The candidate's backend; on ONNX Runtime, the batch in chunks where probe_onnx found it must be
+    (the OM has its batch gears and runs the whole batch)."""
+    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    path = preferred_model(record, workdir, name)
+    if backend == "onnxruntime":
+        return open_onnxruntime(path, split)
+    return open_backend(path, backend)
+
+
 def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyReport:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
@@ -116,7 +128,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
         reference = driver.run_main_path(loaded, frames, intake)
         # The reference run's activations are freed; hand the pages back before the ORT sessions load.
         return_freed_memory()
-        replacements = [(record.contracts[n], open_backend(preferred_model(record, workdir, n), backend)) for n in names]
+        replacements = [(record.contracts[n], _open(record, workdir, n, backend)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         with splice(loaded.root, replacements, strategies=strategies) as handle:
             spliced = driver.run_main_path(loaded, frames, intake)
@@ -135,6 +147,14 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
     return report
 
 
+def _backend_label(record: TaskRecord, name: str, stats: SpliceStats) -> str:
+    label = f"{stats.backend_kind}:{stats.backend_device}"
+    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    if split is not None and stats.backend_kind == "onnxruntime":
+        label += f" (batch in chunks of {split.max_batch})"
+    return label
+
+
 def _report(record: TaskRecord, task_path: Path, workdir: Path, backend: str, names: list[str], skipped: dict[str, str],
             reference: MainPathResult, spliced: MainPathResult, handle, frames) -> VerifyReport:
     per_frame = [frame_parity(r, s) for r, s in zip(reference.frames, spliced.frames)]
@@ -146,7 +166,7 @@ def _report(record: TaskRecord, task_path: Path, workdir: Path, backend: str, na
         node = profile.node(record.contracts[name].module_path) if profile else None
         ok = st.fallbacks == 0
         candidates.append(CandidateVerification(
-            name=name, status="integrated" if ok else "fallback", backend=f"{st.backend_kind}:{st.backend_device}",
+            name=name, status="integrated" if ok else "fallback", backend=_backend_label(record, name, st),
             probe=_probe_summary(record.toolchain[name].probes.get("original")),
             torch_ms_per_call=round(1000 * node.inclusive_s / node.calls, 3) if node and node.calls else None,
             backend_ms_per_call=round(1000 * st.mean_backend_seconds, 3) if st.backend_calls else None,

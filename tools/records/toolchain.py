@@ -15,6 +15,22 @@ from ..compare import OutputParity, Verdict
 from .base import Record
 
 
+# -- ONNX Runtime on this machine ---------------------------------------------------------
+
+
+class BatchSplit(Record):
+    """ONNX Runtime runs this candidate's calls in chunks of at most `max_batch` batch items.
+
+    Set by probe_onnx when the whole batch did not fit in memory; optimise and verify then run
+    the candidate the same way. The OM and its ATC gears are not affected.
+    """
+
+    max_batch: int = Field(ge=1)
+    input_axes: dict[str, int]  # batched input -> its batch axis (inputs not named are fed whole)
+    output_axes: dict[str, int]  # every output -> the axis its chunks are joined on
+    reason: str
+
+
 # -- inspect_onnx ---------------------------------------------------------------------------
 
 

@@ -6,11 +6,12 @@ from pydantic import Field
 
 from ..compare import ParityReport
 from .base import Record
-from .toolchain import AtcResult, OpPrecheck, OptimizeResult
+from .toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 
 
 class CandidateToolchain(Record):
     probes: dict[str, ParityReport] = Field(default_factory=dict)  # variant -> probe on captured samples
+    batch_split: BatchSplit | None = None  # how ONNX Runtime runs it here, when not the whole batch at once
     optimize: OptimizeResult | None = None
     precheck: OpPrecheck | None = None
     atc: AtcResult | None = None
