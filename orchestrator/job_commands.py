@@ -152,12 +152,15 @@ def _print_summary(task: Path) -> None:
     record = load_record(task)
     if record.plan is None:
         return
-    print("\ncandidate              status       share   backend                         probe     cos        max abs", file=sys.stderr)
     verification = record.verification
+    backends = {c.name: verification.backend_per_candidate.get(c.name, "-") if verification else "-"
+                for c in record.plan.candidates}
+    width = max([31, *map(len, backends.values())])  # a label may say "(batch in chunks of 1)"
+    print(f"\ncandidate              status       share   {'backend':{width}s} probe    cos        max abs", file=sys.stderr)
     for cand in record.plan.candidates:
-        backend = verification.backend_per_candidate.get(cand.name, "-") if verification else "-"
+        backend = backends[cand.name]
         probe = record.toolchain.get(cand.name).probes.get("original") if cand.name in record.toolchain else None
-        print(f"{cand.name:22s} {cand.status:12s} {cand.share:6.1%}  {backend:31s} "
+        print(f"{cand.name:22s} {cand.status:12s} {cand.share:6.1%}  {backend:{width}s} "
               f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
               f"{f'{probe.worst_max_abs:.1e}' if probe else '-'}", file=sys.stderr)
     if verification:

@@ -182,7 +182,7 @@ def _probe_reports(record: TaskRecord, name: str, path: Path,
         return run_in_child(probe_samples, path, sample_paths, split), split
     except ChildDied as err:
         died = f"the process probing {path.name} died ({err})"
-        retry = None if split else _split_after_death(record, name, died)
+        retry = None if split else _split_after_death(record, name)
         if retry is None:
             raise StageError(f"{name}: {died}") from err
     logger.warning("%s: %s; probing again with the batch in chunks of %d", name, died, retry.max_batch)
@@ -192,14 +192,15 @@ def _probe_reports(record: TaskRecord, name: str, path: Path,
         raise StageError(f"{name}: {died}; in batch chunks of {retry.max_batch} it died too ({err})") from err
 
 
-def _split_after_death(record: TaskRecord, name: str, died: str) -> BatchSplit | None:
+def _split_after_death(record: TaskRecord, name: str) -> BatchSplit | None:
     decision = record.boundaries.get(name)
     strategy = decision.shape_strategy if decision else None
     if strategy is None or not strategy.gears:
         return None
     smallest = min(gear[0] for gear in strategy.gears)
     return batch_split_for(_contract(record, name), strategy, smallest,
-                           f"the whole batch did not run ({died}); outputs checked against PyTorch's whole-batch run")
+                           "the process probing the whole batch died (out of memory?); "
+                           "the chunks' outputs are compared with PyTorch's whole-batch run")
 
 
 def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
