@@ -119,7 +119,7 @@ def optimize_variants(
     results: list[VariantResult] = []
     for name in variants:
         if name == "original" and original_probe is not None:
-            results.append(check_variant(name, original, samples, probed=original_probe, split=batch_split))
+            results.append(check_variant(name, original, samples, probed=original_probe))
             continue
         args = (name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges,
                 batch_split)

@@ -171,11 +171,16 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     return report
 
 
+def batch_split_of(record: TaskRecord, name: str) -> BatchSplit | None:
+    """How ONNX Runtime must run this candidate's batch here (set by probe_onnx), if not whole."""
+    return record.toolchain.get(name, CandidateToolchain()).batch_split
+
+
 def _probe_reports(record: TaskRecord, name: str, path: Path,
                    sample_paths: list[Path]) -> tuple[list[ParityReport], BatchSplit | None]:
     """Probe reports, and the batch split they needed: a big model whose probe dies on the whole
     batch (ORT on CPU materialises attention scores) is probed again in chunks of its smallest gear."""
-    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    split = batch_split_of(record, name)
     if model_bytes(path) < ISOLATE_MIN_BYTES:
         return probe_samples(path, sample_paths, split), split
     try:
@@ -207,7 +212,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     original = _model_path(record, workdir, name, "original")
-    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    split = batch_split_of(record, name)
     # The split is part of the inputs only when there is one, so earlier records stay done.
     inputs_hash = fingerprint(record.exports[name].sha256, *([split] if split else []))
     step = f"optimize:{name}"

@@ -26,7 +26,7 @@ from .runtime.batch_split import open_onnxruntime
 from .splice import SpliceBackend, splice
 from .stage_steps import fingerprint, running_step
 from .task_record import TaskRecord, load_record
-from .toolchain import preferred_model, CandidateToolchain
+from .toolchain import CandidateToolchain, batch_split_of, preferred_model
 
 IOU_GATE = 0.99
 
@@ -109,7 +109,7 @@ def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]
 def _open(record: TaskRecord, workdir: Path, name: str, backend: str) -> SpliceBackend:
     """The candidate's backend; on ONNX Runtime, the batch in chunks where probe_onnx found it must be
     (the OM has its batch gears and runs the whole batch)."""
-    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    split = batch_split_of(record, name)
     path = preferred_model(record, workdir, name)
     if backend == "onnxruntime":
         return open_onnxruntime(path, split)
@@ -149,7 +149,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
 
 def _backend_label(record: TaskRecord, name: str, stats: SpliceStats) -> str:
     label = f"{stats.backend_kind}:{stats.backend_device}"
-    split = record.toolchain.get(name, CandidateToolchain()).batch_split
+    split = batch_split_of(record, name)
     if split is not None and stats.backend_kind == "onnxruntime":
         label += f" (batch in chunks of {split.max_batch})"
     return label
