@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from omskills.errors import OmskillsError
 from omskills.records.stages import Artifact, StageResult
-from omskills.task_record import TaskRecord, now_iso, updating
+from omskills.records.task import TaskRecord, now_iso, updating
 
 from .mcp_client import OmskillsClient, ResourceSpec, ToolSpec, connect
 from .plan_runner import ToolCallDisplay

@@ -29,7 +29,7 @@ def _tool_args(p: argparse.ArgumentParser) -> None:
 
 @command("tool", _tool_args)
 def _tool(ns: argparse.Namespace) -> int:
-    from omskills.toolkit import call_tool, discover_tools, to_jsonable
+    from omskills.host.toolkit import call_tool, discover_tools, to_jsonable
 
     tools = discover_tools()
     if ns.list or not ns.name:

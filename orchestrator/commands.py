@@ -22,7 +22,7 @@ def _serve(ns: argparse.Namespace) -> int:
     """Run the MCP server exposing every skill tool (stdio, or --http on loopback)."""
     from pathlib import Path
 
-    from omskills.mcp_server import ServeOptions, parse_http_address, serve
+    from omskills.host.mcp_server import ServeOptions, parse_http_address, serve
 
     host, port = parse_http_address(ns.http) if ns.http else (None, None)
     serve(ServeOptions(Path(ns.workspace), Path(ns.skills_dir) if ns.skills_dir else None, host, port))

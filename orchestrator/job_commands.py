@@ -45,8 +45,8 @@ def _with_overrides(record, ns: argparse.Namespace):
 @command("main-path", _main_path_args)
 def _main_path(ns: argparse.Namespace) -> int:
     """Run the text-prompted video main path once and write main_path.json, masks and overlays."""
-    from omskills.main_path import run_and_report
-    from omskills.task_record import load_record
+    from omskills.stages.main_path import run_and_report
+    from omskills.records.task import load_record
 
     task_path = Path(ns.task)
     record = _with_overrides(load_record(task_path), ns)
@@ -105,7 +105,7 @@ def _adapt(ns: argparse.Namespace) -> int:
     """Adapt a model end to end: inventory, plan, contracts, ONNX/ATC, splice and verify."""
     import asyncio
 
-    from omskills.task_record import load_record, save_record
+    from omskills.records.task import load_record, save_record
 
     source = _with_overrides(load_record(ns.task), ns)
     out = Path(ns.out) if ns.out else Path("runs") / f"{source.id}-{source.intake.model.scale}"
@@ -147,7 +147,7 @@ def _resolve_relative_paths(record, base: Path) -> None:
 
 
 def _print_summary(task: Path) -> None:
-    from omskills.task_record import load_record
+    from omskills.records.task import load_record
 
     record = load_record(task)
     if record.plan is None:

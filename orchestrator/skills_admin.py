@@ -26,23 +26,21 @@ from pydantic import BaseModel, Field
 from skills_ref.validator import validate_metadata
 
 from omskills.errors import InputError, OmskillsError
-from omskills.mcp_server import registration_problem
-from omskills.toolkit import TOOL_NAME, ToolInfo, load_tool, skills_root
+from omskills.host.mcp_server import registration_problem
+from omskills.host.toolkit import TOOL_NAME, ToolInfo, load_tool, skills_root
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "tools" / "templates" / "skill"
 # Where a template path says TOOL, the example tool's name goes.
 TOOL_PLACEHOLDER = "TOOL"
 HELP_TIMEOUT_S = 180
 
 
 def _templates_dir() -> Path:
-    # Checkout layout first; an installed package carries them as omskills/templates/skill.
-    import omskills
+    import omskills.host
 
-    for candidate in (TEMPLATES, Path(omskills.__file__).resolve().parent / "templates" / "skill"):
-        if candidate.is_dir():
-            return candidate
-    raise OmskillsError("cannot find the skill templates (omskills/templates/skill)")
+    folder = Path(omskills.host.__file__).resolve().parent / "templates" / "skill"
+    if not folder.is_dir():
+        raise OmskillsError(f"cannot find the skill templates ({folder})")
+    return folder
 
 
 # --------------------------------------------------------------------------- new-skill

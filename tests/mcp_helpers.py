@@ -105,7 +105,7 @@ _TOOLS = {
         from pydantic import BaseModel
 
         from omskills.records.stages import StageResult
-        from omskills.task_record import now_iso, updating
+        from omskills.records.task import now_iso, updating
 
 
         class StageDone(BaseModel):
@@ -155,7 +155,7 @@ _CLI_TAIL = """
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli({name}))
 """

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from omskills.task_record import load_record
+from omskills.records.task import load_record
 
 
 def test_adapt_verifies_spliced_main_path(tiny_adaptation):
@@ -32,17 +32,17 @@ def test_plan_has_seed_candidates_with_statuses_and_reasons(tiny_adaptation):
 
 
 def test_candidates_named_in_the_intake_deploy_list_are_selected_whatever_their_share(tiny_adaptation, monkeypatch):
-    import omskills.plan
+    import omskills.stages.plan
     from omskills.errors import TaskRecordError
 
     record = load_record(tiny_adaptation / "task.yaml")
-    monkeypatch.setattr(omskills.plan, "MIN_SHARE", 1.0)  # every candidate is now below the share line
-    plan = omskills.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoder"])
+    monkeypatch.setattr(omskills.stages.plan, "MIN_SHARE", 1.0)  # every candidate is now below the share line
+    plan = omskills.stages.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoder"])
     assert plan.first_batch == ["text_encoder"]
     assert "named in intake.target.deploy" in plan.candidate("text_encoder").reason
     assert {c.status for c in plan.candidates if c.name != "text_encoder"} <= {"deferred", "excluded"}
     with pytest.raises(TaskRecordError, match=r"intake.target.deploy: \['text_encoderr'\] are not sam3 candidates"):
-        omskills.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoderr"])
+        omskills.stages.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoderr"])
 
 
 def test_contract_provenance_matches_the_main_path(tiny_adaptation):
@@ -64,7 +64,7 @@ def test_atc_is_prepared_but_never_claimed(tiny_adaptation):
 
 def test_rerun_after_a_crash_in_stage_3_redoes_only_the_unfinished_export(tiny_adaptation):
     from conftest import TASK, omskills
-    from omskills.task_record import save_record
+    from omskills.records.task import save_record
 
     record = load_record(tiny_adaptation / "task.yaml")
     done = sorted(k for k, v in record.stages.items() if k.startswith("export:") and v.status == "done")
@@ -153,11 +153,11 @@ def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptati
     encoder); named, a deferred candidate takes the same stage-3 path as the first batch, so
     every seed candidate with an exportable boundary reaches ONNX and an ATC command. Their
     probes run in a child process, as those of models over 512 MB do."""
-    import omskills.toolchain
-    from omskills.adapter import analyze_boundaries
-    from omskills.toolchain import convert_candidate, export_candidate, precheck_candidate, probe_candidate
+    import omskills.stages.toolchain
+    from omskills.stages.adapter import analyze_boundaries
+    from omskills.stages.toolchain import convert_candidate, export_candidate, precheck_candidate, probe_candidate
 
-    monkeypatch.setattr(omskills.toolchain, "ISOLATE_MIN_BYTES", 0)
+    monkeypatch.setattr(omskills.stages.toolchain, "ISOLATE_MIN_BYTES", 0)
 
     task = tmp_path / "task.yaml"
     shutil.copy(tiny_adaptation / "task.yaml", task)

@@ -17,7 +17,7 @@ import pytest
 from anthropic import AsyncAnthropic
 
 from omskills.orchestrator.agent import AgentSettings, chat, run_agent
-from omskills.task_record import load_record
+from omskills.records.task import load_record
 
 from fake_anthropic import calls, done, fake_anthropic, message, tool_use
 from mcp_helpers import write_task_record, write_toy_skill

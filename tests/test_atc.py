@@ -16,8 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from omskills.atc import AtcOptions, advise, build_atc_command, find_atc, run_atc
-from omskills.atc_ops import load_table, parse_opsets, precheck_ops
+from omskills.ascend.atc import AtcOptions, advise, build_atc_command, find_atc, run_atc
+from omskills.ascend.ops import load_table, parse_opsets, precheck_ops
 from omskills.errors import InputError
 from omskills.records.contracts import ShapeStrategy
 
@@ -172,7 +172,7 @@ def test_atc_exiting_0_without_an_om_is_not_converted(relu_model, tmp_path, monk
 def test_without_atc_a_script_is_written_and_nothing_is_claimed(relu_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
-    monkeypatch.setattr("omskills.atc.DEFAULT_TOOLKIT_HOMES", (str(tmp_path / "no_cann"),))
+    monkeypatch.setattr("omskills.ascend.atc.DEFAULT_TOOLKIT_HOMES", (str(tmp_path / "no_cann"),))
     opts = options(relu_model, tmp_path)
 
     result = run_atc(opts, tmp_path / "work")

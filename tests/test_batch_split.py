@@ -19,13 +19,13 @@ from torch import nn
 from export_helpers import BATCH_DIMS, head_inputs, make_host
 from omskills.contracts import capture_contracts
 from omskills.errors import StageError
-from omskills.export import export_onnx
+from omskills.convert.export import export_onnx
 from omskills.records.contracts import BoundaryDecision
 from omskills.runtime import open_backend
 from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
-from omskills.shape_strategy import propose_shape_strategy
-from omskills.splice import splice
-from omskills.task_record import TaskRecord, load_record, save_record
+from omskills.boundary.shape_strategy import propose_shape_strategy
+from omskills.runtime.splice import splice
+from omskills.records.task import TaskRecord, load_record, save_record
 
 BATCHES = (2, 5)  # observed batch sizes: gears [2] and [5]
 
@@ -134,7 +134,7 @@ def test_a_spliced_candidate_on_a_split_backend_answers_like_pytorch(head_task):
 
 def _probe_that_dies_on_a_whole_batch(path, sample_paths, split=None):
     """What the OOM killer did to the full-scale backbone's probe: the whole batch kills the child."""
-    from omskills.toolchain import probe_samples  # the real one: this runs in a spawned child
+    from omskills.stages.toolchain import probe_samples  # the real one: this runs in a spawned child
 
     if split is None:
         os._exit(137)
@@ -145,9 +145,9 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
         head_task, tmp_path, monkeypatch):
     import shutil
 
-    import omskills.toolchain as toolchain
-    from omskills.delivery import known_limits
-    from omskills.verify import _open
+    import omskills.stages.toolchain as toolchain
+    from omskills.stages.delivery import known_limits
+    from omskills.stages.verify import _open
 
     task = tmp_path / "task.yaml"
     shutil.copytree(head_task[0].parent, tmp_path, dirs_exist_ok=True)
@@ -170,7 +170,7 @@ def test_a_probe_that_dies_with_no_way_to_split_the_batch_is_an_error_naming_the
         head_task, tmp_path, monkeypatch):
     import shutil
 
-    import omskills.toolchain as toolchain
+    import omskills.stages.toolchain as toolchain
 
     task = tmp_path / "task.yaml"
     shutil.copytree(head_task[0].parent, tmp_path, dirs_exist_ok=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from omskills.boundaries import (
+from omskills.boundary.analysis import (
     analyze_boundaries,
     analyze_boundary,
     propose_shape_strategy,

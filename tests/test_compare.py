@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from omskills.compare import (
+from omskills.compare.parity import (
     OutputParity,
     ParityGates,
     ParityReport,

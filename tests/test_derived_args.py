@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from omskills.boundaries import analyze_boundary
+from omskills.boundary.analysis import analyze_boundary
 from omskills.contracts import capture_contracts
 from omskills.errors import OmskillsError
-from omskills.export import export_onnx
+from omskills.convert.export import export_onnx
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.runtime import open_backend
-from omskills.shape_strategy import propose_shape_strategy
-from omskills.splice import splice
+from omskills.boundary.shape_strategy import propose_shape_strategy
+from omskills.runtime.splice import splice
 
 HW, PER_POINTER = 4, 2
 

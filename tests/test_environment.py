@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from omskills.environment import probe_cann, probe_environment, probe_npu
+from omskills.host.environment import probe_cann, probe_environment, probe_npu
 from omskills.errors import TaskRecordError
 from omskills.records.environment import STAGES
-from omskills.task_record import TaskRecord, load_record, save_record
-from omskills.toolkit import load_tool, skills_root
+from omskills.records.task import TaskRecord, load_record, save_record
+from omskills.host.toolkit import load_tool, skills_root
 
 TOOL = load_tool(skills_root() / "om-deployer" / "scripts" / "check_environment.py").func
 

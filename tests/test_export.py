@@ -1,4 +1,4 @@
-"""omskills.export: the contract wrapper and export_onnx, on a toy candidate.
+"""omskills.convert.export: the contract wrapper and export_onnx, on a toy candidate.
 
 Export writes an ONNX file whose inputs and outputs are the contract's (names, order, dynamic
 batch), which ONNX Runtime runs to the same numbers as PyTorch; it targets an opset ATC accepts;
@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from export_helpers import BATCH_DIMS, capture_head_contract, head_inputs, make_host
-from omskills import export as export_module
+from omskills.convert import export as export_module
 from omskills.contracts import capture_contracts
 from omskills.contracts.pytree import flatten
 from omskills.errors import InputError
-from omskills.export import (
+from omskills.convert.export import (
     ATC_MAX_OPSET,
     ContractWrapper,
     ExportError,
@@ -270,7 +270,7 @@ def test_a_plain_module_is_captured_by_torch_export_with_the_group_norm_translat
 
 def test_the_export_traces_with_a_sample_whose_dynamic_dims_are_not_1():
     from omskills.contracts.samples import Sample
-    from omskills.toolchain import _tracing_sample
+    from omskills.stages.toolchain import _tracing_sample
 
     def sample(batch: int) -> Sample:
         return Sample(inputs={"x": torch.zeros(batch, 4)}, outputs={}, candidate="c", call_index=batch)

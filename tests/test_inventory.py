@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from omskills.errors import InputError, OmskillsError, TaskRecordError
-from omskills.inventory import locate_source_root, render_inventory_report, scan_source
+from omskills.report.inventory import render_inventory_report
+from omskills.source.inventory import locate_source_root, scan_source
 from omskills.records.inventory import Inventory, PortabilityFinding
-from omskills.task_record import TaskRecord, load_record, save_record
-from omskills.toolkit import load_tool, repo_root, skills_root
+from omskills.records.task import TaskRecord, load_record, save_record
+from omskills.host.toolkit import load_tool, repo_root, skills_root
 
 SCRIPT = skills_root() / "om-deployer" / "scripts" / "inventory_entries.py"
 TOOL = load_tool(SCRIPT).func
@@ -233,7 +234,7 @@ def test_a_checkout_path_relative_to_the_record_is_scanned(checkout):
 def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkout):
     import torch
 
-    from omskills.portability import DevicePortability
+    from omskills.source.portability import DevicePortability
 
     inventory = scan_source(checkout, "sam3", "build_sam3_video_model")
     spec = importlib.util.spec_from_file_location("toy_sites", checkout / "sam3/model/sites.py")
@@ -263,7 +264,7 @@ def test_renders_a_markdown_report_with_a_compute_share_chart(sam3_inventory, tm
     import torch
     from torch import nn
 
-    from omskills.profiler import ModuleProfiler
+    from omskills.profiling.profiler import ModuleProfiler
 
     inventory, _ = sam3_inventory
     net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))

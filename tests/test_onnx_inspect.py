@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from omskills.errors import InputError
-from omskills.onnx_inspect import inspect_onnx
+from omskills.convert.inspect import inspect_onnx
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""omskills.onnx_translations: aten ops the exporter translates itself, checked in ONNX Runtime.
+"""omskills.convert.translations: aten ops the exporter translates itself, checked in ONNX Runtime.
 
 Group norm over a large group (SAM 3's segmentation head normalises 288x288 maps) must come out
 of ONNX Runtime as close to torch as fp32 allows, with ops ATC accepts at opset 18.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from omskills.onnx_translations import translation_table
+from omskills.convert.translations import translation_table
 
 
 class Norms(nn.Module):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from omskills.auto_optimizer_compat import DEFAULT_OFF, apply_knowledges, install_onnx_mapping, load_auto_optimizer, mapping_tables
+from omskills.convert.auto_optimizer import DEFAULT_OFF, apply_knowledges, install_onnx_mapping, load_auto_optimizer, mapping_tables
 from omskills.errors import InputError
-from omskills.optimize import choose_preferred, optimize_variants
+from omskills.convert.optimize import choose_preferred, optimize_variants
 from omskills.records.toolchain import VariantResult
 
 
@@ -251,7 +251,7 @@ def test_a_variant_that_drops_an_unused_input_is_probed_on_the_inputs_it_takes(t
 
 def test_the_original_reuses_the_probe_onnx_report_instead_of_running_again(exported, tmp_path, monkeypatch):
     from omskills import runtime
-    from omskills.compare import compare_outputs
+    from omskills.compare.parity import compare_outputs
 
     path, samples = exported
     feeds, reference = samples[0]
@@ -280,7 +280,7 @@ def test_variants_of_a_big_model_are_built_in_child_processes_that_write_nothing
 
 
 def test_a_child_that_dies_fails_its_variant_and_the_caller_goes_on(exported, tmp_path, monkeypatch):
-    from omskills import optimize
+    from omskills.convert import optimize
 
     path, samples = exported
     monkeypatch.setattr(optimize, "_build_and_check", _die)  # what the OOM killer does to the child
@@ -300,7 +300,7 @@ def _die(*args):
 def test_captured_samples_are_probed_in_a_child_process_and_its_death_is_an_error(exported, tmp_path):
     from omskills.contracts.samples import save_sample
     from omskills.isolation import ChildDied, run_in_child
-    from omskills.toolchain import probe_samples
+    from omskills.stages.toolchain import probe_samples
 
     path, samples = exported
     saved = []

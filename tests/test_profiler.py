@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from omskills.profiler import ModuleProfiler
+from omskills.profiling.profiler import ModuleProfiler
 
 # time.sleep overshoots by a fraction of a millisecond per call on a busy machine.
 TOLERANCE_S = 0.015

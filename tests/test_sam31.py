@@ -33,7 +33,7 @@ from omskills.models.sam31 import (
     resolve_checkout,
     use_checkout,
 )
-from omskills.portability import DevicePortability, WatchedImport, pkg_resources_stand_in, triton_stand_in
+from omskills.source.portability import DevicePortability, WatchedImport, pkg_resources_stand_in, triton_stand_in
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = REPO / "task_records" / "sam3.1-video-text.yaml"
@@ -312,7 +312,7 @@ def test_tiny_31_portability_findings_name_the_31_sites(tiny_31_main_path, file,
 
 @pytest.mark.sam31
 def test_tiny_31_adapts_with_every_deployed_candidate_on_onnxruntime(tiny_31_adaptation):
-    from omskills.task_record import load_record
+    from omskills.records.task import load_record
 
     report = json.loads((tiny_31_adaptation / "verify" / "report.json").read_text())
     main = report["main_path"]
@@ -324,7 +324,7 @@ def test_tiny_31_adapts_with_every_deployed_candidate_on_onnxruntime(tiny_31_ada
 
 @pytest.mark.sam31
 def test_tiny_31_memory_attention_takes_every_memory_length_of_its_schedule(tiny_31_adaptation):
-    from omskills.task_record import load_record
+    from omskills.records.task import load_record
 
     record = load_record(tiny_31_adaptation / "task.yaml")
     [count] = [a for a in record.contracts["memory_attention"].non_tensor_args if "num_obj_ptr_tokens" in a.tree_path]

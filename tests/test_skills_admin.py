@@ -14,7 +14,7 @@ import pytest
 from omskills.errors import InputError
 from omskills.orchestrator.mcp_client import connect
 from omskills.orchestrator.skills_admin import install_skills, new_skill, validate_skills
-from omskills.toolkit import skills_root
+from omskills.host.toolkit import skills_root
 
 from mcp_helpers import write_task_record, write_tool
 

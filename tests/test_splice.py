@@ -1,4 +1,4 @@
-"""omskills.splice: put a compiled candidate back into the live model, and take it out again.
+"""omskills.runtime.splice: put a compiled candidate back into the live model, and take it out again.
 
 A spliced module answers the calls its contract covers from the backend and gives the caller the
 structure it expects (dicts, tuples, constants, dtypes, device); any other call runs the original
@@ -16,10 +16,10 @@ import torch
 
 from export_helpers import BATCH_DIMS, OBSERVED_BATCHES, capture_head_contract, head_inputs, make_host
 from omskills.contracts import capture_contracts
-from omskills.export import ContractWrapper, export_onnx
+from omskills.convert.export import ContractWrapper, export_onnx
 from omskills.records.contracts import ShapeStrategy
 from omskills.runtime import IOSpec, open_backend
-from omskills.splice import SplicedModule, SpliceError, splice
+from omskills.runtime.splice import SplicedModule, SpliceError, splice
 
 
 class TorchBackendDouble:

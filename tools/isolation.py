@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from .errors import OmskillsError
+from omskills.errors import OmskillsError
 
 # Models this big are probed and optimised in a child process.
 ISOLATE_MIN_BYTES = 512 * 2**20

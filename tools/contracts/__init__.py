@@ -8,8 +8,8 @@
 - `samples`: npz samples of real calls that reload bit-exactly.
 """
 
-from .capture import capture_contracts
-from .provenance import ProvenanceTracker
-from .samples import Sample, load_sample, save_sample
+from omskills.contracts.capture import capture_contracts
+from omskills.contracts.provenance import ProvenanceTracker
+from omskills.contracts.samples import Sample, load_sample, save_sample
 
 __all__ = ["ProvenanceTracker", "Sample", "capture_contracts", "load_sample", "save_sample"]

@@ -22,9 +22,9 @@ from torch import nn
 from omskills.errors import OmskillsError
 from omskills.records.contracts import CallShape, ContractSpec, NonTensorArg, Provenance, ShapeDerivedArg, TensorSpec
 
-from . import pytree
-from .provenance import ProvenanceTracker, StorageHistory, is_ancestor
-from .samples import dtype_name, save_sample
+from omskills.contracts import pytree
+from omskills.contracts.provenance import ProvenanceTracker, StorageHistory, is_ancestor
+from omskills.contracts.samples import dtype_name, save_sample
 
 # How many distinct values of a varying non-tensor argument are quoted in the record.
 _QUOTED_VALUES = 5

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from omskills.records.contracts import Provenance, ProvenanceKind
 
-from . import pytree
+from omskills.contracts import pytree
 
 
 def is_ancestor(ancestor: str, path: str) -> bool:

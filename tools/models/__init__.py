@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from .base import FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
+from omskills.models.api import FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
 
 def get_driver(family: str) -> ModelDriver:
     if family == "sam3":
-        from .sam3 import Sam3Driver
+        from omskills.models.sam3 import Sam3Driver
 
         return Sam3Driver()
     if family == "sam3.1":
-        from .sam31 import Sam31Driver  # type: ignore[import-not-found]
+        from omskills.models.sam31 import Sam31Driver  # type: ignore[import-not-found]
 
         return Sam31Driver()
-    from ..errors import TaskRecordError
+    from omskills.errors import TaskRecordError
 
     raise TaskRecordError(f"intake.model.family: no driver for {family!r}")
 

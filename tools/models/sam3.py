@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import InputError, TaskRecordError
-from ..portability import DevicePortability, FunctionFix
-from ..records.contracts import DimRef, QuantityLimit, QuantitySchedule
-from ..records.intake import Intake, ModelSpec, VerificationSpec
-from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
+from omskills.errors import InputError, TaskRecordError
+from omskills.source.portability import DevicePortability, FunctionFix
+from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule
+from omskills.records.intake import Intake, ModelSpec, VerificationSpec
+from omskills.models.api import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
 # Tiny scale: the same classes built by Meta's builder helpers, with small widths/depths.
 # Keys are names looked up in sam3.model_builder at build time; values override kwargs.

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import InputError, TaskRecordError
-from ..portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
-from ..records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
-from ..records.intake import Intake, ModelSpec, VerificationSpec
-from .base import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
-from .sam3 import SAM3_FIXES, ForcedDetections, _with_overrides, bpe_vocabulary_path, deterministic_uninitialised, reinit_non_finite
+from omskills.errors import InputError, TaskRecordError
+from omskills.source.portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
+from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
+from omskills.records.intake import Intake, ModelSpec, VerificationSpec
+from omskills.models.api import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
+from omskills.models.sam3 import SAM3_FIXES, ForcedDetections, _with_overrides, bpe_vocabulary_path, deterministic_uninitialised, reinit_non_finite
 
 SOURCE_ENV = "OMSKILLS_SAM31_SOURCE"
 MULTIPLEX_PREDICTOR_FILE = Path("sam3") / "model" / "sam3_multiplex_video_predictor.py"

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .base import Record
+from omskills.records.base import Record
 
 ProvenanceKind = Literal["prompt", "image", "session", "parameter", "module_output", "constant", "unknown"]
 

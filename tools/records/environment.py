@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import Record
+from omskills.records.base import Record
 
 StageName = Literal["inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify"]
 STAGES: tuple[StageName, ...] = ("inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify")

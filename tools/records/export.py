@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import Record
+from omskills.records.base import Record
 
 ExporterName = Literal["dynamo", "legacy"]
 
@@ -23,7 +23,7 @@ class ExportResult(Record):
     # (torch.compiler.is_dynamo_compiling() reporting True); None for the legacy exporter.
     capture: Literal["torch_export", "compile_path"] | None = None
     capture_reason: str | None = None  # why the compile path was needed (the guard that stopped)
-    # aten ops translated by omskills.onnx_translations instead of torchlib (dynamo exporter)
+    # aten ops translated by omskills.convert.translations instead of torchlib (dynamo exporter)
     custom_translations: list[str] = Field(default_factory=list)
     opset: int  # default-domain opset of the saved model
     # The exporter's own opset when it was above the requested one and onnx.version_converter

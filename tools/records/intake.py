@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from .base import Record
+from omskills.records.base import Record
 
 
 class ModelSpec(Record):

@@ -1,6 +1,6 @@
 """Entry inventory of a model source (stage 1): what a user calls and what must be ported.
 
-Produced by a static scan (`omskills.inventory.scan_source`) and completed by what the
+Produced by a static scan (`omskills.source.inventory.scan_source`) and completed by what the
 device-portability layer saw at run time (`Inventory.merge_runtime_findings`). Every item
 carries `file:line` evidence, files relative to the source root (the folder that holds the
 model's Python package, e.g. `sam3/model/sam3_video_predictor.py`).
@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import Record
+from omskills.records.base import Record
 
 ControlPlaneCategory = Literal["tokenizer", "session_store", "frame_cache", "object_ids", "prompt_management"]
 
@@ -20,7 +20,7 @@ ControlPlaneCategory = Literal["tokenizer", "session_store", "frame_cache", "obj
 class PortabilityFinding(Record):
     """A place an accelerator port must touch: found by the static scan, seen at run time, or both.
 
-    `kind` vocabulary (shared with the runtime layer in omskills.portability): cuda_call
+    `kind` vocabulary (shared with the runtime layer in omskills.source.portability): cuda_call
     (`.cuda()`), device_cuda (`device="cuda"`, `torch.device("cuda")`, `.to("cuda")`),
     pin_memory, triton, flash_attention, autocast (CUDA autocast), cuda_query
     (`torch.cuda.*()` device queries and runtime calls), bf16_cast, pkg_resources.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Record
-from .inventory import PortabilityFinding
+from omskills.records.base import Record
+from omskills.records.inventory import PortabilityFinding
 
 
 class FrameRecord(Record):

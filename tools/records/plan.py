@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import Record
-from .contracts import QuantityLimit, QuantitySchedule
+from omskills.records.base import Record
+from omskills.records.contracts import QuantityLimit, QuantitySchedule
 
 CandidateStatus = Literal[
     "pending", "selected", "deferred", "excluded",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Record
+from omskills.records.base import Record
 
 
 class ModuleProfile(Record):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import Record
+from omskills.records.base import Record
 
 StageStatus = Literal["pending", "running", "done", "failed", "not_run"]
 

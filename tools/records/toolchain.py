@@ -1,7 +1,7 @@
 """Records of the ONNX -> OM toolchain (stage 3): inspection, optimisation variants, the
 operator precheck against ATC's list, and ATC conversion.
 
-The ATC option model (`AtcOptions`, with its validation) lives in `omskills.atc`, next to the
+The ATC option model (`AtcOptions`, with its validation) lives in `omskills.ascend.atc`, next to the
 code that turns it into a command line; this module only holds what the tools report.
 """
 
@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..compare import OutputParity, Verdict
-from .base import Record
+from omskills.compare.parity import OutputParity, Verdict
+from omskills.records.base import Record
 
 
 # -- ONNX Runtime on this machine ---------------------------------------------------------

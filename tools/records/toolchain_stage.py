@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..compare import ParityReport
-from .base import Record
-from .toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
+from omskills.compare.parity import ParityReport
+from omskills.records.base import Record
+from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 
 
 class CandidateToolchain(Record):

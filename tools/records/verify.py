@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import Record
-from .export import FallbackEvent, SpliceStats
+from omskills.records.base import Record
+from omskills.records.export import FallbackEvent, SpliceStats
 
 
 class FrameParity(Record):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from .base import (
+from omskills.runtime.base import (
     ANONYMOUS_DIM,
     BackendError,
     BackendInputError,
@@ -21,8 +21,8 @@ from .base import (
     RuntimeBackend,
     check_feeds,
 )
-from .om_backend import OM_MODES, OmBackend, OmMode, ais_bench_available, om_mode_for_strategy
-from .onnxruntime_backend import PREFERRED_PROVIDERS, OnnxRuntimeBackend, available_providers
+from omskills.runtime.om_backend import OM_MODES, OmBackend, OmMode, ais_bench_available, om_mode_for_strategy
+from omskills.runtime.onnxruntime_backend import PREFERRED_PROVIDERS, OnnxRuntimeBackend, available_providers
 
 _BACKENDS: dict[str, type[RuntimeBackend]] = {"onnxruntime": OnnxRuntimeBackend, "om": OmBackend}
 

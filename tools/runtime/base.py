@@ -17,8 +17,8 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import field_validator
 
-from ..errors import OmskillsError
-from ..records.base import Record
+from omskills.errors import OmskillsError
+from omskills.records.base import Record
 
 BackendKind = Literal["onnxruntime", "om"]
 

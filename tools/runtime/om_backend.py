@@ -28,7 +28,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from .base import BackendError, IOSpec, RuntimeBackend
+from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
 
 OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]
 OM_MODES: tuple[str, ...] = get_args(OmMode)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import BackendError, IOSpec, RuntimeBackend
+from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
 # of this project), then a GPU, then the CPU that is always there.

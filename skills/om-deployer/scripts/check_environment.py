@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from omskills.environment import probe_environment
+from omskills.host.environment import probe_environment
 from omskills.records.environment import EnvironmentReport
 from omskills.records.stages import StageResult
-from omskills.task_record import TaskRecord, load_record, now_iso, updating
+from omskills.records.task import TaskRecord, load_record, now_iso, updating
 
 
 def check_environment(task: str) -> EnvironmentReport:
@@ -37,6 +37,6 @@ def check_environment(task: str) -> EnvironmentReport:
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(check_environment))

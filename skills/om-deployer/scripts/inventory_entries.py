@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from omskills.inventory import locate_source_root, scan_source
+from omskills.source.inventory import locate_source_root, scan_source
 from omskills.records.inventory import Inventory
 from omskills.records.stages import StageResult
-from omskills.task_record import TaskRecord, load_record, now_iso, updating
+from omskills.records.task import TaskRecord, load_record, now_iso, updating
 
 
 def inventory_entries(task: str) -> Inventory:
@@ -43,6 +43,6 @@ def inventory_entries(task: str) -> Inventory:
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(inventory_entries))

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from omskills.deployer import plan_candidates as _plan
+from omskills.stages.deployer import plan_candidates as _plan
 from omskills.records.plan import Plan
-from omskills.toolkit import WorkspacePath
+from omskills.host.toolkit import WorkspacePath
 
 
 def plan_candidates(task: WorkspacePath) -> Plan:
@@ -17,6 +17,6 @@ def plan_candidates(task: WorkspacePath) -> Plan:
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(plan_candidates))

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from omskills.deployer import ProfileSummary
-from omskills.deployer import profile_main_path as _profile
-from omskills.toolkit import WorkspacePath
+from omskills.stages.deployer import ProfileSummary
+from omskills.stages.deployer import profile_main_path as _profile
+from omskills.host.toolkit import WorkspacePath
 
 
 def profile_main_path(task: WorkspacePath) -> ProfileSummary:
@@ -18,6 +18,6 @@ def profile_main_path(task: WorkspacePath) -> ProfileSummary:
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(profile_main_path))

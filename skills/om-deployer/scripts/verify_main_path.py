@@ -4,8 +4,8 @@ from pathlib import Path
 from typing import Literal
 
 from omskills.records.verify import VerifyReport
-from omskills.toolkit import WorkspacePath
-from omskills.verify import verify_main_path as _verify
+from omskills.host.toolkit import WorkspacePath
+from omskills.stages.verify import verify_main_path as _verify
 
 
 def verify_main_path(task: WorkspacePath, backend: Literal["onnxruntime", "om"] = "onnxruntime") -> VerifyReport:
@@ -20,6 +20,6 @@ def verify_main_path(task: WorkspacePath, backend: Literal["onnxruntime", "om"] 
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(verify_main_path))

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from omskills.delivery import write_delivery_doc as _write
-from omskills.toolkit import WorkspacePath
+from omskills.stages.delivery import write_delivery_doc as _write
+from omskills.host.toolkit import WorkspacePath
 
 
 class DeliveryDoc(BaseModel):
@@ -25,6 +25,6 @@ def write_delivery_doc(task: WorkspacePath) -> DeliveryDoc:
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(write_delivery_doc))

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.toolchain import AtcBatch, convert_candidate, for_each_candidate
-from omskills.toolkit import WorkspacePath
+from omskills.stages.toolchain import AtcBatch, convert_candidate, for_each_candidate
+from omskills.host.toolkit import WorkspacePath
 
 
 def convert_atc(task: WorkspacePath, candidate: str | None = None, precision_mode: str | None = None) -> AtcBatch:
@@ -16,6 +16,6 @@ def convert_atc(task: WorkspacePath, candidate: str | None = None, precision_mod
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(convert_atc))

@@ -3,8 +3,8 @@
 from pathlib import Path
 from typing import Literal
 
-from omskills.toolchain import ExportBatch, export_candidate, for_each_candidate
-from omskills.toolkit import WorkspacePath
+from omskills.stages.toolchain import ExportBatch, export_candidate, for_each_candidate
+from omskills.host.toolkit import WorkspacePath
 
 
 def export_onnx(task: WorkspacePath, candidate: str | None = None, exporter: Literal["dynamo", "legacy"] = "dynamo") -> ExportBatch:
@@ -17,6 +17,6 @@ def export_onnx(task: WorkspacePath, candidate: str | None = None, exporter: Lit
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(export_onnx))

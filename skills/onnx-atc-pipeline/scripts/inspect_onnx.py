@@ -3,7 +3,7 @@ histogram, size, external data) without loading its weights."""
 
 from __future__ import annotations
 
-from omskills.onnx_inspect import inspect_onnx as _inspect_onnx
+from omskills.convert.inspect import inspect_onnx as _inspect_onnx
 from omskills.records.toolchain import OnnxSummary
 
 
@@ -17,6 +17,6 @@ def inspect_onnx(path: str) -> OnnxSummary:
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(inspect_onnx))

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.toolchain import OptimizeBatch, optimize_candidate, for_each_candidate
-from omskills.toolkit import WorkspacePath
+from omskills.stages.toolchain import OptimizeBatch, optimize_candidate, for_each_candidate
+from omskills.host.toolkit import WorkspacePath
 
 
 def optimize_onnx(task: WorkspacePath, candidate: str | None = None) -> OptimizeBatch:
@@ -16,6 +16,6 @@ def optimize_onnx(task: WorkspacePath, candidate: str | None = None) -> Optimize
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(optimize_onnx))

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.toolchain import PrecheckBatch, precheck_candidate, for_each_candidate
-from omskills.toolkit import WorkspacePath
+from omskills.stages.toolchain import PrecheckBatch, precheck_candidate, for_each_candidate
+from omskills.host.toolkit import WorkspacePath
 
 
 def precheck_ops(task: WorkspacePath, candidate: str | None = None, soc: str | None = None) -> PrecheckBatch:
@@ -16,6 +16,6 @@ def precheck_ops(task: WorkspacePath, candidate: str | None = None, soc: str | N
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(precheck_ops))

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.toolchain import ProbeBatch, probe_candidate, for_each_candidate
-from omskills.toolkit import WorkspacePath
+from omskills.stages.toolchain import ProbeBatch, probe_candidate, for_each_candidate
+from omskills.host.toolkit import WorkspacePath
 
 
 def probe_onnx(task: WorkspacePath, candidate: str | None = None, variant: str = "original") -> ProbeBatch:
@@ -16,6 +16,6 @@ def probe_onnx(task: WorkspacePath, candidate: str | None = None, variant: str =
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(probe_onnx))

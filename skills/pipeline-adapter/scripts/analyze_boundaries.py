@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from omskills.adapter import BoundariesResult
-from omskills.adapter import analyze_boundaries as _analyze
-from omskills.toolkit import WorkspacePath
+from omskills.stages.adapter import BoundariesResult
+from omskills.stages.adapter import analyze_boundaries as _analyze
+from omskills.host.toolkit import WorkspacePath
 
 
 def analyze_boundaries(task: WorkspacePath, candidate: str | None = None, trial_export: bool = False) -> BoundariesResult:
@@ -19,6 +19,6 @@ def analyze_boundaries(task: WorkspacePath, candidate: str | None = None, trial_
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(analyze_boundaries))

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from omskills.adapter import ContractsResult
-from omskills.adapter import capture_contracts as _capture
-from omskills.toolkit import WorkspacePath
+from omskills.stages.adapter import ContractsResult
+from omskills.stages.adapter import capture_contracts as _capture
+from omskills.host.toolkit import WorkspacePath
 
 
 def capture_contracts(task: WorkspacePath, candidate: str | None = None) -> ContractsResult:
@@ -19,6 +19,6 @@ def capture_contracts(task: WorkspacePath, candidate: str | None = None) -> Cont
 if __name__ == "__main__":
     import sys
 
-    from omskills.toolkit import run_cli
+    from omskills.host.toolkit import run_cli
 
     sys.exit(run_cli(capture_contracts))

@@ -1,0 +1,153 @@
+"""Read what an ONNX file declares — I/O, opsets, operators, size, external data — without
+loading its weights (a multi-GB backbone is summarised in well under a second)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+
+from omskills.errors import InputError
+from omskills.records.toolchain import ExternalDataInfo, OnnxSummary, OnnxTensorInfo
+
+DEFAULT_DOMAIN = "ai.onnx"
+UNDECLARED_DIM = "?"
+
+
+def load_model_proto(path: str | Path, load_weights: bool = False) -> ModelProto:
+    """Load an ONNX model or raise InputError naming the file and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"ONNX file not found: {path}")
+    try:
+        model = onnx.load(str(path), load_external_data=load_weights)
+    except (DecodeError, ValueError, RuntimeError, OSError) as err:
+        raise InputError(f"not a readable ONNX model: {path} ({type(err).__name__}: {err})") from None
+    # Protobuf accepts many byte strings as an (almost empty) message; a real model has an IR
+    # version and a graph.
+    if model.ir_version <= 0 or not model.HasField("graph"):
+        raise InputError(f"not a valid ONNX model: {path} (no IR version or no graph)")
+    return model
+
+
+def inspect_onnx(path: str | Path) -> OnnxSummary:
+    """Summarise an ONNX file: I/O with symbolic dims, opsets, IR version, operator
+    histogram, node count, file size and external data."""
+    path = Path(path)
+    model = load_model_proto(path)
+    graph = model.graph
+    inputs = [tensor_info(v) for v in graph.input if v.name not in _initializer_names(graph)]
+    outputs = [tensor_info(v) for v in graph.output]
+    histogram = Counter(op_key(node) for node, _ in walk_nodes(graph))
+    main_nodes = len(graph.node)
+    external = external_data_info(model, path.parent)
+    file_bytes = path.stat().st_size
+    return OnnxSummary(
+        path=str(path),
+        file_bytes=file_bytes,
+        total_bytes=file_bytes + external.bytes,
+        ir_version=model.ir_version,
+        producer=" ".join(p for p in (model.producer_name, model.producer_version) if p) or None,
+        opsets={(o.domain or DEFAULT_DOMAIN): o.version for o in model.opset_import},
+        inputs=inputs,
+        outputs=outputs,
+        symbolic_dims=sorted({d for t in inputs + outputs for d in (t.shape or []) if isinstance(d, str) and d != UNDECLARED_DIM}),
+        node_count=main_nodes,
+        subgraph_node_count=sum(histogram.values()) - main_nodes,
+        op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
+        local_functions=[f"{f.domain}::{f.name}" for f in model.functions],
+        initializer_count=len(graph.initializer),
+        external_data=external,
+    )
+
+
+def default_opset(model: ModelProto) -> int | None:
+    """The version of the default ONNX domain, which ATC's parser keys operators on."""
+    for opset in model.opset_import:
+        if opset.domain in ("", DEFAULT_DOMAIN):
+            return opset.version
+    return None
+
+
+def op_key(node: NodeProto) -> str:
+    return node.op_type if node.domain in ("", DEFAULT_DOMAIN) else f"{node.domain}::{node.op_type}"
+
+
+def walk_nodes(graph: GraphProto) -> Iterator[tuple[NodeProto, int]]:
+    """Every node with its subgraph depth (0 = main graph), including If/Loop/Scan bodies."""
+    for node in graph.node:
+        yield node, 0
+        for attribute in node.attribute:
+            bodies = list(attribute.graphs)
+            if attribute.HasField("g"):
+                bodies.append(attribute.g)
+            for body in bodies:
+                for inner, depth in walk_nodes(body):
+                    yield inner, depth + 1
+
+
+def tensor_info(value: ValueInfoProto) -> OnnxTensorInfo:
+    tensor_type = value.type.tensor_type
+    dtype = "unknown"
+    if tensor_type.elem_type:
+        dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+    shape: list[int | str] | None = None
+    if tensor_type.HasField("shape"):
+        shape = [_dim(d) for d in tensor_type.shape.dim]
+    return OnnxTensorInfo(name=value.name, dtype=dtype, shape=shape)
+
+
+def _dim(dim: onnx.TensorShapeProto.Dimension) -> int | str:
+    if dim.HasField("dim_value"):
+        return dim.dim_value
+    if dim.HasField("dim_param") and dim.dim_param:
+        return dim.dim_param
+    return UNDECLARED_DIM
+
+
+def _initializer_names(graph: GraphProto) -> set[str]:
+    # IR < 4 lists initializers among the inputs; they are weights, not feeds.
+    return {init.name for init in graph.initializer}
+
+
+def external_data_info(model: ModelProto, folder: Path) -> ExternalDataInfo:
+    """Files and bytes of tensors stored outside the .onnx file (weights were not loaded)."""
+    lengths: Counter[str] = Counter()
+    files: list[str] = []
+    for tensor in _all_tensors(model):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        entries = {e.key: e.value for e in tensor.external_data}
+        location = entries.get("location", "")
+        if location not in files:
+            files.append(location)
+        if "length" in entries:
+            lengths[location] += int(entries["length"])
+    missing = [f for f in files if not (folder / f).is_file()]
+    total = 0
+    for f in files:
+        # A tensor without a recorded length runs to the end of its file.
+        if f in lengths:
+            total += lengths[f]
+        elif f not in missing:
+            total += (folder / f).stat().st_size
+    return ExternalDataInfo(files=files, bytes=total, missing=missing)
+
+
+def _all_tensors(model: ModelProto) -> Iterator[TensorProto]:
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        yield from graph.initializer
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+                if attribute.HasField("g"):
+                    graphs.append(attribute.g)
+                graphs.extend(attribute.graphs)

@@ -1,0 +1,328 @@
+"""Optimisation variants of an exported ONNX model, each checked and probed.
+
+Variants: `original` (the export as is), `onnxslim` (onnxslim's graph simplification) and
+`auto_optimizer` (Huawei's msit surgeon knowledge bases, through `auto_optimizer_compat`).
+Every variant is checked the same way — onnx checker, ONNX Runtime loads it, every graph
+output is produced, parity against the PyTorch reference samples — and the preferred one is
+the first of auto_optimizer -> onnxslim -> original that passes and is no less accurate than
+the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
+from omskills.contracts.samples import load_sample
+from omskills.compare.parity import OutputParity, ParityReport, Verdict, compare_outputs, overall_verdict
+from omskills.errors import InputError, OmskillsError
+from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
+from omskills.runtime.base import BackendError
+from omskills.runtime.batch_split import open_onnxruntime
+from omskills.convert.inspect import load_model_proto
+from omskills.records.toolchain import (
+    BatchSplit,
+    OptimizeResult,
+    VariantCheck,
+    VariantName,
+    VariantResult,
+)
+
+# One probe sample: feeds by input name, reference (PyTorch) outputs by output name.
+# (feeds, reference outputs), or a captured .npz sample, loaded only when it is run: the
+# full-scale SAM 3.1 backbone's 4-frame samples are GBs each, too big to hold or to pickle.
+Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path
+
+
+def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    if isinstance(sample, Path):
+        loaded = load_sample(sample)
+        return ({k: v.detach().cpu().numpy() for k, v in loaded.inputs.items()},
+                {k: v.detach().cpu().numpy() for k, v in loaded.outputs.items()})
+    return sample
+
+VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
+PREFERENCE: tuple[VariantName, ...] = ("auto_optimizer", "onnxslim", "original")
+VERDICT_RANK: dict[str, int] = {"pass": 0, "review": 1, "fail": 2}
+# Protobuf cannot serialise a message over 2 GiB: bigger models keep their weights beside them.
+PROTOBUF_LIMIT = 2**31 - 1
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout — Python prints and C-level writes — to stderr.
+
+    onnxslim prints tables; stdout may be an MCP stdio stream or a tool's JSON result.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> Path:
+    """Save, with external data (`<name>.data` beside it) when the model exceeds 2 GiB."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_file = path.with_name(path.name + ".data")
+    # onnx appends to an existing external-data file: start clean on a rerun.
+    data_file.unlink(missing_ok=True)
+    if model.ByteSize() > PROTOBUF_LIMIT:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file.name)
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
+def optimize_variants(
+    original_path: str | Path,
+    out_dir: str | Path,
+    samples: Sequence[Sample],
+    variants: Sequence[VariantName] = VARIANTS,
+    knowledges: list[str] | None = None,
+    original_probe: ParityReport | None = None,
+    isolate: bool | None = None,
+    batch_split: BatchSplit | None = None,
+) -> OptimizeResult:
+    """Build each variant in `out_dir`, check and probe it, and choose the preferred one.
+
+    `samples` are (feeds, reference outputs) pairs; without samples parity is not probed and
+    the choice rests on the structural checks alone. `knowledges` restricts auto_optimizer to
+    the named knowledges (default: all that the tool enables by default). `original_probe`:
+    probe_onnx's report on the original file, reused instead of loading and probing it again
+    (at full scale that is minutes for the 2 GB backbone). `isolate`: build and check each
+    variant in a child process (default: for models of ISOLATE_MIN_BYTES and more).
+    `batch_split`: run the samples' batches in chunks (what probe_onnx found this machine needs).
+    """
+    original = Path(original_path)
+    load_model_proto(original)  # clear error for a missing or corrupt file, before any work
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise InputError(f"variants: unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
+    if isolate is None:
+        isolate = model_bytes(original) >= ISOLATE_MIN_BYTES
+    results: list[VariantResult] = []
+    for name in variants:
+        if name == "original" and original_probe is not None:
+            results.append(check_variant(name, original, samples, probed=original_probe))
+            continue
+        args = (name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges,
+                batch_split)
+        results.append(_in_child_process(*args) if isolate else _build_and_check(*args))
+    preferred, why = choose_preferred(results)
+    return OptimizeResult(
+        original=str(original),
+        variants=results,
+        preferred=preferred.name if preferred else None,
+        preferred_path=preferred.path if preferred else None,
+        why=why,
+    )
+
+
+def _in_child_process(
+    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None,
+    split: BatchSplit | None,
+) -> VariantResult:
+    """_build_and_check in a fresh process (onnxslim's and ORT's copies of a 2 GB model): if the
+    OOM killer takes it, this variant fails instead of the tool server dying."""
+    try:
+        return run_in_child(_build_and_check, name, source, destination, samples, knowledges, split)
+    except ChildDied as err:
+        return VariantResult(name=name, status="failed", built_from=str(source),
+                             reason=f"the process building and checking the variant died ({err})")
+
+
+def _source_for(name: VariantName, original: Path, done: Sequence[VariantResult]) -> Path:
+    """auto_optimizer works on the onnxslim variant when that one passed (msit's own flow
+    simplifies first), so the preference order is also an order of increasing optimisation."""
+    slim = next((r for r in done if r.name == "onnxslim" and r.status == "ok" and r.path), None)
+    return Path(slim.path) if name == "auto_optimizer" and slim else original
+
+
+def _build_and_check(
+    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None,
+    split: BatchSplit | None = None,
+) -> VariantResult:
+    started = time.perf_counter()
+    target = source if name == "original" else destination
+    knowledge_outcomes = []
+    try:
+        if name == "onnxslim":
+            make_onnxslim(source, target)
+        elif name == "auto_optimizer":
+            knowledge_outcomes = make_auto_optimizer(source, target, knowledges)
+    except AutoOptimizerUnavailable as err:
+        return VariantResult(name=name, status="unavailable", built_from=str(source), reason=str(err))
+    except Exception as err:  # one variant's failure must not stop the others
+        return VariantResult(
+            name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
+        )
+    seconds = 0.0 if name == "original" else time.perf_counter() - started
+    result = check_variant(name, target, samples, split=split)
+    result.seconds = round(seconds, 3)
+    result.built_from = str(source)
+    result.knowledges = knowledge_outcomes
+    if name == "auto_optimizer":
+        by_outcome = {o: [k.name for k in knowledge_outcomes if k.outcome == o] for o in ("applied", "failed", "rejected")}
+        note = f"knowledges applied: {by_outcome['applied'] or 'none'}"
+        if by_outcome["failed"]:
+            note += f"; raised an error (skipped): {by_outcome['failed']}"
+        if by_outcome["rejected"]:
+            note += f"; broke the graph (undone): {by_outcome['rejected']}"
+        result.reason = f"{result.reason}; {note}" if result.reason else note
+    return result
+
+
+def make_onnxslim(source: Path, target: Path) -> Path:
+    import onnxslim
+
+    with stdout_to_stderr():
+        # Given a path only, slim() returns the model quietly; saving is ours (external data).
+        model = onnxslim.slim(str(source))
+    if not isinstance(model, onnx.ModelProto):
+        raise OmskillsError(f"onnxslim returned {type(model).__name__}, not a model, for {source}")
+    return save_model(model, target)
+
+
+def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None):
+    with stdout_to_stderr():
+        api = load_auto_optimizer()
+        model, outcomes = apply_knowledges(api, source, knowledges)
+    save_model(model, target)
+    return outcomes
+
+
+def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None,
+                  split: BatchSplit | None = None) -> VariantResult:
+    """onnx checker, ORT load, outputs produced, and parity on `samples` (or, given `probed`,
+    the load and parity that probe_onnx already measured on this file); `split`: the batch in chunks."""
+    model = onnx.load(str(path), load_external_data=False)
+    checks = [checker_check(path), outputs_produced_check(model)]
+    metrics: list[OutputParity] = []
+    verdict: Verdict | None = None
+    backend = None
+    if probed is not None:
+        metrics, verdict = list(probed.outputs), probed.verdict
+        checks.append(VariantCheck(name="ort_load", passed=True, detail="loaded by probe_onnx"))
+        checks.append(VariantCheck(name="parity", passed=verdict != "fail",
+                                   detail=f"probe_onnx on {len(samples)} sample(s): verdict {verdict} (its worst sample)"))
+    else:
+        try:
+            backend = open_onnxruntime(path, split)
+        except Exception as err:
+            checks.append(VariantCheck(name="ort_load", passed=False, detail=f"{type(err).__name__}: {err}"[:500]))
+    if backend is not None:
+        checks.append(VariantCheck(name="ort_load", passed=True, detail=backend.describe()))
+        with backend:
+            if samples:
+                try:
+                    metrics, verdict, detail = probe_parity(backend, samples)
+                    checks.append(VariantCheck(name="parity", passed=verdict != "fail", detail=detail))
+                except BackendError as err:
+                    # A variant that loads but cannot run a real sample (onnxslim folding a shape
+                    # the sample does not have) fails; the step goes on with the other variants.
+                    checks.append(VariantCheck(name="parity", passed=False, detail=f"does not run a sample: {err}"[:500]))
+    failed = [c.name for c in checks if not c.passed]
+    return VariantResult(
+        name=name,
+        status="failed" if failed else "ok",
+        path=str(path),
+        reason=f"failed check(s): {failed}" if failed else None,
+        node_count=len(model.graph.node),
+        checks=checks,
+        samples_probed=len(samples) if verdict is not None else 0,
+        parity_verdict=verdict,
+        parity=metrics,
+    )
+
+
+def checker_check(path: Path) -> VariantCheck:
+    """onnx.checker on the file path (works past 2 GiB); full_check adds strict shape inference."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+        return VariantCheck(name="onnx_checker", passed=True, detail="full_check")
+    except Exception as full_err:
+        try:
+            onnx.checker.check_model(str(path))
+        except Exception as err:
+            return VariantCheck(name="onnx_checker", passed=False, detail=f"{type(err).__name__}: {err}"[:500])
+        return VariantCheck(
+            name="onnx_checker",
+            passed=True,
+            detail=f"structure valid; full_check (strict shape inference) failed: {full_err}"[:500],
+        )
+
+
+def outputs_produced_check(model: onnx.ModelProto) -> VariantCheck:
+    """Every graph output must come from a node, a graph input or an initializer."""
+    graph = model.graph
+    produced = {o for node in graph.node for o in node.output if o}
+    produced |= {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    dangling = [o.name for o in graph.output if o.name not in produced]
+    names = [o.name for o in graph.output]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if dangling or duplicated:
+        parts = ([f"not produced by any node: {dangling}"] if dangling else []) + (
+            [f"listed twice: {duplicated}"] if duplicated else []
+        )
+        return VariantCheck(name="outputs_produced", passed=False, detail="; ".join(parts))
+    return VariantCheck(name="outputs_produced", passed=True, detail=f"{len(names)} output(s)")
+
+
+def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity], Verdict, str]:
+    """Run every sample and compare with its reference; per output, the worst sample counts."""
+    worst: dict[str, OutputParity] = {}
+    # An optimiser may drop graph inputs nothing reads (onnxslim does): feed what the variant takes.
+    wanted = {spec.name for spec in backend.inputs}
+    for feeds, reference in map(sample_arrays, samples):
+        report = compare_outputs(reference, backend.run({k: v for k, v in feeds.items() if k in wanted}))
+        for parity in report.outputs:
+            if parity.name not in worst or _worse(parity, worst[parity.name]):
+                worst[parity.name] = parity
+    per_output = list(worst.values())
+    verdict = overall_verdict(per_output)
+    return per_output, verdict, f"{len(samples)} sample(s), {len(per_output)} output(s), verdict {verdict}"
+
+
+def _worse(a: OutputParity, b: OutputParity) -> bool:
+    rank_a, rank_b = VERDICT_RANK[a.verdict], VERDICT_RANK[b.verdict]
+    if rank_a != rank_b:
+        return rank_a > rank_b
+    return (a.max_abs or 0.0) > (b.max_abs or 0.0)
+
+
+def choose_preferred(results: Sequence[VariantResult]) -> tuple[VariantResult | None, str]:
+    """First of auto_optimizer -> onnxslim -> original that passed every check and is no less
+    accurate than the original (an optimisation must not move a model down a parity tier)."""
+    by_name = {r.name: r for r in results}
+    original = by_name.get("original")
+    ceiling = VERDICT_RANK[original.parity_verdict] if original and original.parity_verdict else None
+    passed_over: list[str] = []
+    for name in PREFERENCE:
+        result = by_name.get(name)
+        if result is None:
+            continue
+        if result.status != "ok":
+            passed_over.append(f"{name}: {result.status}")
+            continue
+        if ceiling is not None and result.parity_verdict and VERDICT_RANK[result.parity_verdict] > ceiling:
+            passed_over.append(f"{name}: parity {result.parity_verdict} is worse than the original's")
+            continue
+        reason = f"first in order {list(PREFERENCE)} that passed its checks"
+        return result, reason + (f" (passed over: {'; '.join(passed_over)})" if passed_over else "")
+    return None, "no variant passed its checks: " + "; ".join(passed_over)

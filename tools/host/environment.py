@@ -1,0 +1,307 @@
+"""Probe this machine: which packages, toolchains and devices exist, and so which stages can run.
+
+Nothing here claims more than it saw: `atc` counts only when it is on PATH, OM inference only
+when `ais_bench`/`aclruntime` import and `npu-smi` is present. Packages whose import may have
+side effects or crash without Ascend drivers (torch_npu, ais_bench, aclruntime,
+auto_optimizer) are imported in a child process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omskills.errors import OmskillsError
+from omskills.records.environment import (
+    CannProbe,
+    EnvironmentReport,
+    NpuProbe,
+    PackageProbe,
+    StageCapability,
+    TorchProbe,
+)
+from omskills.records.intake import Intake
+
+DEFAULT_ASCEND_ROOT = Path("/usr/local/Ascend")
+SUBPROCESS_TIMEOUT_S = 120
+# Imported in this process: plain Python/C extensions without device side effects.
+IN_PROCESS = ("onnx", "onnxruntime", "onnxscript", "onnxslim")
+# Imported in a child process: they may load Ascend drivers, patch libraries or abort.
+IN_CHILD = ("ais_bench", "aclruntime")
+VERSION_LINE = re.compile(r"^\s*(?:version|Version|VERSION)\s*[=:]\s*(\S+)")
+NPU_SMI_ROW = re.compile(r"^\|\s*\d+\s+((?:910|310|710)[A-Za-z0-9]*)\s+\|")
+
+
+def _distribution_version(import_name: str) -> str | None:
+    dists = importlib.metadata.packages_distributions().get(import_name, [])
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _import_in_process(name: str) -> PackageProbe:
+    try:
+        module = importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - any import failure means "not usable here"
+        return PackageProbe(name=name, importable=False, detail=f"{type(err).__name__}: {err}")
+    version = getattr(module, "__version__", None) or _distribution_version(name)
+    return PackageProbe(name=name, importable=True, version=str(version) if version else None)
+
+
+def _import_in_child(name: str, statement: str | None = None) -> PackageProbe:
+    """Import in a fresh interpreter; `statement` replaces the plain `import name` if given."""
+    if statement is None and importlib.util.find_spec(name) is None:
+        return PackageProbe(name=name, importable=False, detail="not installed")
+    code = statement or f"import {name}"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return PackageProbe(name=name, importable=False, detail=f"import timed out after {SUBPROCESS_TIMEOUT_S} s")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return PackageProbe(name=name, importable=False, version=_distribution_version(name), detail=last[:300])
+    return PackageProbe(name=name, importable=True, version=_distribution_version(name))
+
+
+def _probe_auto_optimizer() -> PackageProbe:
+    # Huawei's auto_optimizer imports onnx.mapping (gone in onnx >= 1.19); when the project's
+    # compatibility shim exists, probe through it, as the optimize stage will import it.
+    if importlib.util.find_spec("auto_optimizer") is None:
+        return PackageProbe(name="auto_optimizer", importable=False, detail="not installed (msit surgeon / ait-surgeon)")
+    shim = importlib.util.find_spec("omskills.convert.auto_optimizer")
+    if shim is None:
+        return _import_in_child("auto_optimizer")
+    probe = _import_in_child("auto_optimizer", "from omskills.convert.auto_optimizer import load_auto_optimizer\nload_auto_optimizer()")
+    via = "imported through omskills.convert.auto_optimizer (onnx.mapping rebuilt)"
+    return probe.model_copy(update={"detail": f"{probe.detail}; {via}" if probe.detail else via})
+
+
+def _probe_torch() -> TorchProbe:
+    try:
+        import torch
+    except Exception as err:  # noqa: BLE001
+        return TorchProbe(version=None, torch_npu_detail=f"torch not importable: {type(err).__name__}: {err}")
+    npu = _import_in_child("torch_npu")
+    return TorchProbe(
+        version=torch.__version__,
+        cuda_available=bool(torch.cuda.is_available()),
+        torch_npu_importable=npu.importable,
+        torch_npu_detail=npu.detail,
+    )
+
+
+def _onnxruntime_providers(ort: PackageProbe) -> list[str]:
+    if not ort.importable:
+        return []
+    import onnxruntime
+
+    return list(onnxruntime.get_available_providers())
+
+
+def _read_version(files: list[Path]) -> tuple[str | None, str | None]:
+    for path in files:
+        try:
+            for line in path.read_text(errors="replace").splitlines():
+                match = VERSION_LINE.match(line)
+                if match:
+                    return match.group(1), str(path)
+        except OSError:
+            continue
+    return None, None
+
+
+def _cann_homes(ascend_root: Path) -> list[tuple[Path, str]]:
+    homes: list[tuple[Path, str]] = []
+    for var in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
+        if os.environ.get(var):
+            homes.append((Path(os.environ[var]), var))
+    homes.append((ascend_root / "ascend-toolkit" / "latest", "default path"))
+    # CANN 8.x can also install as /usr/local/Ascend/cann-<version>.
+    homes.extend((p, "default path") for p in sorted(ascend_root.glob("cann*"), reverse=True))
+    return homes
+
+
+def probe_cann(ascend_root: Path = DEFAULT_ASCEND_ROOT) -> CannProbe:
+    searched: list[str] = []
+    for home, found_by in _cann_homes(ascend_root):
+        searched.append(str(home))
+        if not home.is_dir():
+            continue
+        set_env = next((p for p in (home / "set_env.sh", home.parent / "set_env.sh") if p.is_file()), None)
+        # *_install.info holds the toolkit's version; component version.info files come second.
+        version_files = sorted(home.glob("*_install.info")) + sorted(home.glob("*/*_install.info"))
+        version_files += [home / "version.info"] + sorted(home.glob("*/version.info"))
+        version, version_file = _read_version(version_files)
+        return CannProbe(home=str(home), found_by=found_by, set_env=str(set_env) if set_env else None,
+                         version=version, version_file=version_file, searched=searched)
+    return CannProbe(searched=searched)
+
+
+def probe_npu() -> NpuProbe:
+    npu_smi = shutil.which("npu-smi")
+    if npu_smi is None:
+        return NpuProbe(detail="npu-smi not on PATH (no Ascend driver here)")
+    try:
+        done = subprocess.run([npu_smi, "info"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return NpuProbe(npu_smi=npu_smi, detail=f"npu-smi info failed: {err}")
+    if done.returncode != 0:
+        return NpuProbe(npu_smi=npu_smi, detail=f"npu-smi info exited {done.returncode}: {done.stderr.strip()[:200]}")
+    for line in done.stdout.splitlines():
+        match = NPU_SMI_ROW.match(line)
+        if match:
+            return NpuProbe(npu_smi=npu_smi, soc=f"Ascend{match.group(1)}")
+    return NpuProbe(npu_smi=npu_smi, detail="npu-smi info lists no NPU")
+
+
+@dataclass
+class _Facts:
+    """What the stage rules look at."""
+
+    packages: dict[str, PackageProbe]
+    torch: TorchProbe
+    providers: list[str]
+    atc: str | None
+    cann: CannProbe
+    npu: NpuProbe
+    device: str
+    model_problem: str | None  # why the model source cannot be found, None if it can
+
+    def ok(self, name: str) -> bool:
+        probe = self.packages.get(name)
+        return probe is not None and probe.importable
+
+    def missing(self, *names: str) -> list[str]:
+        return [n for n in names if not self.ok(n)]
+
+
+def _stage(stage: str, problems: list[str], ok_reason: str) -> StageCapability:
+    problems = [p for p in problems if p]
+    return StageCapability(stage=stage, can_run=not problems, reason="; ".join(problems) if problems else ok_reason)  # type: ignore[arg-type]
+
+
+def _needs(facts: _Facts, *names: str) -> str:
+    missing = facts.missing(*names)
+    return f"not importable: {', '.join(missing)}" if missing else ""
+
+
+def _device_problem(facts: _Facts) -> str:
+    kind = facts.device.split(":")[0]
+    if kind == "cuda" and not facts.torch.cuda_available:
+        return "intake.model.device is cuda but torch sees no CUDA device"
+    if kind == "npu" and not facts.torch.torch_npu_importable:
+        return f"intake.model.device is npu but torch_npu is not importable ({facts.torch.torch_npu_detail})"
+    return ""
+
+
+def _atc_stage(facts: _Facts) -> StageCapability:
+    if facts.atc:
+        return _stage("atc", [], f"atc on PATH: {facts.atc}")
+    if facts.cann.home:
+        hint = f"source {facts.cann.set_env}" if facts.cann.set_env else "its set_env.sh was not found"
+        return _stage("atc", [f"CANN found at {facts.cann.home} but atc is not on PATH ({hint})"], "")
+    return _stage("atc", [f"atc not on PATH and no CANN toolkit found (searched {', '.join(facts.cann.searched)})"], "")
+
+
+def _om_run_stage(facts: _Facts) -> StageCapability:
+    problems = [_needs(facts, "ais_bench", "aclruntime")]
+    if facts.npu.soc is None:
+        problems.append(facts.npu.detail or "no NPU visible")
+    return _stage("om_run", problems, f"ais_bench and aclruntime import, NPU {facts.npu.soc}")
+
+
+def _stages(facts: _Facts) -> list[StageCapability]:
+    torch_problem = "" if facts.torch.version else "torch not importable"
+    runs_model = [torch_problem, facts.model_problem or "", _device_problem(facts)]
+    optimizers = "onnxslim and auto_optimizer" if facts.ok("auto_optimizer") else "onnxslim only (auto_optimizer not importable)"
+    om = _om_run_stage(facts)
+    backends_problem = "" if (facts.providers or om.can_run) else "no runtime backend: onnxruntime not importable and no OM runtime"
+    return [
+        _stage("inventory", [facts.model_problem or ""], "static ast scan: needs only Python and the model source"),
+        _stage("profile", runs_model, f"runs the main path with torch {facts.torch.version} on {facts.device}"),
+        _stage("contracts", runs_model, f"runs the main path with torch {facts.torch.version} on {facts.device}"),
+        _stage("export", [torch_problem, _needs(facts, "onnx", "onnxscript")], "torch.onnx (dynamo) with onnx and onnxscript"),
+        _stage("optimize", [_needs(facts, "onnx", "onnxslim")], optimizers),
+        _stage("precheck", [_needs(facts, "onnx")], "operator check against the ATC support list (no CANN needed)"),
+        _atc_stage(facts),
+        om,
+        _stage("verify", [torch_problem, backends_problem], "compare torch with: " + ", ".join(_backends(facts, om.can_run))),
+    ]
+
+
+def _backends(facts: _Facts, om_ok: bool) -> list[str]:
+    backends = [f"onnxruntime:{p}" for p in facts.providers]
+    return backends + (["om"] if om_ok else [])
+
+
+def _model_problem(intake: Intake | None, base_dir: Path | None) -> str | None:
+    if intake is None:
+        return None
+    from omskills.source.inventory import locate_source_root  # no torch import: static lookup only
+
+    try:
+        locate_source_root(intake.model.source, intake.model.family, base_dir)
+    except OmskillsError as err:
+        return str(err)
+    return None
+
+
+def _notes(intake: Intake | None, cann: CannProbe, npu: NpuProbe) -> list[str]:
+    if intake is None:
+        return []
+    notes = []
+    target = intake.target
+    if npu.soc and npu.soc != target.soc:
+        notes.append(f"intake.target.soc is {target.soc} but npu-smi reports {npu.soc}: ATC's --soc_version must match the device")
+    if cann.version and target.cann_version and not cann.version.startswith(target.cann_version):
+        notes.append(f"intake.target.cann_version is {target.cann_version} but CANN {cann.version} is installed at {cann.home}")
+    return notes
+
+
+def probe_environment(intake: Intake | None = None, base_dir: Path | None = None,
+                      ascend_root: Path = DEFAULT_ASCEND_ROOT) -> EnvironmentReport:
+    """Probe packages, toolchains and devices; with an intake, also its model source and device."""
+    from omskills.records.task import now_iso
+
+    packages = [_import_in_process(name) for name in IN_PROCESS]
+    packages += [_probe_auto_optimizer()] + [_import_in_child(name) for name in IN_CHILD]
+    by_name = {p.name: p for p in packages}
+    torch_probe = _probe_torch()
+    facts = _Facts(
+        packages=by_name,
+        torch=torch_probe,
+        providers=_onnxruntime_providers(by_name["onnxruntime"]),
+        atc=shutil.which("atc"),
+        cann=probe_cann(ascend_root),
+        npu=probe_npu(),
+        device=intake.model.device if intake else "cpu",
+        model_problem=_model_problem(intake, base_dir),
+    )
+    stages = _stages(facts)
+    om_ok = next(s.can_run for s in stages if s.stage == "om_run")
+    return EnvironmentReport(
+        probed_at=now_iso(),
+        python=f"{platform.python_version()} ({sys.executable})",
+        platform=platform.platform(),
+        torch=torch_probe,
+        packages=packages,
+        onnxruntime_providers=facts.providers,
+        atc=facts.atc,
+        cann=facts.cann,
+        npu=facts.npu,
+        stages=stages,
+        backends=_backends(facts, om_ok),
+        notes=_notes(intake, facts.cann, facts.npu),
+    )

@@ -1,0 +1,58 @@
+"""One loaded model per process, reused across tools (the MCP server keeps it between calls).
+
+Loading full-scale SAM 3 takes tens of seconds and several GB; the stages of one
+adaptation all use the same model, so it is built once per (family, source, builder,
+scale, checkpoint, seed, device). Only one model is kept, to bound memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from omskills.models import LoadedModel, ModelDriver, get_driver
+from omskills.records.intake import ModelSpec
+
+_lock = threading.Lock()
+_cached: tuple[str, LoadedModel, float] | None = None
+
+
+def load_model(spec: ModelSpec) -> tuple[ModelDriver, LoadedModel, float]:
+    """The driver, the loaded model and the seconds its (first) build took."""
+    global _cached
+    key = spec.model_dump_json()
+    driver = get_driver(spec.family)
+    with _lock:
+        if _cached is not None and _cached[0] == key:
+            return driver, _cached[1], _cached[2]
+        _cached = None  # free the previous model before building the next
+        start = time.perf_counter()
+        loaded = driver.load(spec)
+        _cached = (key, loaded, time.perf_counter() - start)
+        return driver, loaded, _cached[2]
+
+
+def release() -> None:
+    """Drop the cached model (stages that do not need it, like optimising a 2 GB ONNX, want the RAM)."""
+    global _cached
+    with _lock:
+        _cached = None
+    return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Collect garbage, then give freed heap pages back to the system (glibc keeps them otherwise).
+
+    After a full-scale model is dropped the process still shows ~10 GB RSS: torch's and
+    protobuf's big buffers came from the heap, and glibc only returns its top. A child process
+    that needs that memory next (optimising the 2 GB backbone) would be OOM-killed.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only; elsewhere nothing to do
+        libc.malloc_trim(0)

@@ -1,0 +1,449 @@
+"""Splice compiled candidates back into the live model, and take them out again.
+
+`splice(root, [(contract, backend), ...])` puts a `SplicedModule` at each candidate's
+replacement point (the attribute on its parent). On every call the spliced module flattens the
+arguments as the contract did, checks them against the contract (structure, constants, dtypes,
+shapes), runs the backend on numpy feeds and rebuilds the output structure the caller expects,
+with the contract's dtypes on the caller's device. A call outside the contract runs the original
+PyTorch module instead — counted, with its reason, and logged as a warning: never silent.
+`unsplice()` puts the original module objects back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
+from omskills.errors import OmskillsError
+from omskills.convert.export import TreeLayout, dtype_name, torch_dtype
+from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
+from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
+
+logger = logging.getLogger(__name__)
+
+
+class SpliceError(OmskillsError):
+    """A candidate cannot be spliced, or its backend returned something the contract does not allow."""
+
+
+class IOName(Protocol):
+    name: str
+    dtype: str
+
+
+class SpliceBackend(Protocol):
+    """What a spliced module needs from a runtime backend (omskills.runtime.RuntimeBackend has it)."""
+
+    kind: str
+    device: str
+
+    @property
+    def inputs(self) -> Sequence[IOName]: ...
+
+    @property
+    def outputs(self) -> Sequence[IOName]: ...
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
+
+
+# --------------------------------------------------------------------------- contract checks
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: FallbackKind
+    reason: str
+
+
+@dataclass(frozen=True)
+class _DynamicDim:
+    input: str
+    dim: int
+    size: int
+    rank: int
+
+
+class ShapeRule:
+    """Which input shapes a backend accepts: the contract's, or the shape strategy's when given.
+
+    Without a strategy, a static dim must equal the shape seen at capture and a dim that varied
+    may take any of the sizes observed then. With one, its -1 dims are the dynamic ones and their
+    values must form one of its gears (tiled when several inputs share them, as a batch does) or
+    lie within its ranges.
+    """
+
+    def __init__(self, inputs: list[TensorSpec], strategy: ShapeStrategy | None) -> None:
+        self.inputs = inputs
+        self.strategy = strategy
+
+    def violation(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        if self.strategy is None:
+            return self._against_contract(tensors)
+        return self._against_strategy(tensors, self.strategy)
+
+    def _against_contract(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        for spec, tensor in zip(self.inputs, tensors):
+            if tensor.dim() != len(spec.shape):
+                return f"input {spec.name} has shape {list(tensor.shape)}, the contract's rank is {len(spec.shape)}"
+            for dim, (size, seen) in enumerate(zip(tensor.shape, spec.shape)):
+                allowed = spec.dynamic_dims.get(str(dim), [seen])
+                if size not in allowed:
+                    return f"input {spec.name} dim {dim} is {size}, the contract allows {allowed}"
+        return None
+
+    def _against_strategy(self, tensors: Sequence[torch.Tensor], strategy: ShapeStrategy) -> str | None:
+        dynamic: list[_DynamicDim] = []  # every -1 dim, in input order
+        for spec, tensor in zip(self.inputs, tensors):
+            declared = strategy.input_shapes.get(spec.name, spec.shape)
+            if tensor.dim() != len(declared):
+                return f"input {spec.name} has shape {list(tensor.shape)}, the strategy's is {declared}"
+            for dim, (size, want) in enumerate(zip(tensor.shape, declared)):
+                if want == -1:
+                    dynamic.append(_DynamicDim(spec.name, dim, int(size), len(declared)))
+                elif size != want:
+                    return f"input {spec.name} dim {dim} is {size}, the {strategy.kind} strategy fixes it at {want}"
+        if not dynamic or strategy.kind == "static":
+            return None
+        if strategy.kind == "dynamic_shape":
+            return _outside_ranges(dynamic, strategy)
+        values = [entry.size for entry in dynamic]
+        if any(_tiled(gear, len(values)) == values for gear in strategy.gears):
+            return None
+        return f"dynamic dims {_named(dynamic)} match no {strategy.kind} gear of {strategy.gears}"
+
+
+def _tiled(gear: list[int], length: int) -> list[int] | None:
+    if not gear or length % len(gear):
+        return None
+    return gear * (length // len(gear))
+
+
+def _named(dynamic: list[_DynamicDim]) -> str:
+    return ", ".join(f"{entry.input}[{entry.dim}]={entry.size}" for entry in dynamic)
+
+
+def _outside_ranges(dynamic: list[_DynamicDim], strategy: ShapeStrategy) -> str | None:
+    """ranges[input] holds one [min, max] per dim of the input, or one per -1 dim, in order."""
+    per_input: dict[str, list[_DynamicDim]] = {}
+    for entry in dynamic:
+        per_input.setdefault(entry.input, []).append(entry)
+    for name, dims in per_input.items():
+        ranges = strategy.ranges.get(name)
+        if ranges is None:
+            return f"input {name} has dynamic dims but the dynamic_shape strategy gives it no ranges"
+        for k, entry in enumerate(dims):
+            index = entry.dim if len(ranges) == entry.rank else k
+            if index >= len(ranges):
+                return f"input {name} dim {entry.dim}: the dynamic_shape strategy gives no range"
+            low, high = ranges[index]
+            if not low <= entry.size <= high:
+                return f"input {name} dim {entry.dim} is {entry.size}, outside the strategy's range [{low}, {high}]"
+    return None
+
+
+def _same_constant(value: Any, arg: NonTensorArg, bound: Any) -> bool:
+    if bound is None:
+        return repr(value) == arg.value_repr
+    # bool is an int in Python: True must not pass for 1.
+    return type(value) is type(bound) and value == bound
+
+
+# --------------------------------------------------------------------------- spliced module
+
+
+def spliced_class(original_class: type) -> type:
+    """A SplicedModule that also passes `isinstance(x, OriginalClass)`.
+
+    Model code branches on the class of its submodules (SAM 3 calls its mask memory encoder
+    differently unless `isinstance(self.maskmem_backbone, SimpleMaskEncoder)`), so a
+    replacement that fails that test would change the model's behaviour.
+    """
+    if issubclass(original_class, SplicedModule):
+        return original_class
+    cached = _SPLICED_CLASSES.get(original_class)
+    if cached is None:
+        cached = type(f"Spliced{original_class.__name__}", (SplicedModule, original_class), {})
+        _SPLICED_CLASSES[original_class] = cached
+    return cached
+
+
+_SPLICED_CLASSES: dict[type, type] = {}
+
+
+class SplicedModule(nn.Module):
+    """Stands where the candidate stood; runs the backend for calls inside the contract."""
+
+    def __init__(
+        self,
+        original: nn.Module,
+        contract: ContractSpec,
+        backend: SpliceBackend,
+        strategy: ShapeStrategy | None = None,
+    ) -> None:
+        nn.Module.__init__(self)  # not super(): in a spliced_class the next base is the model class
+        self.original = original  # registered: parameters and .to() still reach it for fallbacks
+        self.contract = contract
+        self.backend = backend
+        self.call_layout = TreeLayout.of_call(contract)
+        self.output_layout = TreeLayout.of_output(contract)
+        self.in_spec = spec_from_str(contract.in_spec)
+        self.out_spec = spec_from_str(contract.out_spec)
+        self.shape_rule = ShapeRule(contract.inputs, strategy)
+        self.bound_constants = self._bound_constants(contract)
+        self.output_constants = self._output_constants(contract)
+        self.feed_names = self._feed_names(contract, backend)
+        self.calls = 0
+        self.backend_seconds: list[float] = []
+        self.fallback_events: list[FallbackEvent] = []
+        if contract.method != "forward":
+            # The caller calls parent.<attribute>.<method>(...): answer that name.
+            object.__setattr__(self, contract.method, self._contract_call)
+
+    @staticmethod
+    def _bound_constants(contract: ContractSpec) -> list[Any]:
+        """The value each non-tensor argument must have; None: only its repr is known."""
+        varying = [arg.tree_path for arg in contract.non_tensor_args if not arg.constant and arg.derived is None]
+        if varying:
+            raise SpliceError(f"{contract.candidate}: non-tensor arguments {varying} vary across calls; "
+                              "a compiled graph cannot take them")
+        return [arg.value for arg in contract.non_tensor_args]
+
+    @staticmethod
+    def _output_constants(contract: ContractSpec) -> list[Any]:
+        unusable = [arg.tree_path for arg in contract.non_tensor_outputs if not arg.constant or (arg.value is None and arg.value_repr != "None")]
+        if unusable:
+            raise SpliceError(f"{contract.candidate}: non-tensor outputs {unusable} vary or have no recorded value; "
+                              "the output cannot be rebuilt from the backend's tensors")
+        return [arg.value for arg in contract.non_tensor_outputs]
+
+    @staticmethod
+    def _feed_names(contract: ContractSpec, backend: SpliceBackend) -> list[str]:
+        """The contract inputs the backend takes (an exporter may drop unused ones), with checks."""
+        inputs = {spec.name: spec for spec in contract.inputs}
+        outputs = {spec.name: spec for spec in contract.outputs}
+        where = f"{contract.candidate}: backend {backend.kind}"
+        for io in backend.inputs:
+            if io.name not in inputs:
+                raise SpliceError(f"{where} takes input {io.name!r}, which the contract does not have")
+            if io.dtype != inputs[io.name].dtype:
+                raise SpliceError(f"{where} input {io.name!r} is {io.dtype}, the contract's is {inputs[io.name].dtype}")
+        missing = sorted(set(outputs) - {io.name for io in backend.outputs})
+        if missing:
+            raise SpliceError(f"{where} has no output(s) {missing} of the contract")
+        return [io.name for io in backend.inputs]
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes the caller reads on the candidate (config, submodules) come from the original.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "original" not in modules:
+                raise
+            return getattr(modules["original"], name)
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.contract.method != "forward":
+            self.calls += 1
+            self._fall_back(Violation("method", f"forward called; the contract covers {self.contract.method}"))
+            return self.original(*args, **kwargs)
+        return self._contract_call(*args, **kwargs)
+
+    def _contract_call(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        flat = flatten_call(args, kwargs)
+        violation = self._violation(flat)
+        if violation is not None:
+            self._fall_back(violation)
+            return self._original_call()(*args, **kwargs)
+        return self._run_backend(self.call_layout.tensors_of(flat.leaves))
+
+    def _original_call(self) -> Any:
+        if self.contract.method == "forward":
+            return self.original  # through __call__, so its hooks run as usual
+        return getattr(self.original, self.contract.method)
+
+    def _violation(self, flat: FlatTree) -> Violation | None:
+        if flat.spec != self.in_spec:
+            return Violation("structure", "the call's argument structure differs from the contract's in_spec")
+        for leaf, role, path in zip(flat.leaves, self.call_layout.roles, self.call_layout.paths):
+            if role.is_tensor != isinstance(leaf, torch.Tensor):
+                expected = "a tensor" if role.is_tensor else "a non-tensor constant"
+                return Violation("structure", f"{path} is {type(leaf).__name__}, the contract has {expected}")
+        others = self.call_layout.others_of(flat.leaves)
+        tensors = self.call_layout.tensors_of(flat.leaves)
+        expected = self.contract.call_values(self.bound_constants, tensors)
+        for value, arg, bound in zip(others, self.contract.non_tensor_args, expected):
+            if arg.derived is not None and value != bound:
+                return Violation("constant", f"{arg.tree_path} is {value!r}, not {arg.derived.formula()} = {bound} "
+                                             "as the graph computes it")
+            if arg.derived is None and not _same_constant(value, arg, bound):
+                return Violation("constant", f"{arg.tree_path} is {value!r}, the contract binds {arg.value_repr}")
+        for spec, tensor in zip(self.contract.inputs, tensors):
+            if dtype_name(tensor.dtype) != spec.dtype:
+                found = dtype_name(tensor.dtype)
+                return Violation("dtype", f"input {spec.name} is {found}, the contract's is {spec.dtype}")
+        shape_problem = self.shape_rule.violation(tensors)
+        if shape_problem is not None:
+            return Violation("shape", shape_problem)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return Violation("autograd", "an input requires grad; the backend cannot backpropagate")
+        return None
+
+    def _fall_back(self, violation: Violation) -> None:
+        event = FallbackEvent(
+            candidate=self.contract.candidate, call=self.calls, kind=violation.kind, reason=violation.reason
+        )
+        self.fallback_events.append(event)
+        logger.warning("%s call %d runs in PyTorch (fallback, %s): %s",
+                       event.candidate, event.call, event.kind, event.reason)
+
+    def _run_backend(self, tensors: list[torch.Tensor]) -> Any:
+        started = time.perf_counter()
+        by_name = {spec.name: tensor for spec, tensor in zip(self.contract.inputs, tensors)}
+        feeds = {name: np.ascontiguousarray(by_name[name].detach().cpu().numpy()) for name in self.feed_names}
+        produced = self.backend.run(feeds)
+        # Outputs go where the caller's tensors are (the contract's device is the capture's).
+        device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
+        outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
+        self.backend_seconds.append(time.perf_counter() - started)
+        return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
+
+    def _output_tensor(
+        self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device
+    ) -> torch.Tensor:
+        if spec.name not in produced:
+            raise SpliceError(
+                f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}"
+            )
+        array = np.ascontiguousarray(produced[spec.name])
+        return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def stats(self) -> SpliceStats:
+        kinds = Counter(event.kind for event in self.fallback_events)
+        total = sum(self.backend_seconds)
+        return SpliceStats(
+            candidate=self.contract.candidate,
+            module_path=self.contract.module_path,
+            backend_kind=self.backend.kind,
+            backend_device=self.backend.device,
+            calls=self.calls,
+            backend_calls=len(self.backend_seconds),
+            fallbacks=len(self.fallback_events),
+            fallback_kinds=dict(kinds),
+            fallback_reasons=list(dict.fromkeys(event.reason for event in self.fallback_events)),
+            total_backend_seconds=total,
+            mean_backend_seconds=total / len(self.backend_seconds) if self.backend_seconds else None,
+        )
+
+
+# --------------------------------------------------------------------------- splice / unsplice
+
+
+@dataclass
+class _Replaced:
+    parent: nn.Module
+    attribute: str
+    original: nn.Module
+    spliced: SplicedModule
+
+
+class SpliceHandle:
+    """The splices made in one model; `unsplice()` (or leaving the `with` block) undoes them."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self._replaced: list[_Replaced] = []  # in place now
+        self._spliced: list[SplicedModule] = []  # every splice made, kept for stats after unsplice
+
+    @property
+    def modules(self) -> dict[str, SplicedModule]:
+        return {spliced.contract.candidate: spliced for spliced in self._spliced}
+
+    def stats(self) -> list[SpliceStats]:
+        return [spliced.stats() for spliced in self._spliced]
+
+    def fallbacks(self) -> list[FallbackEvent]:
+        return [event for spliced in self._spliced for event in spliced.fallback_events]
+
+    def add(
+        self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None = None
+    ) -> SplicedModule:
+        parent = _submodule(self.root, contract.parent_path, contract)
+        original = getattr(parent, contract.attribute, None)
+        where = f"{contract.candidate}: {contract.parent_path or '<root>'}.{contract.attribute}"
+        if isinstance(original, SplicedModule):
+            raise SpliceError(f"{where} is already spliced")
+        if not isinstance(original, nn.Module):
+            raise SpliceError(f"{where} is not a module (found {type(original).__name__})")
+        if not _is_class(original, contract.module_class):
+            found = type(original).__qualname__
+            raise SpliceError(f"{where} is a {found}, the contract is for {contract.module_class}")
+        spliced = spliced_class(type(original))(original, contract, backend, strategy)
+        setattr(parent, contract.attribute, spliced)
+        self._replaced.append(_Replaced(parent, contract.attribute, original, spliced))
+        self._spliced.append(spliced)
+        return spliced
+
+    def unsplice(self) -> None:
+        """Put every original module object back, last splice first."""
+        while self._replaced:
+            replaced = self._replaced.pop()
+            setattr(replaced.parent, replaced.attribute, replaced.original)
+
+    def __enter__(self) -> SpliceHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.unsplice()
+
+
+
+def _submodule(root: nn.Module, path: str, contract: ContractSpec) -> nn.Module:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        raise SpliceError(
+            f"{contract.candidate}: parent_path {path!r} is not a submodule of {type(root).__name__}"
+        ) from None
+
+
+def _is_class(module: nn.Module, module_class: str) -> bool:
+    cls = type(module)
+    return module_class in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__, cls.__name__)
+
+
+def splice(
+    root: nn.Module,
+    replacements: Sequence[tuple[ContractSpec, SpliceBackend]],
+    *,
+    strategies: Mapping[str, ShapeStrategy] | None = None,
+) -> SpliceHandle:
+    """Replace each contract's candidate in `root` by a module running its backend.
+
+    strategies: candidate -> the shape strategy its artifact was built for (optional); without one
+    the contract's observed shapes are the ones allowed. All or nothing: if one splice fails,
+    those already made are undone before the error is raised.
+    """
+    strategies = strategies or {}
+    handle = SpliceHandle(root)
+    try:
+        for contract, backend in replacements:
+            handle.add(contract, backend, strategies.get(contract.candidate))
+    except BaseException:
+        handle.unsplice()
+        raise
+    return handle

@@ -1,0 +1,82 @@
+"""pipeline-adapter stage functions over a task record: contracts and boundaries (stage 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from omskills.boundary.analysis import analyze_boundaries as _analyze, render_contract_table
+from omskills.stages.deployer import selected_candidates
+from omskills.errors import StageError
+from omskills.models.cache import load_model
+from omskills.models import get_driver
+from omskills.records.base import Record
+from omskills.records.contracts import BoundaryDecision, ContractSpec
+from omskills.stages.steps import fingerprint, is_done, running_step
+from omskills.stages.study import ensure_study
+from omskills.records.task import TaskRecord, load_record
+
+
+class ContractsResult(Record):
+    contracts: list[ContractSpec]
+    table_path: str
+
+
+class BoundariesResult(Record):
+    decisions: list[BoundaryDecision]
+    table_path: str
+    control_plane: list[str] = Field(default_factory=list)
+
+
+def capture_contracts(task_path: Path, candidate: str | None = None) -> ContractsResult:
+    """Contracts of the selected candidates, from the study run (rerun only if the intake changed)."""
+    record = ensure_study(task_path)
+    names = selected_candidates(record, candidate)
+    missing = [n for n in names if n not in record.contracts]
+    if missing:
+        raise StageError(f"candidate {', '.join(missing)} was never called on the main path (no contract captured)")
+    contracts = [record.contracts[n] for n in names]
+    workdir = TaskRecord.workdir(task_path)
+    table = workdir / "contracts" / "contracts.md"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(render_contract_table(contracts, [record.boundaries[n] for n in names if n in record.boundaries]))
+    return ContractsResult(contracts=contracts, table_path=str(table.relative_to(workdir)))
+
+
+def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_export: bool = False) -> BoundariesResult:
+    record = load_record(task_path)
+    names = selected_candidates(record, candidate)
+    contracts = [record.contracts[n] for n in names if n in record.contracts]
+    if len(contracts) != len(names):
+        raise StageError("contracts missing for some selected candidates: run capture_contracts first")
+    limits = record.study.source_limits if record.study is not None else {}
+    inputs_hash = fingerprint(contracts, trial_export, limits)
+    step_name = "boundaries" if candidate is None else f"boundaries:{candidate}"
+    workdir = TaskRecord.workdir(task_path)
+    if is_done(record, step_name, inputs_hash):
+        decisions = [record.boundaries[n] for n in names]
+    else:
+        with running_step(task_path, step_name, inputs_hash) as step:
+            driver = get_driver(record.intake.model.family)
+            modules = {}
+            if trial_export:
+                _, loaded, _ = load_model(record.intake.model)
+                modules = {c.candidate: loaded.root.get_submodule(c.module_path) for c in contracts}
+            decisions = _analyze(contracts, modules, limits, trial_export=trial_export, samples_root=workdir)
+
+            def store(rec: TaskRecord) -> None:
+                for note in driver.control_plane_notes():
+                    rec.decide("analyze_boundaries", "stays in Python", note)
+                for d in decisions:
+                    rec.boundaries[d.candidate] = d
+                    strategy = d.shape_strategy.kind if d.shape_strategy else "none"
+                    rec.decide("analyze_boundaries", f"{d.candidate}: {'exportable' if d.exportable else 'not exportable'}, strategy {strategy}",
+                               (d.shape_strategy.rationale if d.shape_strategy else "; ".join(d.reasons)))
+
+            step.update(store)
+    table = workdir / "contracts" / "boundaries.md"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(render_contract_table(contracts, decisions))
+    control = get_driver(record.intake.model.family).control_plane_notes() + sorted({line for d in decisions for line in d.control_plane})
+    return BoundariesResult(decisions=decisions, table_path=str(table.relative_to(workdir)), control_plane=control)
