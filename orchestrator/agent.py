@@ -157,7 +157,7 @@ def system_prompt(library: SkillLibrary, task: Path | None, workspace: Path) -> 
     entry = library.documents.get(ENTRY_SKILL)
     task_line = f"The task record is {task}; pass this path as `task` to every tool that takes one." if task else "No task record is open yet; ask for one or create it with the tools if the user wants to adapt a model."
     parts = [
-        "You are the omskills agent. You adapt PyTorch models (SAM 3 / SAM 3.1 first) to Huawei Ascend NPUs along the "
+        "You are the omskills agent. You adapt PyTorch models (a model family with a driver, or the user's own code through a new driver) to Huawei Ascend NPUs along the "
         "OM route by calling the omskills tools, which read and update a task record (YAML) at every stage.",
         task_line,
         f"Workspace root: {workspace}. Every path you pass must be inside it.",

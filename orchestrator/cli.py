@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Callable
 
@@ -22,39 +21,34 @@ def command(name: str, configure: Callable[[argparse.ArgumentParser], None]) -> 
 
 
 def _tool_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="tool name (see `omskills tool --list`)", nargs="?")
-    p.add_argument("--args", default="{}", help="arguments as a JSON object")
     p.add_argument("--list", action="store_true", help="list the tools and exit")
+    p.add_argument("name", help="tool name (see `omskills tool --list`)", nargs="?")
+    p.add_argument("tool_args", nargs=argparse.REMAINDER,
+                   help="the tool's arguments: --args '{...}' or one flag per parameter (--task T)")
 
 
 @command("tool", _tool_args)
 def _tool(ns: argparse.Namespace) -> int:
-    from omskills.host.toolkit import call_tool, discover_tools, to_jsonable
+    """Call one skill tool by hand (the same CLI as running its script)."""
+    from omskills.host.toolkit import discover_tools, run_cli
 
     tools = discover_tools()
     if ns.list or not ns.name:
-        for info in tools.values():
+        for _, info in tools.items():
             summary = info.description.splitlines()[0] if info.description else ""
             print(f"{info.name:28s} [{info.skill}] {summary}")
         return 0
-    if ns.name not in tools:
-        raise OmskillsError(f"unknown tool {ns.name!r}; known: {', '.join(tools)}")
-    try:
-        args = json.loads(ns.args)
-    except json.JSONDecodeError as err:
-        raise OmskillsError(f"--args is not valid JSON: {err}") from None
-    print(json.dumps(to_jsonable(call_tool(tools[ns.name].func, args)), indent=2))
-    return 0
+    return run_cli(tools.get(ns.name).func, ns.tool_args, prog=f"omskills tool {ns.name}")
 
 
 def _load_subcommand_modules() -> None:
     # Each front-end module registers its commands with @command on import.
-    from omskills.orchestrator import commands, job_commands  # noqa: F401
+    from omskills.orchestrator import commands, driver_commands, job_commands  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:
     _load_subcommand_modules()
-    parser = argparse.ArgumentParser(prog="omskills", description="Adapt PyTorch models (SAM 3 / SAM 3.1) to Ascend OM.")
+    parser = argparse.ArgumentParser(prog="omskills", description="Adapt PyTorch models to Huawei Ascend OM: cut, export, convert, splice back, verify.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, handler) in _COMMANDS.items():
         p = sub.add_parser(name, help=(handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None)

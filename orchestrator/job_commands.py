@@ -22,23 +22,26 @@ def _override_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", help="override intake.model.source (a checkout path, or `package`)")
 
 
-def _with_overrides(record, ns: argparse.Namespace):
+def _with_overrides(record, base_dir: Path, ns: argparse.Namespace):
     """Apply --scale/--frames/--source to the record in memory (the YAML file is not changed)."""
     from omskills.errors import InputError
+    from omskills.models.registry import bind_intake, driver_for
 
+    driver = driver_for(record.intake.model, base_dir)
     if ns.source:
         record.intake.model.source = ns.source
-    elif record.intake.model.family == "sam3.1":
-        from omskills.models.sam31 import SOURCE_ENV
-
-        if os.environ.get(SOURCE_ENV):  # into the run's copy of the record: every stage reads one checkout
-            record.intake.model.source = os.environ[SOURCE_ENV]
+    elif driver.source_env and os.environ.get(driver.source_env):
+        # Into the run's copy of the record: every stage reads one source.
+        record.intake.model.source = os.environ[driver.source_env]
     if ns.scale:
         record.intake.model.scale = ns.scale
     if ns.frames is not None:
+        if "frames" not in driver.inputs_model.model_fields:
+            raise InputError(f"--frames: the inputs of the {driver.family} driver have no frames field")
         if ns.frames < 1:
             raise InputError("--frames must be at least 1")
-        record.intake.inputs.frames = ns.frames
+        record.intake.inputs["frames"] = ns.frames
+    bind_intake(record.intake, base_dir)  # a malformed intake field is named before any work starts
     return record
 
 
@@ -49,18 +52,22 @@ def _main_path(ns: argparse.Namespace) -> int:
     from omskills.records.task import load_record
 
     task_path = Path(ns.task)
-    record = _with_overrides(load_record(task_path), ns)
+    base = task_path.resolve().parent
+    record = _with_overrides(load_record(task_path), base, ns)
     out = Path(ns.out) if ns.out else Path("runs") / f"{record.id}-{record.intake.model.scale}" / "main_path"
-    report, _ = run_and_report(record, task_path.resolve().parent, out)
-    print(f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_frames} frames "
-          f"in {report.total_seconds:.1f} s ({report.seconds_per_frame:.2f} s/frame) | load {report.load_seconds:.1f} s "
+    report, _ = run_and_report(record, base, out)
+    unit = report.step_name
+    print(f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_steps} {unit}s "
+          f"in {report.total_seconds:.1f} s ({report.seconds_per_step:.2f} s/{unit}) | load {report.load_seconds:.1f} s "
           f"| peak RSS {report.peak_rss_mb / 1024:.2f} GB", file=sys.stderr)
     for line in report.verification:
         print(f"  verification: {line}", file=sys.stderr)
     for line in report.notes:
         print(f"  note: {line}", file=sys.stderr)
-    for f in report.frames:
-        print(f"  frame {f.frame}: ids {f.obj_ids} scores {[round(s, 3) for s in f.scores]} areas {f.mask_areas}", file=sys.stderr)
+    for step in report.steps:
+        shown = ", ".join(f"{o.name} {o.values if o.values is not None and len(str(o.values)) < 60 else o.shape}"
+                          for o in step.outputs)
+        print(f"  {unit} {step.index}: {shown}", file=sys.stderr)
     print(f"  {len(report.portability_findings)} portability sites touched; outputs in {out}", file=sys.stderr)
     print(str(out / "main_path.json"))
     return 0
@@ -107,7 +114,10 @@ def _adapt(ns: argparse.Namespace) -> int:
 
     from omskills.records.task import load_record, save_record
 
-    source = _with_overrides(load_record(ns.task), ns)
+    from omskills.models.registry import localised_intake
+
+    base = Path(ns.task).resolve().parent
+    source = _with_overrides(load_record(ns.task), base, ns)
     out = Path(ns.out) if ns.out else Path("runs") / f"{source.id}-{source.intake.model.scale}"
     out.mkdir(parents=True, exist_ok=True)
     task = out / "task.yaml"
@@ -116,7 +126,7 @@ def _adapt(ns: argparse.Namespace) -> int:
         record.intake = source.intake
     else:
         record = source
-    _resolve_relative_paths(record, Path(ns.task).resolve().parent)
+    record.intake = localised_intake(record.intake, base)  # paths stay valid from the run folder
     save_record(record, task)
     if ns.agent == "claude":
         from .agent import agent_settings, run_agent
@@ -135,17 +145,6 @@ def _adapt(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve_relative_paths(record, base: Path) -> None:
-    """Paths in the copied record stay valid from the run folder."""
-    inputs, model = record.intake.inputs, record.intake.model
-    if not inputs.video.startswith("builtin:") and not Path(inputs.video).is_absolute():
-        inputs.video = str((base / inputs.video).resolve())
-    if model.source != "package" and not Path(model.source).is_absolute():
-        model.source = str((base / model.source).resolve())
-    if model.checkpoint and not Path(model.checkpoint).is_absolute():
-        model.checkpoint = str((base / model.checkpoint).resolve())
-
-
 def _print_summary(task: Path) -> None:
     from omskills.records.task import load_record
 
@@ -153,19 +152,21 @@ def _print_summary(task: Path) -> None:
     if record.plan is None:
         return
     verification = record.verification
-    backends = {c.name: verification.backend_per_candidate.get(c.name, "-") if verification else "-"
-                for c in record.plan.candidates}
+    # One row per graph: a candidate dispatched on a non-tensor argument has one per value.
+    rows = [(cand, graph) for cand in record.plan.candidates
+            for graph in ([c.candidate for c in record.contracts_of(cand.name)] or [cand.name])]
+    backends = {graph: verification.backend_per_candidate.get(graph, verification.backend_per_candidate.get(cand.name, "-"))
+                if verification else "-" for cand, graph in rows}
     width = max([31, *map(len, backends.values())])  # a label may say "(batch in chunks of 1)"
-    print(f"\ncandidate              status       share   {'backend':{width}s} probe    cos        max abs", file=sys.stderr)
-    for cand in record.plan.candidates:
-        backend = backends[cand.name]
-        probe = record.toolchain.get(cand.name).probes.get("original") if cand.name in record.toolchain else None
-        print(f"{cand.name:22s} {cand.status:12s} {cand.share:6.1%}  {backend:{width}s} "
+    name_width = max([22, *(len(graph) for _, graph in rows)])
+    print(f"\n{'candidate':{name_width}s} status       share   {'backend':{width}s} probe    cos        max abs", file=sys.stderr)
+    for cand, graph in rows:
+        probe = record.toolchain_of(graph).probes.get("original")
+        print(f"{graph:{name_width}s} {cand.status:12s} {cand.share:6.1%}  {backends[graph]:{width}s} "
               f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
               f"{f'{probe.worst_max_abs:.1e}' if probe else '-'}", file=sys.stderr)
     if verification:
-        m = verification.main_path
-        print(f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.frames} frames | ids equal {m.obj_ids_equal} "
-              f"| min mask IoU {m.min_mask_iou:.4f} | fallbacks {m.fallbacks} | torch {m.torch_s_per_frame:.2f} s/frame, "
-              f"spliced {m.spliced_s_per_frame:.2f} s/frame (ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}",
-              file=sys.stderr)
+        m, unit = verification.main_path, verification.step_name
+        print(f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "
+              f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, spliced {m.spliced_s_per_step:.2f} s/{unit} "
+              f"(ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}", file=sys.stderr)

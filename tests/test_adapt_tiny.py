@@ -13,8 +13,11 @@ from omskills.records.task import load_record
 def test_adapt_verifies_spliced_main_path(tiny_adaptation):
     report = json.loads((tiny_adaptation / "verify" / "report.json").read_text())
     main = report["main_path"]
-    assert report["weights"] == "random" and report["scale"] == "tiny"
-    assert main["obj_ids_equal"] and main["min_mask_iou"] >= 0.99 and main["fallbacks"] == 0
+    assert report["weights"] == "random" and report["scale"] == "tiny" and report["verdict"] == "pass"
+    checks = {c["output"]: c for c in main["checks"]}
+    assert checks["obj_ids"]["passed"] and checks["obj_ids"]["worst"] == 0.0
+    assert checks["masks"]["metric"] == "iou" and checks["masks"]["worst"] >= 0.99
+    assert main["steps_equal"] and main["steps"] == 2 and main["fallbacks"] == 0
     spliced = report["candidates"]
     assert len(spliced) >= 4
     assert all(c["backend"].startswith("onnxruntime:") and c["status"] == "integrated" for c in spliced)
@@ -37,19 +40,21 @@ def test_candidates_named_in_the_intake_deploy_list_are_selected_whatever_their_
 
     record = load_record(tiny_adaptation / "task.yaml")
     monkeypatch.setattr(omskills.stages.plan, "MIN_SHARE", 1.0)  # every candidate is now below the share line
-    plan = omskills.stages.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoder"])
+    seeds = record.study.seeds
+    plan = omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, deploy=["text_encoder"])
     assert plan.first_batch == ["text_encoder"]
     assert "named in intake.target.deploy" in plan.candidate("text_encoder").reason
     assert {c.status for c in plan.candidates if c.name != "text_encoder"} <= {"deferred", "excluded"}
-    with pytest.raises(TaskRecordError, match=r"intake.target.deploy: \['text_encoderr'\] are not sam3 candidates"):
-        omskills.stages.plan.plan_from_study("sam3", record.profile, record.contracts, deploy=["text_encoderr"])
+    with pytest.raises(TaskRecordError, match=r"intake.target.deploy: \['text_encoderr'\] are not candidates"):
+        omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, deploy=["text_encoderr"])
 
 
 def test_contract_provenance_matches_the_main_path(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
     kinds = lambda name: {s.provenance.kind for s in record.contracts[name].inputs if s.provenance}
-    assert kinds("text_encoder") == {"prompt"}
-    assert "image" in kinds("vision_backbone")
+    assert kinds("text_encoder") == {"input"}
+    assert "input" in kinds("vision_backbone")
+    assert "text prompt tokens" in record.contracts["text_encoder"].inputs[0].provenance.source
     assert kinds("mask_memory_encoder") <= {"module_output", "session", "unknown"} and "module_output" in kinds("mask_memory_encoder")
 
 
@@ -92,7 +97,7 @@ def test_delivery_document_states_verdict_backends_and_limits(tiny_adaptation):
     text = (tiny_adaptation / "DELIVERY.md").read_text()
     record = load_record(tiny_adaptation / "task.yaml")
     assert f"**Verdict: {record.verification.verdict}**" in text
-    assert "random" in text and "--framework=5" in text
+    assert "random" in text and "--framework=5" in text and "mask IoU per object" in text
     for name, backend in record.verification.backend_per_candidate.items():
         assert name in text and backend.split(" ")[0].lower() in text.lower()
     assert "no OM was built here" in text
@@ -140,8 +145,8 @@ def test_grounding_decoder_exports_on_the_models_compile_path(tiny_adaptation):
 
 def test_every_export_passes_the_probe_and_gets_an_operator_table(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
-    assert set(record.exports) == set(record.plan.first_batch)
-    for name in record.plan.first_batch:
+    assert set(record.exports) == set(record.graphs())
+    for name in record.graphs():
         chain = record.toolchain[name]
         assert chain.probes["original"].verdict == "pass", (name, chain.probes["original"])
         assert chain.optimize.preferred is not None and any(v.name == "onnxslim" and v.samples_probed for v in chain.optimize.variants)
@@ -165,20 +170,23 @@ def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptati
     deferred = [c.name for c in record.plan.candidates if c.status == "deferred"]
     (tmp_path / "samples").mkdir()
     for name in deferred:
-        for sample in record.contracts[name].samples:
-            shutil.copy(tiny_adaptation / sample, tmp_path / sample)
+        for contract in record.contracts_of(name):
+            for sample in contract.samples:
+                shutil.copy(tiny_adaptation / sample, tmp_path / sample)
 
     for name in deferred:
-        [decision] = analyze_boundaries(task, name).decisions
-        assert decision.exportable, decision.reasons
-        export = export_candidate(task, name)
-        assert (tmp_path / export.path).is_file() and export.opset <= 18
-        assert probe_candidate(task, name).verdict == "pass"
-        assert precheck_candidate(task, name).rows
-        atc = convert_candidate(task, name)
-        assert atc.status == "not_run" and "--framework=5" in atc.command, atc.command
+        for decision in analyze_boundaries(task, name).decisions:
+            assert decision.exportable, decision.reasons
+        for graph in record.graphs(name):
+            export = export_candidate(task, graph)
+            assert (tmp_path / export.path).is_file() and export.opset <= 18
+            assert probe_candidate(task, graph).verdict == "pass"
+            assert precheck_candidate(task, graph).rows
+            atc = convert_candidate(task, graph)
+            assert atc.status == "not_run" and "--framework=5" in atc.command, atc.command
     after = load_record(task)
     assert all(after.plan.candidate(name).status == "exported" for name in deferred)
     seeds = {"text_encoder", "vision_backbone", "grounding_encoder", "grounding_decoder", "segmentation_head",
-             "memory_attention", "mask_memory_encoder"}
-    assert seeds <= set(after.exports), sorted(seeds - set(after.exports))
+             "memory_attention", "mask_memory_encoder", "mask_decoder"}
+    exported = {after.contracts[graph].plan_candidate for graph in after.exports}
+    assert seeds <= exported, sorted(seeds - exported)

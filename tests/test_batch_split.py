@@ -163,7 +163,7 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
     assert "batch in chunks of 2" in record.decisions[-1].why
     spliced_backend = _open(record, tmp_path, "head", "onnxruntime")
     assert isinstance(spliced_backend, SplitBatchBackend) and spliced_backend.split == split
-    assert any(limit.startswith("head ran on ONNX Runtime with the batch in chunks of 2") for limit in known_limits(record))
+    assert any(limit.startswith("head ran on ONNX Runtime with the batch in chunks of 2") for limit in known_limits(record, []))
 
 
 def test_a_probe_that_dies_with_no_way_to_split_the_batch_is_an_error_naming_the_death(

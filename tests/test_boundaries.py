@@ -185,12 +185,26 @@ class Repeat(nn.Module):
         return x.repeat(times, 1)
 
 
-def test_a_non_tensor_argument_that_changes_per_call_is_not_exportable_and_is_named():
-    contract = _contract_for_calls([(torch.ones(1, 2), n) for n in (1, 2, 3)], block=Repeat())
+def test_a_non_tensor_argument_with_too_many_values_is_not_exportable_and_is_named():
+    contract = _contract_for_calls([(torch.ones(1, 2), n) for n in (1, 2, 3, 4, 5)], block=Repeat())
     decision = analyze_boundary(contract)
     assert not decision.exportable
-    assert any("non-tensor argument args[1] changes between calls (1, 2, 3)" in r for r in decision.reasons)
+    assert any("non-tensor argument args[1] changes between calls (1, 2, 3, 4, 5)" in r for r in decision.reasons)
     assert decision.shape_strategy is None
+
+
+def test_a_non_tensor_argument_with_a_few_values_gives_one_exportable_graph_per_value():
+    root = Root(Repeat())
+
+    def run():
+        with torch.no_grad():
+            for n in (1, 2, 1):
+                root.block(torch.ones(1, 2), n)
+
+    contracts = capture_contracts(root, {"block": "block"}, run)
+    assert [(c.candidate, c.dispatch.on, c.calls) for c in contracts] == [
+        ("block-times_1", {"args[1]": 1}, 2), ("block-times_2", {"args[1]": 2}, 1)]
+    assert all(analyze_boundary(c).exportable for c in contracts)
 
 
 def test_a_tensor_only_module_with_constant_arguments_is_exportable_with_the_constants_listed():
@@ -309,8 +323,8 @@ def _pipeline_contracts():
     def run():
         with torch.no_grad():
             for _ in range(2):
-                img = tracker.tag(torch.randn(1, 3, 4, 4), "image", "frames")
-                model(img, tracker.tag(torch.tensor([[3, 1]]), "prompt", "tokenizer"))
+                img = tracker.tag(torch.randn(1, 3, 4, 4), "input", "frames")
+                model(img, tracker.tag(torch.tensor([[3, 1]]), "input", "tokenizer"))
 
     return capture_contracts(model, {"stem": "stem", "body": "body", "fuse": "fuse"}, run, tracker)
 
@@ -321,11 +335,11 @@ def test_adjacent_candidates_that_exchange_tensors_only_with_each_other_are_sugg
     assert merges == {"stem": ["body"], "body": ["stem"]}
 
 
-def test_control_plane_lists_prompt_and_frame_handling_with_evidence():
+def test_control_plane_lists_the_handling_of_user_inputs_with_evidence():
     fuse = _pipeline_contracts()[2]
     plane = analyze_boundary(fuse).control_plane
-    assert any(p.startswith("prompt handling: input prompt is produced by tokenizer") for p in plane)
-    assert any(p.startswith("frame loading and preprocessing: input img comes from frames") for p in plane)
+    assert any(p.startswith("input handling: prompt is made from the user's input by tokenizer") for p in plane)
+    assert any(p.startswith("input handling: img is made from the user's input by frames") for p in plane)
 
 
 def test_contract_table_has_one_row_per_candidate_with_origins_consumers_and_verdict():
@@ -337,7 +351,7 @@ def test_contract_table_has_one_row_per_candidate_with_origins_consumers_and_ver
     assert lines[0].startswith("| candidate | module | calls |")
     assert len(lines) == 2 + len(contracts)
     stem_row = next(line for line in lines if line.startswith("| stem "))
-    assert "← image (frames)" in stem_row and "→ body" in stem_row and "| static |" in stem_row
+    assert "← input (frames)" in stem_row and "→ body" in stem_row and "| static |" in stem_row
     assert stem_row.endswith("| body |")
 
 

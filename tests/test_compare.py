@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from omskills.compare.parity import (
-    OutputParity,
-    ParityGates,
-    ParityReport,
-    compare_arrays,
-    compare_outputs,
-    overall_verdict,
-)
+from omskills.compare.parity import compare_arrays, compare_outputs
+from omskills.records.parity import OutputParity, ParityGates, ParityReport, overall_verdict
 from omskills.errors import OmskillsError
 
 

@@ -69,6 +69,7 @@ def test_nested_dict_list_dataclass_nestedtensor_round_trip_through_a_serialised
         "pair": Pair(torch.ones(2), 3.5),
         "flags": [True, None, "bilinear"],
     }
+    pytree.register_struct(NestedTensor)  # a driver names such containers (ModelDriver.pytree_types)
     flat = pytree.flatten(tree)
 
     spec = pytree.spec_from_str(pytree.spec_to_str(flat.spec))
@@ -200,9 +201,9 @@ class Driver:
     def run(self):
         torch.manual_seed(0)
         memory = self.tracker.tag(torch.zeros(2, 2), "session", "session.memory_bank")
-        with self.tracker.wrap_callable(self.model, "tokenizer", "prompt", "tokenizer"), torch.no_grad():
+        with self.tracker.wrap_callable(self.model, "tokenizer", "input", "tokenizer"), torch.no_grad():
             for num_objects, size in zip(self.objects_per_frame, self.sizes):
-                frame = self.tracker.tag(torch.randn(1, 3, size, size), "image", "video frames")
+                frame = self.tracker.tag(torch.randn(1, 3, size, size), "input", "video frames")
                 masks, _ = self.model(frame, "a small dog", num_objects, memory)
                 memory = self.tracker.tag(masks.detach()[:1, :2, :2].clone(), "session", "session.memory_bank")
                 self.frames_done += 1
@@ -234,39 +235,55 @@ def test_contract_records_structure_names_replacement_point_and_calls(tmp_path):
     assert vision.non_tensor_outputs[0].constant and vision.non_tensor_outputs[0].value == 0
     assert pytree.spec_from_str(vision.out_spec).num_leaves == 4
 
-    head = contracts["head"]
+    head = contracts["head-num_objects_1"]  # one graph per value of num_objects (1, 2, 3)
     assert [s.name for s in head.inputs] == ["feats_maps_0", "feats_maps_1", "feats_pos", "text", "queries", "memory"]
     assert all(ONNX_NAME.match(s.name) for s in head.inputs + head.outputs)
     assert len({s.name for s in head.inputs + head.outputs}) == len(head.inputs) + len(head.outputs)
 
 
-def test_dims_that_follow_the_number_of_objects_are_dynamic_with_observed_values(tmp_path):
-    _, contracts = _capture(tmp_path, objects_per_frame=(1, 3, 2))
-    masks = contracts["head"].outputs[0]
+def test_dims_that_vary_across_calls_are_dynamic_with_observed_values(tmp_path):
+    _, contracts = _capture(tmp_path, sizes=(8, 16, 12))
+    image = contracts["vision"].inputs[0]
 
-    assert masks.tree_path == "out[0]"
-    assert masks.dynamic_dims == {"0": [1, 2, 3]}
-    assert contracts["head"].inputs[0].dynamic_dims == {}  # frames all 8x8
-    assert [shape.outputs[0][0] for shape in contracts["head"].call_shapes] == [1, 3, 2]
+    assert image.dynamic_dims == {"2": [8, 12, 16], "3": [8, 12, 16]}
+    assert image.shape == [1, 3, 8, 8]  # the first call's
+    assert [shape.inputs[0][-1] for shape in contracts["vision"].call_shapes] == [8, 16, 12]
 
 
-def test_a_python_int_that_changes_per_call_is_recorded_as_varying_with_its_path(tmp_path):
-    _, contracts = _capture(tmp_path)
+def test_a_python_int_that_changes_per_call_gets_one_graph_per_value(tmp_path):
+    _, contracts = _capture(tmp_path, objects_per_frame=(1, 3, 1))
+    graphs = {name: c for name, c in contracts.items() if c.plan_candidate == "head"}
+
+    assert sorted(graphs) == ["head-num_objects_1", "head-num_objects_3"]
+    for value, graph in ((1, graphs["head-num_objects_1"]), (3, graphs["head-num_objects_3"])):
+        assert graph.dispatch.on == {"args[3]": value} and graph.dispatch.candidate == "head"
+        num_objects = next(a for a in graph.non_tensor_args if a.tree_path == "args[3]")
+        assert num_objects.constant and num_objects.value == value
+        assert graph.outputs[0].shape[0] == value  # the masks of that many objects
+        assert graph.samples and all(Path(tmp_path / s).name.startswith(graph.candidate) for s in graph.samples)
+    assert graphs["head-num_objects_1"].calls == 2 and graphs["head-num_objects_3"].calls == 1
+
+
+def test_an_argument_with_too_many_values_to_dispatch_stays_varying_with_its_path(tmp_path):
+    from omskills.contracts.capture import MAX_DISPATCH_VALUES
+
+    counts = tuple(range(1, MAX_DISPATCH_VALUES + 2))
+    _, contracts = _capture(tmp_path, objects_per_frame=counts, sizes=(8,) * len(counts))
     num_objects = next(a for a in contracts["head"].non_tensor_args if a.tree_path == "args[3]")
 
-    assert not num_objects.constant
-    assert num_objects.value_repr == "1, 2, 3"
+    assert contracts["head"].dispatch is None and not num_objects.constant
+    assert num_objects.value_repr == ", ".join(map(str, counts))
     count = next(a for a in contracts["head"].non_tensor_outputs if a.tree_path == "out[1]['count']")
     assert not count.constant
 
 
-def test_provenance_names_image_prompt_session_parameter_and_producing_candidate(tmp_path):
-    _, contracts = _capture(tmp_path)
+def test_provenance_names_inputs_session_parameter_and_producing_candidate(tmp_path):
+    _, contracts = _capture(tmp_path, objects_per_frame=(2, 2, 2))
 
     vision_in = contracts["vision"].inputs[0].provenance
-    assert (vision_in.kind, vision_in.source) == ("image", "video frames")
+    assert (vision_in.kind, vision_in.source) == ("input", "video frames")
     text_in = contracts["text"].inputs[0].provenance
-    assert (text_in.kind, text_in.source) == ("prompt", "tokenizer")
+    assert (text_in.kind, text_in.source) == ("input", "tokenizer")
 
     head = {s.name: s.provenance for s in contracts["head"].inputs}
     # The outer wrapper `backbone` returns the same tensors; the candidate is the useful answer.
@@ -294,7 +311,7 @@ def test_producer_without_candidate_preference_is_the_outermost_non_ancestor():
 
 
 def test_outputs_list_the_modules_that_consume_them(tmp_path):
-    _, contracts = _capture(tmp_path)
+    _, contracts = _capture(tmp_path, objects_per_frame=(2, 2, 2))
     vision_out = {s.name: s.consumers for s in contracts["vision"].outputs}
     assert vision_out["feats_maps_0"] == ["head"]
     assert contracts["text"].outputs[0].consumers == ["head"]
@@ -401,16 +418,16 @@ def test_wrap_callable_restores_the_original_attribute():
     model = Model()
     tracker = ProvenanceTracker()
     original = model.tokenizer
-    with tracker.wrap_callable(model, "tokenizer", "prompt", "tokenizer"):
+    with tracker.wrap_callable(model, "tokenizer", "input", "tokenizer"):
         tokens = model.tokenizer("two words")
-    assert tracker.origin(tokens).kind == "prompt"
-    assert tracker.origin(tokens[:, :1]).kind == "prompt"  # views share the origin
+    assert tracker.origin(tokens).kind == "input"
+    assert tracker.origin(tokens[:, :1]).kind == "input"  # views share the origin
     assert model.tokenizer is original
 
 
 def test_a_freed_storage_does_not_lend_its_origin_to_a_new_tensor():
     tracker = ProvenanceTracker()
-    tagged = tracker.tag(torch.randn(64), "image", "frames")
+    tagged = tracker.tag(torch.randn(64), "input", "frames")
     del tagged
     fresh = torch.randn(64)  # may reuse the same address
     assert tracker.origin(fresh).kind == "unknown"
@@ -483,11 +500,11 @@ def test_a_tensor_computed_in_python_from_a_module_output_is_traced_to_that_modu
     tracker = ProvenanceTracker(trace_ops=trace_ops)
 
     def run():
-        model(tracker.tag(torch.randn(1, 4, 3, 3), "image", "frames"))
+        model(tracker.tag(torch.randn(1, 4, 3, 3), "input", "frames"))
 
     (memory,) = capture_contracts(model, {"memory": "memory"}, run, tracker)
     feats, mask = memory.inputs
-    assert (feats.provenance.kind, feats.provenance.source, feats.provenance.derived) == ("image", "frames", False)
+    assert (feats.provenance.kind, feats.provenance.source, feats.provenance.derived) == ("input", "frames", False)
     if trace_ops:
         origin = mask.provenance
         assert (origin.kind, origin.source, origin.derived) == ("module_output", "decoder", True)

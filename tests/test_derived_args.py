@@ -1,7 +1,8 @@
 """A non-tensor argument the source computes from input shapes (SAM 3.1's `num_obj_ptr_tokens`).
 
-It varies call to call, which would freeze a graph to one value; declared as a shape
-difference, the candidate stays exportable: the graph computes it, the splice checks it.
+It varies call to call, which would freeze a graph to one value; declared as a formula over the
+input shapes, the candidate stays one graph: the graph computes it, the splice checks it. Left
+undeclared, each observed value gets a graph of its own.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Tracker(nn.Module):
 
 
 DERIVED = {"attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
-    minuend=DimRef(input="memory", dim=0), subtrahend=DimRef(input="memory_image", dim=0), evidence="test")}}
+    expression="memory.shape[0] - memory_image.shape[0]", evidence="test")}}
 
 
 def _capture(tracker: Tracker, steps, tmp_path, derived=DERIVED):
@@ -83,9 +84,21 @@ def test_an_argument_that_varies_but_follows_the_shapes_keeps_the_candidate_expo
     assert any("memory.shape[0] - memory_image.shape[0]" in reason for reason in decision.reasons)
 
 
-def test_without_the_declaration_or_when_a_call_disagrees_the_argument_blocks_export(tmp_path):
-    undeclared = _capture(Tracker(), [(1, 1), (2, 2)], tmp_path / "a", derived={})
-    assert not analyze_boundary(undeclared).exportable
+def _capture_all(tracker: Tracker, steps, tmp_path, derived=DERIVED):
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for frames, pointers in steps:
+                tracker.step(frames, pointers)
+
+    return capture_contracts(tracker, {"attention": "attention"}, run, samples_dir=tmp_path, relative_to=tmp_path,
+                             derived_args=derived)
+
+
+def test_without_the_declaration_or_when_a_call_disagrees_each_value_gets_its_own_graph(tmp_path):
+    undeclared = _capture_all(Tracker(), [(1, 1), (2, 2)], tmp_path / "a", derived={})
+    assert [c.dispatch.on for c in undeclared] == [{"kwargs['num_obj_ptr_tokens']": 2}, {"kwargs['num_obj_ptr_tokens']": 4}]
+    assert all(analyze_boundary(c).exportable and c.non_tensor_args[0].derived is None for c in undeclared)
 
     class CountsOnlyOnFirstCall(Tracker):
         calls = 0
@@ -98,9 +111,9 @@ def test_without_the_declaration_or_when_a_call_disagrees_the_argument_blocks_ex
             memory = torch.randn(HW * frames + PER_POINTER * pointers, 1, 3)
             return self.attention(torch.randn(HW, 1, 3), memory_image, memory, num_obj_ptr_tokens=0)
 
-    disagreeing = _capture(CountsOnlyOnFirstCall(), [(1, 1), (2, 2)], tmp_path / "b")
-    assert disagreeing.non_tensor_args[0].derived is None
-    assert not analyze_boundary(disagreeing).exportable
+    disagreeing = _capture_all(CountsOnlyOnFirstCall(), [(1, 1), (2, 2)], tmp_path / "b")
+    assert [c.dispatch.on["kwargs['num_obj_ptr_tokens']"] for c in disagreeing] == [2, 0]
+    assert disagreeing[1].non_tensor_args[0].derived is None  # 0 is not what the formula gives
 
     wrong_name = {"attention": {"kwargs['other']": DERIVED["attention"]["kwargs['num_obj_ptr_tokens']"]}}
     with pytest.raises(OmskillsError, match=r"derived argument\(s\) \[\"kwargs\['other'\]\"\] are not"):

@@ -126,8 +126,7 @@ def test_cann_installed_but_not_sourced_says_what_to_source(tmp_path, monkeypatc
 
 
 def test_missing_model_source_closes_the_model_stages(tmp_path):
-    intake = load_record(write_record(tmp_path, source=str(tmp_path / "no-such-checkout"))).intake
-    report = probe_environment(intake, base_dir=tmp_path)
+    report = TOOL(task=str(write_record(tmp_path, source=str(tmp_path / "no-such-checkout"))))
     for stage in ("inventory", "profile", "contracts"):
         assert not report.can_run(stage)
         assert "no-such-checkout" in report.stage(stage).reason

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from export_helpers import BATCH_DIMS, capture_head_contract, head_inputs, make_host
-from omskills.convert import export as export_module
 from omskills.contracts import capture_contracts
 from omskills.contracts.pytree import flatten
 from omskills.errors import InputError
@@ -144,7 +143,9 @@ def test_a_conversion_onnx_cannot_do_fails_with_the_reason(tmp_path):
 
 
 def test_a_model_too_big_for_protobuf_gets_one_external_data_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD_BYTES", 0)  # every model counts as big
+    from omskills.convert import onnx_io
+
+    monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_THRESHOLD_BYTES", 0)  # every model counts as big
     mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))  # 16 KiB weights: external
     host = nn.Sequential(mlp).eval()
     x = torch.randn(2, 64)

@@ -14,7 +14,7 @@ import pytest
 
 from omskills.errors import InputError, OmskillsError, TaskRecordError
 from omskills.report.inventory import render_inventory_report
-from omskills.source.inventory import locate_source_root, scan_source
+from omskills.source.inventory import package_root, scan_source
 from omskills.records.inventory import Inventory, PortabilityFinding
 from omskills.records.task import TaskRecord, load_record, save_record
 from omskills.host.toolkit import load_tool, repo_root, skills_root
@@ -158,7 +158,7 @@ def test_a_record_without_intake_is_an_error(tmp_path):
 
 def test_a_folder_without_the_package_is_an_error(tmp_path):
     with pytest.raises(InputError, match="does not contain the 'sam3' package"):
-        locate_source_root(str(tmp_path), "sam3")
+        package_root(str(tmp_path), "sam3")
 
 
 # --- a checkout, and merging with what the portability layer saw at run time --------------
@@ -219,7 +219,7 @@ def test_a_checkout_path_relative_to_the_record_is_scanned(checkout):
     path = write_record(checkout.parent, source="checkout")
     inventory = TOOL(task=str(path))
     assert inventory.source_root == str(checkout.resolve())
-    assert locate_source_root(str(checkout / "sam3"), "sam3") == checkout.resolve()
+    assert package_root(str(checkout / "sam3"), "sam3") == checkout.resolve()
     routes = {(r.request_type, r.method) for r in inventory.predictor("ToyPredictor").routes}
     assert routes == {("start_session", "start_session"), ("close_session", "close_session"),
                       ("propagate_in_video", "propagate_in_video")}
@@ -236,7 +236,8 @@ def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkou
 
     from omskills.source.portability import DevicePortability
 
-    inventory = scan_source(checkout, "sam3", "build_sam3_video_model")
+    inventory = scan_source(checkout, "sam3", "build_sam3_video_model", family="sam3",
+                            entry_methods=("handle_request", "handle_stream_request"))
     spec = importlib.util.spec_from_file_location("toy_sites", checkout / "sam3/model/sites.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -23,12 +23,19 @@ def two_runs(tmp_path_factory) -> list[Path]:
     return outs
 
 
+def _outputs(step: dict) -> dict:
+    return {o["name"]: o for o in step["outputs"]}
+
+
 def test_main_path_tracks_forced_objects_and_reports_random_weights(two_runs):
     report = json.loads((two_runs[0] / "main_path.json").read_text())
-    assert report["weights"] == "random" and report["scale"] == "tiny"
-    assert all(frame["obj_ids"] for frame in report["frames"]), "an object is tracked through every frame"
+    assert report["weights"] == "random" and report["scale"] == "tiny" and report["step_name"] == "frame"
+    assert report["num_steps"] == 2 and [s["index"] for s in report["steps"]] == [0, 1]
+    assert all(_outputs(step)["obj_ids"]["values"] for step in report["steps"]), "an object is tracked through every frame"
+    masks = _outputs(report["steps"][0])["masks"]
+    assert masks["dtype"] == "bool" and masks["shape"][1:] == [480, 640] and masks["true_count"] > 0
     assert any("force_top_k_detections=2" in line for line in report["verification"])
-    assert (two_runs[0] / report["overlays"][0]).is_file()
+    assert (two_runs[0] / report["pictures"][0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_portability_findings_name_file_and_line(two_runs):
@@ -40,9 +47,9 @@ def test_portability_findings_name_file_and_line(two_runs):
 
 def test_same_seed_gives_identical_outputs(two_runs):
     a, b = (json.loads((out / "main_path.json").read_text()) for out in two_runs)
-    strip = lambda r: [(f["obj_ids"], f["scores"], f["boxes_xywh"], f["mask_areas"]) for f in r["frames"]]
-    assert strip(a) == strip(b)
-    ma, mb = (np.load(out / "masks.npz") for out in two_runs)
+    assert [s["outputs"] for s in a["steps"]] == [s["outputs"] for s in b["steps"]]
+    ma, mb = (np.load(out / "outputs.npz") for out in two_runs)
+    assert sorted(ma.files) == sorted(mb.files) and "1/masks" in ma.files
     assert all(np.array_equal(ma[k], mb[k]) for k in ma.files)
 
 

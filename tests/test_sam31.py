@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from omskills.errors import InputError
-from omskills.models import get_driver
+from omskills.models.registry import family_driver
 from omskills.models.sam31 import (
     SOURCE_ENV,
     MultiplexForcedDetections,
@@ -55,8 +55,8 @@ def omskills_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess
 
 # -- where the checkout comes from ---------------------------------------------------------
 
-def test_family_sam31_gets_the_multiplex_driver():
-    assert isinstance(get_driver("sam3.1"), Sam31Driver)
+def test_family_sam31_gets_the_multiplex_driver_through_its_entry_point():
+    assert isinstance(family_driver("sam3.1"), Sam31Driver)
 
 
 @pytest.mark.parametrize("source", ["package", "", "/nonexistent/sam3-checkout"])

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from omskills.errors import OmskillsError
+from omskills.stdio import stdout_to_stderr_for_good
 
 # Models this big are probed and optimised in a child process.
 ISOLATE_MIN_BYTES = 512 * 2**20
@@ -35,14 +34,9 @@ class ChildDied(OmskillsError):
 def run_in_child(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` in a spawned process (fn and args must pickle); its stdout goes to stderr."""
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_stdout_to_stderr_for_good) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=stdout_to_stderr_for_good) as pool:
         try:
             return pool.submit(fn, *args).result()
         except concurrent.futures.process.BrokenProcessPool as err:
             raise ChildDied(f"{err}; out of memory?") from err
 
-
-def _stdout_to_stderr_for_good() -> None:
-    # A child inherits the parent's stdout, which may be the MCP stdio stream.
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr

@@ -94,11 +94,9 @@ def _control_plane(contract: ContractSpec) -> list[str]:
     for spec in contract.inputs:
         source = spec.provenance.source if spec.provenance else None
         kind = spec.provenance.kind if spec.provenance else "unknown"
-        if kind == "prompt":
-            plane.append(f"prompt handling: input {spec.name} is produced by {source} (tokenizer / prompt "
-                         "management stays in Python)")
-        elif kind == "image":
-            plane.append(f"frame loading and preprocessing: input {spec.name} comes from {source}")
+        if kind == "input":
+            plane.append(f"input handling: {spec.name} is made from the user's input by {source} (loading, "
+                         "preprocessing and tokenising stay in Python)")
         elif kind == "session":
             plane.append(f"session state: input {spec.name} is kept across calls by {source}; the session "
                          "feeds it to every call")

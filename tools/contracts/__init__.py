@@ -2,7 +2,7 @@
 
 - `pytree`: flatten/unflatten calls and outputs (dataclasses, NestedTensor registered on demand),
   serialisable tree specs, readable leaf paths and ONNX-valid names;
-- `provenance`: `ProvenanceTracker`, where each tensor came from (prompt, image, session,
+- `provenance`: `ProvenanceTracker`, where each tensor came from (user input, session,
   parameter, another module) and which modules consume it;
 - `capture`: `capture_contracts`, hooks on the candidates during one run -> `ContractSpec`s;
 - `samples`: npz samples of real calls that reload bit-exactly.

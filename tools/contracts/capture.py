@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from omskills.errors import OmskillsError
-from omskills.records.contracts import CallShape, ContractSpec, NonTensorArg, Provenance, ShapeDerivedArg, TensorSpec
+from omskills.records.contracts import CallShape, ContractSpec, Dispatch, NonTensorArg, Provenance, ShapeDerivedArg, TensorSpec
 
 from omskills.contracts import pytree
 from omskills.contracts.provenance import ProvenanceTracker, StorageHistory, is_ancestor
@@ -28,6 +28,10 @@ from omskills.contracts.samples import dtype_name, save_sample
 
 # How many distinct values of a varying non-tensor argument are quoted in the record.
 _QUOTED_VALUES = 5
+# A candidate whose calls differ in scalar non-tensor arguments gets one graph per combination of
+# their values, up to this many; with more, the argument is too varied to dispatch on.
+MAX_DISPATCH_VALUES = 4
+_SCALARS = (bool, int, float, str, type(None))
 
 
 # --------------------------------------------------------------------------- per-call observation
@@ -74,9 +78,15 @@ class _Call:
     out_seq: int = 0
     sample_outputs: list[torch.Tensor] | None = None
 
+    dispatch_key: str = ""  # the scalar non-tensor values of the call (those not derived from shapes)
+
     @property
     def in_key(self) -> str:
         return _structure_key(self.in_spec, self.in_leaves)
+
+    @property
+    def sample_key(self) -> str:
+        return self.in_key + "|" + self.dispatch_key
 
     @property
     def structure(self) -> str:
@@ -93,7 +103,8 @@ class _Call:
 
 
 class _SampleSelector:
-    """Keeps at most `limit` sampled calls per input structure, preferring distinct input shapes.
+    """Keeps at most `limit` sampled calls per input structure and dispatch values, preferring
+    distinct input shapes; dispatch values beyond MAX_DISPATCH_VALUES per structure get none.
 
     Decided at pre-hook time (before the inputs are cloned): a call is taken while there is room,
     or when its shapes are new and a kept call has shapes seen twice (that one is evicted).
@@ -102,6 +113,14 @@ class _SampleSelector:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.kept: dict[str, list[_Call]] = {}
+        self._dispatch_keys: dict[str, set[str]] = {}
+
+    def _room_for_key(self, call: _Call) -> bool:
+        keys = self._dispatch_keys.setdefault(call.in_key, set())
+        if call.dispatch_key in keys or len(keys) < MAX_DISPATCH_VALUES:
+            keys.add(call.dispatch_key)
+            return True
+        return False
 
     def _evictable(self, kept: list[_Call]) -> _Call | None:
         counts = Counter(c.input_signature() for c in kept)
@@ -109,14 +128,16 @@ class _SampleSelector:
         return duplicates[-1] if duplicates else None
 
     def wants(self, call: _Call) -> bool:
-        kept = self.kept.get(call.in_key, [])
+        if not self._room_for_key(call):
+            return False
+        kept = self.kept.get(call.sample_key, [])
         if len(kept) < self.limit:
             return True
         is_new_shape = call.input_signature() not in {c.input_signature() for c in kept}
         return is_new_shape and self._evictable(kept) is not None
 
     def add(self, call: _Call) -> None:
-        kept = self.kept.setdefault(call.in_key, [])
+        kept = self.kept.setdefault(call.sample_key, [])
         if len(kept) >= self.limit:
             victim = self._evictable(kept)
             if victim is None:
@@ -124,20 +145,23 @@ class _SampleSelector:
             kept.remove(victim)
         kept.append(call)
 
-    def for_structure(self, structure: str) -> list[_Call]:
-        calls = [c for kept in self.kept.values() for c in kept if c.structure == structure]
-        return sorted(calls, key=lambda c: c.index)
+    def among(self, calls: list[_Call]) -> list[_Call]:
+        """The sampled calls among `calls`, in call order."""
+        wanted = {id(c) for c in calls}
+        return sorted((c for kept in self.kept.values() for c in kept if id(c) in wanted), key=lambda c: c.index)
 
 
 # --------------------------------------------------------------------------- one candidate
 
 
 class _CandidateRecorder:
-    def __init__(self, name: str, path: str, module: nn.Module, tracker: ProvenanceTracker, max_samples: int):
+    def __init__(self, name: str, path: str, module: nn.Module, tracker: ProvenanceTracker, max_samples: int,
+                 derived_paths: set[str]):
         self.name = name
         self.path = path
         self.module = module
         self.tracker = tracker
+        self.derived_paths = derived_paths
         self.parameter_names = pytree.positional_parameter_names(module.forward)
         self.calls: list[_Call] = []
         self.selector = _SampleSelector(max_samples)
@@ -160,6 +184,8 @@ class _CandidateRecorder:
             in_leaves=_describe(flat.leaves),
             provenance=[self.tracker.origin(t, consumer=self.path) for t in flat.tensors()],
         )
+        call.dispatch_key = repr([(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)
+                                  if isinstance(leaf, _SCALARS) and path not in self.derived_paths])
         if self.selector.wants(call):
             call.sample_inputs = [t.detach().clone() for t in flat.tensors()]
         self._in_flight.append(call)
@@ -244,9 +270,14 @@ def _non_tensor_leaves(calls: list[_Call], outputs: bool) -> list[NonTensorArg]:
             if not any(_same(value, seen) for seen in distinct):
                 distinct.append(value)
         constant = len(distinct) == 1
-        shown = repr(distinct[0]) if constant else ", ".join(repr(v) for v in distinct[:_QUOTED_VALUES])
-        if len(distinct) > _QUOTED_VALUES:
-            shown += f", ... ({len(distinct)} distinct)"
+        kinds = {type(v) for v in distinct}
+        if not constant and len(kinds) == 1 and not isinstance(distinct[0], _SCALARS):
+            # Objects (an image list, a session): their reprs are addresses, which say nothing.
+            shown = f"a {kinds.pop().__name__} object, {len(distinct)} distinct in {len(values)} calls"
+        else:
+            shown = repr(distinct[0]) if constant else ", ".join(repr(v) for v in distinct[:_QUOTED_VALUES])
+            if len(distinct) > _QUOTED_VALUES:
+                shown += f", ... ({len(distinct)} distinct)"
         result.append(NonTensorArg(tree_path=path, value_repr=shown, constant=constant,
                                    value=_json_scalar(info.value), flat_index=index))
     return result
@@ -292,13 +323,13 @@ def _output_specs(recorder: _CandidateRecorder, calls: list[_Call], taken: set[s
     return specs
 
 
-def _save_samples(recorder: _CandidateRecorder, structure: str, inputs: list[TensorSpec],
+def _save_samples(recorder: _CandidateRecorder, name: str, calls: list[_Call], inputs: list[TensorSpec],
                   outputs: list[TensorSpec], samples_dir: Path, relative_to: Path | None) -> list[str]:
     paths = []
-    for n, call in enumerate(recorder.selector.for_structure(structure)):
+    for n, call in enumerate(recorder.selector.among(calls)):
         assert call.sample_inputs is not None and call.sample_outputs is not None
         path = save_sample(
-            samples_dir / f"{recorder.name}_{n}.npz", recorder.name, call.index,
+            samples_dir / f"{name}_{n}.npz", name, call.index,
             inputs={spec.name: t for spec, t in zip(inputs, call.sample_inputs)},
             outputs={spec.name: t for spec, t in zip(outputs, call.sample_outputs)},
         )
@@ -329,35 +360,73 @@ def _bind_derived(contract: ContractSpec, calls: list[_Call], derivations: dict[
             arg.derived = derivation
 
 
-def _contract(recorder: _CandidateRecorder, frames: int | None, samples_dir: Path,
-              relative_to: Path | None, derivations: dict[str, ShapeDerivedArg]) -> ContractSpec:
-    structures = Counter(c.structure for c in recorder.calls)
-    main = structures.most_common(1)[0][0]  # ties: Counter keeps first-seen order
-    calls = [c for c in recorder.calls if c.structure == main]
+def _contract(recorder: _CandidateRecorder, name: str, calls: list[_Call], structures: int, frames: int | None,
+              samples_dir: Path, relative_to: Path | None, derivations: dict[str, ShapeDerivedArg],
+              dispatch: Dispatch | None = None, save: bool = True, total_calls: int | None = None) -> ContractSpec:
     inputs = _input_specs(recorder, calls)
     outputs = _output_specs(recorder, calls, {spec.name for spec in inputs})
     parent, attribute = _replacement_point(recorder.path)
     contract = ContractSpec(
-        candidate=recorder.name,
+        candidate=name,
         module_path=recorder.path,
         module_class=f"{type(recorder.module).__module__}.{type(recorder.module).__qualname__}",
         parent_path=parent,
         attribute=attribute,
         method="forward",
-        calls=len(recorder.calls),
-        calls_per_frame=len(recorder.calls) / frames if frames else None,
+        calls=total_calls or len(calls),
+        calls_per_frame=(total_calls or len(calls)) / frames if frames else None,
         in_spec=calls[0].in_spec,
         out_spec=calls[0].out_spec,
         inputs=inputs,
         outputs=outputs,
         non_tensor_args=_non_tensor_leaves(calls, outputs=False),
         non_tensor_outputs=_non_tensor_leaves(calls, outputs=True),
-        structure_variants=len(structures),
+        structure_variants=structures,
         call_shapes=list({json.dumps(s.model_dump()): s for s in (c.shapes() for c in calls)}.values()),
-        samples=_save_samples(recorder, main, inputs, outputs, samples_dir, relative_to),
+        samples=_save_samples(recorder, name, calls, inputs, outputs, samples_dir, relative_to) if save else [],
+        dispatch=dispatch,
     )
     _bind_derived(contract, calls, derivations)
     return contract
+
+
+def _dispatch_groups(contract: ContractSpec, calls: list[_Call]) -> list[tuple[dict[str, Any], list[_Call]]] | None:
+    """Calls grouped by the values of the scalar non-tensor arguments that vary (and are not derived
+    from shapes), or None when there are none or too many combinations to give each a graph."""
+    varying = [arg for arg in contract.non_tensor_args if not arg.constant and arg.derived is None]
+    if not varying:
+        return None
+    groups: dict[str, tuple[dict[str, Any], list[_Call]]] = {}
+    for call in calls:
+        values = {arg.tree_path: call.in_leaves[arg.flat_index].value for arg in varying}  # type: ignore[index]
+        if not all(isinstance(v, _SCALARS) for v in values.values()):
+            return None
+        groups.setdefault(repr(sorted(values.items())), (values, []))[1].append(call)
+    return list(groups.values()) if len(groups) <= MAX_DISPATCH_VALUES else None
+
+
+def _graph_name(candidate: str, values: dict[str, Any], parameter_names: list[str]) -> str:
+    """"mask_decoder-multimask_output_True": the candidate and the values its graph serves."""
+    names = pytree.input_names(list(values), parameter_names)
+    return "-".join([candidate] + [f"{n}_{v}" for n, v in zip(names, values.values())])
+
+
+def _contracts(recorder: _CandidateRecorder, frames: int | None, samples_dir: Path,
+               relative_to: Path | None, derivations: dict[str, ShapeDerivedArg]) -> list[ContractSpec]:
+    """The candidate's contract on its main call structure; one per value of a dispatch argument."""
+    structures = Counter(c.structure for c in recorder.calls)
+    main = structures.most_common(1)[0][0]  # ties: Counter keeps first-seen order
+    calls = [c for c in recorder.calls if c.structure == main]
+    whole = _contract(recorder, recorder.name, calls, len(structures), frames, samples_dir, relative_to, derivations,
+                      save=False, total_calls=len(recorder.calls))
+    groups = _dispatch_groups(whole, calls)
+    if groups is None:
+        whole.samples = _save_samples(recorder, whole.candidate, calls, whole.inputs, whole.outputs, samples_dir, relative_to)
+        return [whole]
+    return [_contract(recorder, _graph_name(recorder.name, values, recorder.parameter_names), group, len(structures),
+                      frames, samples_dir, relative_to, derivations,
+                      dispatch=Dispatch(candidate=recorder.name, on=values))
+            for values, group in groups]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -392,12 +461,16 @@ def capture_contracts(
     `frame_counter()` returns the number of frames processed so far, for calls_per_frame.
     `derived_args` (candidate -> {argument tree path: derivation}) names non-tensor arguments the
     source computes from input shapes; each is bound where every observed call agrees with it.
+    A candidate whose calls differ in other scalar non-tensor arguments gets one contract per
+    combination of their values (`ContractSpec.dispatch`), each with samples of its own.
     """
     if max_samples < 0:
         raise OmskillsError(f"max_samples must be >= 0, got {max_samples}")
     tracker = tracker or ProvenanceTracker()
+    derived_args = derived_args or {}
     recorders = [
-        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples if samples_dir else 0)
+        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples if samples_dir else 0,
+                           set(derived_args.get(name, {})))
         for name, path in candidates.items()
     ]
     tracker.preferred = set(candidates.values())
@@ -417,5 +490,5 @@ def capture_contracts(
         verb = "was" if len(never_called) == 1 else "were"
         raise OmskillsError(f"candidate {named} {verb} never called on the main path")
     frames = frame_counter() if frame_counter else None
-    derived_args = derived_args or {}
-    return [_contract(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {})) for r in recorders]
+    return [contract for r in recorders
+            for contract in _contracts(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {}))]

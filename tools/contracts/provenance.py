@@ -1,18 +1,18 @@
-"""Where each tensor of a run came from: prompt, image, session state, a parameter, or a module.
+"""Where each tensor of a run came from: user input, session state, a parameter, or a module.
 
 The tracker keys tensors by their storage's data_ptr, so a view (`x[0]`, `x.permute(...)`) is
 traced to the same origin as its base. A weak reference to the storage guards against a freed
 buffer's address being reused by an unrelated tensor: the entry dies with the storage.
 
 Events on one storage are kept in time order:
-  * the driver tags what it creates (`tag`, `wrap_callable`): frames -> "image", tokenizer output
-    -> "prompt", tensors kept across frames -> "session";
+  * the driver tags what it creates (`tag`, `wrap_callable`): frames, images and tokenizer output
+    -> "input", tensors kept across frames -> "session";
   * `attached(root)` tags the root's parameters and buffers ("parameter") and adds a forward hook to
     every module, so each tensor a module returns gets a "module_output" event naming the module;
     pre-hooks on every module record which modules receive each tensor (its consumers).
 A tensor passed through several nested modules gets one event per level, innermost first.
 With `trace_ops` (default), a TorchFunctionMode also gives each fresh tensor computed by a torch op
-the origin of its inputs, marked derived: a mask thresholded in Python between two modules is
+the origin of its inputs, marked derived: a value thresholded in Python between two modules is
 still traced to the module that produced the logits.
 """
 
@@ -134,7 +134,7 @@ class ProvenanceTracker:
 
     @contextmanager
     def wrap_callable(self, owner: Any, attr: str, kind: ProvenanceKind, source: str) -> Iterator[None]:
-        """While active, the tensor outputs of `owner.attr(...)` are tagged (e.g. a tokenizer -> prompt)."""
+        """While active, the tensor outputs of `owner.attr(...)` are tagged (e.g. a tokenizer -> input)."""
         original = getattr(owner, attr)
         if isinstance(original, nn.Module):
             handle = original.register_forward_hook(lambda _m, _a, out: self.tag(out, kind, source))

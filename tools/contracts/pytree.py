@@ -1,9 +1,10 @@
 """Flatten a module call's (args, kwargs) and its output into tensor leaves and a tree spec.
 
 Built on torch.utils._pytree, so the spec we store is the one torch.export and the export wrapper
-understand. Structures torch does not know (dataclasses, SAM 3.1's NestedTensor) are registered
-on demand the first time they are met, under a serialised name "module:qualname" that
-`spec_from_str` can import again in another process. Non-tensor leaves (ints, floats, bools,
+understand. Dataclasses torch does not know are registered on demand the first time they are
+met, and so are classes a model registered itself without keys; a driver names other container
+classes (`ModelDriver.pytree_types`, e.g. a DETR-style NestedTensor). Each gets a serialised name
+"module:qualname" that `spec_from_str` can import again in another process. Non-tensor leaves (ints, floats, bools,
 strings, None, other objects) stay in the flat list as constants.
 
 Leaf paths are readable strings: `args[0]['x'].tensors`, `kwargs['mask']`, `out[1]`.
@@ -16,7 +17,6 @@ import importlib
 import inspect
 import json
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,23 +60,11 @@ def is_registered(cls: type) -> bool:
     return node.flatten_with_keys_fn is not None
 
 
-def _is_nested_tensor_like(obj: Any) -> bool:
-    # DETR-style NestedTensor (SAM 3.1 `sam3.model.data_misc.NestedTensor`): a plain class holding
-    # `tensors` and `mask`. torch's own nested tensors are Tensor subclasses and stay leaves.
-    return (
-        type(obj).__name__ == "NestedTensor"
-        and not isinstance(obj, torch.Tensor)
-        and hasattr(obj, "tensors")
-        and hasattr(obj, "mask")
-    )
-
-
 def _needs_registration(obj: Any) -> bool:
     cls = type(obj)
     if is_registered(cls) or isinstance(obj, (torch.Tensor, tuple, list, dict)):
         return False
-    is_dataclass_instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-    return is_dataclass_instance or _is_nested_tensor_like(obj)
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def _attribute_names(obj: Any) -> tuple[str, ...]:
@@ -90,7 +78,7 @@ def _attribute_names(obj: Any) -> tuple[str, ...]:
 
 
 def register_struct(cls: type) -> None:
-    """Register a dataclass or attribute class (e.g. NestedTensor) as a pytree node.
+    """Register a dataclass or attribute class as a pytree node.
 
     Children are its attributes (per instance, so optional extra attributes survive); it is rebuilt
     without calling __init__/__post_init__, so the object comes back exactly as it was.
@@ -98,8 +86,8 @@ def register_struct(cls: type) -> None:
     if is_registered(cls):
         return
     if cls in pt.SUPPORTED_NODES:
-        # The model registered it itself without keys or a serialised name (SAM 3.1 does for
-        # NestedTensor): replace that registration with one that has both; same children.
+        # The model registered it itself without keys or a serialised name: replace that
+        # registration with one that has both; same children.
         pt._deregister_pytree_node(cls)
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...]]:
@@ -127,17 +115,9 @@ def register_struct(cls: type) -> None:
     )
 
 
-def _register_sam3_nested_tensor() -> None:
-    # SAM 3.1 defines NestedTensor in sam3.model.data_misc; sam3 0.1.4 (SAM 3) does not. Importing sam3
-    # is slow, so only a module already loaded is looked at; on-demand detection covers the rest.
-    data_misc = sys.modules.get("sam3.model.data_misc")
-    nested_tensor = getattr(data_misc, "NestedTensor", None)
-    if isinstance(nested_tensor, type):
-        register_struct(nested_tensor)
-
-
 def ensure_registered(tree: Any) -> None:
-    """Register every dataclass / NestedTensor found in `tree` (repeats until nested ones are found too)."""
+    """Register every dataclass, and every class registered without keys, found in `tree`
+    (repeats until nested ones are found too)."""
     while True:
         found = {type(leaf) for leaf in pt.tree_leaves(tree) if _needs_registration(leaf)}
         found |= {t for t in _node_types(pt.tree_structure(tree)) if t is not None and not is_registered(t)}
@@ -325,6 +305,3 @@ def output_names(paths: list[str], taken: set[str]) -> list[str]:
             name = f"out_{name}"
         names.append(name)
     return _unique(names, set(taken))
-
-
-_register_sam3_nested_tensor()

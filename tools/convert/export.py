@@ -33,6 +33,7 @@ from torch import nn
 
 from omskills.contracts.pytree import OUTPUT_ROOT, flatten, leaf_paths, spec_from_str, unflatten_call
 from omskills.errors import InputError, OmskillsError
+from omskills.convert.onnx_io import data_path, save_onnx
 from omskills.convert.translations import translated_ops, translation_table
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import ExporterName, ExportResult
@@ -43,11 +44,6 @@ ATC_OPSET_FACT_SOURCE = (
     "Huawei CANN 7.0 ATC instructions (ONNX model conversion): ONNX 1.12, opset v9-v18; "
     "CANN 8.x operator specifications document opsets per operator, none above 18"
 )
-
-# Protobuf cannot serialise a message over 2 GiB; keep a margin for the graph itself.
-EXTERNAL_DATA_THRESHOLD_BYTES = 2**31 - 2**26
-# Tensors smaller than this stay inside the .onnx even then (shape constants and the like).
-EXTERNAL_TENSOR_MIN_BYTES = 1024
 
 # Loggers whose records belong in the export log while an export runs.
 _EXPORTER_LOGGERS = ("torch", "onnxscript", "onnx_ir")
@@ -269,12 +265,12 @@ def export_onnx(
                     model = onnx.version_converter.convert_version(model, opset)
                 _check_graph_names(contract, model)
                 onnx.load_external_data_for_model(model, tmp)
-                external = _save(model, out_path, _folder_bytes(Path(tmp)))
+                external = save_onnx(model, out_path, _folder_bytes(Path(tmp)))
             except Exception as exc:  # every exporter failure becomes one ExportError with the log
                 traceback.print_exception(exc, file=log)
                 # No model from an earlier export may stand at out_path as if this one had made it.
                 out_path.unlink(missing_ok=True)
-                _data_path(out_path).unlink(missing_ok=True)
+                data_path(out_path).unlink(missing_ok=True)
                 raise ExportError(
                     f"export of {contract.candidate} with the {exporter} exporter failed: "
                     f"{_cause_line(exc)} (log: {log_path})"
@@ -282,8 +278,8 @@ def export_onnx(
             log.write(f"# saved {out_path} (external data: {external})\n")
     seconds = time.perf_counter() - started
 
-    data_path = _data_path(out_path)
-    files = [out_path] + ([data_path] if external else [])
+    weights = data_path(out_path)
+    files = [out_path] + ([weights] if external else [])
     return ExportResult(
         path=str(out_path),
         exporter=exporter,
@@ -514,29 +510,6 @@ def _check_graph_names(contract: ContractSpec, model: onnx.ModelProto) -> None:
 
 def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def _data_path(out_path: Path) -> Path:
-    return out_path.with_name(out_path.name + ".data")
-
-
-def _save(model: onnx.ModelProto, out_path: Path, size: int) -> bool:
-    """Save as one .onnx, or .onnx + one .onnx.data when it is too big for protobuf; True if external."""
-    data_path = _data_path(out_path)
-    out_path.unlink(missing_ok=True)
-    data_path.unlink(missing_ok=True)
-    if size >= EXTERNAL_DATA_THRESHOLD_BYTES:
-        onnx.save_model(
-            model,
-            str(out_path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=data_path.name,
-            size_threshold=EXTERNAL_TENSOR_MIN_BYTES,
-        )
-    else:
-        onnx.save_model(model, str(out_path))
-    return data_path.is_file()  # no .data when every tensor is under the per-tensor threshold
 
 
 def _sha256(files: list[Path]) -> str:

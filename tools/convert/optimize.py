@@ -10,11 +10,8 @@ the original.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +19,15 @@ import onnx
 
 from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
 from omskills.contracts.samples import load_sample
-from omskills.compare.parity import OutputParity, ParityReport, Verdict, compare_outputs, overall_verdict
+from omskills.compare.parity import compare_outputs
+from omskills.records.parity import OutputParity, ParityReport, Verdict, overall_verdict, verdict_rank
 from omskills.errors import InputError, OmskillsError
+from omskills.stdio import stdout_to_stderr
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.runtime.base import BackendError
 from omskills.runtime.batch_split import open_onnxruntime
 from omskills.convert.inspect import load_model_proto
+from omskills.convert.onnx_io import save_onnx
 from omskills.records.toolchain import (
     BatchSplit,
     OptimizeResult,
@@ -51,40 +51,6 @@ def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.n
 
 VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
 PREFERENCE: tuple[VariantName, ...] = ("auto_optimizer", "onnxslim", "original")
-VERDICT_RANK: dict[str, int] = {"pass": 0, "review": 1, "fail": 2}
-# Protobuf cannot serialise a message over 2 GiB: bigger models keep their weights beside them.
-PROTOBUF_LIMIT = 2**31 - 1
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Send everything written to stdout — Python prints and C-level writes — to stderr.
-
-    onnxslim prints tables; stdout may be an MCP stdio stream or a tool's JSON result.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def save_model(model: onnx.ModelProto, path: Path) -> Path:
-    """Save, with external data (`<name>.data` beside it) when the model exceeds 2 GiB."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data_file = path.with_name(path.name + ".data")
-    # onnx appends to an existing external-data file: start clean on a rerun.
-    data_file.unlink(missing_ok=True)
-    if model.ByteSize() > PROTOBUF_LIMIT:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file.name)
-    else:
-        onnx.save_model(model, str(path))
-    return path
 
 
 def optimize_variants(
@@ -196,14 +162,15 @@ def make_onnxslim(source: Path, target: Path) -> Path:
         model = onnxslim.slim(str(source))
     if not isinstance(model, onnx.ModelProto):
         raise OmskillsError(f"onnxslim returned {type(model).__name__}, not a model, for {source}")
-    return save_model(model, target)
+    save_onnx(model, target)
+    return target
 
 
 def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None):
     with stdout_to_stderr():
         api = load_auto_optimizer()
         model, outcomes = apply_knowledges(api, source, knowledges)
-    save_model(model, target)
+    save_onnx(model, target)
     return outcomes
 
 
@@ -300,7 +267,7 @@ def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity]
 
 
 def _worse(a: OutputParity, b: OutputParity) -> bool:
-    rank_a, rank_b = VERDICT_RANK[a.verdict], VERDICT_RANK[b.verdict]
+    rank_a, rank_b = verdict_rank(a.verdict), verdict_rank(b.verdict)
     if rank_a != rank_b:
         return rank_a > rank_b
     return (a.max_abs or 0.0) > (b.max_abs or 0.0)
@@ -311,7 +278,7 @@ def choose_preferred(results: Sequence[VariantResult]) -> tuple[VariantResult | 
     accurate than the original (an optimisation must not move a model down a parity tier)."""
     by_name = {r.name: r for r in results}
     original = by_name.get("original")
-    ceiling = VERDICT_RANK[original.parity_verdict] if original and original.parity_verdict else None
+    ceiling = verdict_rank(original.parity_verdict) if original and original.parity_verdict else None
     passed_over: list[str] = []
     for name in PREFERENCE:
         result = by_name.get(name)
@@ -320,7 +287,7 @@ def choose_preferred(results: Sequence[VariantResult]) -> tuple[VariantResult | 
         if result.status != "ok":
             passed_over.append(f"{name}: {result.status}")
             continue
-        if ceiling is not None and result.parity_verdict and VERDICT_RANK[result.parity_verdict] > ceiling:
+        if ceiling is not None and result.parity_verdict and verdict_rank(result.parity_verdict) > ceiling:
             passed_over.append(f"{name}: parity {result.parity_verdict} is worse than the original's")
             continue
         reason = f"first in order {list(PREFERENCE)} that passed its checks"

@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from omskills.errors import OmskillsError
 from omskills.records.environment import (
     CannProbe,
     EnvironmentReport,
@@ -246,18 +245,6 @@ def _backends(facts: _Facts, om_ok: bool) -> list[str]:
     return backends + (["om"] if om_ok else [])
 
 
-def _model_problem(intake: Intake | None, base_dir: Path | None) -> str | None:
-    if intake is None:
-        return None
-    from omskills.source.inventory import locate_source_root  # no torch import: static lookup only
-
-    try:
-        locate_source_root(intake.model.source, intake.model.family, base_dir)
-    except OmskillsError as err:
-        return str(err)
-    return None
-
-
 def _notes(intake: Intake | None, cann: CannProbe, npu: NpuProbe) -> list[str]:
     if intake is None:
         return []
@@ -270,9 +257,10 @@ def _notes(intake: Intake | None, cann: CannProbe, npu: NpuProbe) -> list[str]:
     return notes
 
 
-def probe_environment(intake: Intake | None = None, base_dir: Path | None = None,
+def probe_environment(intake: Intake | None = None, model_problem: str | None = None,
                       ascend_root: Path = DEFAULT_ASCEND_ROOT) -> EnvironmentReport:
-    """Probe packages, toolchains and devices; with an intake, also its model source and device."""
+    """Probe packages, toolchains and devices; with an intake, also its device. `model_problem`:
+    why the model source cannot be found (the caller asks the driver), None when it can."""
     from omskills.records.task import now_iso
 
     packages = [_import_in_process(name) for name in IN_PROCESS]
@@ -287,7 +275,7 @@ def probe_environment(intake: Intake | None = None, base_dir: Path | None = None
         cann=probe_cann(ascend_root),
         npu=probe_npu(),
         device=intake.model.device if intake else "cpu",
-        model_problem=_model_problem(intake, base_dir),
+        model_problem=model_problem,
     )
     stages = _stages(facts)
     om_ok = next(s.can_run for s in stages if s.stage == "om_run")

@@ -39,6 +39,7 @@ from mcp.server.mcpserver.resources import FileResource
 
 from omskills import __version__, progress
 from omskills.errors import InputError, OmskillsError
+from omskills.stdio import stdout_to_stderr
 from omskills.host.toolkit import TOOL_NAME, ToolInfo, WorkspacePathMarker, discover_tools, skills_root
 
 log = logging.getLogger("omskills.host.mcp_server")
@@ -89,25 +90,6 @@ def confine_arguments(args: dict[str, Any], path_params: set[str], workspace: Pa
         elif isinstance(value, (list, tuple)):
             confined[name] = [confine_path(v, workspace, name) if isinstance(v, str) else v for v in value]
     return confined
-
-
-# --------------------------------------------------------------------------- stdout hygiene
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Send both Python-level and fd-level stdout to stderr for the duration (not thread-safe;
-    used at start-up, before the transport owns fd 1)."""
-    sys.stdout.flush()
-    saved_fd = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved_fd, 1)
-        os.close(saved_fd)
 
 
 # --------------------------------------------------------------------------- tools
@@ -279,10 +261,10 @@ def build_server(workspace: Path, skills_dir: Path | None = None, *, quiet_stdou
         log_level=log_level,  # type: ignore[arg-type]
     )
     tools = discover_tools(root)
-    for info in tools.values():
+    for _, info in tools.items():
         register_tool(server, info, workspace)
     register_resources(server, root, workspace)
-    log.info("serving %d tools from %s, workspace %s", len(tools), root, workspace)
+    log.info("serving %d tools from %s, workspace %s", len(tools.names()), root, workspace)
     return server
 
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Callable
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from omskills.errors import OmskillsError
+from omskills.registry import Registry
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -88,15 +89,18 @@ def tool_files(root: Path | None = None) -> list[Path]:
     return sorted(p for p in root.glob("*/scripts/*.py") if not p.name.startswith("_"))
 
 
-def discover_tools(root: Path | None = None) -> dict[str, ToolInfo]:
-    tools: dict[str, ToolInfo] = {}
+def discover_tools(root: Path | None = None) -> Registry[ToolInfo]:
+    """Every skill tool under `root` (default: the skills folder), by name."""
+    tools: Registry[ToolInfo] = Registry("tool")
+    paths: dict[str, Path] = {}
     for path in tool_files(root):
         info = load_tool(path)
         if not TOOL_NAME.match(info.name):
             raise OmskillsError(f"{path}: tool name {info.name!r} is not valid for MCP/Anthropic ({TOOL_NAME.pattern})")
-        if info.name in tools:
-            raise OmskillsError(f"tool name {info.name!r} is defined twice: {tools[info.name].path} and {path}")
-        tools[info.name] = info
+        if info.name in paths:
+            raise OmskillsError(f"tool name {info.name!r} is defined twice: {paths[info.name]} and {path}")
+        paths[info.name] = path
+        tools.register(info.name, info)
     return tools
 
 
@@ -131,15 +135,23 @@ def to_jsonable(result: Any) -> Any:
     return TypeAdapter(type(result)).dump_python(result, mode="json") if result is not None else None
 
 
-def run_cli(func: Callable[..., Any], argv: list[str] | None = None) -> int:
-    """Run a tool function as a CLI: one flag per parameter, or --args JSON."""
-    parser = argparse.ArgumentParser(prog=func.__name__, description=inspect.getdoc(func))
+def run_cli(func: Callable[..., Any], argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run a tool function as a CLI: one flag per parameter, or --args JSON; the result is printed
+    as JSON on stdout, an error as one line on stderr (exit 2)."""
+    parser = argparse.ArgumentParser(prog=prog or func.__name__, description=inspect.getdoc(func))
     parser.add_argument("--args", help="all arguments as one JSON object")
     sig = inspect.signature(func)
     for pname, param in sig.parameters.items():
         parser.add_argument(f"--{pname.replace('_', '-')}", dest=pname, help=f"(default: {param.default!r})" if param.default is not inspect.Parameter.empty else "(required)")
     ns = parser.parse_args(argv)
-    args: dict[str, Any] = json.loads(ns.args) if ns.args else {}
+    try:
+        args: dict[str, Any] = json.loads(ns.args) if ns.args else {}
+    except json.JSONDecodeError as err:
+        print(f"error: --args is not valid JSON: {err}", file=sys.stderr)
+        return 2
+    if not isinstance(args, dict):
+        print(f"error: --args must be a JSON object, not {type(args).__name__}", file=sys.stderr)
+        return 2
     for pname in sig.parameters:
         value = getattr(ns, pname)
         if value is not None:

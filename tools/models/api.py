@@ -1,52 +1,114 @@
-"""What every model-family driver provides to the engine."""
+"""The driver interface: everything model-specific the engine asks of a model family.
+
+A driver is a `ModelDriver` subclass. The engine calls it to build the model, to load the
+record's inputs, to run the main path (the entry users call, not a module's `forward`), and to
+say how two runs of that main path are compared. Everything else has a default, so a small
+driver overrides only what its model needs:
+
+- `inputs_model` / `verification_model`: pydantic models that validate `intake.inputs` and
+  `intake.verification` (errors name the field);
+- `comparison()`: which outputs decide parity, with which metric and gate (`OutputCheck`);
+- `picture()`: an image of one step's outputs, for the reports;
+- `seed_candidates()`: the heavy subtrees the family knows; without them the study ranks the
+  module tree from a profile;
+- `provenance_sources()`, `source_limits()`, `derived_args()`, `control_plane_notes()`,
+  `pytree_types()`, `export_patches()`: what the contracts, shape strategies and exports need
+  to know about the source.
+
+Drivers are found by family name through the `omskills.drivers` entry-point group, or named in
+the task record (`intake.model.driver`); see `omskills.models.registry`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, ContextManager
 
 import numpy as np
-import torch
-from PIL import Image
+from pydantic import BaseModel, ConfigDict
 
-from omskills.source.portability import DevicePortability
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
-from omskills.records.intake import Intake, ModelSpec
+from omskills.records.intake import ModelSpec
+from omskills.records.verify import OutputCheck
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from torch import nn
+
+
+class InputPathMarker:
+    """`Annotated` metadata: an input field holding a file path, resolved against the task record's folder."""
+
+    def __repr__(self) -> str:
+        return "InputPath"
+
+
+InputPath = Annotated[str, InputPathMarker()]
+
+
+class NoSettings(BaseModel):
+    """The verification settings of a driver that has none (unknown fields are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass
 class LoadedModel:
-    predictor: Any  # the object users call (handle_request / handle_stream_request)
-    root: torch.nn.Module  # the nn.Module tree candidates are paths into
-    source_root: Path  # folder holding the model's Python package (for file:line findings)
+    entry: Any  # the object users call (a predictor, a pipeline, the model itself)
+    root: "nn.Module"  # the module tree candidates are paths into
+    source_root: Path  # folder holding the model's Python source (for file:line findings)
     weights: str  # "random" or the checkpoint path
-    portability: DevicePortability
+    # Entered around every run and export: the device-portability layer, or nothing.
+    portability: ContextManager[Any] = field(default_factory=contextlib.nullcontext)
+    notes: list[str] = field(default_factory=list)
+    prepared: bool = False  # ModelDriver.prepare has run on it
+
+    def findings(self) -> list[Any]:
+        """Portability findings of the layer, when it records them."""
+        findings = getattr(self.portability, "findings", None)
+        return findings() if callable(findings) else []
+
+
+@dataclass
+class StepOutput:
+    """One step of the main path (a frame, an image, a request): its outputs as named arrays."""
+
+    index: int
+    seconds: float
+    outputs: dict[str, np.ndarray]
+
+
+@dataclass
+class MainPathRun:
+    steps: list[StepOutput]
+    setup_seconds: float  # before the first step (session start, prompts)
+    total_seconds: float
     notes: list[str] = field(default_factory=list)
 
 
 @dataclass
-class FrameResult:
-    frame: int
-    obj_ids: list[int]
-    scores: list[float]
-    boxes_xywh: list[list[float]]  # normalised [x, y, w, h]
-    masks: np.ndarray  # (num_objects, H, W) bool, original video resolution
-    seconds: float
+class RunHooks:
+    """Called by the driver while the main path runs; the study uses them to count per step."""
 
+    on_step: Callable[[int], None] | None = None  # after each step, with its index
+    on_prompt: Callable[[], None] | None = None  # each time a prompt is given to the model
 
-@dataclass
-class MainPathResult:
-    frames: list[FrameResult]
-    prompt_seconds: float
-    total_seconds: float
-    notes: list[str]
+    def step(self, index: int) -> None:
+        if self.on_step:
+            self.on_step(index)
+
+    def prompt(self) -> None:
+        if self.on_prompt:
+            self.on_prompt()
 
 
 @dataclass(frozen=True)
 class SeedCandidate:
-    """A heavy subtree the family driver knows about: name, module path(s) and why it matters."""
+    """A heavy subtree the family driver knows about: name, module path and why it matters."""
 
     name: str
     module_path: str
@@ -56,36 +118,114 @@ class SeedCandidate:
 
 @dataclass(frozen=True)
 class ProvenanceSource:
-    """`owner.attribute` is a Python callable whose tensor outputs are of this provenance kind."""
+    """`owner.attribute` is a Python callable whose tensor outputs are user inputs of some kind
+    (`kind` "input": text tokens, frames, an image) or session state (`kind` "session")."""
 
     owner: Any
     attribute: str
-    kind: str  # "prompt" | "image" | "session"
-    source: str
+    kind: str
+    source: str  # what they are, in words ("video frames", "text prompt tokens")
 
 
-FrameHook = Callable[[int], None]
+def as_arrays(outputs: Any, prefix: str = "out") -> dict[str, np.ndarray]:
+    """Named numpy arrays from a tensor, a sequence or a mapping of tensors (nested ones flattened
+    with dotted names); non-tensor leaves that numpy can hold become arrays too."""
+    import torch
+
+    named: dict[str, np.ndarray] = {}
+
+    def visit(value: Any, name: str) -> None:
+        if isinstance(value, torch.Tensor):
+            named[name] = value.detach().cpu().numpy()
+        elif isinstance(value, np.ndarray):
+            named[name] = value
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, f"{name}.{key}" if name else str(key))
+        elif isinstance(value, (list, tuple)) and value and not all(isinstance(v, (int, float, bool)) for v in value):
+            for i, item in enumerate(value):
+                visit(item, f"{name}.{i}" if name else str(i))
+        elif value is not None:
+            named[name] = np.asarray(value)
+
+    visit(outputs, prefix if not isinstance(outputs, Mapping) else "")
+    return named
 
 
 class ModelDriver(ABC):
-    family: str
+    """One model family's knowledge. Subclass it, set `family`, implement the abstract methods."""
+
+    family: ClassVar[str]
+    description: ClassVar[str] = ""
+    inputs_model: ClassVar[type[BaseModel]]
+    verification_model: ClassVar[type[BaseModel]] = NoSettings
+    # What one main-path step is called in reports ("frame", "image").
+    step_name: ClassVar[str] = "step"
+    # An environment variable that, when set, overrides intake.model.source.
+    source_env: ClassVar[str | None] = None
+    # Methods of the classes users call, looked for by the static inventory (e.g. request dispatchers),
+    # and, when not empty, the only class names it reports.
+    entry_methods: ClassVar[tuple[str, ...]] = ()
+    entry_classes: ClassVar[tuple[str, ...]] = ()
+
+    # -- where the model comes from --------------------------------------------------------
 
     @abstractmethod
     def source_root(self, spec: ModelSpec) -> Path:
-        """Folder that contains the model's Python package (checked, clear error if missing)."""
+        """Folder that holds the model's Python source (an error naming intake.model.source if missing).
+        Paths in `spec` arrive absolute (the engine resolves them against the task record's folder)."""
+
+    def source_package(self, spec: ModelSpec) -> str | None:
+        """The Python package under source_root that the static inventory scans (None: no scan)."""
+        return None
 
     @abstractmethod
     def load(self, spec: ModelSpec) -> LoadedModel:
-        """Build the model on spec.device under the portability layer (never a hub download)."""
+        """Build the model on spec.device (never a hub download); checkpoint or seeded random weights."""
+
+    # -- the main path ---------------------------------------------------------------------
+
+    def parse_inputs(self, inputs: Mapping[str, Any]) -> BaseModel:
+        return self.inputs_model.model_validate(dict(inputs))
+
+    def parse_verification(self, settings: Mapping[str, Any]) -> BaseModel:
+        return self.verification_model.model_validate(dict(settings))
 
     @abstractmethod
-    def run_main_path(self, loaded: LoadedModel, frames: list[Image.Image], intake: Intake,
-                      on_frame: FrameHook | None = None, on_prompt: Callable[[], None] | None = None) -> MainPathResult:
-        """start_session -> add_prompt(text, frame 0) -> propagate_in_video, per-frame results."""
+    def load_inputs(self, inputs: BaseModel, base_dir: Path) -> Any:
+        """What the main path consumes (frames, images, tensors), from the parsed intake.inputs;
+        relative paths are taken from `base_dir` (the task record's folder)."""
+
+    def prepare(self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel) -> list[str]:
+        """Called once on a freshly loaded model, before any run or export of it, for settings that
+        need the inputs (e.g. statistics estimated from them). Returns notes for the reports."""
+        return []
 
     @abstractmethod
+    def run_main_path(self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel,
+                      hooks: RunHooks) -> MainPathRun:
+        """Run the entry users call on `data`, calling `hooks.step(i)` after each step."""
+
+    # -- verification ----------------------------------------------------------------------
+
+    def comparison(self, verification: BaseModel) -> list[OutputCheck]:
+        """How a spliced run is judged against the PyTorch reference. Default: every output,
+        float ones by cosine / max abs, others exactly."""
+        return [OutputCheck(output="*", metric="tensor", label="every output (floats by cosine / max abs, others exactly)")]
+
+    def settings_notes(self, verification: BaseModel) -> list[str]:
+        """The verification settings that are on, said plainly (every report repeats them)."""
+        return []
+
+    def picture(self, data: Any, step: StepOutput, title: str) -> "Image.Image | None":
+        """An image of one step's outputs (overlays), or None when the model has nothing to draw."""
+        return None
+
+    # -- where to cut ----------------------------------------------------------------------
+
     def seed_candidates(self) -> list[SeedCandidate]:
-        """The family's known heavy subtrees (the plan still ranks them by the profile)."""
+        """The family's known heavy subtrees; empty: the study ranks the module tree from a profile."""
+        return []
 
     def provenance_sources(self, loaded: LoadedModel) -> list[ProvenanceSource]:
         return []
@@ -95,11 +235,19 @@ class ModelDriver(ABC):
         return []
 
     def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
-        """Per candidate: quantities whose range the source shows and the input dims they drive
-        (e.g. tracked objects), read from the built model; the study stores them in the record."""
+        """Per candidate: quantities whose range the source shows and the input dims they drive."""
         return {}
 
     def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
-        """Per candidate: non-tensor arguments the source computes from input shapes (tree path ->
-        derivation); the contract binds each where every observed call agrees."""
+        """Per candidate: non-tensor arguments the source computes from input shapes."""
         return {}
+
+    def pytree_types(self, loaded: LoadedModel) -> list[type]:
+        """Container classes of the model's calls to flatten into their tensors (dataclasses are found alone)."""
+        return []
+
+    @contextlib.contextmanager
+    def export_patches(self, loaded: LoadedModel, candidate: str) -> Iterator[None]:
+        """Entered around a candidate's export; by default the portability layer."""
+        with loaded.portability:
+            yield

@@ -1,33 +1,40 @@
 """One loaded model per process, reused across tools (the MCP server keeps it between calls).
 
-Loading full-scale SAM 3 takes tens of seconds and several GB; the stages of one
-adaptation all use the same model, so it is built once per (family, source, builder,
-scale, checkpoint, seed, device). Only one model is kept, to bound memory.
+Loading a full-scale model takes tens of seconds and several GB; the stages of one
+adaptation all use the same model, so it is built once per model spec (driver, source,
+builder, scale, checkpoint, seed, device). Only one model is kept, to bound memory.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
-from omskills.models import LoadedModel, ModelDriver, get_driver
+from omskills.contracts.pytree import register_struct
+from omskills.models.api import LoadedModel, ModelDriver
+from omskills.models.registry import driver_for, resolved_spec
 from omskills.records.intake import ModelSpec
 
 _lock = threading.Lock()
 _cached: tuple[str, LoadedModel, float] | None = None
 
 
-def load_model(spec: ModelSpec) -> tuple[ModelDriver, LoadedModel, float]:
-    """The driver, the loaded model and the seconds its (first) build took."""
+def load_model(spec: ModelSpec, base_dir: Path | None = None) -> tuple[ModelDriver, LoadedModel, float]:
+    """The driver, the loaded model and the seconds its (first) build took; `base_dir` is the task
+    record's folder (a driver named by a relative path is found from there)."""
     global _cached
-    key = spec.model_dump_json()
-    driver = get_driver(spec.family)
+    spec = resolved_spec(spec, base_dir)
+    driver = driver_for(spec, base_dir)
+    key = f"{id(driver)}:{spec.model_dump_json()}"
     with _lock:
         if _cached is not None and _cached[0] == key:
             return driver, _cached[1], _cached[2]
         _cached = None  # free the previous model before building the next
         start = time.perf_counter()
         loaded = driver.load(spec)
+        for cls in driver.pytree_types(loaded):
+            register_struct(cls)
         _cached = (key, loaded, time.perf_counter() - start)
         return driver, loaded, _cached[2]
 

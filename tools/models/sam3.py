@@ -20,11 +20,19 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from omskills.errors import InputError, TaskRecordError
+from omskills.models.api import (
+    InputPath, LoadedModel, MainPathRun, ModelDriver, ProvenanceSource, RunHooks, SeedCandidate, StepOutput,
+)
+from omskills.models.media import load_video
+from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
+from omskills.records.intake import ModelSpec
+from omskills.records.verify import OutputCheck
+from omskills.report.pictures import draw_instances
+from omskills.source.inventory import package_root
 from omskills.source.portability import DevicePortability, FunctionFix
-from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule
-from omskills.records.intake import Intake, ModelSpec, VerificationSpec
-from omskills.models.api import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
 
 # Tiny scale: the same classes built by Meta's builder helpers, with small widths/depths.
 # Keys are names looked up in sam3.model_builder at build time; values override kwargs.
@@ -44,6 +52,52 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 EXPORT_OVERRIDES: dict[str, dict[str, Any]] = {"RoPEAttention": {"use_rope_real": True}}
 
 BPE_FILE = "bpe_simple_vocab_16e6.txt.gz"
+
+
+class VideoTextInputs(BaseModel):
+    """A video and the text prompt given on its first frame."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    video: InputPath  # an mp4/gif/folder of frames, or builtin:<name>
+    prompt: str
+    frames: int = Field(8, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the text prompt is empty")
+        return value
+
+
+class SamVerification(BaseModel):
+    """Settings that make random weights exercise the whole main path.
+
+    With random weights no detection passes the score thresholds and the tracker never
+    runs. `force_top_k_detections` keeps the K best-scoring detections of the prompted
+    frame whatever their score; `disable_hotstart` removes the hot-start delay so they
+    are tracked at once; `keep_objects_visible` makes the tracker's object-visibility
+    logit non-negative (its absolute value), so a random head does not blank every
+    tracked mask as "occluded". All are reported in every output when on.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    force_top_k_detections: int = Field(2, ge=0)
+    disable_hotstart: bool = True
+    keep_objects_visible: bool = False
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self.force_top_k_detections:
+            notes.append(f"force_top_k_detections={self.force_top_k_detections}: the top-{self.force_top_k_detections} "
+                         "detections of the prompted frame are kept whatever their score")
+        if self.disable_hotstart:
+            notes.append("disable_hotstart: hot-start delay set to 0 so forced objects are tracked at once")
+        if self.keep_objects_visible:
+            notes.append("keep_objects_visible: the tracker's object-visibility logit is taken as its absolute value")
+        return notes
 
 
 def bpe_vocabulary_path() -> Path:
@@ -238,19 +292,99 @@ def _visible_objects(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
     return masks, ious, tokens, object_score_logits.abs()
 
 
-class Sam3Driver(ModelDriver):
+class SamVideoDriver(ModelDriver):
+    """What SAM 3 and SAM 3.1 share: the video predictor's request API on a video and a text prompt.
+
+    The main path is start_session -> add_prompt(text, frame 0) -> propagate_in_video; each frame
+    yields object ids, scores, boxes and binary masks. Two runs agree when the object ids are equal
+    on every frame and each object's mask IoU is at least 0.99; scores and boxes are reported.
+    """
+
+    inputs_model = VideoTextInputs
+    verification_model = SamVerification
+    step_name = "frame"
+    entry_methods = ("handle_request", "handle_stream_request")
+
+    def source_package(self, spec: ModelSpec) -> str:
+        return "sam3"
+
+    def load_inputs(self, inputs: VideoTextInputs, base_dir: Path) -> list[Image.Image]:
+        return load_video(inputs.video, inputs.frames, base_dir=base_dir)
+
+    def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: VideoTextInputs,
+                      verification: SamVerification, hooks: RunHooks) -> MainPathRun:
+        predictor = loaded.entry
+        notes: list[str] = []
+        with loaded.portability, self._verification(loaded.root, verification) as forced, \
+                self._session_patches(loaded, notes):
+            start = time.perf_counter()
+            session_id = predictor.handle_request({"type": "start_session", "resource_path": list(data)})["session_id"]
+            try:
+                hooks.prompt()
+                predictor.handle_request({"type": "add_prompt", "session_id": session_id, "frame_index": 0, "text": inputs.prompt})
+                setup = time.perf_counter() - start
+                steps = list(self._propagate(predictor, session_id, hooks))
+            finally:
+                predictor.handle_request({"type": "close_session", "session_id": session_id})
+            total = time.perf_counter() - start
+        if forced is not None:
+            notes.append(f"top-{verification.force_top_k_detections} detections forced on frames {forced.forced_frames}")
+        return MainPathRun(steps=steps, setup_seconds=setup, total_seconds=total, notes=notes)
+
+    @contextlib.contextmanager
+    def _session_patches(self, loaded: LoadedModel, notes: list[str]) -> Iterator[None]:
+        """Source mismatches worked around for the length of a run (none for SAM 3)."""
+        yield
+
+    @staticmethod
+    def _propagate(predictor: Any, session_id: str, hooks: RunHooks) -> Iterator[StepOutput]:
+        """Frames may arrive in post-processing batches (SAM 3.1): each one's `seconds` is its
+        share of the wait since the previous one."""
+        request = {"type": "propagate_in_video", "session_id": session_id, "propagation_direction": "forward", "start_frame_index": 0}
+        t0 = time.perf_counter()
+        for response in predictor.handle_stream_request(request):
+            outputs = response["outputs"]
+            now = time.perf_counter()
+            frame = int(response["frame_index"])
+            yield StepOutput(index=frame, seconds=now - t0, outputs={
+                "obj_ids": np.asarray([int(i) for i in outputs["out_obj_ids"]], dtype=np.int64),
+                "scores": np.asarray([float(s) for s in outputs["out_probs"]], dtype=np.float64),
+                "boxes_xywh": np.asarray(outputs["out_boxes_xywh"], dtype=np.float64).reshape(-1, 4),
+                "masks": np.asarray(outputs["out_binary_masks"]).astype(bool),
+            })
+            t0 = time.perf_counter()
+            hooks.step(frame)
+
+    def comparison(self, verification: SamVerification) -> list[OutputCheck]:
+        return [
+            OutputCheck(output="obj_ids", metric="exact", label="object ids"),
+            OutputCheck(output="masks", metric="iou", key="obj_ids", threshold=0.99, label="mask IoU per object"),
+            OutputCheck(output="scores", metric="max_abs", key="obj_ids", threshold=1e-3, gating=False, label="scores"),
+            OutputCheck(output="boxes_xywh", metric="max_abs", key="obj_ids", threshold=1e-3, gating=False,
+                        label="boxes (normalised xywh)"),
+        ]
+
+    def settings_notes(self, verification: SamVerification) -> list[str]:
+        return verification.notes()
+
+    def picture(self, data: list[Image.Image], step: StepOutput, title: str) -> Image.Image:
+        out = step.outputs
+        ids = [int(i) for i in out["obj_ids"]]
+        return draw_instances(data[step.index], ids, out["masks"], out["boxes_xywh"].tolist(), f"{title} ids {ids}")
+
+    @contextlib.contextmanager
+    def _verification(self, model: Any, verification: SamVerification) -> Iterator[Any]:
+        raise NotImplementedError
+
+
+class Sam3Driver(SamVideoDriver):
     family = "sam3"
+    description = "SAM 3 (PyPI sam3==0.1.4): text-prompted video segmentation, Sam3VideoPredictor"
 
     def source_root(self, spec: ModelSpec) -> Path:
-        if spec.source == "package":
-            found = importlib.util.find_spec("sam3")
-            if found is None or not found.submodule_search_locations:
-                raise InputError("intake.model.source: the sam3 package is not installed (pip install sam3==0.1.4)")
-            return Path(list(found.submodule_search_locations)[0]).parent
-        root = Path(spec.source).expanduser()
-        if not (root / "sam3").is_dir():
-            raise InputError(f"intake.model.source: {root} is not a SAM checkout (no sam3/ package folder in it)")
-        return root
+        if spec.source == "package" and importlib.util.find_spec("sam3") is None:
+            raise InputError("intake.model.source: the sam3 package is not installed (pip install 'omskills[sam3]')")
+        return package_root(spec.source, "sam3")
 
     def load(self, spec: ModelSpec) -> LoadedModel:
         source_root = self.source_root(spec)
@@ -261,12 +395,13 @@ class Sam3Driver(ModelDriver):
             portability.add_fix(fix)
         notes: list[str] = []
         torch.manual_seed(spec.seed)
+        builder_name = spec.builder or "build_sam3_video_model"
         with portability:
             from sam3 import model_builder
 
-            builder = getattr(model_builder, spec.builder, None)
+            builder = getattr(model_builder, builder_name, None)
             if builder is None:
-                raise TaskRecordError(f"intake.model.builder: {spec.builder!r} is not in sam3.model_builder")
+                raise TaskRecordError(f"intake.model.builder: {builder_name!r} is not in sam3.model_builder")
             with scaled_builder(spec.scale), deterministic_uninitialised(spec.seed) as filled:
                 model = builder(checkpoint_path=spec.checkpoint, load_from_HF=False, bpe_path=str(bpe_vocabulary_path()),
                                 device=spec.device, **spec.builder_kwargs)
@@ -276,7 +411,7 @@ class Sam3Driver(ModelDriver):
             notes.append(f"random weights (seed {spec.seed}); {len(filled)} uninitialised tensors seeded")
         if fixed:
             notes.append(f"re-initialised non-finite parameters: {', '.join(fixed)}")
-        return LoadedModel(predictor=self._predictor(model), root=model, source_root=source_root,
+        return LoadedModel(entry=self._predictor(model), root=model, source_root=source_root,
                            weights=spec.checkpoint or "random", portability=portability, notes=notes)
 
     @staticmethod
@@ -289,49 +424,8 @@ class Sam3Driver(ModelDriver):
         predictor.model = model
         return predictor
 
-    def run_main_path(self, loaded: LoadedModel, frames: list[Image.Image], intake: Intake,
-                      on_frame: FrameHook | None = None, on_prompt: Callable[[], None] | None = None) -> MainPathResult:
-        predictor = loaded.predictor
-        verification = intake.verification
-        notes: list[str] = []
-        with loaded.portability, self._verification(loaded.root, verification, notes) as forced:
-            start = time.perf_counter()
-            session_id = predictor.handle_request({"type": "start_session", "resource_path": list(frames)})["session_id"]
-            try:
-                if on_prompt:
-                    on_prompt()
-                t0 = time.perf_counter()
-                predictor.handle_request({"type": "add_prompt", "session_id": session_id, "frame_index": 0, "text": intake.inputs.prompt})
-                prompt_seconds = time.perf_counter() - t0
-                results = list(self._propagate(predictor, session_id, on_frame))
-            finally:
-                predictor.handle_request({"type": "close_session", "session_id": session_id})
-            total = time.perf_counter() - start
-        if forced is not None:
-            notes.append(f"top-{verification.force_top_k_detections} detections forced on frames {forced.forced_frames}")
-        return MainPathResult(frames=results, prompt_seconds=prompt_seconds, total_seconds=total, notes=notes)
-
-    @staticmethod
-    def _propagate(predictor: Any, session_id: str, on_frame: FrameHook | None) -> Iterator[FrameResult]:
-        request = {"type": "propagate_in_video", "session_id": session_id, "propagation_direction": "forward", "start_frame_index": 0}
-        t0 = time.perf_counter()
-        for response in predictor.handle_stream_request(request):
-            outputs = response["outputs"]
-            now = time.perf_counter()
-            yield FrameResult(
-                frame=int(response["frame_index"]),
-                obj_ids=[int(i) for i in outputs["out_obj_ids"]],
-                scores=[float(s) for s in outputs["out_probs"]],
-                boxes_xywh=np.asarray(outputs["out_boxes_xywh"], dtype=np.float64).reshape(-1, 4).tolist(),
-                masks=np.asarray(outputs["out_binary_masks"]).astype(bool),
-                seconds=now - t0,
-            )
-            t0 = time.perf_counter()
-            if on_frame:
-                on_frame(int(response["frame_index"]))
-
     @contextlib.contextmanager
-    def _verification(self, model: Any, verification: VerificationSpec, notes: list[str]) -> Iterator[ForcedDetections | None]:
+    def _verification(self, model: Any, verification: SamVerification) -> Iterator[ForcedDetections | None]:
         with contextlib.ExitStack() as stack:
             if verification.disable_hotstart and model.hotstart_delay > 0:
                 stack.enter_context(mock.patch.object(model, "hotstart_delay", 0))
@@ -345,17 +439,18 @@ class Sam3Driver(ModelDriver):
             yield forced
 
     def provenance_sources(self, loaded: LoadedModel) -> list[ProvenanceSource]:
-        """Python callables whose tensor outputs are prompt, image or session inputs."""
+        """Python callables whose tensor outputs are user inputs: prompt tokens and video frames."""
         import sam3.model.sam3_video_inference as inference
 
         tokenizer = loaded.root.detector.backbone.language_backbone.tokenizer
         return [
-            ProvenanceSource(type(tokenizer), "__call__", "prompt", f"{type(tokenizer).__name__} (text prompt tokens)"),
-            ProvenanceSource(inference, "load_resource_as_video_frames", "image", "video frames (load_resource_as_video_frames)"),
+            ProvenanceSource(type(tokenizer), "__call__", "input", f"{type(tokenizer).__name__} (text prompt tokens)"),
+            ProvenanceSource(inference, "load_resource_as_video_frames", "input", "video frames (load_resource_as_video_frames)"),
         ]
 
     def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
-        """The tracker batches all tracked objects; the source compiles for up to 16 of them."""
+        """The tracker batches all tracked objects (the source compiles for up to 16 of them); the
+        memory attention reads image tokens of past frames and pointer tokens of past objects."""
 
         def objects(*dims: tuple[str, int]) -> QuantityLimit:
             return QuantityLimit(quantity="num_objects", low=1, high=16,
@@ -364,8 +459,18 @@ class Sam3Driver(ModelDriver):
 
         return {
             "mask_memory_encoder": [objects(("pix_feat", 0), ("masks", 0))],
-            "memory_attention": [objects(("src_0", 1), ("src_pos_0", 1), ("prompt", 1), ("prompt_pos", 1))],
+            "memory_attention": [*_memory_limits(loaded.root.tracker),
+                                 objects(("src_0", 1), ("src_pos_0", 1), ("prompt", 1), ("prompt_pos", 1))],
         }
+
+    def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
+        return {"memory_attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
+            # The remainder of prompt.shape[0] / HW, written with // rather than %: torch.export then
+            # simplifies the RoPE slice length (prompt.shape[0] - num_obj_ptr_tokens) to a multiple of HW.
+            expression="prompt.shape[0] - src_0.shape[0] * (prompt.shape[0] // src_0.shape[0])",
+            evidence="sam3/model/sam3_tracker_base.py:683-780 builds prompt as memory frames of HW image tokens each "
+                     "(HW = src_0.shape[0]) followed by hidden_dim // mem_dim tokens per object pointer, fewer than HW "
+                     "in all; num_obj_ptr_tokens = obj_ptrs.shape[0] is the remainder")}}
 
     def seed_candidates(self) -> list[SeedCandidate]:
         return [
@@ -385,7 +490,37 @@ class Sam3Driver(ModelDriver):
             SeedCandidate("memory_attention", "tracker.transformer.encoder",
                           "memory attention over past frames' memories, per frame", "tracker_propagation"),
             SeedCandidate("mask_decoder", "tracker.sam_mask_decoder",
-                          "SAM mask decoder of the tracker, per frame", "tracker_propagation"),
+                          "SAM mask decoder of the tracker, per frame (one graph per multimask_output value)",
+                          "tracker_propagation"),
             SeedCandidate("mask_memory_encoder", "tracker.maskmem_backbone",
                           "encodes predicted masks into memory features", "mask_memory_encoder"),
         ]
+
+
+def _memory_limits(tracker: Any) -> list[QuantityLimit | QuantitySchedule]:
+    """Memory attention's prompt length: each memory frame adds HW image tokens, each object-pointer
+    frame hidden_dim // mem_dim pointer tokens. With one conditioning frame (the text prompt on frame
+    0), frame t attends to min(t, num_maskmem) memory frames and min(t, max_obj_ptrs_in_encoder)
+    pointer frames: that schedule gives the gears."""
+    side = int(tracker.sam_image_embedding_size)
+    maskmem, max_ptrs = int(tracker.num_maskmem), int(tracker.max_obj_ptrs_in_encoder)
+    per_pointer = max(1, int(tracker.hidden_dim) // int(tracker.mem_dim))
+    where = "sam3/model/sam3_tracker_base.py"
+    limits: list[QuantityLimit | QuantitySchedule] = [
+        QuantityLimit(quantity="memory_frames", low=1, high=maskmem,
+                      evidence=f"{where}: the conditioning frame + num_maskmem-1={maskmem - 1} previous frames, "
+                               f"{side}x{side} tokens each",
+                      dims=[DimRef(input=name, dim=0, scale=side * side) for name in ("prompt", "prompt_pos")]),
+        QuantityLimit(quantity="object_pointer_frames", low=1, high=max_ptrs,
+                      evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, hidden_dim // mem_dim = {per_pointer} "
+                               "tokens per pointer",
+                      dims=[DimRef(input=name, dim=0, scale=per_pointer) for name in ("prompt", "prompt_pos")]),
+    ]
+    if int(tracker.memory_temporal_stride_for_eval) != 1 or getattr(tracker, "use_memory_selection", False):
+        return limits  # other memory layouts: the ranges alone
+    limits.append(QuantitySchedule(
+            quantities=["memory_frames", "object_pointer_frames"],
+            rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
+            evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames, "
+                     f"min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where}, _prepare_memory_conditioned_features)"))
+    return limits

@@ -22,21 +22,21 @@ import importlib
 import inspect
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
 
-import numpy as np
 import torch
-from PIL import Image
 
 from omskills.errors import InputError, TaskRecordError
-from omskills.source.portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
+from omskills.models.api import LoadedModel, ProvenanceSource, SeedCandidate
+from omskills.models.sam3 import (
+    SAM3_FIXES, ForcedDetections, SamVerification, SamVideoDriver, _with_overrides, bpe_vocabulary_path,
+    deterministic_uninitialised, reinit_non_finite,
+)
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
-from omskills.records.intake import Intake, ModelSpec, VerificationSpec
-from omskills.models.api import FrameHook, FrameResult, LoadedModel, MainPathResult, ModelDriver, ProvenanceSource, SeedCandidate
-from omskills.models.sam3 import SAM3_FIXES, ForcedDetections, _with_overrides, bpe_vocabulary_path, deterministic_uninitialised, reinit_non_finite
+from omskills.records.intake import ModelSpec
+from omskills.source.portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
 
 SOURCE_ENV = "OMSKILLS_SAM31_SOURCE"
 MULTIPLEX_PREDICTOR_FILE = Path("sam3") / "model" / "sam3_multiplex_video_predictor.py"
@@ -245,15 +245,18 @@ def _memory_limits(tracker: Any, per_bucket: int) -> list[QuantityLimit | Quanti
     return limits
 
 
-class Sam31Driver(ModelDriver):
+class Sam31Driver(SamVideoDriver):
     family = "sam3.1"
+    description = "SAM 3.1 (Object Multiplex) from a checkout of Meta's sam3 repository: text-prompted video segmentation"
+    source_env = SOURCE_ENV
 
     def source_root(self, spec: ModelSpec) -> Path:
         return resolve_checkout(spec.source)
 
     def load(self, spec: ModelSpec) -> LoadedModel:
-        if spec.builder != BUILDER:
-            raise TaskRecordError(f"intake.model.builder: the sam3.1 driver builds with {BUILDER}, not {spec.builder!r}")
+        builder_name = spec.builder or BUILDER
+        if builder_name != BUILDER:
+            raise TaskRecordError(f"intake.model.builder: the sam3.1 driver builds with {BUILDER}, not {builder_name!r}")
         if spec.checkpoint is not None and not Path(spec.checkpoint).is_file():
             raise InputError(f"intake.model.checkpoint: checkpoint file not found: {spec.checkpoint}")
         source_root = self.source_root(spec)
@@ -281,58 +284,19 @@ class Sam31Driver(ModelDriver):
             notes.append(f"hub download of the {downloads[0]} checkpoint refused (no checkpoint given: random weights)")
         if fixed:
             notes.append(f"re-initialised non-finite parameters: {', '.join(fixed)}")
-        return LoadedModel(predictor=predictor, root=model, source_root=source_root,
+        return LoadedModel(entry=predictor, root=model, source_root=source_root,
                            weights=spec.checkpoint or "random", portability=portability, notes=notes)
 
-    def run_main_path(self, loaded: LoadedModel, frames: list[Image.Image], intake: Intake,
-                      on_frame: FrameHook | None = None, on_prompt: Callable[[], None] | None = None) -> MainPathResult:
-        predictor = loaded.predictor
-        verification = intake.verification
-        notes: list[str] = []
-        with loaded.portability, self._verification(loaded.root, verification, notes) as forced, \
-                _init_state_accepting_known_kwargs(loaded.root) as dropped:
-            start = time.perf_counter()
-            session_id = predictor.handle_request({"type": "start_session", "resource_path": list(frames)})["session_id"]
-            try:
-                if on_prompt:
-                    on_prompt()
-                t0 = time.perf_counter()
-                predictor.handle_request({"type": "add_prompt", "session_id": session_id, "frame_index": 0, "text": intake.inputs.prompt})
-                prompt_seconds = time.perf_counter() - t0
-                results = list(self._propagate(predictor, session_id, on_frame))
-            finally:
-                predictor.handle_request({"type": "close_session", "session_id": session_id})
-            total = time.perf_counter() - start
+    @contextlib.contextmanager
+    def _session_patches(self, loaded: LoadedModel, notes: list[str]) -> Iterator[None]:
+        with _init_state_accepting_known_kwargs(loaded.root) as dropped:
+            yield
         if dropped:
             notes.append(f"source mismatch worked around: start_session passes {', '.join(sorted(dropped))} "
                          f"which {type(loaded.root).__name__}.init_state does not accept (dropped)")
-        if forced is not None:
-            notes.append(f"top-{verification.force_top_k_detections} detections forced on frames {forced.forced_frames}")
-        return MainPathResult(frames=results, prompt_seconds=prompt_seconds, total_seconds=total, notes=notes)
-
-    @staticmethod
-    def _propagate(predictor: Any, session_id: str, on_frame: FrameHook | None) -> Iterator[FrameResult]:
-        """SAM 3.1 yields frames in post-processing batches: the frames of one batch arrive
-        together, so each one's `seconds` is its share of the wait since the previous batch."""
-        request = {"type": "propagate_in_video", "session_id": session_id, "propagation_direction": "forward", "start_frame_index": 0}
-        t0 = time.perf_counter()
-        for response in predictor.handle_stream_request(request):
-            outputs = response["outputs"]
-            now = time.perf_counter()
-            yield FrameResult(
-                frame=int(response["frame_index"]),
-                obj_ids=[int(i) for i in outputs["out_obj_ids"]],
-                scores=[float(s) for s in outputs["out_probs"]],
-                boxes_xywh=np.asarray(outputs["out_boxes_xywh"], dtype=np.float64).reshape(-1, 4).tolist(),
-                masks=np.asarray(outputs["out_binary_masks"]).astype(bool),
-                seconds=now - t0,
-            )
-            t0 = time.perf_counter()
-            if on_frame:
-                on_frame(int(response["frame_index"]))
 
     @contextlib.contextmanager
-    def _verification(self, model: Any, verification: VerificationSpec, notes: list[str]) -> Iterator[MultiplexForcedDetections | None]:
+    def _verification(self, model: Any, verification: SamVerification) -> Iterator[MultiplexForcedDetections | None]:
         with contextlib.ExitStack() as stack:
             if verification.disable_hotstart and model.hotstart_delay > 0:
                 stack.enter_context(mock.patch.object(model, "hotstart_delay", 0))
@@ -346,13 +310,19 @@ class Sam31Driver(ModelDriver):
                 forced = stack.enter_context(MultiplexForcedDetections(model, verification.force_top_k_detections).active())
             yield forced
 
+    def pytree_types(self, loaded: LoadedModel) -> list[type]:
+        """The TriHead neck returns DETR-style NestedTensors (tensors + mask), flattened into both."""
+        data_misc = sys.modules.get("sam3.model.data_misc")
+        nested = getattr(data_misc, "NestedTensor", None)
+        return [nested] if isinstance(nested, type) else []
+
     def provenance_sources(self, loaded: LoadedModel) -> list[ProvenanceSource]:
         """Python callables whose tensor outputs are prompt, image or session inputs."""
         tracking = sys.modules["sam3.model.sam3_multiplex_tracking"]
         tokenizer = loaded.root.detector.backbone.language_backbone.tokenizer
         return [
-            ProvenanceSource(type(tokenizer), "__call__", "prompt", f"{type(tokenizer).__name__} (text prompt tokens)"),
-            ProvenanceSource(tracking, "load_resource_as_video_frames", "image", "video frames (load_resource_as_video_frames)"),
+            ProvenanceSource(type(tokenizer), "__call__", "input", f"{type(tokenizer).__name__} (text prompt tokens)"),
+            ProvenanceSource(tracking, "load_resource_as_video_frames", "input", "video frames (load_resource_as_video_frames)"),
         ]
 
     def seed_candidates(self) -> list[SeedCandidate]:
@@ -407,7 +377,7 @@ class Sam31Driver(ModelDriver):
 
     def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
         return {"memory_attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
-            minuend=DimRef(input="memory", dim=0), subtrahend=DimRef(input="memory_image", dim=0),
+            expression="memory.shape[0] - memory_image.shape[0]",
             evidence="sam3/model/decoder.py:1371 asserts memory.shape[1] - memory_image.shape[1] == num_obj_ptr_tokens "
                      "(batch first)")}}
 

@@ -36,7 +36,7 @@ class _Stats:
     active: int = 0  # nesting depth of this path on the current call stack (recursion)
     callers: Counter[str | None] = field(default_factory=Counter)
     frames_called: int = 0
-    last_segment: int = -1
+    last_frame: int = -1
 
 
 @dataclass
@@ -58,7 +58,7 @@ class ModuleProfiler:
         self._handles: list[RemovableHandle] = []
         self._frames = 0
         self._prompts = 0
-        self._segment = 0
+        self._frame_index = 0
         self._top_level_s = 0.0
         self._started: float | None = None
         self._stopped: float | None = None
@@ -68,7 +68,7 @@ class ModuleProfiler:
         """Call once per frame processed (after it); calls after it count towards the next frame."""
         with self._lock:
             self._frames += 1
-            self._segment += 1
+            self._frame_index += 1
 
     def mark_prompt(self) -> None:
         """Call once per prompt given to the model."""
@@ -114,8 +114,8 @@ class ModuleProfiler:
                 stats.calls += 1
                 stats.active += 1
                 stats.callers[caller] += 1
-                if stats.last_segment != self._segment:
-                    stats.last_segment = self._segment
+                if stats.last_frame != self._frame_index:
+                    stats.last_frame = self._frame_index
                     stats.frames_called += 1
             stack.append(_Frame(path, time.perf_counter()))
 

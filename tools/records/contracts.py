@@ -8,23 +8,31 @@ listed in flat order with their names; non-tensor leaves are constants (or flagg
 
 from __future__ import annotations
 
+import ast
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from omskills.records.base import Record
 
-ProvenanceKind = Literal["prompt", "image", "session", "parameter", "module_output", "constant", "unknown"]
+# input: made from what the user gives (frames, an image, text tokens); session: kept across calls.
+ProvenanceKind = Literal["input", "session", "parameter", "module_output", "constant", "unknown"]
 
 
 class Provenance(Record):
     kind: ProvenanceKind
-    # For module_output: the producing module's path; for prompt/image/session: what tagged it.
+    # For module_output: the producing module's path; for input/session: what tagged it.
     source: str | None = None
-    # True when the tensor was computed from that origin by Python-side tensor ops (e.g. a mask
-    # thresholded in the tracker's Python code), not handed over as is.
+    # True when the tensor was computed from that origin by Python-side tensor ops (e.g. a value
+    # thresholded in the model's Python code), not handed over as is.
     derived: bool = False
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _older_kinds(cls, kind: Any) -> Any:
+        return "input" if kind in ("prompt", "image") else kind  # records written before "input" existed
 
 
 class TensorSpec(Record):
@@ -55,30 +63,104 @@ class DimRef(Record):
     scale: int = Field(1, ge=1)
 
 
-class ShapeDerivedArg(Record):
-    """A non-tensor argument the source computes from input shapes: `minuend` dim minus `subtrahend` dim.
+_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+}
+_FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max}
 
-    SAM 3.1 passes `num_obj_ptr_tokens` = len(memory) - len(memory_image) (its decoder asserts it).
-    It varies with the memory length, yet a graph can compute it from the shapes it is given, so
-    the candidate stays exportable: the export computes it, the splice checks it per call.
+
+class ShapeExpression:
+    """An integer formula over input shapes: `memory.shape[0] - memory_image.shape[0]`,
+    `prompt.shape[0] % src_0.shape[0]`. Names are contract inputs; allowed are `.shape[k]`,
+    integers, + - * // %, min() and max(). Evaluated on ints, or on SymInts under torch.export."""
+
+    def __init__(self, text: str) -> None:
+        try:
+            self.tree = ast.parse(text, mode="eval").body
+        except SyntaxError as err:
+            raise ValueError(f"expression {text!r} is not valid Python ({err.msg})") from None
+        self.text = text
+        self.names: list[str] = []
+        self._check(self.tree)
+
+    def _check(self, node: ast.AST) -> None:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            self._check(node.left)
+            self._check(node.right)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords:
+            for arg in node.args:
+                self._check(arg)
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
+            pass
+        elif self._shape_ref(node) is not None:
+            self.names.append(self._shape_ref(node)[0])  # type: ignore[index]
+        else:
+            raise ValueError(f"expression {self.text!r}: {ast.unparse(node)!r} is not allowed "
+                             "(use <input>.shape[<k>], integers, + - * // %, min, max)")
+
+    @staticmethod
+    def _shape_ref(node: ast.AST) -> tuple[str, int] | None:
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
+                and isinstance(node.value.value, ast.Name) and isinstance(node.slice, ast.Constant)
+                and type(node.slice.value) is int):
+            return node.value.value.id, node.slice.value
+        return None
+
+    def value(self, shape_of: Callable[[str], Sequence[Any]]) -> Any:
+        return self._eval(self.tree, shape_of)
+
+    def _eval(self, node: ast.AST, shape_of: Callable[[str], Sequence[Any]]) -> Any:
+        if isinstance(node, ast.BinOp):
+            return _OPERATORS[type(node.op)](self._eval(node.left, shape_of), self._eval(node.right, shape_of))
+        if isinstance(node, ast.Call):
+            return _FUNCTIONS[node.func.id](*(self._eval(a, shape_of) for a in node.args))  # type: ignore[union-attr]
+        if isinstance(node, ast.Constant):
+            return node.value
+        name, dim = self._shape_ref(node)  # type: ignore[misc]
+        return shape_of(name)[dim]
+
+
+class ShapeDerivedArg(Record):
+    """A non-tensor argument the source computes from input shapes, by a formula the driver gives.
+
+    SAM 3.1 passes `num_obj_ptr_tokens` = `memory.shape[0] - memory_image.shape[0]` (its decoder
+    asserts it). It varies with the memory length, yet a graph can compute it from the shapes it is
+    given, so the candidate stays exportable: the export computes it, the splice checks it per call.
     """
 
-    minuend: DimRef
-    subtrahend: DimRef | None = None
+    expression: str
     evidence: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_dim_difference(cls, data: Any) -> Any:
+        # Records written before formulas: a minuend dim minus an optional subtrahend dim.
+        if isinstance(data, dict) and "minuend" in data:
+            data = dict(data)
+            text = "{input}.shape[{dim}]".format(**data.pop("minuend"))
+            subtrahend = data.pop("subtrahend", None)
+            if subtrahend:
+                text += " - {input}.shape[{dim}]".format(**subtrahend)
+            data["expression"] = text
+        return data
+
+    @field_validator("expression")
+    @classmethod
+    def _parses(cls, text: str) -> str:
+        ShapeExpression(text)
+        return text
+
+    @property
+    def inputs(self) -> list[str]:
+        return ShapeExpression(self.expression).names
 
     def value(self, shape_of: Callable[[str], Sequence[Any]]) -> Any:
         """The argument from input shapes (`shape_of(input name)`); SymInts under export."""
-        value = shape_of(self.minuend.input)[self.minuend.dim]
-        if self.subtrahend is not None:
-            value = value - shape_of(self.subtrahend.input)[self.subtrahend.dim]
-        return value
+        return ShapeExpression(self.expression).value(shape_of)
 
     def formula(self) -> str:
-        text = f"{self.minuend.input}.shape[{self.minuend.dim}]"
-        if self.subtrahend is not None:
-            text += f" - {self.subtrahend.input}.shape[{self.subtrahend.dim}]"
-        return text
+        return self.expression
 
 
 class NonTensorArg(Record):
@@ -99,8 +181,21 @@ class CallShape(Record):
     outputs: list[list[int]]
 
 
+class Dispatch(Record):
+    """This contract serves the calls of plan candidate `candidate` whose non-tensor arguments take
+    these values (tree path -> value): one graph per observed value, chosen per call by the splice."""
+
+    candidate: str
+    on: dict[str, bool | int | float | str | None]
+
+    def label(self) -> str:
+        return ", ".join(f"{path}={value!r}" for path, value in self.on.items())
+
+
 class ContractSpec(Record):
-    candidate: str  # candidate name, e.g. "vision_backbone"
+    # The contract's (and its graph's) name: the plan candidate, or "<candidate>-<value>" for one
+    # of several dispatched graphs (see `dispatch`).
+    candidate: str
     module_path: str  # dotted path from the model root, e.g. "detector.backbone.vision_backbone"
     module_class: str
     parent_path: str  # replacement point: parent module path ...
@@ -119,6 +214,12 @@ class ContractSpec(Record):
     structure_variants: int = 1
     call_shapes: list[CallShape] = Field(default_factory=list)  # distinct per-call shapes, first-seen order
     samples: list[str] = Field(default_factory=list)  # npz paths, relative to the task workdir
+    dispatch: Dispatch | None = None
+
+    @property
+    def plan_candidate(self) -> str:
+        """The plan candidate this contract belongs to."""
+        return self.dispatch.candidate if self.dispatch else self.candidate
 
     def input_index(self, ref: str) -> int:
         """Position of the tensor input named `ref` (its name or tree path)."""

@@ -1,19 +1,28 @@
-"""Intake: what to adapt (model, weights, inputs, target) and how to verify it."""
+"""Intake: what to adapt (model, weights, inputs, target) and how to verify it.
+
+The model's driver gives `inputs` and `verification` their meaning: it validates them with its
+own pydantic models (`ModelDriver.inputs_model`, `verification_model`) when the record is loaded.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from omskills.records.base import Record
 
 
 class ModelSpec(Record):
-    family: Literal["sam3", "sam3.1"]
-    # "package" = the installed PyPI package; otherwise a path to a checkout of the source.
+    # A registered model family (`omskills drivers` lists them) ...
+    family: str | None = None
+    # ... or the driver named directly: "package.module:Class", "path/in/workspace.py:Class", or a
+    # file "path.py" with the two functions build_model and run_main_path. Paths are relative to
+    # the task record's folder.
+    driver: str | None = None
+    # "package" = the installed package; otherwise a path to a checkout of the source.
     source: str = "package"
-    builder: str
+    builder: str | None = None  # what builds the model, in the driver's terms (a builder function)
     builder_kwargs: dict[str, Any] = Field(default_factory=dict)
     scale: Literal["full", "tiny"] = "full"
     # None = random initialisation with `seed` (labelled "random" in every report).
@@ -22,19 +31,11 @@ class ModelSpec(Record):
     # Device of the PyTorch reference: cpu here, cuda where a GPU exists, npu with torch_npu.
     device: str = "cpu"
 
-
-class InputSpec(Record):
-    # A path to an mp4/gif/folder of frames, or builtin:<name>.
-    video: str
-    prompt: str
-    frames: int = Field(8, ge=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_empty(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("the text prompt is empty")
-        return value
+    @model_validator(mode="after")
+    def _names_a_driver(self) -> "ModelSpec":
+        if not (self.family or self.driver):
+            raise ValueError("set family (a registered driver, see `omskills drivers`) or driver (module:Class or a file)")
+        return self
 
 
 class TargetSpec(Record):
@@ -44,24 +45,8 @@ class TargetSpec(Record):
     deploy: list[str] = Field(default_factory=list)
 
 
-class VerificationSpec(Record):
-    """Settings that make random weights exercise the whole main path.
-
-    With random weights no detection passes the score thresholds and the tracker never
-    runs. `force_top_k_detections` keeps the K best-scoring detections of the prompted
-    frame whatever their score; `disable_hotstart` removes the hot-start delay so they
-    are tracked at once; `keep_objects_visible` makes the tracker's object-visibility
-    logit non-negative (its absolute value), so a random head does not blank every
-    tracked mask as "occluded". All are reported in every output when on.
-    """
-
-    force_top_k_detections: int = Field(2, ge=0)
-    disable_hotstart: bool = True
-    keep_objects_visible: bool = False
-
-
 class Intake(Record):
     model: ModelSpec
-    inputs: InputSpec
+    inputs: dict[str, Any] = Field(default_factory=dict)  # the driver's inputs_model validates it
     target: TargetSpec = Field(default_factory=TargetSpec)
-    verification: VerificationSpec = Field(default_factory=VerificationSpec)
+    verification: dict[str, Any] = Field(default_factory=dict)  # the driver's verification_model validates it

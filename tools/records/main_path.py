@@ -1,20 +1,36 @@
-"""Results of one run of the main path (start_session -> add_prompt -> propagate_in_video)."""
+"""Results of one run of the main path: per step, a summary of every named output."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import Field
 
 from omskills.records.base import Record
 from omskills.records.inventory import PortabilityFinding
 
+# Outputs with at most this many elements are stored whole in the report.
+VALUES_KEPT = 64
 
-class FrameRecord(Record):
-    frame: int
-    obj_ids: list[int]
-    scores: list[float]
-    boxes_xywh: list[list[float]]
-    mask_areas: list[int]
+
+class OutputSummary(Record):
+    name: str
+    shape: list[int]
+    dtype: str
+    values: list[Any] | None = None  # the values, rounded, when the output is small
+    minimum: float | None = None
+    maximum: float | None = None
+    mean: float | None = None
+    true_count: int | None = None  # boolean outputs: how many elements are set
+
+
+class StepRecord(Record):
+    index: int
     seconds: float
+    outputs: list[OutputSummary]
+
+    def output(self, name: str) -> OutputSummary | None:
+        return next((o for o in self.outputs if o.name == name), None)
 
 
 class MainPathReport(Record):
@@ -23,21 +39,17 @@ class MainPathReport(Record):
     scale: str
     weights: str  # "random" or the checkpoint path
     device: str
-    prompt: str
-    video: str
-    num_frames: int
+    inputs: dict[str, Any]  # intake.inputs as the driver read them
+    step_name: str = "step"
+    num_steps: int
     verification: list[str] = Field(default_factory=list)  # settings that were on, said plainly
     load_seconds: float
-    prompt_seconds: float
+    setup_seconds: float
     total_seconds: float
-    seconds_per_frame: float
+    seconds_per_step: float
     peak_rss_mb: float
-    frames: list[FrameRecord]
-    masks_path: str
-    overlays: list[str]
+    steps: list[StepRecord]
+    outputs_path: str  # npz of every step's outputs, keys "<step>/<output>"
+    pictures: list[str]
     portability_findings: list[PortabilityFinding]
     notes: list[str] = Field(default_factory=list)
-
-    @property
-    def tracked_every_frame(self) -> bool:
-        return all(f.obj_ids for f in self.frames)

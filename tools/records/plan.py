@@ -31,6 +31,9 @@ class Candidate(Record):
     rank: int
     status: CandidateStatus
     reason: str
+    # Set while it is deferred because it runs inside that selected candidate: if the outer one
+    # cannot be exported, this one is deployed instead.
+    inside: str | None = None
     # Where the stages put this candidate's artefacts (ONNX, OM) once produced.
     onnx_path: str | None = None
     om_path: str | None = None
@@ -50,11 +53,23 @@ class Plan(Record):
         return [c for c in self.candidates if c.name in self.first_batch]
 
 
+class Seed(Record):
+    """A subtree whose calls the study records: named by the driver, or found in a profile."""
+
+    name: str
+    module_path: str
+    description: str = ""
+    group: str = ""
+
+
 class StudyRun(Record):
     """The one instrumented run of the main path that feeds the profile and the contracts."""
 
     inputs_hash: str
     main_path_json: str
+    seeds: list[Seed] = Field(default_factory=list)
+    # "driver": its seed candidates; "profile": the heaviest subtrees of a discovery run's profile.
+    seeds_from: Literal["driver", "profile"] = "driver"
     contracts_captured: list[str] = Field(default_factory=list)
     seconds: float
     # Per candidate, the ranges the driver read from the built model (for the shape strategy).

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from omskills.compare.parity import OutputParity, Verdict
+from omskills.records.parity import OutputParity, Verdict
 from omskills.records.base import Record
 
 

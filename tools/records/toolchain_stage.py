@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from omskills.compare.parity import ParityReport
+from omskills.records.parity import ParityReport
 from omskills.records.base import Record
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 

@@ -1,23 +1,86 @@
-"""Stage 4 records: the spliced main path against the PyTorch reference."""
+"""Stage 4 records: the spliced main path against the PyTorch reference.
+
+A driver says how two runs are compared as a list of `OutputCheck`s: which output of each step,
+which metric, which gate. The engine's comparators (`omskills.compare.outputs`) turn them into
+one `CheckResult` per check and step; the verdict is pass when every gating check passes on
+every step, both runs have the same steps, and no spliced call fell back to PyTorch.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from omskills.records.base import Record
 from omskills.records.export import FallbackEvent, SpliceStats
+from omskills.records.parity import ParityGates
+
+# exact: equal arrays (ids, labels, counts). tensor: cosine / max abs against ParityGates.
+# iou: boolean region maps of the same items, per item, at least `threshold`.
+# max_abs: largest absolute difference at most `threshold` (coordinates, scores).
+MetricName = Literal["exact", "tensor", "iou", "max_abs"]
 
 
-class FrameParity(Record):
-    frame: int
-    reference_ids: list[int]
-    spliced_ids: list[int]
-    obj_ids_equal: bool
-    mask_iou: dict[str, float]  # object id -> IoU
-    max_box_diff: float
-    max_score_diff: float
+class OutputCheck(Record):
+    """How one output of every step is compared; `output` "*" means every output (tensor metric
+    for floats, exact for the rest)."""
+
+    output: str
+    metric: MetricName
+    # Items (dim 0) of the output are matched across runs by the values of this output, e.g.
+    # object ids: items the other run lacks count as the worst value.
+    key: str | None = None
+    threshold: float | None = None  # iou: the least IoU; max_abs: the largest difference
+    gates: ParityGates | None = None  # tensor: default ParityGates()
+    gating: bool = True  # False: reported beside the verdict, not part of it
+    label: str = ""  # what reports call it, e.g. "object ids"
+
+    @model_validator(mode="after")
+    def _threshold_where_needed(self) -> "OutputCheck":
+        if self.metric in ("iou", "max_abs") and self.threshold is None:
+            raise ValueError(f"metric {self.metric} needs a threshold")
+        return self
+
+    @property
+    def title(self) -> str:
+        return self.label or f"{self.output} ({self.metric})"
+
+
+class CheckResult(Record):
+    """One check on one step: its figure and whether it passed."""
+
+    output: str
+    metric: MetricName
+    # exact: fraction of elements that differ (1 when shapes or keys differ); tensor and max_abs:
+    # the largest absolute difference; iou: the least IoU over items.
+    value: float | None
+    cosine: float | None = None  # tensor only
+    passed: bool
+    gating: bool = True
+    detail: str | None = None
+
+
+class StepParity(Record):
+    index: int
+    checks: list[CheckResult]
     torch_seconds: float
     spliced_seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks if c.gating)
+
+
+class CheckSummary(Record):
+    """A check over every step: its worst figure and whether it held on all of them."""
+
+    output: str
+    metric: MetricName
+    title: str
+    worst: float | None
+    passed: bool
+    gating: bool
 
 
 class CandidateVerification(Record):
@@ -32,13 +95,23 @@ class CandidateVerification(Record):
 
 
 class MainPathParity(Record):
-    frames: int
-    obj_ids_equal: bool
-    min_mask_iou: float
+    steps: int
+    steps_equal: bool  # both runs produced the same step indices
+    checks: list[CheckSummary]
     fallbacks: int
-    torch_s_per_frame: float
-    spliced_s_per_frame: float
-    latency_ratio: float  # spliced / torch, same process, same frames
+    torch_s_per_step: float
+    spliced_s_per_step: float
+    latency_ratio: float  # spliced / torch, same process, same steps
+
+    def summary(self) -> str:
+        parts = [f"{c.title} worst {_figure(c)}{'' if c.passed else ' FAILED'}" for c in self.checks]
+        return "; ".join(parts)
+
+
+def _figure(check: CheckSummary) -> str:
+    if check.worst is None:
+        return "-"
+    return f"{check.worst:.4f}" if check.metric == "iou" else f"{check.worst:.2e}"
 
 
 class VerifyReport(Record):
@@ -46,14 +119,16 @@ class VerifyReport(Record):
     weights: str
     scale: str
     backend: str
+    step_name: str = "step"
     backend_per_candidate: dict[str, str]
     not_spliced: dict[str, str] = Field(default_factory=dict)  # candidate -> why it stayed in PyTorch
     candidates: list[CandidateVerification]
+    comparison: list[OutputCheck]
     main_path: MainPathParity
-    per_frame: list[FrameParity]
+    per_step: list[StepParity]
     splice_stats: list[SpliceStats]
     fallback_events: list[FallbackEvent]
     verification_settings: list[str]
     report_json: str
     report_html: str
-    verdict: str  # "pass" when ids equal, min IoU >= 0.99 and zero fallbacks
+    verdict: str  # "pass" when the steps match, every gating check passes and no call fell back

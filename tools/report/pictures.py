@@ -1,7 +1,8 @@
-"""Overlay pictures: masks and boxes drawn over video frames."""
+"""Pictures for reports: instances (regions, boxes, ids) drawn over an image, side by side views."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,25 +11,37 @@ from PIL import Image, ImageDraw
 PALETTE = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240), (240, 50, 230)]
 
 
-def draw_overlay(frame: Image.Image, obj_ids: list[int], masks: np.ndarray, boxes_xywh: list[list[float]], title: str | None = None) -> Image.Image:
-    """Masks tinted per object id, boxes outlined, ids labelled (boxes are normalised xywh)."""
-    base = np.asarray(frame.convert("RGB"), dtype=np.float32)
+def draw_instances(image: Image.Image, ids: Sequence[int], regions: np.ndarray | None, boxes_xywh: Sequence[Sequence[float]],
+                   title: str | None = None, normalised: bool = True) -> Image.Image:
+    """Regions ((N, H, W) booleans) tinted per id, boxes outlined, ids labelled. Boxes are
+    [x, y, w, h], as fractions of the image when `normalised`, else in pixels."""
+    base = np.asarray(image.convert("RGB"), dtype=np.float32)
     out = base.copy()
-    for obj_id, mask in zip(obj_ids, masks):
+    for obj_id, region in zip(ids, regions if regions is not None else []):
         color = np.asarray(PALETTE[obj_id % len(PALETTE)], dtype=np.float32)
-        if mask.shape == out.shape[:2]:
-            out[mask] = 0.45 * out[mask] + 0.55 * color
-    image = Image.fromarray(out.clip(0, 255).astype(np.uint8))
-    draw = ImageDraw.Draw(image)
-    w, h = image.size
-    for obj_id, (x, y, bw, bh) in zip(obj_ids, boxes_xywh):
+        if region.shape == out.shape[:2]:
+            out[region] = 0.45 * out[region] + 0.55 * color
+    picture = Image.fromarray(out.clip(0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(picture)
+    w, h = picture.size
+    sx, sy = (w, h) if normalised else (1, 1)
+    for obj_id, (x, y, bw, bh) in zip(ids, boxes_xywh):
         color = PALETTE[obj_id % len(PALETTE)]
-        draw.rectangle([x * w, y * h, (x + bw) * w, (y + bh) * h], outline=color, width=3)
-        draw.text((x * w + 4, y * h + 2), f"id {obj_id}", fill=color)
+        draw.rectangle([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], outline=color, width=3)
+        draw.text((x * sx + 4, y * sy + 2), f"id {obj_id}", fill=color)
     if title:
         draw.rectangle([0, 0, w, 18], fill=(0, 0, 0))
         draw.text((4, 3), title, fill=(255, 255, 255))
-    return image
+    return picture
+
+
+def titled(image: Image.Image, title: str) -> Image.Image:
+    """The image with a title bar drawn over its top."""
+    picture = image.convert("RGB").copy()
+    draw = ImageDraw.Draw(picture)
+    draw.rectangle([0, 0, picture.width, 18], fill=(0, 0, 0))
+    draw.text((4, 3), title, fill=(255, 255, 255))
+    return picture
 
 
 def side_by_side(left: Image.Image, right: Image.Image) -> Image.Image:

@@ -5,6 +5,8 @@
         backend.last_seconds, backend.describe()
 
 `available_backends()` says what this machine can run, e.g. ["onnxruntime:CPUExecutionProvider"].
+Backends are entries of the `omskills.backends` registry (entry-point group of the same name):
+a third-party backend registers there as the built-in ones do.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from omskills.runtime.base import (
 )
 from omskills.runtime.om_backend import OM_MODES, OmBackend, OmMode, ais_bench_available, om_mode_for_strategy
 from omskills.runtime.onnxruntime_backend import PREFERRED_PROVIDERS, OnnxRuntimeBackend, available_providers
+from omskills.registry import Registry, RegistryError
 
-_BACKENDS: dict[str, type[RuntimeBackend]] = {"onnxruntime": OnnxRuntimeBackend, "om": OmBackend}
+BACKENDS: Registry[type[RuntimeBackend]] = Registry("runtime backend", group="omskills.backends")
+BACKENDS.register("onnxruntime", OnnxRuntimeBackend)
+BACKENDS.register("om", OmBackend)
 
 
 def open_backend(path: str | Path, kind: BackendKind, **options: object) -> RuntimeBackend:
@@ -33,9 +38,9 @@ def open_backend(path: str | Path, kind: BackendKind, **options: object) -> Runt
     onnxruntime: providers, threads. om: device_id, mode, custom_sizes.
     """
     try:
-        backend_class = _BACKENDS[kind]
-    except KeyError:
-        raise BackendError(f"kind: unknown backend {kind!r}; expected one of {list(_BACKENDS)}") from None
+        backend_class = BACKENDS.get(kind)
+    except RegistryError:
+        raise BackendError(f"kind: unknown backend {kind!r}; expected one of {BACKENDS.names()}") from None
     accepted = [name for name in inspect.signature(backend_class.__init__).parameters if name not in ("self", "path")]
     unknown = [name for name in options if name not in accepted]
     if unknown:
@@ -53,6 +58,7 @@ def available_backends() -> list[str]:
 
 __all__ = [
     "ANONYMOUS_DIM",
+    "BACKENDS",
     "OM_MODES",
     "PREFERRED_PROVIDERS",
     "BackendError",

@@ -179,18 +179,10 @@ def spliced_class(original_class: type) -> type:
 _SPLICED_CLASSES: dict[type, type] = {}
 
 
-class SplicedModule(nn.Module):
-    """Stands where the candidate stood; runs the backend for calls inside the contract."""
+class _Route:
+    """One compiled graph a spliced module can send a call to: its contract, backend and checks."""
 
-    def __init__(
-        self,
-        original: nn.Module,
-        contract: ContractSpec,
-        backend: SpliceBackend,
-        strategy: ShapeStrategy | None = None,
-    ) -> None:
-        nn.Module.__init__(self)  # not super(): in a spliced_class the next base is the model class
-        self.original = original  # registered: parameters and .to() still reach it for fallbacks
+    def __init__(self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None) -> None:
         self.contract = contract
         self.backend = backend
         self.call_layout = TreeLayout.of_call(contract)
@@ -201,12 +193,9 @@ class SplicedModule(nn.Module):
         self.bound_constants = self._bound_constants(contract)
         self.output_constants = self._output_constants(contract)
         self.feed_names = self._feed_names(contract, backend)
-        self.calls = 0
+        self.calls = 0  # calls this graph answered or, when none could, was held to account for
         self.backend_seconds: list[float] = []
         self.fallback_events: list[FallbackEvent] = []
-        if contract.method != "forward":
-            # The caller calls parent.<attribute>.<method>(...): answer that name.
-            object.__setattr__(self, contract.method, self._contract_call)
 
     @staticmethod
     def _bound_constants(contract: ContractSpec) -> list[Any]:
@@ -241,40 +230,7 @@ class SplicedModule(nn.Module):
             raise SpliceError(f"{where} has no output(s) {missing} of the contract")
         return [io.name for io in backend.inputs]
 
-    def __getattr__(self, name: str) -> Any:
-        # Attributes the caller reads on the candidate (config, submodules) come from the original.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "original" not in modules:
-                raise
-            return getattr(modules["original"], name)
-
-    # -- calls -----------------------------------------------------------------------------
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.contract.method != "forward":
-            self.calls += 1
-            self._fall_back(Violation("method", f"forward called; the contract covers {self.contract.method}"))
-            return self.original(*args, **kwargs)
-        return self._contract_call(*args, **kwargs)
-
-    def _contract_call(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        flat = flatten_call(args, kwargs)
-        violation = self._violation(flat)
-        if violation is not None:
-            self._fall_back(violation)
-            return self._original_call()(*args, **kwargs)
-        return self._run_backend(self.call_layout.tensors_of(flat.leaves))
-
-    def _original_call(self) -> Any:
-        if self.contract.method == "forward":
-            return self.original  # through __call__, so its hooks run as usual
-        return getattr(self.original, self.contract.method)
-
-    def _violation(self, flat: FlatTree) -> Violation | None:
+    def violation(self, flat: FlatTree) -> Violation | None:
         if flat.spec != self.in_spec:
             return Violation("structure", "the call's argument structure differs from the contract's in_spec")
         for leaf, role, path in zip(flat.leaves, self.call_layout.roles, self.call_layout.paths):
@@ -301,15 +257,9 @@ class SplicedModule(nn.Module):
             return Violation("autograd", "an input requires grad; the backend cannot backpropagate")
         return None
 
-    def _fall_back(self, violation: Violation) -> None:
-        event = FallbackEvent(
-            candidate=self.contract.candidate, call=self.calls, kind=violation.kind, reason=violation.reason
-        )
-        self.fallback_events.append(event)
-        logger.warning("%s call %d runs in PyTorch (fallback, %s): %s",
-                       event.candidate, event.call, event.kind, event.reason)
-
-    def _run_backend(self, tensors: list[torch.Tensor]) -> Any:
+    def run(self, flat: FlatTree) -> Any:
+        self.calls += 1
+        tensors = self.call_layout.tensors_of(flat.leaves)
         started = time.perf_counter()
         by_name = {spec.name: tensor for spec, tensor in zip(self.contract.inputs, tensors)}
         feeds = {name: np.ascontiguousarray(by_name[name].detach().cpu().numpy()) for name in self.feed_names}
@@ -320,17 +270,11 @@ class SplicedModule(nn.Module):
         self.backend_seconds.append(time.perf_counter() - started)
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
 
-    def _output_tensor(
-        self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device
-    ) -> torch.Tensor:
+    def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
         if spec.name not in produced:
-            raise SpliceError(
-                f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}"
-            )
+            raise SpliceError(f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}")
         array = np.ascontiguousarray(produced[spec.name])
         return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
-
-    # -- reporting -------------------------------------------------------------------------
 
     def stats(self) -> SpliceStats:
         kinds = Counter(event.kind for event in self.fallback_events)
@@ -348,6 +292,93 @@ class SplicedModule(nn.Module):
             total_backend_seconds=total,
             mean_backend_seconds=total / len(self.backend_seconds) if self.backend_seconds else None,
         )
+
+
+class SplicedModule(nn.Module):
+    """Stands where the candidate stood; runs a backend for calls inside one of its contracts.
+
+    A candidate dispatched on a non-tensor argument has one contract and backend per value (its
+    routes); each call goes to the route whose contract it satisfies.
+    """
+
+    def __init__(
+        self,
+        original: nn.Module,
+        contract: ContractSpec,
+        backend: SpliceBackend,
+        strategy: ShapeStrategy | None = None,
+    ) -> None:
+        nn.Module.__init__(self)  # not super(): in a spliced_class the next base is the model class
+        self.original = original  # registered: parameters and .to() still reach it for fallbacks
+        self.method = contract.method
+        self.routes: list[_Route] = [_Route(contract, backend, strategy)]
+        self.calls = 0
+        if contract.method != "forward":
+            # The caller calls parent.<attribute>.<method>(...): answer that name.
+            object.__setattr__(self, contract.method, self._contract_call)
+
+    @property
+    def contract(self) -> ContractSpec:
+        return self.routes[0].contract
+
+    def add_route(self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None = None) -> None:
+        """Another graph of the same candidate, for the calls whose dispatch values it serves."""
+        first = self.contract
+        if (contract.module_path, contract.method) != (first.module_path, first.method):
+            raise SpliceError(f"{contract.candidate}: {contract.module_path}.{contract.method} is not where "
+                              f"{first.candidate} is spliced ({first.module_path}.{first.method})")
+        self.routes.append(_Route(contract, backend, strategy))
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes the caller reads on the candidate (config, submodules) come from the original.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "original" not in modules:
+                raise
+            return getattr(modules["original"], name)
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.method != "forward":
+            self.calls += 1
+            self._fall_back(self.routes[0], Violation("method", f"forward called; the contract covers {self.method}"))
+            return self.original(*args, **kwargs)
+        return self._contract_call(*args, **kwargs)
+
+    def _contract_call(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        flat = flatten_call(args, kwargs)
+        violations = [(route, route.violation(flat)) for route in self.routes]
+        served = next((route for route, violation in violations if violation is None), None)
+        if served is not None:
+            return served.run(flat)
+        # The route whose dispatch values the call has explains best why none could serve it.
+        route, violation = next(((r, v) for r, v in violations if v.kind != "constant"), violations[0])
+        route.calls += 1
+        self._fall_back(route, violation)  # type: ignore[arg-type]
+        return self._original_call()(*args, **kwargs)
+
+    def _original_call(self) -> Any:
+        if self.method == "forward":
+            return self.original  # through __call__, so its hooks run as usual
+        return getattr(self.original, self.method)
+
+    def _fall_back(self, route: _Route, violation: Violation) -> None:
+        event = FallbackEvent(candidate=route.contract.candidate, call=self.calls, kind=violation.kind, reason=violation.reason)
+        route.fallback_events.append(event)
+        logger.warning("%s call %d runs in PyTorch (fallback, %s): %s", event.candidate, event.call, event.kind, event.reason)
+
+    @property
+    def fallback_events(self) -> list[FallbackEvent]:
+        return sorted((e for route in self.routes for e in route.fallback_events), key=lambda e: e.call)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def stats(self) -> list[SpliceStats]:
+        return [route.stats() for route in self.routes]
 
 
 # --------------------------------------------------------------------------- splice / unsplice
@@ -371,10 +402,11 @@ class SpliceHandle:
 
     @property
     def modules(self) -> dict[str, SplicedModule]:
-        return {spliced.contract.candidate: spliced for spliced in self._spliced}
+        """Graph name -> the spliced module serving it (dispatched graphs share one)."""
+        return {route.contract.candidate: spliced for spliced in self._spliced for route in spliced.routes}
 
     def stats(self) -> list[SpliceStats]:
-        return [spliced.stats() for spliced in self._spliced]
+        return [stats for spliced in self._spliced for stats in spliced.stats()]
 
     def fallbacks(self) -> list[FallbackEvent]:
         return [event for spliced in self._spliced for event in spliced.fallback_events]
@@ -386,7 +418,12 @@ class SpliceHandle:
         original = getattr(parent, contract.attribute, None)
         where = f"{contract.candidate}: {contract.parent_path or '<root>'}.{contract.attribute}"
         if isinstance(original, SplicedModule):
-            raise SpliceError(f"{where} is already spliced")
+            # Another graph of a candidate dispatched on a non-tensor argument joins its splice.
+            same = contract.dispatch and original.contract.dispatch and original.contract.plan_candidate == contract.plan_candidate
+            if not same or original not in self._spliced:
+                raise SpliceError(f"{where} is already spliced")
+            original.add_route(contract, backend, strategy)
+            return original
         if not isinstance(original, nn.Module):
             raise SpliceError(f"{where} is not a module (found {type(original).__name__})")
         if not _is_class(original, contract.module_class):

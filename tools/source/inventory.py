@@ -1,11 +1,11 @@
 """Stage 1 inventory: a static (`ast`) scan of the model source, with file:line evidence.
 
 It answers, without importing the model: which builders exist (and is the configured one
-there), which predictor classes a user calls and which request types their
-`handle_request`/`handle_stream_request` dispatch, what Python control plane surrounds the
-network (tokenizer, session store, frame cache, object ids, prompts), and where the code is
-CUDA-only. Only the builder module's import closure inside the package is scanned: that is
-what building and running the model loads (training and evaluation code is left out).
+there), which classes a user calls (those defining the driver's entry methods, e.g. a
+predictor's request dispatchers, with the request types they route), what Python control plane
+surrounds the network (tokenizer, session store, frame cache, object ids, prompts), and where the
+code is CUDA-only. Only the builder module's import closure inside the package is scanned: that
+is what building and running the model loads (training and evaluation code is left out).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from omskills.errors import InputError, OmskillsError
 from omskills.records.inventory import (
@@ -30,48 +30,27 @@ from omskills.records.inventory import (
     RequestRoute,
 )
 
-# Python package that holds each family's source (SAM 3.1 checkouts keep the name `sam3`).
-PACKAGE_OF_FAMILY = {"sam3": "sam3", "sam3.1": "sam3"}
-DISPATCHERS = ("handle_request", "handle_stream_request")
 DETAIL_CHARS = 160
 
 
 # --- locating and parsing the source -----------------------------------------------------
 
-def package_of(family: str) -> str:
-    try:
-        return PACKAGE_OF_FAMILY[family]
-    except KeyError:
-        raise OmskillsError(f"intake.model.family: no source layout known for {family!r}") from None
-
-
-def locate_source_root(source: str, family: str, base_dir: Path | None = None) -> Path:
-    """Folder that holds the family's package: the installed one, or a checkout.
-
-    `source` is "package" (found with importlib, without importing it) or a path to a
-    checkout (the folder holding `sam3/`, or the package folder itself). A relative path is
-    tried against `base_dir` (the task record's folder) first, then the working directory.
-    """
-    package = package_of(family)
+def package_root(source: str, package: str) -> Path:
+    """Folder that holds `package`: the installed one (`source` "package", found without importing
+    it), or a checkout given as the folder holding the package or as the package folder itself."""
     if source == "package":
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise InputError(f"intake.model.source: package {package!r} is not installed in {sys.executable}")
         return Path(list(spec.submodule_search_locations)[0]).resolve().parent
-    path = _existing_path(Path(source).expanduser(), base_dir)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise InputError(f"intake.model.source: path does not exist: {path}")
     if (path / package / "__init__.py").is_file():
         return path.resolve()
     if path.name == package and (path / "__init__.py").is_file():
         return path.resolve().parent
     raise InputError(f"intake.model.source: {path} does not contain the {package!r} package (expected {path / package / '__init__.py'})")
-
-
-def _existing_path(path: Path, base_dir: Path | None) -> Path:
-    tries = [path] if path.is_absolute() else [p for p in ((base_dir / path) if base_dir else None, Path.cwd() / path) if p]
-    for candidate in tries:
-        if candidate.exists():
-            return candidate
-    raise InputError(f"intake.model.source: path does not exist: {path}")
 
 
 @dataclass
@@ -147,13 +126,14 @@ def import_closure(files: dict[str, SourceFile], start: str) -> list[SourceFile]
 
 # --- builders and predictors -------------------------------------------------------------
 
-def find_builders(files: Iterable[SourceFile]) -> list[BuilderFunction]:
+def find_builders(files: Iterable[SourceFile], builder: str = "") -> list[BuilderFunction]:
+    """Module-level `build_*` functions, and the configured builder whatever its name."""
     builders = []
     for source in files:
-        if "def build_" not in source.text or source.tree is None:  # cheap filter before parsing
-            continue
+        if ("def build_" not in source.text and f"def {builder}(" not in source.text) or source.tree is None:
+            continue  # cheap filter before parsing
         for node in source.tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("build_"):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (node.name.startswith("build_") or node.name == builder):
                 params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
                 params += [f"*{node.args.vararg.arg}"] if node.args.vararg else []
                 params += [f"**{node.args.kwarg.arg}"] if node.args.kwarg else []
@@ -243,13 +223,16 @@ def _calls_super(method: ast.FunctionDef) -> bool:
     return False
 
 
-def find_predictors(files: Iterable[SourceFile]) -> list[PredictorClass]:
+def find_predictors(files: Iterable[SourceFile], entry_methods: Sequence[str],
+                    entry_classes: Sequence[str] = ()) -> list[PredictorClass]:
+    """Classes defining one of the entry methods (only those named in `entry_classes`, when given),
+    with the request types their dispatchers route."""
     predictors = []
     for source in files:
         for node in ast.walk(source.tree):
-            if not isinstance(node, ast.ClassDef):
+            if not isinstance(node, ast.ClassDef) or (entry_classes and node.name not in entry_classes):
                 continue
-            methods = [m for m in node.body if isinstance(m, ast.FunctionDef) and m.name in DISPATCHERS]
+            methods = [m for m in node.body if isinstance(m, ast.FunctionDef) and m.name in entry_methods]
             if not methods:
                 continue
             predictors.append(PredictorClass(
@@ -491,14 +474,14 @@ def find_portability_sites(files: Iterable[SourceFile]) -> list[PortabilityFindi
 
 # --- the scan ----------------------------------------------------------------------------
 
-def scan_source(source_root: Path, family: str, builder: str, source: str | None = None) -> Inventory:
-    """Static inventory of the family's package under `source_root` for the configured builder."""
+def scan_source(source_root: Path, package: str, builder: str, *, family: str, entry_methods: Sequence[str] = (),
+                entry_classes: Sequence[str] = (), source: str | None = None) -> Inventory:
+    """Static inventory of `package` under `source_root`, from the configured builder's module."""
     source_root = Path(source_root)
-    package = package_of(family)
     if not (source_root / package).is_dir():
         raise InputError(f"intake.model.source: {source_root / package} does not exist")
     files = read_package(source_root, package)
-    builders = find_builders(files.values())
+    builders = find_builders(files.values(), builder)
     chosen = next((b for b in builders if b.name == builder), None)
     if chosen is None:
         known = ", ".join(sorted({b.name for b in builders})) or "none"
@@ -509,7 +492,7 @@ def scan_source(source_root: Path, family: str, builder: str, source: str | None
         family=family, source=source or str(source_root), source_root=str(source_root.resolve()), package=package,
         builder=builder, builder_file=chosen.file, files_scanned=len(closure),
         builders=builders,
-        predictors=find_predictors(closure), control_plane=find_control_plane(closure),
+        predictors=find_predictors(closure, entry_methods, entry_classes), control_plane=find_control_plane(closure),
         portability=find_portability_sites(closure),
         unparsed_files=sorted(f.rel for f in files.values() if f.parsed and f.tree is None),
     )

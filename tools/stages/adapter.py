@@ -7,12 +7,10 @@ from pathlib import Path
 from pydantic import Field
 
 from omskills.boundary.analysis import analyze_boundaries as _analyze, render_contract_table
-from omskills.stages.deployer import selected_candidates
-from omskills.errors import StageError
-from omskills.models.cache import load_model
-from omskills.models import get_driver
+from omskills.models.registry import driver_for
 from omskills.records.base import Record
 from omskills.records.contracts import BoundaryDecision, ContractSpec
+from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
 from omskills.stages.study import ensure_study
 from omskills.records.task import TaskRecord, load_record
@@ -30,12 +28,10 @@ class BoundariesResult(Record):
 
 
 def capture_contracts(task_path: Path, candidate: str | None = None) -> ContractsResult:
-    """Contracts of the selected candidates, from the study run (rerun only if the intake changed)."""
+    """Contracts of the selected candidates (one per graph of a dispatched candidate), from the study
+    run (rerun only if the intake changed)."""
     record = ensure_study(task_path)
-    names = selected_candidates(record, candidate)
-    missing = [n for n in names if n not in record.contracts]
-    if missing:
-        raise StageError(f"candidate {', '.join(missing)} was never called on the main path (no contract captured)")
+    names = record.graphs(candidate)
     contracts = [record.contracts[n] for n in names]
     workdir = TaskRecord.workdir(task_path)
     table = workdir / "contracts" / "contracts.md"
@@ -46,11 +42,12 @@ def capture_contracts(task_path: Path, candidate: str | None = None) -> Contract
 
 def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_export: bool = False) -> BoundariesResult:
     record = load_record(task_path)
-    names = selected_candidates(record, candidate)
-    contracts = [record.contracts[n] for n in names if n in record.contracts]
-    if len(contracts) != len(names):
-        raise StageError("contracts missing for some selected candidates: run capture_contracts first")
-    limits = record.study.source_limits if record.study is not None else {}
+    # With the first batch come the candidates deferred inside it: deployed if their outer one fails.
+    names = record.graphs(candidate) + (record.inner_graphs() if candidate is None else [])
+    contracts = [record.contracts[n] for n in names]
+    study_limits = record.study.source_limits if record.study is not None else {}
+    # The driver's limits are per plan candidate; each of its graphs takes them.
+    limits = {c.candidate: study_limits[c.plan_candidate] for c in contracts if c.plan_candidate in study_limits}
     inputs_hash = fingerprint(contracts, trial_export, limits)
     step_name = "boundaries" if candidate is None else f"boundaries:{candidate}"
     workdir = TaskRecord.workdir(task_path)
@@ -58,10 +55,10 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
         decisions = [record.boundaries[n] for n in names]
     else:
         with running_step(task_path, step_name, inputs_hash) as step:
-            driver = get_driver(record.intake.model.family)
+            driver = driver_for(record.intake.model, workdir)
             modules = {}
             if trial_export:
-                _, loaded, _ = load_model(record.intake.model)
+                loaded = open_model(record, workdir).loaded
                 modules = {c.candidate: loaded.root.get_submodule(c.module_path) for c in contracts}
             decisions = _analyze(contracts, modules, limits, trial_export=trial_export, samples_root=workdir)
 
@@ -78,5 +75,5 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     table = workdir / "contracts" / "boundaries.md"
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text(render_contract_table(contracts, decisions))
-    control = get_driver(record.intake.model.family).control_plane_notes() + sorted({line for d in decisions for line in d.control_plane})
+    control = driver_for(record.intake.model, workdir).control_plane_notes() + sorted({line for d in decisions for line in d.control_plane})
     return BoundariesResult(decisions=decisions, table_path=str(table.relative_to(workdir)), control_plane=control)

@@ -1,88 +1,82 @@
-"""Run the text-prompted main path of a task and write what it produced.
+"""Run a task's main path once and write what it produced.
 
-Writes `main_path.json` (per frame: ids, scores, boxes; weights, scale, timings,
-portability findings), `masks.npz` and overlay PNGs into the output folder.
+Writes `main_path.json` (per step a summary of every output; weights, scale, timings,
+portability findings), `outputs.npz` (every step's outputs) and the driver's pictures.
 """
 
 from __future__ import annotations
 
 import resource
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import numpy as np
 
 from omskills import progress
-from omskills.models.cache import load_model
-from omskills.models import MainPathResult
-from omskills.report.pictures import draw_overlay, save_png
-from omskills.records.intake import Intake
-from omskills.records.main_path import FrameRecord, MainPathReport
+from omskills.models.api import LoadedModel, MainPathRun, RunHooks
+from omskills.models.registry import BoundIntake
+from omskills.records.main_path import VALUES_KEPT, MainPathReport, OutputSummary, StepRecord
 from omskills.records.task import TaskRecord
-from omskills.models.media import load_video
+from omskills.report.pictures import save_png
+from omskills.stages.model import open_model
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def verification_notes(intake: Intake) -> list[str]:
-    v = intake.verification
-    notes = []
-    if v.force_top_k_detections:
-        notes.append(f"force_top_k_detections={v.force_top_k_detections}: the top-{v.force_top_k_detections} detections of the prompted frame are kept whatever their score")
-    if v.disable_hotstart:
-        notes.append("disable_hotstart: hot-start delay set to 0 so forced objects are tracked at once")
-    if v.keep_objects_visible:
-        notes.append("keep_objects_visible: the tracker's object-visibility logit is taken as its absolute value")
-    return notes
+def summarise(name: str, value: np.ndarray) -> OutputSummary:
+    value = np.asarray(value)
+    summary = OutputSummary(name=name, shape=list(value.shape), dtype=str(value.dtype))
+    if value.dtype == bool:
+        summary.true_count = int(value.sum())
+    elif value.dtype.kind in "iuf" and value.size:
+        summary.minimum, summary.maximum = round(float(value.min()), 6), round(float(value.max()), 6)
+        summary.mean = round(float(value.mean()), 6)
+    if value.size <= VALUES_KEPT and value.dtype.kind in "biuf":
+        summary.values = np.round(value, 6).tolist() if value.dtype.kind == "f" else value.tolist()
+    return summary
 
 
-def frames_for(record: TaskRecord, task_dir: Path):
-    return load_video(record.intake.inputs.video, record.intake.inputs.frames, base_dir=task_dir)
-
-
-def run_and_report(record: TaskRecord, task_dir: Path, out_dir: Path,
-                   instrument: Callable[[object], object] | None = None) -> tuple[MainPathReport, MainPathResult]:
+def run_and_report(record: TaskRecord, task_dir: Path, out_dir: Path) -> tuple[MainPathReport, MainPathRun]:
     """Load (or reuse) the model, run the main path once, write the outputs."""
-    intake = record.intake
-    frames = frames_for(record, task_dir)
-    driver, loaded, load_seconds = load_model(intake.model)
+    model = open_model(record, task_dir)
     done = [0]
 
-    def on_frame(_frame: int) -> None:  # SAM shows its own tqdm bar; this feeds MCP progress
+    def on_step(_index: int) -> None:  # the model may show its own bar; this feeds MCP progress
         done[0] += 1
-        progress.report(done[0], len(frames), "main path frames")
+        progress.report(done[0], None, f"main path: {model.driver.step_name} {done[0]}")
 
-    result = driver.run_main_path(loaded, frames, intake, on_frame=on_frame)
-    report = write_main_path(record, loaded, result, frames, out_dir, load_seconds)
-    return report, result
+    run = model.run(RunHooks(on_step=on_step))
+    report = write_main_path(record, model.bound, model.loaded, run, model.data, out_dir, model.load_seconds)
+    return report, run
 
 
-def write_main_path(record: TaskRecord, loaded, result: MainPathResult, frames, out_dir: Path, load_seconds: float) -> MainPathReport:
+def write_main_path(record: TaskRecord, bound: BoundIntake, loaded: LoadedModel, run: MainPathRun, data: Any,
+                    out_dir: Path, load_seconds: float) -> MainPathReport:
     out_dir.mkdir(parents=True, exist_ok=True)
-    intake = record.intake
-    masks_path = out_dir / "masks.npz"
-    np.savez_compressed(masks_path, **{f"frame_{f.frame}": f.masks for f in result.frames},
-                        **{f"obj_ids_{f.frame}": np.asarray(f.obj_ids, dtype=np.int64) for f in result.frames})
-    overlays = []
-    for f in result.frames:
-        title = f"frame {f.frame} | ids {f.obj_ids} | weights: {loaded.weights}"
-        image = draw_overlay(frames[f.frame], f.obj_ids, f.masks, f.boxes_xywh, title)
-        overlays.append(str(save_png(image, out_dir / "overlays" / f"frame_{f.frame:04d}.png").relative_to(out_dir)))
-    n = max(len(result.frames), 1)
+    driver = bound.driver
+    outputs_path = out_dir / "outputs.npz"
+    np.savez_compressed(outputs_path, **{f"{s.index}/{name}": value for s in run.steps for name, value in s.outputs.items()})
+    pictures = []
+    for step in run.steps:
+        image = driver.picture(data, step, f"{driver.step_name} {step.index} | weights: {loaded.weights}")
+        if image is not None:
+            path = save_png(image, out_dir / "pictures" / f"{driver.step_name}_{step.index:04d}.png")
+            pictures.append(str(path.relative_to(out_dir)))
+    n = max(len(run.steps), 1)
+    model = record.intake.model
     report = MainPathReport(
-        task_id=record.id, model_family=intake.model.family, scale=intake.model.scale, weights=loaded.weights,
-        device=intake.model.device, prompt=intake.inputs.prompt, video=intake.inputs.video, num_frames=len(result.frames),
-        verification=verification_notes(intake),
-        load_seconds=round(load_seconds, 3), prompt_seconds=round(result.prompt_seconds, 3),
-        total_seconds=round(result.total_seconds, 3), seconds_per_frame=round(sum(f.seconds for f in result.frames) / n, 3),
+        task_id=record.id, model_family=driver.family, scale=model.scale, weights=loaded.weights, device=model.device,
+        inputs=bound.inputs.model_dump(mode="json"), step_name=driver.step_name, num_steps=len(run.steps),
+        verification=driver.settings_notes(bound.verification),
+        load_seconds=round(load_seconds, 3), setup_seconds=round(run.setup_seconds, 3),
+        total_seconds=round(run.total_seconds, 3), seconds_per_step=round(sum(s.seconds for s in run.steps) / n, 3),
         peak_rss_mb=round(peak_rss_mb(), 1),
-        frames=[FrameRecord(frame=f.frame, obj_ids=f.obj_ids, scores=[round(s, 6) for s in f.scores],
-                            boxes_xywh=[[round(v, 6) for v in b] for b in f.boxes_xywh],
-                            mask_areas=[int(m.sum()) for m in f.masks], seconds=round(f.seconds, 3)) for f in result.frames],
-        masks_path=masks_path.name, overlays=overlays,
-        portability_findings=loaded.portability.findings(), notes=list(loaded.notes) + result.notes,
+        steps=[StepRecord(index=s.index, seconds=round(s.seconds, 3),
+                          outputs=[summarise(name, value) for name, value in s.outputs.items()]) for s in run.steps],
+        outputs_path=outputs_path.name, pictures=pictures,
+        portability_findings=loaded.findings(), notes=list(loaded.notes) + run.notes,
     )
     (out_dir / "main_path.json").write_text(report.model_dump_json(indent=2))
     return report

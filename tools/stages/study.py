@@ -3,6 +3,10 @@
 One model run gives the profile (hooks on every module), the contracts of every seed
 candidate (hooks on the candidates, provenance of every tensor) and the main-path
 outputs. Profiling first and capturing later would mean two runs of minutes each.
+
+A driver that names no seed candidates gets them from a discovery run first: the main path
+once with the profiler only, whose heaviest subtrees become the seeds (see
+`omskills.profiling.auto_seeds`).
 """
 
 from __future__ import annotations
@@ -10,19 +14,25 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
+from pydantic import Field
+
+from omskills import progress
 from omskills.contracts.capture import capture_contracts
 from omskills.contracts.provenance import ProvenanceTracker
 from omskills.contracts.routing import route_forward_calls
 from omskills.errors import StageError
-from omskills.stages.main_path import frames_for, write_main_path
-from omskills.models.cache import load_model
-from omskills.models import MainPathResult
+from omskills.models.api import LoadedModel, MainPathRun, RunHooks
+from omskills.models.registry import BoundIntake
+from omskills.profiling.auto_seeds import seeds_from_profile
 from omskills.profiling.profiler import ModuleProfiler
-from omskills.records.plan import StudyRun
-from omskills.stages.steps import fingerprint, is_done, running_step
+from omskills.records.base import Record
+from omskills.records.plan import Seed, StudyRun
 from omskills.records.task import TaskRecord, load_record
-from omskills import progress
+from omskills.stages.main_path import write_main_path
+from omskills.stages.model import open_model
+from omskills.stages.steps import fingerprint, is_done, running_step
 
 STEP = "study"
 MAX_SAMPLES = 2
@@ -30,6 +40,27 @@ MAX_SAMPLES = 2
 
 def study_inputs_hash(record: TaskRecord) -> str:
     return fingerprint(record.intake.model, record.intake.inputs, record.intake.verification)
+
+
+def _counting_hooks(profiler: ModuleProfiler, done: list[int], what: str) -> RunHooks:
+    def on_step(_index: int) -> None:
+        done[0] += 1
+        profiler.mark_frame()
+        progress.report(done[0], None, f"{what}: {done[0]} steps")
+
+    return RunHooks(on_step=on_step, on_prompt=profiler.mark_prompt)
+
+
+def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[Seed]:
+    """The main path once under the profiler alone; its heaviest subtrees become the seeds."""
+    profiler = ModuleProfiler(loaded.root)
+    with profiler:
+        bound.driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+                                   _counting_hooks(profiler, [0], "discovery run"))
+    seeds = seeds_from_profile(profiler.report())
+    if not seeds:
+        raise StageError("the profile shows no subtree with parameters worth a graph: name seed candidates in the driver")
+    return seeds
 
 
 def ensure_study(task_path: Path) -> TaskRecord:
@@ -40,20 +71,17 @@ def ensure_study(task_path: Path) -> TaskRecord:
     samples_present = all((workdir / p).exists() for c in record.contracts.values() for p in c.samples)
     if is_done(record, STEP, inputs_hash) and record.profile and record.contracts and samples_present:
         return record
-    intake = record.intake
-    frames = frames_for(record, workdir)
-    driver, loaded, load_seconds = load_model(intake.model)
-    seeds = driver.seed_candidates()
+    model = open_model(record, workdir)
+    bound, driver, data, loaded = model.bound, model.driver, model.data, model.loaded
     with running_step(task_path, STEP, inputs_hash) as step:
+        declared = driver.seed_candidates()
+        seeds = [Seed(name=s.name, module_path=s.module_path, description=s.description, group=s.group) for s in declared]
+        if not seeds:
+            seeds = _discover_seeds(bound, loaded, data)
         tracker = ProvenanceTracker()
         profiler = ModuleProfiler(loaded.root)
-        frames_done = [0]
-        outcome: list[MainPathResult] = []
-
-        def on_frame(_frame: int) -> None:
-            frames_done[0] += 1
-            profiler.mark_frame()
-            progress.report(frames_done[0], len(frames), "study run: frames")
+        steps_done = [0]
+        outcome: list[MainPathRun] = []
 
         def run() -> None:
             with contextlib.ExitStack() as stack:
@@ -61,17 +89,19 @@ def ensure_study(task_path: Path) -> TaskRecord:
                     stack.enter_context(tracker.wrap_callable(src.owner, src.attribute, src.kind, src.source))
                 stack.enter_context(route_forward_calls([loaded.root.get_submodule(s.module_path) for s in seeds]))
                 stack.enter_context(profiler)
-                outcome.append(driver.run_main_path(loaded, frames, intake, on_frame=on_frame, on_prompt=profiler.mark_prompt))
+                outcome.append(driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+                                                    _counting_hooks(profiler, steps_done, "study run")))
 
         start = time.perf_counter()
         contracts = capture_contracts(loaded.root, {s.name: s.module_path for s in seeds}, run, tracker,
                                       samples_dir=workdir / "samples", max_samples=MAX_SAMPLES,
-                                      frame_counter=lambda: frames_done[0], relative_to=workdir,
+                                      frame_counter=lambda: steps_done[0], relative_to=workdir,
                                       derived_args=driver.derived_args())
         seconds = time.perf_counter() - start
         profile = profiler.report(notes=[f"instrumented run (profiler + contract capture); weights: {loaded.weights}"])
-        report = write_main_path(record, loaded, outcome[0], frames, workdir / "study", load_seconds)
+        report = write_main_path(record, bound, loaded, outcome[0], data, workdir / "study", model.load_seconds)
         study = StudyRun(inputs_hash=inputs_hash, main_path_json=str(Path("study") / "main_path.json"),
+                         seeds=seeds, seeds_from="driver" if declared else "profile",
                          contracts_captured=[c.candidate for c in contracts], seconds=round(seconds, 3),
                          source_limits=driver.source_limits(loaded))
 
@@ -82,10 +112,50 @@ def ensure_study(task_path: Path) -> TaskRecord:
                 rec.inventory = rec.inventory.merge_runtime_findings(report.portability_findings)
 
         step.update(store)
-        step.result.note = f"{len(frames)} frames, {len(contracts)} contracts, weights {loaded.weights}"
+        step.result.note = (f"{len(outcome[0].steps)} {driver.step_name}s, {len(contracts)} contracts, "
+                            f"seeds from the {study.seeds_from}, weights {loaded.weights}")
     return load_record(task_path)
 
 
 def require_study(record: TaskRecord) -> None:
-    if record.profile is None or not record.contracts:
+    if record.profile is None or not record.contracts or record.study is None:
         raise StageError("no study run in the task record: run profile_main_path first")
+
+
+class ModuleShare(Record):
+    path: str
+    module_class: str
+    share: float
+    calls: int
+    calls_per_frame: float | None
+
+
+class ProfileSummary(Record):
+    weights: str
+    scale: str
+    frames: int
+    total_seconds: float
+    control_plane_seconds: float
+    top_modules: list[ModuleShare]
+    seeds_from: str
+    candidate_shares: dict[str, float] = Field(default_factory=dict)
+    main_path_json: str
+
+
+def profile_main_path(task_path: Path, top: int = 12) -> ProfileSummary:
+    """The study (run unless done with the same intake), summarised: the heaviest modules and
+    the share of each seed candidate."""
+    record = ensure_study(task_path)
+    require_study(record)
+    profile, study = record.profile, record.study
+    assert profile is not None and study is not None
+    nodes = sorted((n for n in profile.nodes if n.depth >= 1), key=lambda n: n.inclusive_s, reverse=True)[:top]
+    return ProfileSummary(
+        weights=record.intake.model.checkpoint or "random", scale=record.intake.model.scale, frames=profile.frames,
+        total_seconds=profile.total_seconds, control_plane_seconds=round(profile.control_plane_seconds, 3),
+        top_modules=[ModuleShare(path=n.path, module_class=n.module_class, share=round(n.share, 5), calls=n.calls,
+                                 calls_per_frame=n.calls_per_frame) for n in nodes],
+        seeds_from=study.seeds_from,
+        candidate_shares={s.name: round(profile.subtree_share(s.module_path), 5) for s in study.seeds},
+        main_path_json=study.main_path_json,
+    )

@@ -16,22 +16,21 @@ from pydantic import BaseModel, Field
 from omskills import progress
 from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.ascend.ops import precheck_ops as _precheck
-from omskills.compare.parity import ParityReport, compare_outputs
+from omskills.compare.parity import compare_outputs
+from omskills.records.parity import ParityReport, verdict_rank
 from omskills.contracts.samples import Sample, load_sample
-from omskills.stages.deployer import selected_candidates
 from omskills.errors import OmskillsError, StageError
 from omskills.convert.export import dynamic_dims_from_strategy, export_onnx as _export
 from omskills.models import cache as model_cache
-from omskills.models.cache import load_model
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.convert.optimize import optimize_variants, sample_arrays
 from omskills.records.base import Record
-from omskills.records.contracts import ContractSpec
 from omskills.records.export import ExportResult
 from omskills.records.stages import Artifact
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.runtime.batch_split import batch_split_for, open_onnxruntime
+from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
 from omskills.records.task import TaskRecord, load_record, updating
 
@@ -40,14 +39,8 @@ Exporter = Literal["dynamo", "legacy"]
 logger = logging.getLogger(__name__)
 
 
-def _contract(record: TaskRecord, name: str) -> ContractSpec:
-    if name not in record.contracts:
-        raise StageError(f"no contract for candidate {name!r}: run capture_contracts first")
-    return record.contracts[name]
-
-
 def _sample_paths(record: TaskRecord, workdir: Path, name: str) -> list[Path]:
-    contract = _contract(record, name)
+    contract = record.contract(name)
     if not contract.samples:
         raise StageError(f"candidate {name!r} has no captured samples")
     return [workdir / p for p in contract.samples]
@@ -57,23 +50,10 @@ def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
     return [load_sample(p) for p in _sample_paths(record, workdir, name)]
 
 
-def _set_status(record: TaskRecord, name: str, status: str, reason: str | None = None) -> None:
-    if record.plan and (cand := record.plan.candidate(name)):
-        if status == "failed" and cand.status == "failed":
-            return  # keep the first failure's reason (the export error), not "not exported" from later steps
-        cand.status = status  # type: ignore[assignment]
-        if reason:
-            cand.reason = reason
-
-
-def _toolchain(record: TaskRecord, name: str) -> CandidateToolchain:
-    return record.toolchain.setdefault(name, CandidateToolchain())
-
-
 def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") -> ExportResult:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    contract = _contract(record, name)
+    contract = record.contract(name)
     boundary = record.boundaries.get(name)
     if boundary is None or not boundary.exportable or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no exportable boundary: run analyze_boundaries first")
@@ -83,13 +63,14 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
         return record.exports[name]
     dims = dynamic_dims_from_strategy(contract, boundary.shape_strategy)
     sample = _tracing_sample(_samples(record, workdir, name), dims)
-    _, loaded, _ = load_model(record.intake.model)
+    model = open_model(record, workdir)
+    driver, loaded = model.driver, model.loaded
     module = loaded.root.get_submodule(contract.module_path)
     out = workdir / "onnx" / name / f"{name}.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     with running_step(task_path, step, inputs_hash) as handle:
         handle.result.logs.append(str((out.parent / f"{name}.onnx.export.log").relative_to(workdir)))
-        with loaded.portability:
+        with driver.export_patches(loaded, contract.plan_candidate):
             result = _export(module, contract, [sample.inputs[s.name] for s in contract.inputs], out,
                              dynamic_dims=dims,
                              exporter=exporter, log_path=out.parent / f"{name}.onnx.export.log")
@@ -98,7 +79,7 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
         def store(rec: TaskRecord) -> None:
             rec.exports[name] = result
             rec.toolchain.pop(name, None)  # probes, variants and ATC of an earlier export no longer apply
-            _set_status(rec, name, "exported")
+            rec.set_status(name, "exported")
 
         handle.update(store)
         handle.result.artifacts.append(Artifact(path=result.path, sha256=result.sha256, bytes=result.bytes))
@@ -112,18 +93,6 @@ def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> S
         return any(sample.inputs[name].shape[i] == 1 for name, axes in dims.items() for i in axes if name in sample.inputs)
 
     return next((s for s in samples if not has_a_one(s)), samples[0])
-
-
-def _model_path(record: TaskRecord, workdir: Path, name: str, variant: str) -> Path:
-    if variant == "original":
-        if name not in record.exports:
-            raise StageError(f"candidate {name!r} is not exported: run export_onnx first")
-        return workdir / record.exports[name].path
-    opt = record.toolchain.get(name, CandidateToolchain()).optimize
-    found = next((v for v in (opt.variants if opt else []) if v.name == variant and v.path), None)
-    if found is None:
-        raise StageError(f"candidate {name!r} has no {variant!r} variant: run optimize_onnx first")
-    return Path(found.path) if Path(found.path).is_absolute() else workdir / found.path
 
 
 def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None = None) -> list[ParityReport]:
@@ -141,11 +110,11 @@ def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None
 def probe_candidate(task_path: Path, name: str, variant: str = "original") -> ParityReport:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    path = _model_path(record, workdir, name, variant)
+    path = record.model_path(workdir, name, variant)
     # A variant is made from the export deterministically: its sha and the samples fix the result.
-    inputs_hash = fingerprint(record.exports[name].sha256, variant, _contract(record, name).samples)
+    inputs_hash = fingerprint(record.exports[name].sha256, variant, record.contract(name).samples)
     step = f"probe:{name}:{variant}"
-    existing = record.toolchain.get(name, CandidateToolchain()).probes.get(variant)
+    existing = record.toolchain_of(name).probes.get(variant)
     if is_done(record, step, inputs_hash) and existing is not None:
         return existing
     sample_paths = _sample_paths(record, workdir, name)
@@ -155,13 +124,14 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     with running_step(task_path, step, inputs_hash) as handle:
         reports, split = _probe_reports(record, name, path, sample_paths)
         # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
-        report = max(reports, key=lambda r: (["pass", "review", "fail"].index(r.verdict), -r.worst_cosine))
+        report = max(reports, key=lambda r: (verdict_rank(r.verdict), -r.worst_cosine))
         if split is not None:
             report = report.model_copy(update={"batch_chunks_of": split.max_batch})
 
         def store(rec: TaskRecord) -> None:
-            _toolchain(rec, name).probes[variant] = report
-            _toolchain(rec, name).batch_split = split
+            chain = rec.toolchain.setdefault(name, CandidateToolchain())
+            chain.probes[variant] = report
+            chain.batch_split = split
             chunked = f"; batch in chunks of {split.max_batch}: {split.reason}" if split else ""
             rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
                        f"{len(sample_paths)} captured samples; worst cosine {report.worst_cosine:.6f}, "
@@ -171,16 +141,11 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     return report
 
 
-def batch_split_of(record: TaskRecord, name: str) -> BatchSplit | None:
-    """How ONNX Runtime must run this candidate's batch here (set by probe_onnx), if not whole."""
-    return record.toolchain.get(name, CandidateToolchain()).batch_split
-
-
 def _probe_reports(record: TaskRecord, name: str, path: Path,
                    sample_paths: list[Path]) -> tuple[list[ParityReport], BatchSplit | None]:
     """Probe reports, and the batch split they needed: a big model whose probe dies on the whole
     batch (ORT on CPU materialises attention scores) is probed again in chunks of its smallest gear."""
-    split = batch_split_of(record, name)
+    split = record.batch_split_of(name)
     if model_bytes(path) < ISOLATE_MIN_BYTES:
         return probe_samples(path, sample_paths, split), split
     try:
@@ -203,7 +168,7 @@ def _split_after_death(record: TaskRecord, name: str) -> BatchSplit | None:
     if strategy is None or not strategy.gears:
         return None
     smallest = min(gear[0] for gear in strategy.gears)
-    return batch_split_for(_contract(record, name), strategy, smallest,
+    return batch_split_for(record.contract(name), strategy, smallest,
                            "the process probing the whole batch died (out of memory?); "
                            "the chunks' outputs are compared with PyTorch's whole-batch run")
 
@@ -211,12 +176,12 @@ def _split_after_death(record: TaskRecord, name: str) -> BatchSplit | None:
 def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    original = _model_path(record, workdir, name, "original")
-    split = batch_split_of(record, name)
+    original = record.model_path(workdir, name)
+    split = record.batch_split_of(name)
     # The split is part of the inputs only when there is one, so earlier records stay done.
     inputs_hash = fingerprint(record.exports[name].sha256, *([split] if split else []))
     step = f"optimize:{name}"
-    existing = record.toolchain.get(name, CandidateToolchain()).optimize
+    existing = record.toolchain_of(name).optimize
     if is_done(record, step, inputs_hash) and existing is not None:
         return existing
     samples = _sample_paths(record, workdir, name)  # loaded one at a time, where they are run
@@ -224,33 +189,25 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
     model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
-        probed = record.toolchain.get(name, CandidateToolchain()).probes.get("original")
+        probed = record.toolchain_of(name).probes.get("original")
         result = optimize_variants(original, original.parent, samples, original_probe=probed, batch_split=split)
 
         def store(rec: TaskRecord) -> None:
-            _toolchain(rec, name).optimize = result
+            rec.toolchain.setdefault(name, CandidateToolchain()).optimize = result
             if result.preferred:
-                _set_status(rec, name, "optimised")
+                rec.set_status(name, "optimised")
             rec.decide("optimize_onnx", f"{name}: preferred variant {result.preferred}", result.why)
 
         handle.update(store)
     return result
 
 
-def preferred_model(record: TaskRecord, workdir: Path, name: str) -> Path:
-    opt = record.toolchain.get(name, CandidateToolchain()).optimize
-    if opt is not None and opt.preferred_path:
-        path = Path(opt.preferred_path)
-        return path if path.is_absolute() else workdir / path
-    return _model_path(record, workdir, name, "original")
-
-
 def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> OpPrecheck:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    result = _precheck(preferred_model(record, workdir, name), soc or record.intake.target.soc)
+    result = _precheck(record.preferred_model(workdir, name), soc or record.intake.target.soc)
     with updating(task_path) as rec:
-        _toolchain(rec, name).precheck = result
+        rec.toolchain.setdefault(name, CandidateToolchain()).precheck = result
         rec.decide("precheck_ops", f"{name}: operator precheck {result.verdict}", f"counts {result.counts} against {result.table}")
     return result
 
@@ -261,7 +218,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     boundary = record.boundaries.get(name)
     if boundary is None or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no shape strategy: run analyze_boundaries first")
-    model = preferred_model(record, workdir, name)
+    model = record.preferred_model(workdir, name)
     out_dir = workdir / "om" / name
     options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(out_dir / name),
                                        soc_version=record.intake.target.soc,
@@ -279,19 +236,15 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
             handle.result.error = result.reason
 
         def store(rec: TaskRecord) -> None:
-            _toolchain(rec, name).atc = result
+            rec.toolchain.setdefault(name, CandidateToolchain()).atc = result
             if result.status == "converted":
-                _set_status(rec, name, "converted")
+                rec.set_status(name, "converted")
                 if rec.plan and (cand := rec.plan.candidate(name)):
                     cand.om_path = result.om_path
             rec.decide("convert_atc", f"{name}: ATC {result.status}", result.reason or "ATC exited 0 and wrote the OM")
 
         handle.update(store)
     return result
-
-
-def candidates_for(task_path: Path, candidate: str | None) -> list[str]:
-    return selected_candidates(load_record(task_path), candidate)
 
 
 class CandidateFailure(Record):
@@ -317,13 +270,17 @@ AtcBatch = CandidateBatch[AtcResult]
 
 
 def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],
-                       run: Callable[[str], ResultT], desc: str) -> CandidateBatch[ResultT]:
-    """Run one step per candidate; a failing candidate is recorded (status failed) and the rest go on.
+                       run: Callable[[str], ResultT], desc: str, promote_inner: bool = False) -> CandidateBatch[ResultT]:
+    """Run one step per graph; a failing one is recorded (status failed) and the rest go on. With
+    `promote_inner`, the candidates deferred inside a failed one join the batch and take the step.
 
     Asked for one candidate, its error is raised instead, so a caller sees the message.
     """
-    names = candidates_for(task_path, candidate)
-    for name in progress.track(names, len(names), desc):
+    names = load_record(task_path).graphs(candidate)
+    done = 0
+    while done < len(names):
+        name = names[done]
+        progress.report(done, len(names), f"{desc}: {name}")
         try:
             batch.results[name] = run(name)
         except OmskillsError as err:
@@ -331,5 +288,11 @@ def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateB
                 raise
             batch.failed.append(CandidateFailure(candidate=name, error=str(err)))
             with updating(task_path) as rec:
-                _set_status(rec, name, "failed", f"{desc}: {err}")
+                rec.set_status(name, "failed", f"{desc}: {err}")
+                promoted = rec.promote_inside(rec.contract(name).plan_candidate) if promote_inner else []
+                for cand in promoted:
+                    rec.decide(desc, f"{cand}: selected", f"{name} failed ({err}); {cand} runs inside it")
+                names += [c.candidate for cand in promoted for c in rec.contracts_of(cand)]
+        done += 1
+    progress.report(done, len(names), f"{desc}: done")
     return batch

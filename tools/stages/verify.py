@@ -1,8 +1,8 @@
-"""Stage 4: splice the compiled candidates into the live predictor and verify the main path.
+"""Stage 4: splice the compiled candidates into the live model and verify the main path.
 
-The same frames and prompt go through the PyTorch reference and the spliced pipeline in
-one process; per frame the object ids, mask IoU per object, boxes and scores are compared,
-and the report says which backend really ran each candidate.
+The same inputs go through the PyTorch reference and the spliced pipeline in one process. Per
+step every output check of the driver is applied (ids, region IoU, coordinates, tensors), and
+the report says which backend really ran each graph.
 """
 
 from __future__ import annotations
@@ -10,65 +10,55 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from omskills.compare.parity import ParityReport
+from omskills.compare.outputs import compare_step, expand, worse
 from omskills.errors import StageError
-from omskills.stages.main_path import frames_for, verification_notes
-from omskills.models.cache import load_model, return_freed_memory
-from omskills.models import FrameResult, MainPathResult
-from omskills.report.pictures import draw_overlay, side_by_side
+from omskills.models.api import MainPathRun, ModelDriver
+from omskills.models.cache import return_freed_memory
 from omskills.records.export import SpliceStats
-from omskills.records.verify import CandidateVerification, FrameParity, MainPathParity, VerifyReport
+from omskills.records.parity import ParityReport
+from omskills.records.task import TaskRecord, load_record
+from omskills.records.verify import (
+    CandidateVerification, CheckSummary, MainPathParity, OutputCheck, StepParity, VerifyReport,
+)
+from omskills.report.pictures import side_by_side
+from omskills.report.render import template_environment
 from omskills.runtime import open_backend
 from omskills.runtime.batch_split import open_onnxruntime
-from omskills.runtime.splice import SpliceBackend, splice
+from omskills.runtime.splice import SpliceBackend, SpliceHandle, splice
+from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, running_step
-from omskills.records.task import TaskRecord, load_record
-from omskills.stages.toolchain import CandidateToolchain, batch_split_of, preferred_model
-
-IOU_GATE = 0.99
-
-
-def mask_iou(a: np.ndarray, b: np.ndarray) -> float:
-    union = np.logical_or(a, b).sum()
-    return 1.0 if union == 0 else float(np.logical_and(a, b).sum() / union)
-
-
-def frame_parity(ref: FrameResult, got: FrameResult) -> FrameParity:
-    ious: dict[str, float] = {}
-    box_diff = score_diff = 0.0
-    for i, obj in enumerate(ref.obj_ids):
-        if obj in got.obj_ids:
-            j = got.obj_ids.index(obj)
-            ious[str(obj)] = round(mask_iou(ref.masks[i], got.masks[j]), 6)
-            box_diff = max(box_diff, float(np.abs(np.subtract(ref.boxes_xywh[i], got.boxes_xywh[j])).max()))
-            score_diff = max(score_diff, abs(ref.scores[i] - got.scores[j]))
-        else:
-            ious[str(obj)] = 0.0
-    return FrameParity(frame=ref.frame, reference_ids=ref.obj_ids, spliced_ids=got.obj_ids,
-                       obj_ids_equal=ref.obj_ids == got.obj_ids, mask_iou=ious, max_box_diff=box_diff,
-                       max_score_diff=score_diff, torch_seconds=round(ref.seconds, 3), spliced_seconds=round(got.seconds, 3))
 
 
 def _spliceable(record: TaskRecord) -> tuple[list[str], dict[str, str]]:
-    """Candidates with an export whose probe did not fail; the others stay in PyTorch, with why."""
+    """Graphs with an export whose probe did not fail; the others stay in PyTorch, with why. A
+    dispatched candidate is spliced whole or not at all (a call to a graph left out would fall back)."""
     if record.plan is None:
         raise StageError("no plan in the task record: run plan_candidates first")
     chosen, skipped = [], {}
     for name in record.plan.first_batch:
-        tc = record.toolchain.get(name, CandidateToolchain())
-        probe = tc.probes.get("original")
-        if name not in record.exports:
-            skipped[name] = f"not exported ({record.plan.candidate(name).reason})"  # type: ignore[union-attr]
-        elif probe is None:
-            skipped[name] = "never probed: run probe_onnx first"
-        elif probe.verdict == "fail":
-            skipped[name] = f"probe failed (cosine {probe.worst_cosine:.5f}, max abs {probe.worst_max_abs:.2e})"
+        graphs = [c.candidate for c in record.contracts_of(name)] or [name]
+        why = [f"{g}: {reason}" if g != name else reason for g in graphs if (reason := _not_spliceable(record, g))]
+        if why:
+            skipped[name] = "; ".join(why)
         else:
-            chosen.append(name)
+            chosen += graphs
     return chosen, skipped
+
+
+def _not_spliceable(record: TaskRecord, graph: str) -> str | None:
+    probe = record.toolchain_of(graph).probes.get("original")
+    if graph not in record.exports:
+        cand = record.plan.candidate(record.contracts[graph].plan_candidate if graph in record.contracts else graph)  # type: ignore[union-attr]
+        return f"not exported ({cand.reason if cand else 'no export'})"
+    if probe is None:
+        return "never probed: run probe_onnx first"
+    if probe.verdict == "fail":
+        return f"probe failed (cosine {probe.worst_cosine:.5f}, max abs {probe.worst_max_abs:.2e})"
+    return None
 
 
 def _png_b64(image) -> str:
@@ -77,20 +67,27 @@ def _png_b64(image) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _figure(per_frame: list[FrameParity], candidates: list[CandidateVerification]) -> str:
+def _figure(report: VerifyReport) -> str:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 3.5))
     ax1, ax2 = fig.subplots(1, 2)
-    frames = [f.frame for f in per_frame]
-    ax1.plot(frames, [min(f.mask_iou.values(), default=1.0) for f in per_frame], marker="o")
-    ax1.axhline(IOU_GATE, color="r", linestyle="--", label=f"gate {IOU_GATE}")
-    ax1.set(title="min mask IoU per frame", xlabel="frame", ylim=(min(0.9, ax1.get_ylim()[0]), 1.005))
-    ax1.legend()
-    names = [c.name for c in candidates]
+    steps = [s.index for s in report.per_step]
+    for check in report.comparison:
+        values = [next((c.value for c in s.checks if c.output == check.output and c.metric == check.metric), None)
+                  for s in report.per_step]
+        if check.metric == "iou" and any(v is not None for v in values):
+            ax1.plot(steps, [v if v is not None else 0.0 for v in values], marker="o", label=check.title)
+            ax1.axhline(check.threshold, color="r", linestyle="--", label=f"gate {check.threshold}")  # type: ignore[arg-type]
+        elif check.metric in ("tensor", "max_abs") and any(v for v in values):
+            ax1.semilogy(steps, [max(v or 0.0, 1e-12) for v in values], marker=".", label=f"{check.title} max abs")
+    ax1.set(title=f"per {report.step_name}", xlabel=report.step_name)
+    if ax1.get_legend_handles_labels()[0]:
+        ax1.legend(fontsize=7)
+    names = [c.name for c in report.candidates]
     x = np.arange(len(names))
-    ax2.bar(x - 0.2, [c.torch_ms_per_call or 0 for c in candidates], 0.4, label="PyTorch (profile)")
-    ax2.bar(x + 0.2, [c.backend_ms_per_call or 0 for c in candidates], 0.4, label="spliced backend")
+    ax2.bar(x - 0.2, [c.torch_ms_per_call or 0 for c in report.candidates], 0.4, label="PyTorch (profile)")
+    ax2.bar(x + 0.2, [c.backend_ms_per_call or 0 for c in report.candidates], 0.4, label="spliced backend")
     ax2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
     ax2.set(title="latency per call (ms)")
     ax2.legend()
@@ -107,10 +104,10 @@ def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]
 
 
 def _open(record: TaskRecord, workdir: Path, name: str, backend: str) -> SpliceBackend:
-    """The candidate's backend; on ONNX Runtime, the batch in chunks where probe_onnx found it must be
+    """The graph's backend; on ONNX Runtime, the batch in chunks where probe_onnx found it must be
     (the OM has its batch gears and runs the whole batch)."""
-    split = batch_split_of(record, name)
-    path = preferred_model(record, workdir, name)
+    split = record.batch_split_of(name)
+    path = record.preferred_model(workdir, name)
     if backend == "onnxruntime":
         return open_onnxruntime(path, split)
     return open_backend(path, backend)
@@ -120,28 +117,28 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, skipped = _spliceable(record)
-    intake = record.intake
-    frames = frames_for(record, workdir)
-    driver, loaded, _ = load_model(intake.model)
+    model = open_model(record, workdir)
+    driver, bound, loaded = model.driver, model.bound, model.loaded
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend)
     with running_step(task_path, "verify", inputs_hash) as step:
-        reference = driver.run_main_path(loaded, frames, intake)
-        # The reference run's activations are freed; hand the pages back before the ORT sessions load.
+        reference = model.run()
+        # The reference run's activations are freed; hand the pages back before the sessions load.
         return_freed_memory()
         replacements = [(record.contracts[n], _open(record, workdir, n, backend)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         with splice(loaded.root, replacements, strategies=strategies) as handle:
-            spliced = driver.run_main_path(loaded, frames, intake)
-        report = _report(record, task_path, workdir, backend, names, skipped, reference, spliced, handle, frames)
+            spliced = model.run()
+        report = _report(record, driver, driver.comparison(bound.verification), driver.settings_notes(bound.verification),
+                         workdir, backend, names, skipped, reference, spliced, handle)
+        _write_html(report, driver, reference, spliced, model.data, workdir / report.report_html)
 
         def store(rec: TaskRecord) -> None:
             rec.verification = report
             for c in report.candidates:
-                if rec.plan and (cand := rec.plan.candidate(c.name)):
-                    cand.status = c.status  # type: ignore[assignment]
+                rec.set_status(c.name, c.status)
             rec.decide("verify_main_path", f"main path {report.verdict}",
-                       f"ids equal {report.main_path.obj_ids_equal}, min IoU {report.main_path.min_mask_iou:.4f}, "
-                       f"fallbacks {report.main_path.fallbacks}, spliced/torch latency {report.main_path.latency_ratio:.2f}")
+                       f"{report.main_path.summary()}; fallbacks {report.main_path.fallbacks}, "
+                       f"spliced/torch latency {report.main_path.latency_ratio:.2f}")
 
         step.update(store)
     return report
@@ -149,62 +146,84 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
 
 def _backend_label(record: TaskRecord, name: str, stats: SpliceStats) -> str:
     label = f"{stats.backend_kind}:{stats.backend_device}"
-    split = batch_split_of(record, name)
+    split = record.batch_split_of(name)
     if split is not None and stats.backend_kind == "onnxruntime":
         label += f" (batch in chunks of {split.max_batch})"
     return label
 
 
-def _report(record: TaskRecord, task_path: Path, workdir: Path, backend: str, names: list[str], skipped: dict[str, str],
-            reference: MainPathResult, spliced: MainPathResult, handle, frames) -> VerifyReport:
-    per_frame = [frame_parity(r, s) for r, s in zip(reference.frames, spliced.frames)]
-    stats = {s.candidate: s for s in handle.stats()}
+def _candidates(record: TaskRecord, names: list[str], stats: dict[str, SpliceStats]) -> list[CandidateVerification]:
     profile = record.profile
-    candidates = []
+    rows = []
     for name in names:
         st = stats[name]
         node = profile.node(record.contracts[name].module_path) if profile else None
-        ok = st.fallbacks == 0
-        candidates.append(CandidateVerification(
-            name=name, status="integrated" if ok else "fallback", backend=_backend_label(record, name, st),
-            probe=_probe_summary(record.toolchain[name].probes.get("original")),
+        rows.append(CandidateVerification(
+            name=name, status="integrated" if st.fallbacks == 0 else "fallback", backend=_backend_label(record, name, st),
+            probe=_probe_summary(record.toolchain_of(name).probes.get("original")),
             torch_ms_per_call=round(1000 * node.inclusive_s / node.calls, 3) if node and node.calls else None,
             backend_ms_per_call=round(1000 * st.mean_backend_seconds, 3) if st.backend_calls else None,
             calls=st.calls, fallbacks=st.fallbacks))
-    ious = [v for f in per_frame for v in f.mask_iou.values()]
-    n = max(len(per_frame), 1)
-    torch_s = sum(f.torch_seconds for f in per_frame) / n
-    spliced_s = sum(f.spliced_seconds for f in per_frame) / n
+    return rows
+
+
+def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[CheckSummary]:
+    summaries = []
+    for check in checks:
+        results = [c for s in per_step for c in s.checks if c.output == check.output and c.metric == check.metric]
+        worst = None
+        for result in results:
+            if worst is None or worse(check.metric, result.value, worst):
+                worst = result.value
+        summaries.append(CheckSummary(output=check.output, metric=check.metric, title=check.title, worst=worst,
+                                      passed=all(r.passed for r in results), gating=check.gating))
+    return summaries
+
+
+def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck], settings: list[str], workdir: Path,
+            backend: str, names: list[str], skipped: dict[str, str], reference: MainPathRun, spliced: MainPathRun,
+            handle: SpliceHandle) -> VerifyReport:
+    checks = expand(declared, reference.steps[0].outputs) if reference.steps else declared
+    per_step = [StepParity(index=r.index, checks=compare_step(checks, r.outputs, s.outputs),
+                           torch_seconds=round(r.seconds, 3), spliced_seconds=round(s.seconds, 3))
+                for r, s in zip(reference.steps, spliced.steps)]
+    stats = {s.candidate: s for s in handle.stats()}
+    candidates = _candidates(record, names, stats)
+    n = max(len(per_step), 1)
+    torch_s = sum(s.torch_seconds for s in per_step) / n
+    spliced_s = sum(s.spliced_seconds for s in per_step) / n
     fallbacks = sum(s.fallbacks for s in stats.values())
-    main = MainPathParity(frames=len(per_frame), obj_ids_equal=all(f.obj_ids_equal for f in per_frame) and len(reference.frames) == len(spliced.frames),
-                          min_mask_iou=min(ious, default=1.0), fallbacks=fallbacks, torch_s_per_frame=round(torch_s, 3),
-                          spliced_s_per_frame=round(spliced_s, 3), latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0)
-    verdict = "pass" if main.obj_ids_equal and main.min_mask_iou >= IOU_GATE and fallbacks == 0 else "fail"
+    steps_equal = [s.index for s in reference.steps] == [s.index for s in spliced.steps]
+    main = MainPathParity(steps=len(per_step), steps_equal=steps_equal, checks=_summaries(checks, per_step),
+                          fallbacks=fallbacks, torch_s_per_step=round(torch_s, 3), spliced_s_per_step=round(spliced_s, 3),
+                          latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0)
+    passed = steps_equal and all(c.passed for c in main.checks if c.gating) and fallbacks == 0
     out = workdir / "verify"
     out.mkdir(parents=True, exist_ok=True)
     report = VerifyReport(
-        task_id=record.id, weights=record.intake.model.checkpoint or "random", scale=record.intake.model.scale, backend=backend,
+        task_id=record.id, weights=record.intake.model.checkpoint or "random", scale=record.intake.model.scale,
+        backend=backend, step_name=driver.step_name,
         backend_per_candidate={c.name: c.backend for c in candidates} | {n: "pytorch (not spliced)" for n in skipped},
-        not_spliced=skipped, candidates=candidates, main_path=main, per_frame=per_frame,
+        not_spliced=skipped, candidates=candidates, comparison=checks, main_path=main, per_step=per_step,
         splice_stats=list(stats.values()), fallback_events=handle.fallbacks(),
-        verification_settings=verification_notes(record.intake), report_json="verify/report.json",
-        report_html="verify/report.html", verdict=verdict)
+        verification_settings=settings, report_json="verify/report.json",
+        report_html="verify/report.html", verdict="pass" if passed else "fail")
     (out / "report.json").write_text(report.model_dump_json(indent=2))
-    _write_html(report, reference, spliced, frames, out / "report.html")
     return report
 
 
-def _write_html(report: VerifyReport, reference: MainPathResult, spliced: MainPathResult, frames, path: Path) -> None:
-    from omskills.report.render import template_environment
-
-    chosen = sorted({0, len(reference.frames) // 2, len(reference.frames) - 1})
-    overlays = []
-    for i in chosen:
-        r, s = reference.frames[i], spliced.frames[i]
-        left = draw_overlay(frames[r.frame], r.obj_ids, r.masks, r.boxes_xywh, f"PyTorch frame {r.frame} ids {r.obj_ids}")
-        right = draw_overlay(frames[s.frame], s.obj_ids, s.masks, s.boxes_xywh, f"spliced frame {s.frame} ids {s.obj_ids}")
-        overlays.append((r.frame, _png_b64(side_by_side(left, right))))
-    env = template_environment(html=True)
-    html = env.get_template("report.html.j2").render(r=report, m=report.main_path, overlays=overlays,
-                                                      figure=_figure(report.per_frame, report.candidates))
+def _write_html(report: VerifyReport, driver: ModelDriver, reference: MainPathRun, spliced: MainPathRun, data: Any,
+                path: Path) -> None:
+    steps = len(reference.steps)
+    pictures = []
+    for i in sorted({0, steps // 2, steps - 1}) if steps else []:
+        if i >= len(spliced.steps):
+            continue
+        r, s = reference.steps[i], spliced.steps[i]
+        left = driver.picture(data, r, f"PyTorch {driver.step_name} {r.index}")
+        right = driver.picture(data, s, f"spliced {driver.step_name} {s.index}")
+        if left is not None and right is not None:
+            pictures.append((r.index, _png_b64(side_by_side(left, right))))
+    html = template_environment(html=True).get_template("report.html.j2").render(
+        r=report, m=report.main_path, pictures=pictures, figure=_figure(report))
     path.write_text(html)

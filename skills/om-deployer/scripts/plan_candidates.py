@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from omskills.stages.deployer import plan_candidates as _plan
+from omskills.stages.plan import plan_candidates as _plan
 from omskills.records.plan import Plan
 from omskills.host.toolkit import WorkspacePath
 

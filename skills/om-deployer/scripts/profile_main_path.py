@@ -2,16 +2,18 @@
 
 from pathlib import Path
 
-from omskills.stages.deployer import ProfileSummary
-from omskills.stages.deployer import profile_main_path as _profile
+from omskills.stages.study import ProfileSummary
+from omskills.stages.study import profile_main_path as _profile
 from omskills.host.toolkit import WorkspacePath
 
 
 def profile_main_path(task: WorkspacePath) -> ProfileSummary:
-    """Run the main path once (start_session -> add_prompt(text) -> propagate_in_video) with hooks on
-    every nn.Module and on the family's seed candidates; store the module call tree (calls per frame,
-    inclusive/exclusive time, share), the candidates' I/O contracts and the main-path outputs in the
-    task record. A rerun with the same intake reuses the stored run."""
+    """Run the model's main path once (the entry users call, e.g. a video predictor's
+    start_session -> add_prompt(text) -> propagate_in_video) with hooks on every nn.Module and on the
+    driver's seed candidates; store the module call tree (calls per step, inclusive/exclusive time,
+    share), the candidates' I/O contracts and the main-path outputs in the task record. A driver
+    that names no seed candidates gets the heaviest subtrees of a first, profile-only run. A rerun
+    with the same intake reuses the stored run."""
     return _profile(Path(task))
 
 

@@ -1,0 +1,25 @@
+"""Tool: the model drivers installed here."""
+
+from pydantic import BaseModel
+
+from omskills.models.registry import DriverListing, installed_drivers
+
+
+class Drivers(BaseModel):
+    drivers: list[DriverListing]
+
+
+def list_drivers() -> Drivers:
+    """The model families omskills has a driver for here (the omskills.drivers entry points), each
+    with the class, the distribution that registered it and what it adapts. A model without one
+    needs a driver: a task record can also name one directly (intake.model.driver: a
+    "package.module:Class", a "file.py:Class", or a two-function file made by new_driver)."""
+    return Drivers(drivers=installed_drivers())
+
+
+if __name__ == "__main__":
+    import sys
+
+    from omskills.host.toolkit import run_cli
+
+    sys.exit(run_cli(list_drivers))

@@ -1,0 +1,202 @@
+"""Finding the driver of a task record, and reading its intake through it.
+
+`intake.model.family` names an installed driver: an entry of the `omskills.drivers` entry-point
+group (`omskills drivers` lists them). `intake.model.driver` names one directly:
+
+- "package.module:Class": an importable driver class;
+- "path/to/file.py:Class": a class in a file (relative to the task record's folder);
+- "path/to/file.py": a file with the two functions `build_model` and `run_main_path`
+  (see `omskills.models.generic`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from omskills.errors import TaskRecordError
+from omskills.models.api import InputPathMarker, ModelDriver
+from omskills.records.intake import Intake, ModelSpec
+from omskills.records.task import validation_problems
+from omskills.registry import Registry, RegistryError, import_reference
+
+DRIVER_GROUP = "omskills.drivers"
+DRIVERS: Registry[type[ModelDriver]] = Registry("model driver", group=DRIVER_GROUP)
+
+_instances: dict[str, ModelDriver] = {}
+_lock = threading.Lock()
+
+
+def driver_for(spec: ModelSpec, base_dir: Path | None = None) -> ModelDriver:
+    """The driver the spec names (one instance per driver per process)."""
+    if spec.driver:
+        key, make = _direct(spec.driver, base_dir)
+    else:
+        key, make = f"family:{spec.family}", lambda: _from_family(str(spec.family))
+    with _lock:
+        if key not in _instances:
+            _instances[key] = make()
+        return _instances[key]
+
+
+def family_driver(family: str) -> ModelDriver:
+    """The installed driver of `family`."""
+    return driver_for(ModelSpec(family=family))
+
+
+def _from_family(family: str) -> ModelDriver:
+    try:
+        cls = DRIVERS.get(family)
+    except RegistryError as err:
+        raise TaskRecordError(f"intake.model.family: {err}") from None
+    return _instantiate(cls, f"intake.model.family {family!r}")
+
+
+def _direct(reference: str, base_dir: Path | None):
+    path_part, sep, name = reference.partition(":")
+    if path_part.endswith(".py"):
+        path = Path(path_part).expanduser()
+        if not path.is_absolute():
+            path = (base_dir or Path.cwd()) / path
+        path = path.resolve()
+        key = f"file:{path}:{name}"
+        if not sep:
+            return key, lambda: _function_driver(path)
+        return key, lambda: _instantiate(getattr_or_error(_module_from_file(path), name, path), f"intake.model.driver {reference!r}")
+    if not sep:
+        raise TaskRecordError(f"intake.model.driver: {reference!r} is neither 'package.module:Class' nor a .py file")
+    try:
+        cls = import_reference(reference, "intake.model.driver")
+    except RegistryError as err:
+        raise TaskRecordError(str(err)) from None
+    return f"class:{reference}", lambda: _instantiate(cls, f"intake.model.driver {reference!r}")
+
+
+def getattr_or_error(module: ModuleType, name: str, path: Path) -> type:
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise TaskRecordError(f"intake.model.driver: {path} defines no {name!r}")
+    return cls
+
+
+def _module_from_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise TaskRecordError(f"intake.model.driver: driver file not found: {path}")
+    # One stable module name per file, so classes defined there pickle and repeat imports share it.
+    name = f"omskills_driver_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TaskRecordError(f"intake.model.driver: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise TaskRecordError(f"intake.model.driver: importing {path} failed: {type(err).__name__}: {err}") from err
+    return module
+
+
+def _function_driver(path: Path) -> ModelDriver:
+    from omskills.models.generic import FunctionDriver
+
+    return FunctionDriver(_module_from_file(path), path)
+
+
+def _instantiate(cls: object, where: str) -> ModelDriver:
+    if not (isinstance(cls, type) and issubclass(cls, ModelDriver)):
+        raise TaskRecordError(f"{where}: {cls!r} is not a ModelDriver subclass")
+    missing = [name for name in ("family", "inputs_model") if not hasattr(cls, name)]
+    if missing:
+        raise TaskRecordError(f"{where}: {cls.__name__} does not set {', '.join(missing)}")
+    try:
+        return cls()
+    except TypeError as err:
+        raise TaskRecordError(f"{where}: {cls.__name__}() failed: {err}") from None
+
+
+def resolved_spec(spec: ModelSpec, base_dir: Path | None) -> ModelSpec:
+    """The spec with its relative paths (source checkout, checkpoint, driver file) taken from `base_dir`."""
+    if base_dir is None:
+        return spec
+    update: dict[str, str] = {}
+    if spec.source != "package" and not Path(spec.source).expanduser().is_absolute():
+        update["source"] = str((base_dir / spec.source).resolve())
+    if spec.checkpoint and not Path(spec.checkpoint).expanduser().is_absolute():
+        update["checkpoint"] = str((base_dir / spec.checkpoint).resolve())
+    path_part, sep, name = (spec.driver or "").partition(":")
+    if path_part.endswith(".py") and not Path(path_part).expanduser().is_absolute():
+        update["driver"] = str((base_dir / path_part).resolve()) + sep + name
+    return spec.model_copy(update=update) if update else spec
+
+
+def _is_input_path(field: FieldInfo) -> bool:
+    return any(isinstance(m, InputPathMarker) for m in field.metadata)
+
+
+def localised_intake(intake: Intake, base_dir: Path) -> Intake:
+    """The intake with every relative path (model source, checkpoint and driver file, and the inputs
+    the driver marks `InputPath`) made absolute from `base_dir`, so a copy of the record elsewhere
+    (a run folder) still finds them. Values with a scheme ("builtin:shapes") are left as they are."""
+    model = resolved_spec(intake.model, base_dir)
+    driver = driver_for(model, base_dir)
+    inputs = dict(intake.inputs)
+    for name, field in driver.inputs_model.model_fields.items():
+        value = inputs.get(name)
+        if _is_input_path(field) and isinstance(value, str) and ":" not in value and not Path(value).expanduser().is_absolute():
+            inputs[name] = str((base_dir / value).resolve())
+    return intake.model_copy(update={"model": model, "inputs": inputs})
+
+
+@dataclass
+class BoundIntake:
+    """A record's intake read through its driver: the driver and the typed inputs and settings."""
+
+    driver: ModelDriver
+    inputs: BaseModel
+    verification: BaseModel
+
+
+def bind_intake(intake: Intake, base_dir: Path | None = None) -> BoundIntake:
+    """The intake's driver, with intake.inputs and intake.verification validated by it."""
+    driver = driver_for(intake.model, base_dir)
+    try:
+        inputs = driver.parse_inputs(intake.inputs)
+    except ValidationError as err:
+        raise TaskRecordError(f"{validation_problems(err, 'intake.inputs')} ({driver.family} driver)") from None
+    try:
+        verification = driver.parse_verification(intake.verification)
+    except ValidationError as err:
+        raise TaskRecordError(f"{validation_problems(err, 'intake.verification')} ({driver.family} driver)") from None
+    return BoundIntake(driver=driver, inputs=inputs, verification=verification)
+
+
+class DriverListing(BaseModel):
+    family: str
+    reference: str
+    origin: str
+    description: str = ""
+    error: str | None = None  # why it cannot be loaded here
+
+
+def installed_drivers() -> list[DriverListing]:
+    """Every driver of the entry-point group, with its description (or why it does not load)."""
+    listed = []
+    for entry in DRIVERS.entries():
+        try:
+            cls = DRIVERS.get(entry.name)
+            listed.append(DriverListing(family=entry.name, reference=entry.reference, origin=entry.origin,
+                                        description=getattr(cls, "description", "")))
+        except RegistryError as err:
+            listed.append(DriverListing(family=entry.name, reference=entry.reference, origin=entry.origin, error=str(err)))
+    return listed
