@@ -27,11 +27,10 @@ import anthropic
 import anyio
 import anyio.to_thread
 from anthropic import AsyncAnthropic
-from pydantic import BaseModel, Field
-
 from omskills.errors import OmskillsError
 from omskills.records.stages import Artifact, StageResult
 from omskills.records.task import TaskRecord, now_iso, updating
+from pydantic import BaseModel, Field
 
 from .mcp_client import OmskillsClient, ResourceSpec, ToolSpec, connect
 from .plan_runner import ToolCallDisplay

@@ -6,7 +6,6 @@ import argparse
 
 from .cli import command
 
-
 # --------------------------------------------------------------------------- MCP server, agent, skills
 # (serve, chat, new-skill, validate, install-skills; owned with mcp_server/agent/skills_admin)
 

@@ -18,7 +18,7 @@ def _main_path_args(p: argparse.ArgumentParser) -> None:
 
 def _override_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale")
-    p.add_argument("--frames", type=int, help="override intake.inputs.frames")
+    p.add_argument("--frames", type=int, help="override intake.inputs.frames (drivers whose inputs have frames)")
     p.add_argument("--source", help="override intake.model.source (a checkout path, or `package`)")
 
 
@@ -47,9 +47,9 @@ def _with_overrides(record, base_dir: Path, ns: argparse.Namespace):
 
 @command("main-path", _main_path_args)
 def _main_path(ns: argparse.Namespace) -> int:
-    """Run the text-prompted video main path once and write main_path.json, masks and overlays."""
-    from omskills.stages.main_path import run_and_report
+    """Run the model's main path once and write main_path.json, outputs.npz and its pictures."""
     from omskills.records.task import load_record
+    from omskills.stages.main_path import run_and_report
 
     task_path = Path(ns.task)
     base = task_path.resolve().parent
@@ -112,9 +112,8 @@ def _adapt(ns: argparse.Namespace) -> int:
     """Adapt a model end to end: inventory, plan, contracts, ONNX/ATC, splice and verify."""
     import asyncio
 
-    from omskills.records.task import load_record, save_record
-
     from omskills.models.registry import localised_intake
+    from omskills.records.task import load_record, save_record
 
     base = Path(ns.task).resolve().parent
     source = _with_overrides(load_record(ns.task), base, ns)

@@ -21,9 +21,8 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from pydantic import BaseModel
-
 from omskills.errors import OmskillsError
+from pydantic import BaseModel
 
 # Called as progress notifications arrive: (done, total or None, message or None).
 ProgressFn = Callable[[float, float | None, str | None], Awaitable[None]]

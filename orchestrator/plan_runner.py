@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from pydantic import BaseModel, Field
 from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from .mcp_client import OmskillsClient, ProgressFn, ToolCallOutcome, connect

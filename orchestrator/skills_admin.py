@@ -22,12 +22,11 @@ from pathlib import Path
 
 import jinja2
 import skills_ref
-from pydantic import BaseModel, Field
-from skills_ref.validator import validate_metadata
-
 from omskills.errors import InputError, OmskillsError
 from omskills.host.mcp_server import registration_problem
 from omskills.host.toolkit import TOOL_NAME, ToolInfo, load_tool, skills_root
+from pydantic import BaseModel, Field
+from skills_ref.validator import validate_metadata
 
 # Where a template path says TOOL, the example tool's name goes.
 TOOL_PLACEHOLDER = "TOOL"

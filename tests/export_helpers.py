@@ -8,10 +8,9 @@ model around it, the way a predictor holds its candidates (`host.head`).
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from omskills.contracts import capture_contracts
 from omskills.records.contracts import ContractSpec
+from torch import nn
 
 # Batch sizes of the capture run: dim 0 of every input is dynamic with these observed values.
 OBSERVED_BATCHES = (2, 5)

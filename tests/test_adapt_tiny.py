@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 from omskills.records.task import load_record
 
 
@@ -74,7 +73,9 @@ def test_rerun_after_a_crash_in_stage_3_redoes_only_the_unfinished_export(tiny_a
     record = load_record(tiny_adaptation / "task.yaml")
     done = sorted(k for k, v in record.stages.items() if k.startswith("export:") and v.status == "done")
     assert len(done) >= 2
-    crashed = done[-1]
+    # The smallest export: its redo (export, probe, variants) is the cheapest.
+    crashed = min(done, key=lambda step: record.exports[step.split(":", 1)[1]].bytes)
+    done = [step for step in done if step != crashed] + [crashed]
     # What a kill during that export leaves behind: the step marked running, no result stored.
     record.stages[crashed].status = "running"
     record.stages[crashed].finished = None
@@ -190,3 +191,21 @@ def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptati
              "memory_attention", "mask_memory_encoder", "mask_decoder"}
     exported = {after.contracts[graph].plan_candidate for graph in after.exports}
     assert seeds <= exported, sorted(seeds - exported)
+
+
+def test_the_mask_decoder_gets_one_graph_per_multimask_output_value_both_on_onnxruntime(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    graphs = {c.dispatch.on["kwargs['multimask_output']"]: c.candidate for c in record.contracts_of("mask_decoder")}
+    assert graphs == {False: "mask_decoder-multimask_output_False", True: "mask_decoder-multimask_output_True"}
+    verified = {c.name: c for c in record.verification.candidates}
+    for graph in graphs.values():
+        assert verified[graph].status == "integrated" and verified[graph].backend.startswith("onnxruntime:")
+        assert verified[graph].calls >= 1 and verified[graph].fallbacks == 0
+    assert record.plan.candidate("mask_decoder").status == "integrated"
+
+
+def test_memory_attention_computes_its_pointer_token_count_from_the_prompt_length(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    [count] = [a for a in record.contracts["memory_attention"].non_tensor_args if "num_obj_ptr_tokens" in a.tree_path]
+    assert count.derived is not None and "prompt.shape[0]" in count.derived.expression
+    assert record.plan.candidate("memory_attention").status == "integrated"

@@ -15,12 +15,10 @@ from pathlib import Path
 import anyio
 import pytest
 from anthropic import AsyncAnthropic
-
-from omskills.orchestrator.agent import AgentSettings, chat, run_agent
-from omskills.records.task import load_record
-
 from fake_anthropic import calls, done, fake_anthropic, message, tool_use
 from mcp_helpers import write_task_record, write_toy_skill
+from omskills.orchestrator.agent import AgentSettings, chat, run_agent
+from omskills.records.task import load_record
 
 ENTRY_SKILL_MD = """\
 ---

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx import TensorProto, helper
-
 from omskills.ascend.atc import AtcOptions, advise, build_atc_command, find_atc, run_atc
 from omskills.ascend.ops import load_table, parse_opsets, precheck_ops
 from omskills.errors import InputError
 from omskills.records.contracts import ShapeStrategy
+from onnx import TensorProto, helper
 
 FAKE_ATC = Path(__file__).with_name("fake_atc")
 

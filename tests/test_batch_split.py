@@ -14,18 +14,17 @@ import os
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from export_helpers import BATCH_DIMS, head_inputs, make_host
+from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
-from omskills.errors import StageError
 from omskills.convert.export import export_onnx
+from omskills.errors import StageError
 from omskills.records.contracts import BoundaryDecision
+from omskills.records.task import TaskRecord, load_record, save_record
 from omskills.runtime import open_backend
 from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
-from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.runtime.splice import splice
-from omskills.records.task import TaskRecord, load_record, save_record
+from torch import nn
 
 BATCHES = (2, 5)  # observed batch sizes: gears [2] and [5]
 

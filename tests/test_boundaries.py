@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from omskills.boundary.analysis import (
     analyze_boundaries,
     analyze_boundary,
@@ -18,6 +16,7 @@ from omskills.boundary.analysis import (
 from omskills.contracts import ProvenanceTracker, capture_contracts
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, DimRef, QuantityLimit, QuantitySchedule
+from torch import nn
 
 
 class Double(nn.Module):

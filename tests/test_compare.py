@@ -6,11 +6,10 @@ import re
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
-
 from omskills.compare.parity import compare_arrays, compare_outputs
-from omskills.records.parity import OutputParity, ParityGates, ParityReport, overall_verdict
 from omskills.errors import OmskillsError
+from omskills.records.parity import OutputParity, ParityGates, ParityReport, overall_verdict
+from pydantic import ValidationError
 
 
 def ones_with_one_element_off(delta: float, size: int = 1000) -> tuple[np.ndarray, np.ndarray]:

@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
-from omskills.contracts import ProvenanceTracker, capture_contracts, load_sample
-from omskills.contracts import pytree
+from omskills.contracts import ProvenanceTracker, capture_contracts, load_sample, pytree
 from omskills.contracts.samples import save_sample
 from omskills.errors import OmskillsError
+from torch import nn
 
 ONNX_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -515,7 +513,6 @@ def test_a_tensor_computed_in_python_from_a_module_output_is_traced_to_that_modu
 def test_a_struct_the_model_registered_without_keys_is_re_registered_with_paths():
     """SAM 3.1 registers its NestedTensor as a pytree node without keys or a serialised name."""
     import torch.utils._pytree as pt
-
     from omskills.contracts.pytree import ensure_registered, flatten_call, spec_to_str
 
     class KeylessNested:

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from omskills.boundary.analysis import analyze_boundary
+from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
-from omskills.errors import OmskillsError
 from omskills.convert.export import export_onnx
+from omskills.errors import OmskillsError
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.runtime import open_backend
-from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.runtime.splice import splice
+from torch import nn
 
 HW, PER_POINTER = 4, 2
 
@@ -53,18 +52,6 @@ DERIVED = {"attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
     expression="memory.shape[0] - memory_image.shape[0]", evidence="test")}}
 
 
-def _capture(tracker: Tracker, steps, tmp_path, derived=DERIVED):
-    def run():
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for frames, pointers in steps:
-                tracker.step(frames, pointers)
-
-    (contract,) = capture_contracts(tracker, {"attention": "attention"}, run, samples_dir=tmp_path,
-                                    relative_to=tmp_path, derived_args=derived)
-    return contract
-
-
 def _limits():
     frames = QuantityLimit(quantity="memory_frames", low=1, high=3,
                            dims=[DimRef(input="memory_image", dim=0, scale=HW), DimRef(input="memory", dim=0, scale=HW)])
@@ -82,6 +69,11 @@ def test_an_argument_that_varies_but_follows_the_shapes_keeps_the_candidate_expo
     decision = analyze_boundary(contract)
     assert decision.exportable
     assert any("memory.shape[0] - memory_image.shape[0]" in reason for reason in decision.reasons)
+
+
+def _capture(tracker: Tracker, steps, tmp_path, derived=DERIVED):
+    (contract,) = _capture_all(tracker, steps, tmp_path, derived)
+    return contract
 
 
 def _capture_all(tracker: Tracker, steps, tmp_path, derived=DERIVED):

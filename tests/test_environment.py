@@ -7,12 +7,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from omskills.host.environment import probe_cann, probe_environment, probe_npu
 from omskills.errors import TaskRecordError
+from omskills.host.environment import probe_cann, probe_environment, probe_npu
+from omskills.host.toolkit import load_tool, skills_root
 from omskills.records.environment import STAGES
 from omskills.records.task import TaskRecord, load_record, save_record
-from omskills.host.toolkit import load_tool, skills_root
 
 TOOL = load_tool(skills_root() / "om-deployer" / "scripts" / "check_environment.py").func
 

@@ -14,12 +14,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from torch import nn
-
 from export_helpers import BATCH_DIMS, capture_head_contract, head_inputs, make_host
 from omskills.contracts import capture_contracts
 from omskills.contracts.pytree import flatten
-from omskills.errors import InputError
 from omskills.convert.export import (
     ATC_MAX_OPSET,
     ContractWrapper,
@@ -27,7 +24,9 @@ from omskills.convert.export import (
     dynamic_dims_from_strategy,
     export_onnx,
 )
+from omskills.errors import InputError
 from omskills.records.contracts import ShapeStrategy
+from torch import nn
 
 
 @pytest.fixture(scope="module")

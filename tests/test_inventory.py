@@ -11,13 +11,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from omskills.errors import InputError, OmskillsError, TaskRecordError
-from omskills.report.inventory import render_inventory_report
-from omskills.source.inventory import package_root, scan_source
+from omskills.host.toolkit import load_tool, repo_root, skills_root
 from omskills.records.inventory import Inventory, PortabilityFinding
 from omskills.records.task import TaskRecord, load_record, save_record
-from omskills.host.toolkit import load_tool, repo_root, skills_root
+from omskills.report.inventory import render_inventory_report
+from omskills.source.inventory import package_root, scan_source
 
 SCRIPT = skills_root() / "om-deployer" / "scripts" / "inventory_entries.py"
 TOOL = load_tool(SCRIPT).func
@@ -233,7 +232,6 @@ def test_a_checkout_path_relative_to_the_record_is_scanned(checkout):
 
 def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkout):
     import torch
-
     from omskills.source.portability import DevicePortability
 
     inventory = scan_source(checkout, "sam3", "build_sam3_video_model", family="sam3",
@@ -263,9 +261,8 @@ def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkou
 
 def test_renders_a_markdown_report_with_a_compute_share_chart(sam3_inventory, tmp_path):
     import torch
-    from torch import nn
-
     from omskills.profiling.profiler import ModuleProfiler
+    from torch import nn
 
     inventory, _ = sam3_inventory
     net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))

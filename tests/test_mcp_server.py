@@ -17,14 +17,12 @@ from typing import Any
 import anyio
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-
+from mcp_helpers import TOY_SKILL, toy_tool_names, write_task_record, write_toy_skill
 from omskills.errors import InputError
 from omskills.host.mcp_server import is_path_parameter, parse_http_address
+from omskills.host.toolkit import WorkspacePath, skills_root, tool_files
 from omskills.orchestrator.mcp_client import OmskillsClient, ToolCallOutcome, connect, connect_http
 from omskills.records.task import load_record
-from omskills.host.toolkit import WorkspacePath, skills_root, tool_files
-
-from mcp_helpers import TOY_SKILL, toy_tool_names, write_task_record, write_toy_skill
 
 
 @dataclass

@@ -10,10 +10,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
-from omskills.errors import InputError
 from omskills.convert.inspect import inspect_onnx
+from omskills.errors import InputError
+from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from torch import nn
-
 from omskills.convert.translations import translation_table
+from torch import nn
 
 
 class Norms(nn.Module):

@@ -8,12 +8,17 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
-
-from omskills.convert.auto_optimizer import DEFAULT_OFF, apply_knowledges, install_onnx_mapping, load_auto_optimizer, mapping_tables
-from omskills.errors import InputError
+from omskills.convert.auto_optimizer import (
+    DEFAULT_OFF,
+    apply_knowledges,
+    install_onnx_mapping,
+    load_auto_optimizer,
+    mapping_tables,
+)
 from omskills.convert.optimize import choose_preferred, optimize_variants
+from omskills.errors import InputError
 from omskills.records.toolchain import VariantResult
+from onnx import TensorProto, helper
 
 
 class Tiny(torch.nn.Module):

@@ -6,9 +6,8 @@ import time
 
 import pytest
 import torch
-from torch import nn
-
 from omskills.profiling.profiler import ModuleProfiler
+from torch import nn
 
 # time.sleep overshoots by a fraction of a millisecond per call on a busy machine.
 TOLERANCE_S = 0.015

@@ -13,7 +13,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from infer_session_double import InferSessionDouble, install_fake_ais_bench
 from omskills.errors import OmskillsError
 from omskills.runtime import (

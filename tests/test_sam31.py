@@ -20,7 +20,6 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
-
 from omskills.errors import InputError
 from omskills.models.registry import family_driver
 from omskills.models.sam31 import (
@@ -290,10 +289,11 @@ def tiny_31_main_path(tiny_31_adaptation) -> dict:
 
 @pytest.mark.sam31
 def test_tiny_31_tracks_objects_on_every_frame(tiny_31_main_path):
-    frames = tiny_31_main_path["frames"]
+    steps = tiny_31_main_path["steps"]
     assert tiny_31_main_path["model_family"] == "sam3.1" and tiny_31_main_path["weights"] == "random"
-    assert [f["frame"] for f in frames] == [0, 1, 2, 3]
-    assert all(len(f["obj_ids"]) >= 1 for f in frames), [f["obj_ids"] for f in frames]
+    assert [s["index"] for s in steps] == [0, 1, 2, 3]
+    ids = [next(o["values"] for o in s["outputs"] if o["name"] == "obj_ids") for s in steps]
+    assert all(len(frame_ids) >= 1 for frame_ids in ids), ids
 
 
 @pytest.mark.sam31
@@ -316,10 +316,13 @@ def test_tiny_31_adapts_with_every_deployed_candidate_on_onnxruntime(tiny_31_ada
 
     report = json.loads((tiny_31_adaptation / "verify" / "report.json").read_text())
     main = report["main_path"]
-    assert main["obj_ids_equal"] and main["min_mask_iou"] >= 0.99 and main["fallbacks"] == 0
-    deploy = load_record(tiny_31_adaptation / "task.yaml").intake.target.deploy
+    checks = {c["output"]: c for c in main["checks"]}
+    assert report["verdict"] == "pass" and main["fallbacks"] == 0
+    assert checks["obj_ids"]["passed"] and checks["masks"]["worst"] >= 0.99
+    record = load_record(tiny_31_adaptation / "task.yaml")
+    graphs = {graph for name in record.intake.target.deploy for graph in record.graphs(name)}
     backends = report["backend_per_candidate"]
-    assert {name: backends.get(name, "")[:12] for name in deploy} == {name: "onnxruntime:" for name in deploy}
+    assert {g: backends.get(g, "")[:12] for g in graphs} == {g: "onnxruntime:" for g in graphs}
 
 
 @pytest.mark.sam31

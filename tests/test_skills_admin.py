@@ -10,13 +10,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-
+from mcp_helpers import write_task_record, write_tool
 from omskills.errors import InputError
+from omskills.host.toolkit import skills_root
 from omskills.orchestrator.mcp_client import connect
 from omskills.orchestrator.skills_admin import install_skills, new_skill, validate_skills
-from omskills.host.toolkit import skills_root
-
-from mcp_helpers import write_task_record, write_tool
 
 CLI = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"]
 

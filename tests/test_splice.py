@@ -13,7 +13,6 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
-
 from export_helpers import BATCH_DIMS, OBSERVED_BATCHES, capture_head_contract, head_inputs, make_host
 from omskills.contracts import capture_contracts
 from omskills.convert.export import ContractWrapper, export_onnx
@@ -211,3 +210,47 @@ def test_a_contract_on_another_method_splices_that_method_only():
         torch.testing.assert_close(host[0](x), x * 2 + 1)  # forward is not in the contract: PyTorch runs it
     assert len(double.feeds) == 1
     assert [e.kind for e in handle.fallbacks()] == ["method"]
+
+
+class Repeats(torch.nn.Module):
+    """Its output's shape depends on a Python int: one graph cannot serve every value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, times: int) -> torch.Tensor:
+        return self.lin(x).repeat(times, 1)
+
+
+def test_a_candidate_dispatched_on_an_argument_sends_each_call_to_the_graph_of_its_value():
+    host = torch.nn.Sequential(Repeats())
+    x = torch.randn(2, 3)
+
+    def run():
+        with torch.no_grad():
+            for times in (1, 2, 1):
+                host[0](x, times)
+
+    one, two = capture_contracts(host, {"repeats": "0"}, run)
+    assert (one.candidate, two.candidate) == ("repeats-times_1", "repeats-times_2")
+    doubles = TorchBackendDouble(host[0], one), TorchBackendDouble(host[0], two)
+    with torch.no_grad():
+        want = [host[0](x, times) for times in (2, 1, 3)]
+    with splice(host, [(one, doubles[0]), (two, doubles[1])]) as handle, torch.no_grad():
+        assert isinstance(host[0], SplicedModule) and len(host[0].routes) == 2
+        got = [host[0](x, times) for times in (2, 1, 3)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert [len(d.feeds) for d in doubles] == [1, 1]
+    stats = {s.candidate: s for s in handle.stats()}
+    assert stats["repeats-times_2"].backend_calls == 1 and stats["repeats-times_1"].backend_calls == 1
+    [event] = handle.fallbacks()  # 3 was never observed: no graph serves it, PyTorch does
+    assert (event.kind, event.call) == ("constant", 3) and "args[1] is 3" in event.reason
+    assert host[0].__class__ is Repeats  # unspliced as one
+
+
+def test_graphs_of_different_candidates_cannot_share_a_replacement_point(host, contract, double):
+    other = contract.model_copy(update={"candidate": "head-copy"})
+    with pytest.raises(SpliceError, match="already spliced"):
+        splice(host, [(contract, double), (other, double)])

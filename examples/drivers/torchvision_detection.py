@@ -17,18 +17,26 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import numpy as np
 import torch
+from omskills.models.kit import (
+    InputPath,
+    LoadedModel,
+    MainPathRun,
+    ModelDriver,
+    ModelSpec,
+    OutputCheck,
+    RunHooks,
+    StepOutput,
+    draw_instances,
+    load_state_dict,
+    load_video,
+    package_root,
+)
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
-
-from omskills.models.kit import (
-    InputPath, LoadedModel, MainPathRun, ModelDriver, ModelSpec, OutputCheck, RunHooks, StepOutput, draw_instances,
-    load_state_dict, load_video, package_root,
-)
 
 DEFAULT_BUILDER = "fasterrcnn_mobilenet_v3_large_320_fpn"
 
@@ -69,10 +77,13 @@ class FasterRcnnDriver(ModelDriver):
     def source_package(self, spec: ModelSpec) -> str:
         return "torchvision"
 
+    def builder_name(self, spec: ModelSpec) -> str:
+        return spec.builder or DEFAULT_BUILDER
+
     def load(self, spec: ModelSpec) -> LoadedModel:
         from torchvision.models import detection
 
-        name = spec.builder or DEFAULT_BUILDER
+        name = self.builder_name(spec)
         builder = getattr(detection, name, None)
         if builder is None:
             raise ValueError(f"intake.model.builder: torchvision.models.detection has no {name!r}")
@@ -114,7 +125,7 @@ class FasterRcnnDriver(ModelDriver):
                 t0 = time.perf_counter()
                 [found] = model([_tensor(image)])
                 steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0,
-                                        outputs={name: found[name].numpy() for name in ("boxes", "labels", "scores")}))
+                                        outputs={name: found[name].cpu().numpy() for name in ("boxes", "labels", "scores")}))
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 

@@ -14,13 +14,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omskills.models.kit import (
+    InputPath,
+    LoadedModel,
+    MainPathRun,
+    ModelDriver,
+    ModelSpec,
+    OutputCheck,
+    RunHooks,
+    StepOutput,
+    load_state_dict,
+    load_video,
+    package_root,
+    side_by_side,
+    titled,
+)
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from omskills.models.kit import (
-    InputPath, LoadedModel, MainPathRun, ModelDriver, ModelSpec, OutputCheck, RunHooks, StepOutput, load_state_dict,
-    load_video, package_root, side_by_side, titled,
-)
 
 DEFAULT_BUILDER = "raft_small"
 
@@ -62,10 +72,13 @@ class RaftDriver(ModelDriver):
     def source_package(self, spec: ModelSpec) -> str:
         return "torchvision"
 
+    def builder_name(self, spec: ModelSpec) -> str:
+        return spec.builder or DEFAULT_BUILDER
+
     def load(self, spec: ModelSpec) -> LoadedModel:
         from torchvision.models import optical_flow
 
-        name = spec.builder or DEFAULT_BUILDER
+        name = self.builder_name(spec)
         builder = getattr(optical_flow, name, None)
         if builder is None:
             raise ValueError(f"intake.model.builder: torchvision.models.optical_flow has no {name!r}")
@@ -89,7 +102,7 @@ class RaftDriver(ModelDriver):
             for index, (first, second) in enumerate(zip(data, data[1:])):
                 t0 = time.perf_counter()
                 flows = loaded.entry(_tensor(first), _tensor(second), num_flow_updates=inputs.num_flow_updates)
-                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs={"flow": flows[-1][0].numpy()}))
+                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs={"flow": flows[-1][0].cpu().numpy()}))
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 

@@ -19,12 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
-
 from omskills.errors import InputError
 from omskills.records.base import Record
 from omskills.records.contracts import ShapeStrategy
 from omskills.records.toolchain import AtcErrorAdvice, AtcInstall, AtcResult
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 ShapeStrategyKind = Literal["static", "dynamic_batch_size", "dynamic_image_size", "dynamic_dims", "dynamic_shape"]
 

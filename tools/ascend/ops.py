@@ -1,6 +1,6 @@
 """Check a model's operators against the ONNX operators ATC accepts, before anyone reaches an NPU.
 
-The table is `data/atc_onnx_ops.csv`, typed from CANN 8.0.0's "支持ONNX算子清单" (see
+The table is `ascend/data/atc_onnx_ops.csv`, typed from CANN 8.0.0's "支持ONNX算子清单" (see
 `data/atc_onnx_ops.README.md` for pages and which opset ranges were read or assumed). ATC's
 ONNX parser looks operators up as `ai.onnx::<model opset>::<op type>`, so the model's
 default-domain opset is what is compared with each operator's accepted opsets.
@@ -16,15 +16,14 @@ from importlib import resources
 from pathlib import Path
 
 import onnx
+from omskills.ascend.atc import KNOWN_SOCS
+from omskills.convert.inspect import DEFAULT_DOMAIN, default_opset, load_model_proto, walk_nodes
+from omskills.errors import InputError
+from omskills.records.toolchain import OpCheckRow, OpPrecheck, OpStatus
 from onnx import NodeProto
 
-from omskills.ascend.atc import KNOWN_SOCS
-from omskills.errors import InputError
-from omskills.convert.inspect import DEFAULT_DOMAIN, default_opset, load_model_proto, walk_nodes
-from omskills.records.toolchain import OpCheckRow, OpPrecheck, OpStatus
-
 TABLE_FILE = "atc_onnx_ops.csv"
-TABLE_DOCUMENT = "CANN 8.0.0 支持ONNX算子清单 (operatorlist_00176), see tools/data/atc_onnx_ops.README.md"
+TABLE_DOCUMENT = "CANN 8.0.0 支持ONNX算子清单 (operatorlist_00176), see tools/ascend/data/atc_onnx_ops.README.md"
 MAX_NODE_NAMES = 50
 
 

@@ -19,14 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
+from omskills.boundary.shape_strategy import SourceLimits, propose_shape_strategy
 from omskills.contracts import pytree
-from omskills.contracts.provenance import is_ancestor
 from omskills.contracts.samples import load_sample
 from omskills.errors import OmskillsError
-from omskills.records.contracts import BoundaryDecision, ContractSpec, ShapeStrategy, TensorSpec
-from omskills.boundary.shape_strategy import SourceLimits, propose_shape_strategy
+from omskills.records.contracts import BoundaryDecision, ContractSpec, ShapeStrategy, TensorSpec, is_ancestor
+from torch import nn
 
 _COMPLEX = {"complex32", "complex64", "complex128", "complex"}
 
@@ -105,7 +103,7 @@ def _control_plane(contract: ContractSpec) -> list[str]:
     per_frame = contract.calls_per_frame
     if per_frame is not None and abs(per_frame - round(per_frame)) > 1e-9:
         plane.append(f"the loop that calls it stays in Python: {contract.calls} calls, {per_frame:.2f} per "
-                     "frame on average (the count depends on the data, e.g. objects or prompts)")
+                     "main-path step on average (the count depends on the data, e.g. objects or prompts)")
     return plane
 
 
@@ -316,7 +314,7 @@ def render_contract_table(contracts: list[ContractSpec], decisions: list[Boundar
     ]
     for c in contracts:
         decision = by_name.get(c.candidate)
-        calls = f"{c.calls}" + (f" ({c.calls_per_frame:.2g}/frame)" if c.calls_per_frame is not None else "")
+        calls = f"{c.calls}" + (f" ({c.calls_per_frame:.2g}/step)" if c.calls_per_frame is not None else "")
         exportable = "—" if decision is None else ("yes" if decision.exportable else "**no**: " + decision.reasons[0])
         lines.append("| " + " | ".join([
             c.candidate,

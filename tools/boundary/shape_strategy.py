@@ -2,7 +2,7 @@
 
 A dim is dynamic when it varies across the observed calls or when the model-family driver binds
 it to a quantity whose range the source shows (`QuantityLimit`). A bound dim may follow several
-quantities linearly (`DimRef.scale`): SAM 3.1's memory length is HW x memory frames + 16 x
+quantities linearly (`DimRef.scale`): a tracker's memory length is HW x memory frames + 16 x
 pointer frames. Declared quantities take every value of their range, unless a `QuantitySchedule`
 says which values they take together (the memory frames and pointer frames grow with the frame
 index, so 16 pairs occur of the 7 x 16 possible). Gears are then the dim values of those

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
-
 from omskills.compare.parity import compare_arrays
 from omskills.records.verify import CheckResult, OutputCheck
 from omskills.registry import Registry
@@ -53,11 +52,17 @@ def _pairs(check: OutputCheck, reference: Outputs, spliced: Outputs) -> tuple[li
 def exact(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckResult:
     if (missing := _missing(check, reference, spliced)) is not None:
         return missing
-    ref, got = np.asarray(reference[check.output]), np.asarray(spliced[check.output])
-    if ref.shape != got.shape:
-        return _result(check, 1.0, False, f"shape {list(got.shape)} != reference {list(ref.shape)}")
-    differs = float((ref != got).mean()) if ref.size else 0.0
-    return _result(check, differs, differs == 0.0, None if differs == 0.0 else f"{int((ref != got).sum())} of {ref.size} differ")
+    pairs, unmatched = _pairs(check, reference, spliced)
+    worst, details = (1.0 if unmatched else 0.0), [f"items {unmatched} of the reference are missing"] * bool(unmatched)
+    for ref, got in pairs:
+        ref, got = np.asarray(ref), np.asarray(got)
+        if ref.shape != got.shape:
+            worst = 1.0
+            details.append(f"shape {list(got.shape)} != reference {list(ref.shape)}")
+        elif ref.size and (differs := ref != got).any():
+            worst = max(worst, float(differs.mean()))
+            details.append(f"{int(differs.sum())} of {ref.size} differ")
+    return _result(check, worst, worst == 0.0, "; ".join(details) or None)
 
 
 def tensor(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckResult:
@@ -129,11 +134,13 @@ def expand(checks: list[OutputCheck], outputs: Outputs) -> list[OutputCheck]:
 
 
 def compare_step(checks: list[OutputCheck], reference: Outputs, spliced: Outputs) -> list[CheckResult]:
+    """Each check on one step; a metric no comparator is registered for is an error naming it."""
     return [COMPARATORS.get(check.metric)(check, reference, spliced) for check in checks]
 
 
 def worse(metric: str, a: float | None, b: float | None) -> bool:
-    """Whether figure `a` is worse than `b` for this metric (None is the worst)."""
+    """Whether figure `a` is worse than `b` for this metric (None is the worst). Figures are
+    differences, higher is worse, except iou's."""
     if a is None:
         return b is not None
     if b is None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-
 from omskills.records.parity import OutputParity, ParityGates, ParityReport
+
 
 def compare_arrays(
     name: str, reference: np.ndarray, candidate: np.ndarray, gates: ParityGates | None = None

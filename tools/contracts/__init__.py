@@ -1,6 +1,6 @@
 """Stage 2 engine: capture the real I/O contracts of candidate modules on the main path.
 
-- `pytree`: flatten/unflatten calls and outputs (dataclasses, NestedTensor registered on demand),
+- `pytree`: flatten/unflatten calls and outputs (dataclasses and driver-named containers registered),
   serialisable tree specs, readable leaf paths and ONNX-valid names;
 - `provenance`: `ProvenanceTracker`, where each tensor came from (user input, session,
   parameter, another module) and which modules consume it;

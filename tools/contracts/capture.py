@@ -10,6 +10,7 @@ cloned only for the bounded set of calls kept as samples (a module may modify th
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,14 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
-from omskills.errors import OmskillsError
-from omskills.records.contracts import CallShape, ContractSpec, Dispatch, NonTensorArg, Provenance, ShapeDerivedArg, TensorSpec
-
 from omskills.contracts import pytree
-from omskills.contracts.provenance import ProvenanceTracker, StorageHistory, is_ancestor
+from omskills.contracts.provenance import ProvenanceTracker, StorageHistory
 from omskills.contracts.samples import dtype_name, save_sample
+from omskills.errors import OmskillsError
+from omskills.records.contracts import (
+    CallShape,
+    ContractSpec,
+    Dispatch,
+    NonTensorArg,
+    Provenance,
+    ShapeDerivedArg,
+    TensorSpec,
+    is_ancestor,
+)
+from torch import nn
 
 # How many distinct values of a varying non-tensor argument are quoted in the record.
 _QUOTED_VALUES = 5
@@ -168,7 +176,7 @@ class _CandidateRecorder:
         self._in_flight: list[_Call] = []
 
     def attach(self) -> list[Any]:
-        # The output hook goes first: a hook registered earlier may replace the output (SAM's
+        # The output hook goes first: a hook registered earlier may replace the output (a driver's
         # verification takes |object_score_logits|), and the sample must hold what forward returned.
         return [
             self.module.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -325,8 +333,13 @@ def _output_specs(recorder: _CandidateRecorder, calls: list[_Call], taken: set[s
 
 def _save_samples(recorder: _CandidateRecorder, name: str, calls: list[_Call], inputs: list[TensorSpec],
                   outputs: list[TensorSpec], samples_dir: Path, relative_to: Path | None) -> list[str]:
+    """At most the selector's limit of the sampled calls among `calls`, distinct input shapes first
+    (calls sampled per dispatch value that one contract serves are more than it needs)."""
+    sampled = recorder.selector.among(calls)
+    distinct = list({c.input_signature(): c for c in reversed(sampled)}.values())[::-1]
+    chosen = sorted((distinct + [c for c in sampled if c not in distinct])[: recorder.selector.limit], key=lambda c: c.index)
     paths = []
-    for n, call in enumerate(recorder.selector.among(calls)):
+    for n, call in enumerate(chosen):
         assert call.sample_inputs is not None and call.sample_outputs is not None
         path = save_sample(
             samples_dir / f"{name}_{n}.npz", name, call.index,
@@ -390,9 +403,11 @@ def _contract(recorder: _CandidateRecorder, name: str, calls: list[_Call], struc
     return contract
 
 
-def _dispatch_groups(contract: ContractSpec, calls: list[_Call]) -> list[tuple[dict[str, Any], list[_Call]]] | None:
+def _dispatch_groups(recorder: _CandidateRecorder, contract: ContractSpec,
+                     calls: list[_Call]) -> list[tuple[dict[str, Any], list[_Call]]] | None:
     """Calls grouped by the values of the scalar non-tensor arguments that vary (and are not derived
-    from shapes), or None when there are none or too many combinations to give each a graph."""
+    from shapes), or None when there are none, too many combinations to give each a graph, or a
+    value whose calls were not sampled (its graph could be neither exported nor probed)."""
     varying = [arg for arg in contract.non_tensor_args if not arg.constant and arg.derived is None]
     if not varying:
         return None
@@ -402,13 +417,19 @@ def _dispatch_groups(contract: ContractSpec, calls: list[_Call]) -> list[tuple[d
         if not all(isinstance(v, _SCALARS) for v in values.values()):
             return None
         groups.setdefault(repr(sorted(values.items())), (values, []))[1].append(call)
-    return list(groups.values()) if len(groups) <= MAX_DISPATCH_VALUES else None
+    if len(groups) > MAX_DISPATCH_VALUES:
+        return None
+    if recorder.selector.limit and any(not recorder.selector.among(group) for _, group in groups.values()):
+        return None
+    return list(groups.values())
 
 
 def _graph_name(candidate: str, values: dict[str, Any], parameter_names: list[str]) -> str:
-    """"mask_decoder-multimask_output_True": the candidate and the values its graph serves."""
+    """"mask_decoder-multimask_output_True": the candidate and the values its graph serves, in
+    characters safe in file names, step keys and ATC's --output."""
     names = pytree.input_names(list(values), parameter_names)
-    return "-".join([candidate] + [f"{n}_{v}" for n, v in zip(names, values.values())])
+    parts = [re.sub(r"[^0-9A-Za-z_.]+", "_", f"{n}_{v}").strip("_") for n, v in zip(names, values.values())]
+    return "-".join([candidate] + parts)
 
 
 def _contracts(recorder: _CandidateRecorder, frames: int | None, samples_dir: Path,
@@ -419,7 +440,7 @@ def _contracts(recorder: _CandidateRecorder, frames: int | None, samples_dir: Pa
     calls = [c for c in recorder.calls if c.structure == main]
     whole = _contract(recorder, recorder.name, calls, len(structures), frames, samples_dir, relative_to, derivations,
                       save=False, total_calls=len(recorder.calls))
-    groups = _dispatch_groups(whole, calls)
+    groups = _dispatch_groups(recorder, whole, calls)
     if groups is None:
         whole.samples = _save_samples(recorder, whole.candidate, calls, whole.inputs, whole.outputs, samples_dir, relative_to)
         return [whole]

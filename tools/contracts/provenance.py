@@ -18,31 +18,22 @@ still traced to the module that produced the logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import weakref
 from collections.abc import Iterator
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
 import torch
 import torch.utils._pytree as pt
+from omskills.contracts import pytree
+from omskills.records.contracts import Provenance, ProvenanceKind, is_ancestor
 from torch import nn
 from torch.overrides import TorchFunctionMode
-
-from omskills.records.contracts import Provenance, ProvenanceKind
-
-from omskills.contracts import pytree
-
-
-def is_ancestor(ancestor: str, path: str) -> bool:
-    """True when module `ancestor` strictly contains module `path` ("" is the root)."""
-    if ancestor == path:
-        return False
-    return ancestor == "" or path.startswith(ancestor + ".")
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -243,7 +234,7 @@ class ProvenanceTracker:
         if not chosen:
             return
         # Joined origins are split back into their parts before joining again: a loop that feeds
-        # a tensor back into itself (SAM 3.1's mask NMS: keep = keep & ~f(keep), 200 times) would
+        # a tensor back into itself (an NMS loop: keep = keep & ~f(keep), 200 times) would
         # otherwise double the source string each step (24 GB in seconds).
         distinct = list(dict.fromkeys(part for o in chosen for part in _origin_parts(o)))
         if len(distinct) == 1:

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pt
-
 from omskills.errors import OmskillsError
 
 # Paths of a call tree (args, kwargs) start with "args" or "kwargs"; of an output with "out".

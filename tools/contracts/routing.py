@@ -1,6 +1,6 @@
 """Make direct `module.forward(...)` calls visible to forward hooks, for the duration of a run.
 
-Some models call a submodule's `forward` method directly (SAM 3:
+Some models call a submodule's `forward` method directly (e.g.
 `self.vision_backbone.forward(samples)`), which bypasses `nn.Module.__call__` and so every
 forward hook: profiler, provenance and contract capture would never see the call. Inside
 `route_forward_calls`, such a call is sent through `__call__` once; the inner `forward`

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from omskills.errors import InputError
 
 INPUT_PREFIX = "in:"

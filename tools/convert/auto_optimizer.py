@@ -30,10 +30,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
-
 from omskills.errors import OmskillsError
 from omskills.records.toolchain import KnowledgeOutcome
+from onnx import TensorProto, helper
 
 # Knowledges the tool itself leaves off unless asked (auto_optimizer.common.click_utils.
 # default_off_knowledges): they change results (the *Fix ones, ResizeModeToNearest) or are

@@ -5,7 +5,7 @@ original (args, kwargs) with the non-tensor constants bound, calls the candidate
 its tensor outputs as a flat tuple — so the ONNX graph's inputs and outputs are exactly the
 contract's, under the contract's names.
 
-Two exporters: the torch.export-based one (`dynamo=True`, needed by SAM: the TorchScript one
+Two exporters: the torch.export-based one (`dynamo=True`, needed by modern models: the TorchScript one
 fails on complex RoPE, `_addmm_activation` and antialiased resize) and the legacy TorchScript
 one. The saved model targets an opset ATC accepts (ATC_MAX_OPSET); a higher opset from the
 exporter is converted down with onnx.version_converter and recorded.
@@ -29,14 +29,13 @@ from typing import Any, TextIO
 import onnx
 import onnx.version_converter
 import torch
-from torch import nn
-
 from omskills.contracts.pytree import OUTPUT_ROOT, flatten, leaf_paths, spec_from_str, unflatten_call
-from omskills.errors import InputError, OmskillsError
 from omskills.convert.onnx_io import data_path, save_onnx
 from omskills.convert.translations import translated_ops, translation_table
+from omskills.errors import InputError, OmskillsError
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import ExporterName, ExportResult
+from torch import nn
 
 ATC_MIN_OPSET = 9
 ATC_MAX_OPSET = 18
@@ -422,7 +421,7 @@ def _is_data_dependent_guard(exc: BaseException) -> bool:
 def model_compile_path() -> Iterator[None]:
     """Model code that asks torch.compiler.is_dynamo_compiling() takes its torch.compile branch.
 
-    Models written for torch.compile keep data-dependent Python behind that check (SAM's
+    Models written for torch.compile keep data-dependent Python behind that check (a DETR-style
     decoder compares a tensor-valued feature size with a cached one, then asserts shapes);
     torch.export's non-strict capture does not set the flag, so those lines stop it on a
     data-dependent guard. With the flag on, the traced graph is the one torch.compile would

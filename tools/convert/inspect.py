@@ -9,10 +9,9 @@ from pathlib import Path
 
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
-
 from omskills.errors import InputError
 from omskills.records.toolchain import ExternalDataInfo, OnnxSummary, OnnxTensorInfo
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 DEFAULT_DOMAIN = "ai.onnx"
 UNDECLARED_DIM = "?"

@@ -16,18 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
-from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
-from omskills.contracts.samples import load_sample
 from omskills.compare.parity import compare_outputs
-from omskills.records.parity import OutputParity, ParityReport, Verdict, overall_verdict, verdict_rank
-from omskills.errors import InputError, OmskillsError
-from omskills.stdio import stdout_to_stderr
-from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
-from omskills.runtime.base import BackendError
-from omskills.runtime.batch_split import open_onnxruntime
+from omskills.contracts.samples import load_sample
+from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
 from omskills.convert.inspect import load_model_proto
 from omskills.convert.onnx_io import save_onnx
+from omskills.errors import InputError, OmskillsError
+from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
+from omskills.records.parity import OutputParity, ParityReport, Verdict, overall_verdict, verdict_rank
 from omskills.records.toolchain import (
     BatchSplit,
     OptimizeResult,
@@ -35,10 +31,13 @@ from omskills.records.toolchain import (
     VariantName,
     VariantResult,
 )
+from omskills.runtime.base import BackendError
+from omskills.runtime.batch_split import open_onnxruntime
+from omskills.stdio import stdout_to_stderr
 
 # One probe sample: feeds by input name, reference (PyTorch) outputs by output name.
 # (feeds, reference outputs), or a captured .npz sample, loaded only when it is run: the
-# full-scale SAM 3.1 backbone's 4-frame samples are GBs each, too big to hold or to pickle.
+# 4-frame samples of a full-scale video backbone are GBs each, too big to hold or to pickle.
 Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path
 
 

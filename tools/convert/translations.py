@@ -5,7 +5,7 @@ computes the same function with ops ATC supports (opset <= 18).
 
 - `aten.group_norm` (and `aten.native_group_norm`): torchlib reshapes to (N, groups, -1) and calls
   InstanceNormalization. ONNX Runtime's CPU InstanceNormalization loses precision on large
-  groups (SAM 3's segmentation head: 288x288x32 values per group; 5.6e-5 off after the first
+  groups (a pixel decoder's 288x288x32 values per group; 5.6e-5 off after the first
   norm, 2.8e-4 after the second, where onnx's reference evaluator and torch agree to 2e-6).
   The two-pass form below (mean, then the mean of squared deviations) is what torch computes
   and is exact to fp32 rounding in ONNX Runtime.

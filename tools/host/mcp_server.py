@@ -36,11 +36,10 @@ import yaml
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp.server.mcpserver.resources import FileResource
-
 from omskills import __version__, progress
 from omskills.errors import InputError, OmskillsError
-from omskills.stdio import stdout_to_stderr
 from omskills.host.toolkit import TOOL_NAME, ToolInfo, WorkspacePathMarker, discover_tools, skills_root
+from omskills.stdio import stdout_to_stderr
 
 log = logging.getLogger("omskills.host.mcp_server")
 

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
-
 from omskills.errors import OmskillsError
 from omskills.registry import Registry
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 

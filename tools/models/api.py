@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, ContextManager
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
-
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -65,7 +64,8 @@ class LoadedModel:
     # Entered around every run and export: the device-portability layer, or nothing.
     portability: ContextManager[Any] = field(default_factory=contextlib.nullcontext)
     notes: list[str] = field(default_factory=list)
-    prepared: bool = False  # ModelDriver.prepare has run on it
+    # Fingerprint of the inputs and settings ModelDriver.prepare last ran with (None: not yet).
+    prepared_for: str | None = None
 
     def findings(self) -> list[Any]:
         """Portability findings of the layer, when it records them."""
@@ -178,6 +178,22 @@ class ModelDriver(ABC):
     def source_package(self, spec: ModelSpec) -> str | None:
         """The Python package under source_root that the static inventory scans (None: no scan)."""
         return None
+
+    def code_fingerprint(self) -> str:
+        """A hash of the driver's own code: a study made with other driver code is not reused."""
+        import hashlib
+        import inspect
+
+        try:
+            source = Path(inspect.getfile(type(self))).read_bytes()
+        except (OSError, TypeError):  # a class without a file (made in a REPL): its name alone
+            source = f"{type(self).__module__}:{type(self).__qualname__}".encode()
+        return hashlib.sha256(source).hexdigest()[:16]
+
+    def builder_name(self, spec: ModelSpec) -> str | None:
+        """The function that builds the model (the inventory scans from its module); by default
+        intake.model.builder. None: the whole package is scanned from its __init__."""
+        return spec.builder
 
     @abstractmethod
     def load(self, spec: ModelSpec) -> LoadedModel:

@@ -26,12 +26,11 @@ import types
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
-
 from omskills.errors import InputError, TaskRecordError
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, SeedCandidate, StepOutput, as_arrays
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
+from pydantic import BaseModel, ConfigDict
 
 BUILD = "build_model"
 RUN = "run_main_path"
@@ -65,6 +64,11 @@ class FunctionDriver(ModelDriver):
 
     def source_root(self, spec: ModelSpec) -> Path:
         return self.path.parent
+
+    def code_fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
     def load(self, spec: ModelSpec) -> LoadedModel:
         import torch

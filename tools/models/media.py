@@ -1,6 +1,6 @@
 """Input videos: the built-in synthetic clips and real videos (mp4, gif, folder of frames).
 
-Frames are returned as RGB PIL images; SAM's own loader takes such a list directly, so no
+Frames are returned as RGB PIL images; video predictors take such a list directly, so no
 temporary files are written and the same frames feed the reference and the spliced run.
 """
 
@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
-
 from omskills.errors import InputError
+from PIL import Image, ImageDraw
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm"}

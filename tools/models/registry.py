@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from pydantic import BaseModel, ValidationError
-from pydantic.fields import FieldInfo
-
 from omskills.errors import TaskRecordError
 from omskills.models.api import InputPathMarker, ModelDriver
 from omskills.records.intake import Intake, ModelSpec
 from omskills.records.task import validation_problems
 from omskills.registry import Registry, RegistryError, import_reference
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 DRIVER_GROUP = "omskills.drivers"
 DRIVERS: Registry[type[ModelDriver]] = Registry("model driver", group=DRIVER_GROUP)

@@ -18,13 +18,16 @@ from unittest import mock
 
 import numpy as np
 import torch
-from PIL import Image
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from omskills.errors import InputError, TaskRecordError
 from omskills.models.api import (
-    InputPath, LoadedModel, MainPathRun, ModelDriver, ProvenanceSource, RunHooks, SeedCandidate, StepOutput,
+    InputPath,
+    LoadedModel,
+    MainPathRun,
+    ModelDriver,
+    ProvenanceSource,
+    RunHooks,
+    SeedCandidate,
+    StepOutput,
 )
 from omskills.models.media import load_video
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
@@ -33,6 +36,8 @@ from omskills.records.verify import OutputCheck
 from omskills.report.pictures import draw_instances
 from omskills.source.inventory import package_root
 from omskills.source.portability import DevicePortability, FunctionFix
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Tiny scale: the same classes built by Meta's builder helpers, with small widths/depths.
 # Keys are names looked up in sam3.model_builder at build time; values override kwargs.
@@ -52,6 +57,7 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 EXPORT_OVERRIDES: dict[str, dict[str, Any]] = {"RoPEAttention": {"use_rope_real": True}}
 
 BPE_FILE = "bpe_simple_vocab_16e6.txt.gz"
+DEFAULT_BUILDER = "build_sam3_video_model"
 
 
 class VideoTextInputs(BaseModel):
@@ -381,6 +387,9 @@ class Sam3Driver(SamVideoDriver):
     family = "sam3"
     description = "SAM 3 (PyPI sam3==0.1.4): text-prompted video segmentation, Sam3VideoPredictor"
 
+    def builder_name(self, spec: ModelSpec) -> str:
+        return spec.builder or DEFAULT_BUILDER
+
     def source_root(self, spec: ModelSpec) -> Path:
         if spec.source == "package" and importlib.util.find_spec("sam3") is None:
             raise InputError("intake.model.source: the sam3 package is not installed (pip install 'omskills[sam3]')")
@@ -395,7 +404,7 @@ class Sam3Driver(SamVideoDriver):
             portability.add_fix(fix)
         notes: list[str] = []
         torch.manual_seed(spec.seed)
-        builder_name = spec.builder or "build_sam3_video_model"
+        builder_name = self.builder_name(spec)
         with portability:
             from sam3 import model_builder
 
@@ -518,9 +527,14 @@ def _memory_limits(tracker: Any) -> list[QuantityLimit | QuantitySchedule]:
     ]
     if int(tracker.memory_temporal_stride_for_eval) != 1 or getattr(tracker, "use_memory_selection", False):
         return limits  # other memory layouts: the ranges alone
-    limits.append(QuantitySchedule(
-            quantities=["memory_frames", "object_pointer_frames"],
-            rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
-            evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames, "
-                     f"min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where}, _prepare_memory_conditioned_features)"))
-    return limits
+    return limits + [memory_schedule(maskmem, max_ptrs, f"{where}, _prepare_memory_conditioned_features")]
+
+
+def memory_schedule(maskmem: int, max_ptrs: int, where: str) -> QuantitySchedule:
+    """Forward propagation from one conditioning frame: frame t attends to min(t, num_maskmem)
+    memory frames and min(t, max_obj_ptrs_in_encoder) pointer frames (SAM 3 and SAM 3.1 alike)."""
+    return QuantitySchedule(
+        quantities=["memory_frames", "object_pointer_frames"],
+        rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
+        evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames, "
+                 f"min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where})")

@@ -27,12 +27,18 @@ from typing import Any, Callable, Iterator
 from unittest import mock
 
 import torch
-
 from omskills.errors import InputError, TaskRecordError
 from omskills.models.api import LoadedModel, ProvenanceSource, SeedCandidate
 from omskills.models.sam3 import (
-    SAM3_FIXES, ForcedDetections, SamVerification, SamVideoDriver, _with_overrides, bpe_vocabulary_path,
-    deterministic_uninitialised, reinit_non_finite,
+    SAM3_FIXES,
+    ForcedDetections,
+    SamVerification,
+    SamVideoDriver,
+    _with_overrides,
+    bpe_vocabulary_path,
+    deterministic_uninitialised,
+    memory_schedule,
+    reinit_non_finite,
 )
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
@@ -237,11 +243,7 @@ def _memory_limits(tracker: Any, per_bucket: int) -> list[QuantityLimit | Quanti
     ]
     if int(tracker.memory_temporal_stride_for_eval) == 1:
         # Forward (or reverse) propagation from one conditioning frame; other prompt layouts fall back.
-        limits.append(QuantitySchedule(
-            quantities=["memory_frames", "object_pointer_frames"],
-            rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
-            evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames "
-                     f"({where}:1375), min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where}:1479)"))
+        limits.append(memory_schedule(maskmem, max_ptrs, f"{where}:1375 and :1479"))
     return limits
 
 
@@ -250,11 +252,14 @@ class Sam31Driver(SamVideoDriver):
     description = "SAM 3.1 (Object Multiplex) from a checkout of Meta's sam3 repository: text-prompted video segmentation"
     source_env = SOURCE_ENV
 
+    def builder_name(self, spec: ModelSpec) -> str:
+        return spec.builder or BUILDER
+
     def source_root(self, spec: ModelSpec) -> Path:
         return resolve_checkout(spec.source)
 
     def load(self, spec: ModelSpec) -> LoadedModel:
-        builder_name = spec.builder or BUILDER
+        builder_name = self.builder_name(spec)
         if builder_name != BUILDER:
             raise TaskRecordError(f"intake.model.builder: the sam3.1 driver builds with {BUILDER}, not {builder_name!r}")
         if spec.checkpoint is not None and not Path(spec.checkpoint).is_file():

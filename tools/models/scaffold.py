@@ -13,10 +13,9 @@ import re
 from pathlib import Path
 
 import jinja2
-from pydantic import BaseModel
-
 from omskills.errors import InputError
 from omskills.registry import RegistryError, import_reference
+from pydantic import BaseModel
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "driver"
 NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")

@@ -22,10 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from omskills.records.profile import ModuleProfile, ProfileReport
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-from omskills.records.profile import ModuleProfile, ProfileReport
 
 
 @dataclass
@@ -65,7 +64,7 @@ class ModuleProfiler:
 
     # -- driver API ----------------------------------------------------------------------
     def mark_frame(self) -> None:
-        """Call once per frame processed (after it); calls after it count towards the next frame."""
+        """Call once per main-path step (frame, image, request) after it; later calls count towards the next."""
         with self._lock:
             self._frames += 1
             self._frame_index += 1

@@ -1,1 +1,1 @@
-"""Typed records stored in the task record. Each stage owns one module here."""
+"""The task record and every typed record stored in it (pydantic, no torch). Each stage owns one module."""

@@ -13,9 +13,16 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from omskills.records.base import Record
 from pydantic import Field, field_validator, model_validator
 
-from omskills.records.base import Record
+
+def is_ancestor(ancestor: str, path: str) -> bool:
+    """True when module `ancestor` strictly contains module `path` (dotted paths; "" is the root)."""
+    if ancestor == path:
+        return False
+    return ancestor == "" or path.startswith(ancestor + ".")
+
 
 # input: made from what the user gives (frames, an image, text tokens); session: kept across calls.
 ProvenanceKind = Literal["input", "session", "parameter", "module_output", "constant", "unknown"]
@@ -55,7 +62,7 @@ class DimRef(Record):
     """Dimension `dim` of the contract input named `input` (its name or tree path).
 
     Bound to a quantity, the dim grows by `scale` per unit of it; a dim named by several
-    quantities is the sum (SAM 3.1's memory: 5184 tokens per memory frame + 16 per pointer frame).
+    quantities is the sum (a memory of 5184 tokens per memory frame + 16 per pointer frame).
     """
 
     input: str
@@ -124,8 +131,8 @@ class ShapeExpression:
 class ShapeDerivedArg(Record):
     """A non-tensor argument the source computes from input shapes, by a formula the driver gives.
 
-    SAM 3.1 passes `num_obj_ptr_tokens` = `memory.shape[0] - memory_image.shape[0]` (its decoder
-    asserts it). It varies with the memory length, yet a graph can compute it from the shapes it is
+    A video tracker passes `num_obj_ptr_tokens` = `memory.shape[0] - memory_image.shape[0]` (its
+    decoder asserts it). It varies with the memory length, yet a graph can compute it from the shapes it is
     given, so the candidate stays exportable: the export computes it, the splice checks it per call.
     """
 
@@ -239,7 +246,7 @@ class ContractSpec(Record):
 class QuantityLimit(Record):
     """A model quantity whose range the source shows, declared by the model-family driver.
 
-    E.g. num_objects in [1, 16] because SAM 3.1 buckets objects by 16. `dims` names the input dims
+    E.g. num_objects in [1, 16] because the source buckets objects by 16. `dims` names the input dims
     that follow it; left empty, it is matched to varying dims whose observed values lie in range.
     """
 
@@ -253,7 +260,7 @@ class QuantityLimit(Record):
 class QuantitySchedule(Record):
     """The values declared quantities take together, one row per case, where the source ties them.
 
-    E.g. SAM 3.1 at frame t attends to min(t, 7) memory frames and min(t, 16) pointer frames:
+    E.g. a tracker that at frame t attends to min(t, 7) memory frames and min(t, 16) pointer frames:
     16 joint values, where the ranges alone would allow 7 x 16.
     """
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from omskills.records.base import Record
+from pydantic import Field
 
 StageName = Literal["inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify"]
 STAGES: tuple[StageName, ...] = ("inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from omskills.records.base import Record
+from pydantic import Field
 
 ExporterName = Literal["dynamo", "legacy"]
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
-
 from omskills.records.base import Record
+from pydantic import Field, model_validator
 
 
 class ModelSpec(Record):

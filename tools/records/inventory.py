@@ -3,16 +3,15 @@
 Produced by a static scan (`omskills.source.inventory.scan_source`) and completed by what the
 device-portability layer saw at run time (`Inventory.merge_runtime_findings`). Every item
 carries `file:line` evidence, files relative to the source root (the folder that holds the
-model's Python package, e.g. `sam3/model/sam3_video_predictor.py`).
+model's Python package, e.g. `pkg/model/predictor.py`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from omskills.records.base import Record
+from pydantic import Field
 
 ControlPlaneCategory = Literal["tokenizer", "session_store", "frame_cache", "object_ids", "prompt_management"]
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
-
 from omskills.records.base import Record
 from omskills.records.inventory import PortabilityFinding
+from pydantic import Field
 
 # Outputs with at most this many elements are stored whole in the report.
 VALUES_KEPT = 64

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import model_validator
-
 from omskills.errors import InputError
 from omskills.records.base import Record
+from pydantic import model_validator
 
 Verdict = Literal["pass", "review", "fail"]
 VERDICT_RANK: dict[str, int] = {"pass": 0, "review": 1, "fail": 2}

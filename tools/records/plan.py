@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from omskills.records.base import Record
 from omskills.records.contracts import QuantityLimit, QuantitySchedule
+from pydantic import Field
 
 CandidateStatus = Literal[
     "pending", "selected", "deferred", "excluded",

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-
 from omskills.records.base import Record
+from pydantic import Field
 
 
 class ModuleProfile(Record):
@@ -26,7 +25,7 @@ class ModuleProfile(Record):
     calls: int
     calls_per_frame: float | None = None
     calls_per_prompt: float | None = None
-    frames_called: int = 0  # frame segments (between mark_frame calls) in which it ran at least once
+    frames_called: int = 0  # steps (between mark_frame calls) in which it ran at least once
     inclusive_s: float
     exclusive_s: float
     share: float  # inclusive_s / total_seconds

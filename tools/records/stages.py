@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
 from omskills.records.base import Record
+from pydantic import Field
 
 StageStatus = Literal["pending", "running", "done", "failed", "not_run"]
 

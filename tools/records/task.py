@@ -14,24 +14,28 @@ from pathlib import Path
 from typing import Iterator
 
 import yaml
-from pydantic import Field, ValidationError
-
 from omskills.errors import StageError, TaskRecordError
 from omskills.records.base import Record
+from omskills.records.contracts import BoundaryDecision, ContractSpec, is_ancestor
 from omskills.records.environment import EnvironmentReport
 from omskills.records.export import ExportResult
 from omskills.records.intake import Intake
 from omskills.records.inventory import Inventory
-from omskills.records.contracts import BoundaryDecision, ContractSpec
-from omskills.records.plan import Plan, StudyRun
+from omskills.records.plan import Candidate, Plan, StudyRun
 from omskills.records.profile import ProfileReport
 from omskills.records.stages import Decision, StageResult
 from omskills.records.toolchain import BatchSplit
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
+from pydantic import Field, ValidationError
 
 # 2: verification is judged by the driver's output checks (per step), not by frames and masks.
 SCHEMA_VERSION = 2
+
+# libyaml's safe loader and dumper when PyYAML was built with it: records reach hundreds of KB,
+# which the pure-Python ones take a second to read.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 class TaskRecord(Record):
@@ -93,7 +97,12 @@ class TaskRecord(Record):
         return self.contracts[graph]
 
     def toolchain_of(self, graph: str) -> CandidateToolchain:
+        """The graph's stage-3 results (empty when there are none yet); see `chain` to write them."""
         return self.toolchain.get(graph) or CandidateToolchain()
+
+    def chain(self, graph: str) -> CandidateToolchain:
+        """The graph's stage-3 results, created in the record when missing, to write into."""
+        return self.toolchain.setdefault(graph, CandidateToolchain())
 
     def batch_split_of(self, graph: str) -> BatchSplit | None:
         """How ONNX Runtime must run this graph's batch here (set by probe_onnx), if not whole."""
@@ -129,34 +138,40 @@ class TaskRecord(Record):
         if self.plan is None:
             return []
         waiting = [c for c in self.plan.candidates if c.inside == outer]
-        promoted = [c for c in waiting if not any(_contains(o.module_path, c.module_path) for o in waiting)]
+        promoted = [c for c in waiting if not any(is_ancestor(o.module_path, c.module_path) for o in waiting)]
         for cand in waiting:
             if cand in promoted:
                 cand.status, cand.inside = "selected", None
                 cand.reason = f"{outer} could not be deployed whole, so its parts are ({cand.share:.1%} of main-path time)"
                 self.plan.first_batch.append(cand.name)
             else:
-                cand.inside = next(o.name for o in promoted if _contains(o.module_path, cand.module_path))
+                cand.inside = next(o.name for o in promoted if is_ancestor(o.module_path, cand.module_path))
         return [c.name for c in promoted]
 
-    def set_status(self, graph: str, status: str, reason: str | None = None) -> None:
-        """Move the plan candidate of `graph` to `status` (a failure's first reason is kept)."""
+    def plan_candidate_of(self, graph: str) -> Candidate | None:
         name = self.contracts[graph].plan_candidate if graph in self.contracts else graph
-        cand = self.plan.candidate(name) if self.plan else None
+        return self.plan.candidate(name) if self.plan else None
+
+    def set_status(self, graph: str, status: str, reason: str | None = None) -> None:
+        """Move the plan candidate of `graph` to `status`. A failure's first reason is kept, and a
+        candidate stays failed while another of its graphs has a failed step."""
+        cand = self.plan_candidate_of(graph)
         if cand is None or (status == "failed" and cand.status == "failed"):
+            return
+        if status != "failed" and cand.status == "failed" and self._sibling_failed(graph, cand.name):
             return
         cand.status = status  # type: ignore[assignment]
         if reason:
             cand.reason = reason
 
+    def _sibling_failed(self, graph: str, candidate: str) -> bool:
+        siblings = {c.candidate for c in self.contracts_of(candidate)} - {graph}
+        return any(len(parts := step.split(":")) > 1 and parts[1] in siblings and result.status == "failed"
+                   for step, result in self.stages.items())
+
     @staticmethod
     def workdir(path: str | Path) -> Path:
         return Path(path).resolve().parent
-
-
-def _contains(outer: str, inner: str) -> bool:
-    """Module `outer` strictly contains module `inner` (dotted paths)."""
-    return outer != inner and (outer == "" or inner.startswith(outer + "."))
 
 
 def now_iso() -> str:
@@ -203,7 +218,7 @@ def load_record(path: str | Path) -> TaskRecord:
     if not path.is_file():
         raise TaskRecordError(f"task record not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as err:
         raise TaskRecordError(f"task record {path}: not valid YAML ({err})") from None
     return parse_record(data, path)
@@ -212,7 +227,7 @@ def load_record(path: str | Path) -> TaskRecord:
 def save_record(record: TaskRecord, path: str | Path) -> None:
     """Write atomically: a crash mid-write leaves the previous record intact."""
     path = Path(path)
-    text = yaml.safe_dump(record.model_dump(mode="json", exclude_none=False), sort_keys=False, allow_unicode=True)
+    text = yaml.dump(record.model_dump(mode="json", exclude_none=False), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
-
-from omskills.records.parity import OutputParity, Verdict
 from omskills.records.base import Record
-
+from omskills.records.parity import OutputParity, Verdict
+from pydantic import Field
 
 # -- ONNX Runtime on this machine ---------------------------------------------------------
 
@@ -130,7 +128,7 @@ class OpCheckRow(Record):
     reason: str | None = None
     constraints: str | None = None  # the documented constraints, when there are any
     opsets: str | None = None  # the opsets the table accepts for this op
-    range_from: str | None = None  # "op page" or "assumed" (see tools/data/atc_onnx_ops.README.md)
+    range_from: str | None = None  # "op page" or "assumed" (see tools/ascend/data/atc_onnx_ops.README.md)
     source: str | None = None
 
 

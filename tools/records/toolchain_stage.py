@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from omskills.records.parity import ParityReport
 from omskills.records.base import Record
+from omskills.records.parity import ParityReport
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
+from pydantic import Field
 
 
 class CandidateToolchain(Record):

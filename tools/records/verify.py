@@ -8,18 +8,16 @@ every step, both runs have the same steps, and no spliced call fell back to PyTo
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, model_validator
-
 from omskills.records.base import Record
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.parity import ParityGates
+from pydantic import Field, model_validator
 
-# exact: equal arrays (ids, labels, counts). tensor: cosine / max abs against ParityGates.
-# iou: boolean region maps of the same items, per item, at least `threshold`.
-# max_abs: largest absolute difference at most `threshold` (coordinates, scores).
-MetricName = Literal["exact", "tensor", "iou", "max_abs"]
+# A comparator registered in omskills.compare.outputs.COMPARATORS. The built-in ones: exact (equal
+# arrays: ids, labels, counts), tensor (cosine / max abs against ParityGates), iou (boolean region
+# maps of the same items, per item, at least `threshold`) and max_abs (largest absolute difference
+# at most `threshold`: coordinates, scores). Figures are differences (higher is worse) except iou's.
+MetricName = str
 
 
 class OutputCheck(Record):
@@ -103,15 +101,22 @@ class MainPathParity(Record):
     spliced_s_per_step: float
     latency_ratio: float  # spliced / torch, same process, same steps
 
+    @property
+    def verdict(self) -> str:
+        """pass: both runs have the same steps, every gating check held on all of them, no fallback."""
+        held = self.steps_equal and all(c.passed for c in self.checks if c.gating) and self.fallbacks == 0
+        return "pass" if held else "fail"
+
     def summary(self) -> str:
-        parts = [f"{c.title} worst {_figure(c)}{'' if c.passed else ' FAILED'}" for c in self.checks]
+        parts = [f"{c.title} worst {figure(c.worst, c.metric)}{'' if c.passed else ' FAILED'}" for c in self.checks]
         return "; ".join(parts)
 
 
-def _figure(check: CheckSummary) -> str:
-    if check.worst is None:
+def figure(value: float | None, metric: str) -> str:
+    """A check's figure as reports print it: an IoU to 4 places, a difference in exponent form."""
+    if value is None:
         return "-"
-    return f"{check.worst:.4f}" if check.metric == "iou" else f"{check.worst:.2e}"
+    return f"{value:.4f}" if metric == "iou" else f"{value:.2e}"
 
 
 class VerifyReport(Record):

@@ -1,1 +1,1 @@
-"""report"""
+"""Rendering for people: Jinja2 templates, charts and pictures of the reports."""

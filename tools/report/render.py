@@ -6,6 +6,8 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
+from omskills.records.verify import figure
+
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
@@ -23,4 +25,5 @@ def template_environment(*, html: bool = False) -> Environment:
                           lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cell"] = table_cell
     env.filters["pct"] = lambda x: f"{100 * x:.1f}%"
+    env.filters["figure"] = figure
     return env

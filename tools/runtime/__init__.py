@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+from omskills.registry import Registry, RegistryError
 from omskills.runtime.base import (
     ANONYMOUS_DIM,
     BackendError,
@@ -25,7 +26,6 @@ from omskills.runtime.base import (
 )
 from omskills.runtime.om_backend import OM_MODES, OmBackend, OmMode, ais_bench_available, om_mode_for_strategy
 from omskills.runtime.onnxruntime_backend import PREFERRED_PROVIDERS, OnnxRuntimeBackend, available_providers
-from omskills.registry import Registry, RegistryError
 
 BACKENDS: Registry[type[RuntimeBackend]] = Registry("runtime backend", group="omskills.backends")
 BACKENDS.register("onnxruntime", OnnxRuntimeBackend)

@@ -12,15 +12,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import numpy as np
-from pydantic import field_validator
-
 from omskills.errors import OmskillsError
 from omskills.records.base import Record
+from pydantic import field_validator
 
-BackendKind = Literal["onnxruntime", "om"]
+# The name a backend is registered under in omskills.runtime.BACKENDS ("onnxruntime", "om", or a third party's).
+BackendKind = str
 
 # Shown for a dimension whose size is only known at run time and has no name.
 ANONYMOUS_DIM = "?"

@@ -1,6 +1,6 @@
 """Run a batched call on ONNX Runtime in pieces, when the whole batch does not fit in memory.
 
-On the CPU, ONNX Runtime materialises every attention score matrix: the full-scale SAM 3.1
+On the CPU, ONNX Runtime materialises every attention score matrix: a full-scale ViT
 backbone called on 4 frames needs more than 24 GB, where PyTorch's fused attention needs a
 fraction. A candidate whose ATC strategy is `dynamic_batch_size` computes each batch item on
 its own, so ONNX Runtime can run the call as chunks of at most `max_batch` items and concatenate
@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.toolchain import BatchSplit

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
-
 from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
 
 OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]

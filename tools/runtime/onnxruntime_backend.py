@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-
 from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point

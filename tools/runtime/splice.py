@@ -20,13 +20,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import nn
-
 from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
-from omskills.errors import OmskillsError
 from omskills.convert.export import TreeLayout, dtype_name, torch_dtype
+from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +162,7 @@ def _same_constant(value: Any, arg: NonTensorArg, bound: Any) -> bool:
 def spliced_class(original_class: type) -> type:
     """A SplicedModule that also passes `isinstance(x, OriginalClass)`.
 
-    Model code branches on the class of its submodules (SAM 3 calls its mask memory encoder
+    Model code branches on the class of its submodules (a tracker calls its memory encoder
     differently unless `isinstance(self.maskmem_backbone, SimpleMaskEncoder)`), so a
     replacement that fails that test would change the model's behaviour.
     """

@@ -1,1 +1,2 @@
-"""source"""
+"""The model's source: a static scan of its package (entries, control plane, CUDA-only sites) and
+the device-portability layer that runs CUDA-minded code elsewhere, logging every site."""

@@ -474,23 +474,28 @@ def find_portability_sites(files: Iterable[SourceFile]) -> list[PortabilityFindi
 
 # --- the scan ----------------------------------------------------------------------------
 
-def scan_source(source_root: Path, package: str, builder: str, *, family: str, entry_methods: Sequence[str] = (),
+def scan_source(source_root: Path, package: str, builder: str | None, *, family: str, entry_methods: Sequence[str] = (),
                 entry_classes: Sequence[str] = (), source: str | None = None) -> Inventory:
-    """Static inventory of `package` under `source_root`, from the configured builder's module."""
+    """Static inventory of `package` under `source_root`, from the builder's module (from the
+    package's __init__ when no builder is named)."""
     source_root = Path(source_root)
     if not (source_root / package).is_dir():
         raise InputError(f"intake.model.source: {source_root / package} does not exist")
     files = read_package(source_root, package)
-    builders = find_builders(files.values(), builder)
-    chosen = next((b for b in builders if b.name == builder), None)
-    if chosen is None:
-        known = ", ".join(sorted({b.name for b in builders})) or "none"
-        raise OmskillsError(f"intake.model.builder: builder {builder!r} not found in {source_root / package} (builders there: {known})")
-    start = next(m for m, f in files.items() if f.rel == chosen.file)
+    builders = find_builders(files.values(), builder or "")
+    if builder:
+        chosen = next((b for b in builders if b.name == builder), None)
+        if chosen is None:
+            known = ", ".join(sorted({b.name for b in builders})) or "none"
+            raise OmskillsError(f"intake.model.builder: builder {builder!r} not found in {source_root / package} (builders there: {known})")
+        start_file = chosen.file
+    else:
+        start_file = f"{package}/__init__.py"
+    start = next(m for m, f in files.items() if f.rel == start_file)
     closure = import_closure(files, start)
     return Inventory(
         family=family, source=source or str(source_root), source_root=str(source_root.resolve()), package=package,
-        builder=builder, builder_file=chosen.file, files_scanned=len(closure),
+        builder=builder or "", builder_file=start_file, files_scanned=len(closure),
         builders=builders,
         predictors=find_predictors(closure, entry_methods, entry_classes), control_plane=find_control_plane(closure),
         portability=find_portability_sites(closure),

@@ -1,7 +1,7 @@
-"""Device portability: run SAM's CUDA-minded code on another device, explicitly and logged.
+"""Device portability: run CUDA-minded model code on another device, explicitly and logged.
 
 `DevicePortability(device, source_root)` is a context you enter around model building and
-the main path. While active it redirects the CUDA-only calls SAM makes (`.cuda()`,
+the main path. While active it redirects the CUDA-only calls model code makes (`.cuda()`,
 `pin_memory`, `device="cuda"` in tensor factories, CUDA device queries, CUDA bf16
 autocast, bf16 casts) to the target device in fp32, and records every site it touched as a
 `PortabilityFinding` (file:line inside the model source, what it did, how often). Drivers can
@@ -31,7 +31,6 @@ from typing import Any, Callable
 from unittest import mock
 
 import torch
-
 from omskills.records.inventory import PortabilityFinding
 
 # Tensor factories that accept `device=` (and some `pin_memory=`).

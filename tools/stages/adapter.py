@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
-
-from omskills.boundary.analysis import analyze_boundaries as _analyze, render_contract_table
+from omskills.boundary.analysis import analyze_boundaries as _analyze
+from omskills.boundary.analysis import render_contract_table
 from omskills.models.registry import driver_for
 from omskills.records.base import Record
 from omskills.records.contracts import BoundaryDecision, ContractSpec
+from omskills.records.task import TaskRecord, load_record
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
 from omskills.stages.study import ensure_study
-from omskills.records.task import TaskRecord, load_record
+from pydantic import Field
 
 
 class ContractsResult(Record):

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
-
 from omskills.boundary.analysis import analyze_boundary
 from omskills.compare.outputs import expand
 from omskills.contracts.capture import capture_contracts
 from omskills.errors import OmskillsError
 from omskills.models.api import RunHooks
-from omskills.models.cache import load_model
 from omskills.models.registry import bind_intake
 from omskills.profiling.auto_seeds import seeds_from_profile
 from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.main_path import OutputSummary
-from omskills.records.plan import Seed
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import summarise
+from omskills.stages.model import open_model
+from omskills.stages.study import declared_seeds
+from pydantic import BaseModel, Field
 
 
 class CandidateCheck(BaseModel):
@@ -71,17 +70,14 @@ def check_driver(task_path: Path) -> DriverCheck:
 def _check(task_path: Path, report: DriverCheck) -> None:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    bound = bind_intake(record.intake, workdir)
-    driver = bound.driver
+    driver = bind_intake(record.intake, workdir).driver
     report.family, report.driver = driver.family, f"{type(driver).__module__}:{type(driver).__qualname__}"
     report.step_name = driver.step_name
-    spec = record.intake.model.model_copy(update={"scale": "tiny"})
-    data = driver.load_inputs(bound.inputs, workdir)
-    _, loaded, _ = load_model(spec, workdir)
+    model = open_model(record, workdir, record.intake.model.model_copy(update={"scale": "tiny"}))
+    bound, data, loaded = model.bound, model.data, model.loaded
     report.modules = sum(1 for _ in loaded.root.modules())
     report.parameters = sum(p.numel() for p in loaded.root.parameters())
-    report.notes += list(loaded.notes) + driver.prepare(loaded, data, bound.inputs, bound.verification)
-    loaded.prepared = True
+    report.notes += list(loaded.notes)
     profiler = ModuleProfiler(loaded.root)
     with profiler:
         run = driver.run_main_path(loaded, data, bound.inputs, bound.verification,
@@ -106,8 +102,8 @@ def _check(task_path: Path, report: DriverCheck) -> None:
 
 def _check_candidates(report, driver, loaded, bound, data, profiler: ModuleProfiler) -> None:
     profile = profiler.report()
-    declared = driver.seed_candidates()
-    seeds = [Seed(name=s.name, module_path=s.module_path) for s in declared] or seeds_from_profile(profile)
+    declared = declared_seeds(driver)
+    seeds = declared or seeds_from_profile(profile)
     report.seeds_from = "driver" if declared else "profile"
     missing = []
     for seed in seeds:

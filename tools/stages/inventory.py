@@ -23,7 +23,7 @@ def take_inventory(task_path: Path) -> Inventory | None:
     package = driver.source_package(spec)
     inventory = None
     if package is not None:
-        inventory = scan_source(driver.source_root(spec), package, spec.builder or "", family=driver.family,
+        inventory = scan_source(driver.source_root(spec), package, driver.builder_name(spec), family=driver.family,
                                 entry_methods=driver.entry_methods, entry_classes=driver.entry_classes,
                                 source=record.intake.model.source)
     with updating(task_path) as rec:

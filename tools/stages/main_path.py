@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from omskills import progress
 from omskills.models.api import LoadedModel, MainPathRun, RunHooks
 from omskills.models.registry import BoundIntake

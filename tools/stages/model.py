@@ -9,7 +9,9 @@ from typing import Any
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
 from omskills.models.cache import load_model
 from omskills.models.registry import BoundIntake, bind_intake
+from omskills.records.intake import ModelSpec
 from omskills.records.task import TaskRecord
+from omskills.stages.steps import fingerprint
 
 
 @dataclass
@@ -28,12 +30,19 @@ class TaskModel:
                                          hooks or RunHooks())
 
 
-def open_model(record: TaskRecord, workdir: Path) -> TaskModel:
-    """Load (or reuse) the task's model with its inputs; a freshly loaded model is prepared first."""
+def open_model(record: TaskRecord, workdir: Path, spec: ModelSpec | None = None) -> TaskModel:
+    """Load (or reuse) the task's model (or the one `spec` describes) with its inputs, prepared."""
     bound = bind_intake(record.intake, workdir)
     data = bound.driver.load_inputs(bound.inputs, workdir)
-    _, loaded, seconds = load_model(record.intake.model, workdir)
-    if not loaded.prepared:
-        loaded.notes += bound.driver.prepare(loaded, data, bound.inputs, bound.verification)
-        loaded.prepared = True
+    _, loaded, seconds = load_model(spec or record.intake.model, workdir)
+    ensure_prepared(loaded, bound, data)
     return TaskModel(bound=bound, data=data, loaded=loaded, load_seconds=seconds)
+
+
+def ensure_prepared(loaded: LoadedModel, bound: BoundIntake, data: Any) -> None:
+    """Run the driver's `prepare` unless it last ran on these inputs and settings (a reused model
+    may have been prepared for another intake)."""
+    key = fingerprint(bound.inputs, bound.verification)
+    if loaded.prepared_for != key:
+        loaded.notes += bound.driver.prepare(loaded, data, bound.inputs, bound.verification)
+        loaded.prepared_for = key

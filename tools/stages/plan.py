@@ -3,8 +3,8 @@
 Score = compute share x boundary clarity x state factor. Clarity comes from the captured
 contracts (tensor-only I/O, constant non-tensor arguments, one call structure; a candidate
 dispatched on a non-tensor argument is clear when each of its graphs is); candidates reading
-session state across frames keep their rank but carry the flag, since their inputs must be
-bridged from Python every frame. The first batch is every candidate with a clear boundary and
+session state across steps keep their rank but carry the flag, since their inputs must be
+bridged from Python every step. The first batch is every candidate with a clear boundary and
 a share of at least MIN_SHARE; a candidate that runs inside another selected one is deferred
 (the outer graph holds it).
 """
@@ -14,9 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from omskills.boundary.analysis import analyze_boundary
-from omskills.contracts.provenance import is_ancestor
 from omskills.errors import TaskRecordError
-from omskills.records.contracts import ContractSpec
+from omskills.records.contracts import ContractSpec, is_ancestor
 from omskills.records.inventory import Inventory
 from omskills.records.plan import Candidate, Plan, Seed
 from omskills.records.profile import ProfileReport
@@ -87,8 +86,8 @@ def plan_from_study(seeds: list[Seed], profile: ProfileReport, contracts: dict[s
         else:
             cand.status = "selected"
             cand.reason = (f"{cand.share:.1%} of main-path time, {cand.calls} calls"
-                           f"{f' ({cand.calls_per_frame:.2f}/frame)' if cand.calls_per_frame else ''}; clear tensor boundary"
-                           + ("; reads session state (bridged from Python each frame)" if cand.state_dependent else "")
+                           f"{f' ({cand.calls_per_frame:.2f}/step)' if cand.calls_per_frame else ''}; clear tensor boundary"
+                           + ("; reads session state (bridged from Python each step)" if cand.state_dependent else "")
                            + ("; named in intake.target.deploy" if cand.name in deploy else ""))
             batch.append(cand.name)
     batch = _outermost(rows, batch)

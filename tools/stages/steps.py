@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pydantic import BaseModel
-
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, save_record
+from pydantic import BaseModel
 
 
 def fingerprint(*parts: Any) -> str:

@@ -16,15 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
 from omskills import progress
 from omskills.contracts.capture import capture_contracts
 from omskills.contracts.provenance import ProvenanceTracker
 from omskills.contracts.routing import route_forward_calls
 from omskills.errors import StageError
-from omskills.models.api import LoadedModel, MainPathRun, RunHooks
-from omskills.models.registry import BoundIntake
+from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
+from omskills.models.registry import BoundIntake, driver_for
 from omskills.profiling.auto_seeds import seeds_from_profile
 from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.base import Record
@@ -33,13 +31,15 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import write_main_path
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
+from pydantic import Field
 
 STEP = "study"
 MAX_SAMPLES = 2
 
 
-def study_inputs_hash(record: TaskRecord) -> str:
-    return fingerprint(record.intake.model, record.intake.inputs, record.intake.verification)
+def study_inputs_hash(record: TaskRecord, driver: ModelDriver) -> str:
+    """The intake and the driver's code: either changing means another main path."""
+    return fingerprint(record.intake.model, record.intake.inputs, record.intake.verification, driver.code_fingerprint())
 
 
 def _counting_hooks(profiler: ModuleProfiler, done: list[int], what: str) -> RunHooks:
@@ -49,6 +49,12 @@ def _counting_hooks(profiler: ModuleProfiler, done: list[int], what: str) -> Run
         progress.report(done[0], None, f"{what}: {done[0]} steps")
 
     return RunHooks(on_step=on_step, on_prompt=profiler.mark_prompt)
+
+
+def declared_seeds(driver: ModelDriver) -> list[Seed]:
+    """The driver's seed candidates, as the record stores them (empty: the profile will say)."""
+    return [Seed(name=s.name, module_path=s.module_path, description=s.description, group=s.group)
+            for s in driver.seed_candidates()]
 
 
 def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[Seed]:
@@ -66,18 +72,16 @@ def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[
 def ensure_study(task_path: Path) -> TaskRecord:
     """Run the study unless a finished one with the same intake is in the record."""
     record = load_record(task_path)
-    inputs_hash = study_inputs_hash(record)
     workdir = TaskRecord.workdir(task_path)
+    inputs_hash = study_inputs_hash(record, driver_for(record.intake.model, workdir))
     samples_present = all((workdir / p).exists() for c in record.contracts.values() for p in c.samples)
     if is_done(record, STEP, inputs_hash) and record.profile and record.contracts and samples_present:
         return record
     model = open_model(record, workdir)
     bound, driver, data, loaded = model.bound, model.driver, model.data, model.loaded
     with running_step(task_path, STEP, inputs_hash) as step:
-        declared = driver.seed_candidates()
-        seeds = [Seed(name=s.name, module_path=s.module_path, description=s.description, group=s.group) for s in declared]
-        if not seeds:
-            seeds = _discover_seeds(bound, loaded, data)
+        declared = declared_seeds(driver)
+        seeds = declared or _discover_seeds(bound, loaded, data)
         tracker = ProvenanceTracker()
         profiler = ModuleProfiler(loaded.root)
         steps_done = [0]

@@ -11,28 +11,27 @@ import logging
 from pathlib import Path
 from typing import Callable, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field
-
 from omskills import progress
 from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.compare.parity import compare_outputs
-from omskills.records.parity import ParityReport, verdict_rank
 from omskills.contracts.samples import Sample, load_sample
-from omskills.errors import OmskillsError, StageError
-from omskills.convert.export import dynamic_dims_from_strategy, export_onnx as _export
-from omskills.models import cache as model_cache
-from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
+from omskills.convert.export import dynamic_dims_from_strategy
+from omskills.convert.export import export_onnx as _export
 from omskills.convert.optimize import optimize_variants, sample_arrays
+from omskills.errors import OmskillsError, StageError
+from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
+from omskills.models import cache as model_cache
 from omskills.records.base import Record
 from omskills.records.export import ExportResult
+from omskills.records.parity import ParityReport, verdict_rank
 from omskills.records.stages import Artifact
+from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
-from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.runtime.batch_split import batch_split_for, open_onnxruntime
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
-from omskills.records.task import TaskRecord, load_record, updating
+from pydantic import BaseModel, Field
 
 Exporter = Literal["dynamo", "legacy"]
 
@@ -88,7 +87,7 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
 
 def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> Sample:
     """The first sample in which no dynamic dim is 1: torch.export specialises a dim whose example
-    value is 1 (SAM 3.1's grounding sees chunks of 1 and 2 frames), so its graph would only run at 1."""
+    value is 1 (a detector batching frames may see chunks of 1 and 2), so its graph would only run at 1."""
     def has_a_one(sample: Sample) -> bool:
         return any(sample.inputs[name].shape[i] == 1 for name, axes in dims.items() for i in axes if name in sample.inputs)
 
@@ -129,7 +128,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             report = report.model_copy(update={"batch_chunks_of": split.max_batch})
 
         def store(rec: TaskRecord) -> None:
-            chain = rec.toolchain.setdefault(name, CandidateToolchain())
+            chain = rec.chain(name)
             chain.probes[variant] = report
             chain.batch_split = split
             chunked = f"; batch in chunks of {split.max_batch}: {split.reason}" if split else ""
@@ -193,7 +192,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
         result = optimize_variants(original, original.parent, samples, original_probe=probed, batch_split=split)
 
         def store(rec: TaskRecord) -> None:
-            rec.toolchain.setdefault(name, CandidateToolchain()).optimize = result
+            rec.chain(name).optimize = result
             if result.preferred:
                 rec.set_status(name, "optimised")
             rec.decide("optimize_onnx", f"{name}: preferred variant {result.preferred}", result.why)
@@ -207,7 +206,7 @@ def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> Op
     workdir = TaskRecord.workdir(task_path)
     result = _precheck(record.preferred_model(workdir, name), soc or record.intake.target.soc)
     with updating(task_path) as rec:
-        rec.toolchain.setdefault(name, CandidateToolchain()).precheck = result
+        rec.chain(name).precheck = result
         rec.decide("precheck_ops", f"{name}: operator precheck {result.verdict}", f"counts {result.counts} against {result.table}")
     return result
 
@@ -236,10 +235,11 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
             handle.result.error = result.reason
 
         def store(rec: TaskRecord) -> None:
-            rec.toolchain.setdefault(name, CandidateToolchain()).atc = result
+            rec.chain(name).atc = result
             if result.status == "converted":
                 rec.set_status(name, "converted")
-                if rec.plan and (cand := rec.plan.candidate(name)):
+                cand = rec.plan_candidate_of(name)
+                if cand is not None and len(rec.contracts_of(cand.name)) <= 1:  # graphs of one value each keep theirs in atc
                     cand.om_path = result.om_path
             rec.decide("convert_atc", f"{name}: ATC {result.status}", result.reason or "ATC exited 0 and wrote the OM")
 

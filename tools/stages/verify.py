@@ -13,20 +13,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from omskills.compare.outputs import compare_step, expand, worse
-from omskills.errors import StageError
+from omskills.errors import InputError, StageError
 from omskills.models.api import MainPathRun, ModelDriver
 from omskills.models.cache import return_freed_memory
 from omskills.records.export import SpliceStats
 from omskills.records.parity import ParityReport
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import (
-    CandidateVerification, CheckSummary, MainPathParity, OutputCheck, StepParity, VerifyReport,
+    CandidateVerification,
+    CheckSummary,
+    MainPathParity,
+    OutputCheck,
+    StepParity,
+    VerifyReport,
 )
 from omskills.report.pictures import side_by_side
 from omskills.report.render import template_environment
-from omskills.runtime import open_backend
+from omskills.runtime import BACKENDS, open_backend
 from omskills.runtime.batch_split import open_onnxruntime
 from omskills.runtime.splice import SpliceBackend, SpliceHandle, splice
 from omskills.stages.model import open_model
@@ -114,6 +118,8 @@ def _open(record: TaskRecord, workdir: Path, name: str, backend: str) -> SpliceB
 
 
 def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyReport:
+    if backend not in BACKENDS:
+        raise InputError(f"backend: no runtime backend named {backend!r}; installed: {', '.join(BACKENDS.names())}")
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, skipped = _spliceable(record)
@@ -134,7 +140,8 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyRep
 
         def store(rec: TaskRecord) -> None:
             rec.verification = report
-            for c in report.candidates:
+            # A candidate with several graphs is integrated when every one of them is.
+            for c in sorted(report.candidates, key=lambda c: c.status == "fallback"):
                 rec.set_status(c.name, c.status)
             rec.decide("verify_main_path", f"main path {report.verdict}",
                        f"{report.main_path.summary()}; fallbacks {report.main_path.fallbacks}, "
@@ -197,7 +204,6 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
     main = MainPathParity(steps=len(per_step), steps_equal=steps_equal, checks=_summaries(checks, per_step),
                           fallbacks=fallbacks, torch_s_per_step=round(torch_s, 3), spliced_s_per_step=round(spliced_s, 3),
                           latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0)
-    passed = steps_equal and all(c.passed for c in main.checks if c.gating) and fallbacks == 0
     out = workdir / "verify"
     out.mkdir(parents=True, exist_ok=True)
     report = VerifyReport(
@@ -207,7 +213,7 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
         not_spliced=skipped, candidates=candidates, comparison=checks, main_path=main, per_step=per_step,
         splice_stats=list(stats.values()), fallback_events=handle.fallbacks(),
         verification_settings=settings, report_json="verify/report.json",
-        report_html="verify/report.html", verdict="pass" if passed else "fail")
+        report_html="verify/report.html", verdict=main.verdict)
     (out / "report.json").write_text(report.model_dump_json(indent=2))
     return report
 

@@ -1,8 +1,7 @@
 """Tool: the model drivers installed here."""
 
-from pydantic import BaseModel
-
 from omskills.models.registry import DriverListing, installed_drivers
+from pydantic import BaseModel
 
 
 class Drivers(BaseModel):

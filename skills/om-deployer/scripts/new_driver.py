@@ -3,7 +3,8 @@
 from pathlib import Path
 
 from omskills.host.toolkit import WorkspacePath
-from omskills.models.scaffold import ScaffoldedDriver, new_driver as _new_driver
+from omskills.models.scaffold import ScaffoldedDriver
+from omskills.models.scaffold import new_driver as _new_driver
 
 
 def new_driver(name: str, entry: str, out_dir: WorkspacePath = ".", shape: list[int] | None = None) -> ScaffoldedDriver:

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from omskills.stages.plan import plan_candidates as _plan
-from omskills.records.plan import Plan
 from omskills.host.toolkit import WorkspacePath
+from omskills.records.plan import Plan
+from omskills.stages.plan import plan_candidates as _plan
 
 
 def plan_candidates(task: WorkspacePath) -> Plan:

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
+from omskills.host.toolkit import WorkspacePath
 from omskills.stages.study import ProfileSummary
 from omskills.stages.study import profile_main_path as _profile
-from omskills.host.toolkit import WorkspacePath
 
 
 def profile_main_path(task: WorkspacePath) -> ProfileSummary:

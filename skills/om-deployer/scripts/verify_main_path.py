@@ -1,19 +1,20 @@
-"""Tool: splice the compiled candidates into the live predictor and verify the main path."""
+"""Tool: splice the compiled candidates into the live model and verify the main path."""
 
 from pathlib import Path
-from typing import Literal
 
-from omskills.records.verify import VerifyReport
 from omskills.host.toolkit import WorkspacePath
+from omskills.records.verify import VerifyReport
 from omskills.stages.verify import verify_main_path as _verify
 
 
-def verify_main_path(task: WorkspacePath, backend: Literal["onnxruntime", "om"] = "onnxruntime") -> VerifyReport:
-    """Run the same frames and prompt through the PyTorch reference and through the predictor with
-    every exported, probed candidate spliced in (ONNX Runtime, or OM through ais_bench on Ascend):
-    per frame object-id agreement, mask IoU per object, box and score differences; per candidate the
-    backend that really ran, probe metrics, calls, fallbacks and latency. Writes verify/report.json
-    and a self-contained verify/report.html with a figure and side-by-side overlays."""
+def verify_main_path(task: WorkspacePath, backend: str = "onnxruntime") -> VerifyReport:
+    """Run the same inputs through the PyTorch reference and through the pipeline with every
+    exported, probed graph spliced in, on `backend` (a registered runtime backend: "onnxruntime",
+    or "om" through ais_bench on Ascend), and judge every step by the driver's output checks (for
+    SAM: object ids equal, mask IoU per object; for a detector: labels, boxes, scores; tensors by
+    cosine and max abs). Reports per graph the backend that really ran, probe metrics, calls,
+    fallbacks and latency. Writes verify/report.json and a self-contained verify/report.html with
+    a figure and side-by-side pictures of both runs."""
     return _verify(Path(task), backend)
 
 

@@ -2,10 +2,9 @@
 
 from pathlib import Path
 
-from pydantic import BaseModel
-
-from omskills.stages.delivery import write_delivery_doc as _write
 from omskills.host.toolkit import WorkspacePath
+from omskills.stages.delivery import write_delivery_doc as _write
+from pydantic import BaseModel
 
 
 class DeliveryDoc(BaseModel):
@@ -16,7 +15,7 @@ class DeliveryDoc(BaseModel):
 def write_delivery_doc(task: WorkspacePath) -> DeliveryDoc:
     """Render DELIVERY.md next to the task record: the boundary (candidates, I/O, shape strategy, what
     stays in Python), the environment, the commands (adapt, ATC per candidate), the main path with
-    the backend that ran each candidate and every fallback, per-frame validation figures, and the
+    the backend that ran each candidate and every fallback, the output checks per step, and the
     known limits (random weights, OM not built, candidates left in PyTorch)."""
     path = _write(Path(task))
     return DeliveryDoc(path=str(path), text=path.read_text())

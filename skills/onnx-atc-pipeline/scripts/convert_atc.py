@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.stages.toolchain import AtcBatch, convert_candidate, for_each_candidate
 from omskills.host.toolkit import WorkspacePath
+from omskills.stages.toolchain import AtcBatch, convert_candidate, for_each_candidate
 
 
 def convert_atc(task: WorkspacePath, candidate: str | None = None, precision_mode: str | None = None) -> AtcBatch:

@@ -3,8 +3,8 @@
 from pathlib import Path
 from typing import Literal
 
-from omskills.stages.toolchain import ExportBatch, export_candidate, for_each_candidate
 from omskills.host.toolkit import WorkspacePath
+from omskills.stages.toolchain import ExportBatch, export_candidate, for_each_candidate
 
 
 def export_onnx(task: WorkspacePath, candidate: str | None = None, exporter: Literal["dynamo", "legacy"] = "dynamo") -> ExportBatch:

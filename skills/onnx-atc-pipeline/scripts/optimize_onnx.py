@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.stages.toolchain import OptimizeBatch, optimize_candidate, for_each_candidate
 from omskills.host.toolkit import WorkspacePath
+from omskills.stages.toolchain import OptimizeBatch, for_each_candidate, optimize_candidate
 
 
 def optimize_onnx(task: WorkspacePath, candidate: str | None = None) -> OptimizeBatch:

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.stages.toolchain import PrecheckBatch, precheck_candidate, for_each_candidate
 from omskills.host.toolkit import WorkspacePath
+from omskills.stages.toolchain import PrecheckBatch, for_each_candidate, precheck_candidate
 
 
 def precheck_ops(task: WorkspacePath, candidate: str | None = None, soc: str | None = None) -> PrecheckBatch:

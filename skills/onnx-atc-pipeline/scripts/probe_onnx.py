@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from omskills.stages.toolchain import ProbeBatch, probe_candidate, for_each_candidate
 from omskills.host.toolkit import WorkspacePath
+from omskills.stages.toolchain import ProbeBatch, for_each_candidate, probe_candidate
 
 
 def probe_onnx(task: WorkspacePath, candidate: str | None = None, variant: str = "original") -> ProbeBatch:

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
+from omskills.host.toolkit import WorkspacePath
 from omskills.stages.adapter import BoundariesResult
 from omskills.stages.adapter import analyze_boundaries as _analyze
-from omskills.host.toolkit import WorkspacePath
 
 
 def analyze_boundaries(task: WorkspacePath, candidate: str | None = None, trial_export: bool = False) -> BoundariesResult:

@@ -1,0 +1,244 @@
+"""Any model in: drivers are found by family (entry points) or named in the record, and a model
+nobody here tuned for adapts with no change to omskills (issue "Any model in")."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import omskills
+from omskills.errors import TaskRecordError
+from omskills.models.generic import FunctionDriver
+from omskills.models.registry import bind_intake, driver_for, family_driver, installed_drivers
+from omskills.models.sam3 import Sam3Driver
+from omskills.records.intake import Intake, ModelSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+TOY_DRIVER = '''
+"""A third-party driver, written against omskills.models.kit only."""
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from omskills.models.kit import LoadedModel, MainPathRun, ModelDriver, OutputCheck, StepOutput
+
+
+class ToyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x)).softmax(-1)
+
+
+class ToyInputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    batch: int = 3
+    steps: int = 2
+
+
+class ToyDriver(ModelDriver):
+    family = "toy-mlp"
+    description = "a toy MLP classifier from a third-party package"
+    inputs_model = ToyInputs
+
+    def source_root(self, spec):
+        return Path(__file__).parent
+
+    def load(self, spec):
+        torch.manual_seed(spec.seed)
+        net = ToyNet().eval()
+        return LoadedModel(entry=net, root=net, source_root=self.source_root(spec), weights="random")
+
+    def load_inputs(self, inputs, base_dir):
+        generator = torch.Generator().manual_seed(1)
+        return [torch.randn(inputs.batch, 16, generator=generator) for _ in range(inputs.steps)]
+
+    def run_main_path(self, loaded, data, inputs, verification, hooks):
+        steps, start = [], time.perf_counter()
+        with torch.no_grad():
+            for index, x in enumerate(data):
+                t0 = time.perf_counter()
+                probs = loaded.entry(x)
+                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0,
+                                        outputs={"probs": probs.numpy(), "label": probs.argmax(-1).numpy()}))
+                hooks.step(index)
+        return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
+
+    def comparison(self, verification):
+        return [OutputCheck(output="probs", metric="tensor", label="class probabilities"),
+                OutputCheck(output="label", metric="exact", label="predicted class")]
+'''
+
+
+def driver_package(root: Path) -> Path:
+    """A distribution on sys.path: the package and its metadata with an omskills.drivers entry point."""
+    (root / "toy_omskills_driver").mkdir(parents=True)
+    (root / "toy_omskills_driver" / "__init__.py").write_text(TOY_DRIVER)
+    info = root / "toy_omskills_driver-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-omskills-driver\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[omskills.drivers]\ntoy-mlp = toy_omskills_driver:ToyDriver\n")
+    return root
+
+
+def task_record(folder: Path, model: dict, inputs: dict, **intake) -> Path:
+    path = folder / "task.yaml"
+    path.write_text(yaml.safe_dump({"id": "driver-test", "intake": {"model": model, "inputs": inputs, **intake}}))
+    return path
+
+
+# --------------------------------------------------------------------------- finding drivers
+
+
+def test_sam3_and_sam31_register_through_the_entry_point_group_like_any_package():
+    listed = {d.family: d for d in installed_drivers()}
+    assert listed["sam3"].reference == "omskills.models.sam3:Sam3Driver"
+    assert listed["sam3.1"].reference == "omskills.models.sam31:Sam31Driver"
+    assert all(d.origin == "entry point of omskills" for d in (listed["sam3"], listed["sam3.1"]))
+    assert isinstance(family_driver("sam3"), Sam3Driver)
+
+
+def test_an_unknown_family_is_an_error_that_lists_the_installed_ones():
+    with pytest.raises(TaskRecordError, match=r"intake.model.family: no model driver named 'yolo'; installed: .*sam3, sam3\.1"):
+        driver_for(ModelSpec(family="yolo"))
+
+
+def test_a_driver_is_named_by_module_class_or_by_a_file_relative_to_the_record(tmp_path):
+    (tmp_path / "mine.py").write_text(TOY_DRIVER)
+    assert driver_for(ModelSpec(driver="omskills.models.sam3:Sam3Driver")).family == "sam3"
+    assert driver_for(ModelSpec(driver="mine.py:ToyDriver"), base_dir=tmp_path).family == "toy-mlp"
+    (tmp_path / "two.py").write_text("def build_model(spec):\n    return None\n\ndef run_main_path(model, inputs):\n    return None\n")
+    assert isinstance(driver_for(ModelSpec(driver="two.py"), base_dir=tmp_path), FunctionDriver)
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"driver": "missing.py:Driver"}, r"intake.model.driver: driver file not found: .*missing\.py"),
+    ({"driver": "mine.py:Nothing"}, r"intake.model.driver: .*mine\.py defines no 'Nothing'"),
+    ({"driver": "no_functions.py"}, r"defines no function build_model or run_main_path"),
+    ({"driver": "os.path:join"}, r"is not a ModelDriver subclass"),
+    ({"seed": 1}, r"set family .* or driver"),
+])
+def test_a_driver_that_cannot_be_found_or_used_says_which_field_and_why(tmp_path, model, message):
+    (tmp_path / "mine.py").write_text(TOY_DRIVER)
+    (tmp_path / "no_functions.py").write_text("X = 1\n")
+    with pytest.raises((TaskRecordError, ValueError), match=message):
+        driver_for(ModelSpec(**model), base_dir=tmp_path)
+
+
+def test_the_driver_validates_intake_inputs_and_verification_naming_the_field():
+    good = Intake(model=ModelSpec(family="sam3"), inputs={"video": "builtin:shapes", "prompt": "dog", "frames": 2})
+    assert bind_intake(good).inputs.frames == 2
+    with pytest.raises(TaskRecordError, match=r"intake.inputs.frames: Input should be a valid integer.* \(sam3 driver\)"):
+        bind_intake(good.model_copy(update={"inputs": {"video": "builtin:shapes", "prompt": "dog", "frames": "many"}}))
+    with pytest.raises(TaskRecordError, match=r"intake.verification.forced: unknown field"):
+        bind_intake(good.model_copy(update={"verification": {"forced": 3}}))
+
+
+def test_omskills_drivers_lists_what_is_installed():
+    result = omskills("drivers")
+    assert result.returncode == 0, result.stderr
+    assert "sam3.1" in result.stdout and "omskills.models.sam31:Sam31Driver" in result.stdout
+
+
+# --------------------------------------------------------------------------- a third-party package
+
+
+@pytest.fixture(scope="module")
+def third_party(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("thirdparty")
+    site = driver_package(root / "site")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+    return task_record(root, {"family": "toy-mlp"}, {"batch": 3, "steps": 2}), env
+
+
+def test_a_driver_package_installed_with_an_entry_point_is_listed(third_party):
+    _, env = third_party
+    result = omskills("drivers", env=env)
+    assert "toy-mlp" in result.stdout and "entry point of toy-omskills-driver" in result.stdout
+
+
+def test_a_third_party_driver_adapts_its_model_with_no_change_to_omskills(third_party, tmp_path):
+    task, env = third_party
+    result = omskills("adapt", str(task), "--out", str(tmp_path / "run"), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "verify" / "report.json").read_text())
+    assert report["verdict"] == "pass"
+    assert {c["title"] for c in report["main_path"]["checks"]} == {"class probabilities", "predicted class"}
+    # No seed candidates: the study found the subtrees in a profile; the encoder is one graph.
+    record = yaml.safe_load((tmp_path / "run" / "task.yaml").read_text())
+    assert record["study"]["seeds_from"] == "profile"
+    spliced = {c["name"]: c for c in report["candidates"]}
+    assert "encoder" in spliced and all(c["backend"].startswith("onnxruntime:") for c in spliced.values())
+
+
+# --------------------------------------------------------------------------- a scaffolded driver
+
+
+def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit(tmp_path):
+    made = omskills("new-driver", "resnet18", "--entry", "torchvision.models:resnet18", "--shape", "1,3,64,64",
+                    "--dir", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    assert {p.name for p in tmp_path.iterdir()} == {"resnet18_driver.py", "resnet18.yaml", "test_resnet18_driver.py"}
+    checked = omskills("validate-driver", str(tmp_path / "resnet18.yaml"))
+    assert checked.returncode == 0 and checked.stdout.strip() == "ok", checked.stderr
+    assert "candidate layer4 (layer4)" in checked.stderr and "exportable" in checked.stderr
+
+    adapted = omskills("adapt", str(tmp_path / "resnet18.yaml"), "--out", str(tmp_path / "run"))
+    assert adapted.returncode == 0, adapted.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "verify" / "report.json").read_text())
+    assert report["verdict"] == "pass"
+    assert {"layer1", "layer2", "layer3", "layer4"} <= {c["name"] for c in report["candidates"]}
+    assert all(c["status"] == "integrated" and c["backend"].startswith("onnxruntime:") for c in report["candidates"])
+
+
+def test_new_driver_refuses_an_entry_that_does_not_exist_and_never_overwrites(tmp_path):
+    missing = omskills("new-driver", "mine", "--entry", "torchvision.models:resnet999", "--dir", str(tmp_path))
+    assert missing.returncode == 2 and "torchvision.models' has no 'resnet999'" in missing.stderr
+    assert omskills("new-driver", "mine", "--entry", "torchvision.models:resnet18", "--dir", str(tmp_path)).returncode == 0
+    again = omskills("new-driver", "mine", "--entry", "torchvision.models:resnet18", "--dir", str(tmp_path))
+    assert again.returncode == 2 and "not overwriting" in again.stderr
+
+
+def test_validate_driver_lists_every_problem_it_finds(tmp_path):
+    (tmp_path / "broken_driver.py").write_text(textwrap.dedent('''
+        import torch
+        COMPARISON = [{"output": "logits", "metric": "tensor"}]
+        SEED_CANDIDATES = [("decoder", "decoder")]
+
+        def build_model(spec):
+            return torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+        def run_main_path(model, inputs):
+            return {"scores": model(torch.randn(1, 4))}
+    '''))
+    task = task_record(tmp_path, {"driver": "broken_driver.py"}, {})
+    result = omskills("validate-driver", str(task))
+    assert result.returncode == 1 and result.stdout.startswith("FAILED")
+    assert "the comparison checks output 'logits', which the main path does not return (it returns ['scores'])" in result.stderr
+    assert "seed candidate decoder: no module 'decoder' in Sequential" in result.stderr
+
+
+def test_a_checkpoint_that_is_not_a_state_dict_is_one_line_naming_the_path(tmp_path):
+    (tmp_path / "net_driver.py").write_text(textwrap.dedent('''
+        import torch
+        def build_model(spec):
+            return torch.nn.Linear(4, 4)
+        def run_main_path(model, inputs):
+            return model(torch.randn(1, 4))
+    '''))
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    task = task_record(tmp_path, {"driver": "net_driver.py", "checkpoint": "garbage.pt"}, {})
+    result = omskills("main-path", str(task), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"intake.model.checkpoint: {tmp_path / 'garbage.pt'} is not a loadable state dict" in result.stderr.strip().splitlines()[-1]
