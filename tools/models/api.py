@@ -180,15 +180,20 @@ class ModelDriver(ABC):
         return None
 
     def code_fingerprint(self) -> str:
-        """A hash of the driver's own code: a study made with other driver code is not reused."""
+        """A hash of the driver's own code (its class and the driver classes it derives from): a
+        study made with other driver code is not reused."""
         import hashlib
         import inspect
 
-        try:
-            source = Path(inspect.getfile(type(self))).read_bytes()
-        except (OSError, TypeError):  # a class without a file (made in a REPL): its name alone
-            source = f"{type(self).__module__}:{type(self).__qualname__}".encode()
-        return hashlib.sha256(source).hexdigest()[:16]
+        digest = hashlib.sha256()
+        for cls in type(self).__mro__:
+            if not (isinstance(cls, type) and issubclass(cls, ModelDriver)) or cls is ModelDriver:
+                continue
+            try:
+                digest.update(Path(inspect.getfile(cls)).read_bytes())
+            except (OSError, TypeError):  # a class without a file (made in a REPL): its name alone
+                digest.update(f"{cls.__module__}:{cls.__qualname__}".encode())
+        return digest.hexdigest()[:16]
 
     def builder_name(self, spec: ModelSpec) -> str | None:
         """The function that builds the model (the inventory scans from its module); by default
