@@ -209,3 +209,38 @@ def test_memory_attention_computes_its_pointer_token_count_from_the_prompt_lengt
     [count] = [a for a in record.contracts["memory_attention"].non_tensor_args if "num_obj_ptr_tokens" in a.tree_path]
     assert count.derived is not None and "prompt.shape[0]" in count.derived.expression
     assert record.plan.candidate("memory_attention").status == "integrated"
+
+
+def test_every_deployed_graph_has_an_emulated_precision_table_shown_in_the_delivery(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    text = (tiny_adaptation / "DELIVERY.md").read_text()
+    assert "Precision on Ascend (emulated on CPU, not an NPU result)" in text
+    for name in record.graphs():
+        report = record.toolchain[name].precision
+        assert report is not None, name
+        assert {"force_fp16", "must_keep_origin_dtype"} <= {m.mode for m in report.modes}
+        assert "not an NPU" in report.backend
+        fp16 = report.mode("force_fp16")
+        assert fp16.result.fp16_nodes > 0 and 0.0 <= fp16.result.cosine <= 1.0
+        assert f"| {name} | `force_fp16` |" in text
+        # The mode the ATC command uses is the one emulation chose.
+        assert f"--precision_mode={report.chosen_mode}" in record.toolchain[name].atc.command
+
+
+def test_the_vision_backbone_neck_is_flagged_for_the_mixed_modes_and_the_atc_options_avoid_it(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    chain = record.toolchain["vision_backbone"]
+    hit = next(h for h in chain.precheck.pitfalls if h.id == "fpn_convtranspose_collapse")
+    import onnx
+
+    model = onnx.load(str(record.preferred_model(tiny_adaptation, "vision_backbone")), load_external_data=False)
+    op_of = {n.name: n.op_type for n in model.graph.node}
+    assert hit.count >= 1 and {op_of[n] for n in hit.nodes} == {"ConvTranspose"}
+    assert hit.source.startswith("https://github.com/Ascend/pytorch/issues/125")
+    command = chain.atc.command
+    mode = next(a.split("=", 1)[1] for a in command if a.startswith("--precision_mode="))
+    if mode in hit.modes:  # converting in an affected mode: the neck's nodes are kept
+        keep_file = next(a.split("=", 1)[1] for a in command if a.startswith("--keep_dtype="))
+        assert set(hit.nodes) <= set((tiny_adaptation / keep_file).read_text().split())
+    else:
+        assert mode not in ("allow_mix_precision", "allow_fp32_to_fp16")

@@ -201,6 +201,17 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     assert {"layer1", "layer2", "layer3", "layer4"} <= {c["name"] for c in report["candidates"]}
     assert all(c["status"] == "integrated" and c["backend"].startswith("onnxruntime:") for c in report["candidates"])
 
+    # The same main path with every graph in its chosen ATC precision mode, emulated on CPU.
+    task = str(tmp_path / "run" / "task.yaml")
+    emulated = omskills("tool", "verify_main_path", "--args", json.dumps({"task": task, "precision": "emulated"}))
+    assert emulated.returncode == 0, emulated.stderr[-3000:]
+    expected = json.loads((tmp_path / "run" / "verify" / "report-emulated.json").read_text())
+    assert expected["precision"] == "emulated" and set(expected["precision_modes"]) == {c["name"] for c in report["candidates"]}
+    assert all("emulated, not an NPU" in c["backend"] for c in expected["candidates"])
+    # fp16 roundings move the logits far more than fp32 ONNX Runtime does: the emulated graphs really ran.
+    assert expected["main_path"]["checks"][0]["worst"] > 10 * report["main_path"]["checks"][0]["worst"]
+    assert json.loads((tmp_path / "run" / "verify" / "report.json").read_text()) == report  # fp32 report untouched
+
 
 def test_new_driver_refuses_an_entry_that_does_not_exist_and_never_overwrites(tmp_path):
     missing = omskills("new-driver", "mine", "--entry", "torchvision.models:resnet999", "--dir", str(tmp_path))

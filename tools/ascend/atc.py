@@ -81,6 +81,7 @@ class AtcOptions(Record):
     # per input, per dim: [n] fixed, [min, max] range, [-1] unbounded (ATC "n", "min~max", "-1")
     dynamic_shape: dict[str, list[list[int]]] | None = None
     precision_mode: PrecisionMode | None = None
+    keep_dtype: str | None = None  # file naming the nodes kept at their original dtype (--keep_dtype)
     input_format: InputFormat | None = None
     log: AtcLogLevel = "error"
 
@@ -121,7 +122,12 @@ class AtcOptions(Record):
             "dynamic_shape": self._check_ranges,
         }[self.strategy]
         check()
+        self._check_precision_files()
         return self
+
+    def _check_precision_files(self) -> None:
+        if self.keep_dtype is not None and self.precision_mode == "must_keep_origin_dtype":
+            raise ValueError("keep_dtype has no effect under must_keep_origin_dtype (every op keeps its dtype already)")
 
     @property
     def strategy(self) -> ShapeStrategyKind:
@@ -251,6 +257,8 @@ def build_atc_command(options: AtcOptions, atc: str = "atc") -> list[str]:
         cmd.append(f"--input_format={input_format}")
     if options.precision_mode:
         cmd.append(f"--precision_mode={options.precision_mode}")
+    if options.keep_dtype:
+        cmd.append(f"--keep_dtype={options.keep_dtype}")
     cmd.append(f"--log={options.log}")
     return cmd
 

@@ -57,6 +57,8 @@ class TaskRecord(Record):
     exports: dict[str, ExportResult] = Field(default_factory=dict)  # graph -> its ONNX export
     toolchain: dict[str, CandidateToolchain] = Field(default_factory=dict)  # graph -> probes, variants, ops, ATC
     verification: VerifyReport | None = None
+    # The same main path with every spliced graph in its chosen ATC precision mode, emulated on CPU.
+    verification_emulated: VerifyReport | None = None
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))

@@ -132,6 +132,20 @@ class OpCheckRow(Record):
     source: str | None = None
 
 
+class PitfallHit(Record):
+    """A known ATC precision pitfall (tools/ascend/data/precision_pitfalls.yaml) that concerns this graph."""
+
+    id: str
+    count: int
+    nodes: list[str]  # first 50
+    modes: list[str]  # the precision modes it concerns
+    symptom: str
+    workaround: str
+    keep_nodes: list[str] = Field(default_factory=list)  # nodes convert_atc keeps (--keep_dtype) under those modes
+    source: str
+    note: str | None = None
+
+
 class OpPrecheck(Record):
     model: str
     soc: str
@@ -140,6 +154,7 @@ class OpPrecheck(Record):
     verdict: Verdict  # fail: an op is unsupported; review: constraints apply; pass: neither
     counts: dict[str, int]  # status -> number of op types
     rows: list[OpCheckRow]
+    pitfalls: list[PitfallHit] = Field(default_factory=list)  # known precision pitfalls that concern this graph
 
 
 # -- convert_atc ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from omskills.records.base import Record
 from omskills.records.parity import ParityReport
+from omskills.records.precision import PrecisionReport
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from pydantic import Field
 
@@ -13,4 +14,5 @@ class CandidateToolchain(Record):
     batch_split: BatchSplit | None = None  # how ONNX Runtime runs it here, when not the whole batch at once
     optimize: OptimizeResult | None = None
     precheck: OpPrecheck | None = None
+    precision: PrecisionReport | None = None  # Ascend precision modes emulated on CPU (emulate_precision)
     atc: AtcResult | None = None

@@ -134,6 +134,9 @@ class VerifyReport(Record):
     splice_stats: list[SpliceStats]
     fallback_events: list[FallbackEvent]
     verification_settings: list[str]
+    # "fp32", or "emulated": every spliced graph ran its ATC precision mode emulated on CPU
+    precision: str = "fp32"
+    precision_modes: dict[str, str] = Field(default_factory=dict)  # graph -> mode (and keep count) emulated
     report_json: str
     report_html: str
     verdict: str  # "pass" when the steps match, every gating check passes and no call fell back

@@ -41,7 +41,7 @@ def write_delivery_doc(task_path: Path) -> Path:
     settings = bound.driver.settings_notes(bound.verification)
     text = template_environment().get_template("delivery.md.j2").render(
         r=record, m=record.intake.model, family=bound.driver.family, inputs=bound.inputs.model_dump(mode="json"),
-        plan=record.plan, env=record.environment, v=record.verification, toolchain=record.toolchain,
+        plan=record.plan, env=record.environment, v=record.verification, ve=record.verification_emulated, toolchain=record.toolchain,
         task_name=Path(task_path).name,
         strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},
         ios={n: (_io(c.inputs), _io(c.outputs)) for n, c in record.contracts.items()},

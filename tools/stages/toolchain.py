@@ -14,6 +14,8 @@ from typing import Callable, Generic, Literal, TypeVar
 from omskills import progress
 from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.ascend.ops import precheck_ops as _precheck
+from omskills.ascend.pitfalls import check_pitfalls
+from omskills.ascend.precision_fix import write_keep_dtype
 from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import Sample, load_sample
 from omskills.convert.export import dynamic_dims_from_strategy
@@ -25,6 +27,7 @@ from omskills.models import cache as model_cache
 from omskills.records.base import Record
 from omskills.records.export import ExportResult
 from omskills.records.parity import ParityReport, verdict_rank
+from omskills.records.precision import PrecisionReport
 from omskills.records.stages import Artifact
 from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
@@ -204,10 +207,14 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
 def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> OpPrecheck:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    result = _precheck(record.preferred_model(workdir, name), soc or record.intake.target.soc)
+    model = record.preferred_model(workdir, name)
+    result = _precheck(model, soc or record.intake.target.soc)
+    result.pitfalls = check_pitfalls(model, record.toolchain_of(name).precision)
     with updating(task_path) as rec:
         rec.chain(name).precheck = result
-        rec.decide("precheck_ops", f"{name}: operator precheck {result.verdict}", f"counts {result.counts} against {result.table}")
+        pitfalls = "; ".join(f"{h.id} ({h.count} node(s), {'/'.join(h.modes)})" for h in result.pitfalls) or "none"
+        rec.decide("precheck_ops", f"{name}: operator precheck {result.verdict}",
+                   f"counts {result.counts} against {result.table}; known precision pitfalls: {pitfalls}")
     return result
 
 
@@ -221,7 +228,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     out_dir = workdir / "om" / name
     options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(out_dir / name),
                                        soc_version=record.intake.target.soc,
-                                       **({"precision_mode": precision_mode} if precision_mode else {}))
+                                       **_precision_options(record, name, precision_mode, out_dir))
     inputs_hash = fingerprint(options)
     step = f"atc:{name}"
     with running_step(task_path, step, inputs_hash) as handle:
@@ -247,6 +254,27 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     return result
 
 
+def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir: Path) -> dict[str, str]:
+    """The precision options for ATC: the mode asked for, else the one emulate_precision chose;
+    the nodes its emulation proposed to keep and those a known pitfall of that mode names go
+    into a --keep_dtype file."""
+    chain = record.toolchain_of(name)
+    report = chain.precision
+    mode = asked or (report.chosen_mode if report else None)
+    if mode is None:
+        return {}
+    emulated = report.mode(mode) if report else None
+    keep = list(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else []
+    for hit in (chain.precheck.pitfalls if chain.precheck else []):
+        if mode in hit.modes:
+            keep += [n for n in hit.keep_nodes if n not in keep]
+    options = {"precision_mode": mode}
+    path = write_keep_dtype(keep, out_dir, name) if mode != "must_keep_origin_dtype" else None
+    if path is not None:
+        options["keep_dtype"] = str(path)
+    return options
+
+
 class CandidateFailure(Record):
     candidate: str
     error: str
@@ -266,13 +294,17 @@ ExportBatch = CandidateBatch[ExportResult]
 ProbeBatch = CandidateBatch[ParityReport]
 OptimizeBatch = CandidateBatch[OptimizeResult]
 PrecheckBatch = CandidateBatch[OpPrecheck]
+PrecisionBatch = CandidateBatch[PrecisionReport]
 AtcBatch = CandidateBatch[AtcResult]
 
 
 def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],
-                       run: Callable[[str], ResultT], desc: str, promote_inner: bool = False) -> CandidateBatch[ResultT]:
+                       run: Callable[[str], ResultT], desc: str, promote_inner: bool = False,
+                       advisory: bool = False) -> CandidateBatch[ResultT]:
     """Run one step per graph; a failing one is recorded (status failed) and the rest go on. With
     `promote_inner`, the candidates deferred inside a failed one join the batch and take the step.
+    An `advisory` step (its result informs, the graph does not depend on it) records its failure
+    as a decision and leaves the graph's status alone.
 
     Asked for one candidate, its error is raised instead, so a caller sees the message.
     """
@@ -287,12 +319,20 @@ def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateB
             if candidate is not None:
                 raise
             batch.failed.append(CandidateFailure(candidate=name, error=str(err)))
-            with updating(task_path) as rec:
-                rec.set_status(name, "failed", f"{desc}: {err}")
-                promoted = rec.promote_inside(rec.contract(name).plan_candidate) if promote_inner else []
-                for cand in promoted:
-                    rec.decide(desc, f"{cand}: selected", f"{name} failed ({err}); {cand} runs inside it")
-                names += [c.candidate for cand in promoted for c in rec.contracts_of(cand)]
+            names += _record_failure(task_path, name, desc, err, promote_inner, advisory)
         done += 1
     progress.report(done, len(names), f"{desc}: done")
     return batch
+
+
+def _record_failure(task_path: Path, name: str, desc: str, err: Exception, promote_inner: bool, advisory: bool) -> list[str]:
+    """Record a graph's failed step; returns the graphs promoted to take the step in its place."""
+    with updating(task_path) as rec:
+        if advisory:
+            rec.decide(desc, f"{name}: {desc} failed", str(err))
+            return []
+        rec.set_status(name, "failed", f"{desc}: {err}")
+        promoted = rec.promote_inside(rec.contract(name).plan_candidate) if promote_inner else []
+        for cand in promoted:
+            rec.decide(desc, f"{cand}: selected", f"{name} failed ({err}); {cand} runs inside it")
+        return [c.candidate for cand in promoted for c in rec.contracts_of(cand)]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omskills.ascend.emulation import precisions_for, prepare, save_emulated
 from omskills.compare.outputs import compare_step, expand, worse
 from omskills.errors import InputError, StageError
 from omskills.models.api import MainPathRun, ModelDriver
@@ -107,48 +108,85 @@ def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]
     return {"verdict": report.verdict, "cosine": round(report.worst_cosine, 7), "max_abs": float(f"{report.worst_max_abs:.3e}")}
 
 
-def _open(record: TaskRecord, workdir: Path, name: str, backend: str) -> SpliceBackend:
+def _open(record: TaskRecord, workdir: Path, name: str, backend: str, emulated: bool = False) -> SpliceBackend:
     """The graph's backend; on ONNX Runtime, the batch in chunks where probe_onnx found it must be
-    (the OM has its batch gears and runs the whole batch)."""
+    (the OM has its batch gears and runs the whole batch). `emulated`: the graph rewritten to
+    compute as its chosen ATC precision mode would, on ONNX Runtime CPU."""
     split = record.batch_split_of(name)
-    path = record.preferred_model(workdir, name)
+    path = _emulated_model(record, workdir, name) if emulated else record.preferred_model(workdir, name)
     if backend == "onnxruntime":
         return open_onnxruntime(path, split)
     return open_backend(path, backend)
 
 
-def verify_main_path(task_path: Path, backend: str = "onnxruntime") -> VerifyReport:
+def _emulated_model(record: TaskRecord, workdir: Path, name: str) -> Path:
+    report = record.toolchain_of(name).precision
+    if report is None:
+        raise StageError(f"{name}: no precision emulation recorded: run emulate_precision first")
+    source = record.preferred_model(workdir, name)
+    prepared = prepare(source)
+    out = source.with_name(f"{source.stem}.emulated-{report.chosen_mode}.onnx")
+    return save_emulated(prepared, precisions_for(prepared, report.chosen_mode, report.chosen_keep), out)
+
+
+def _modes(record: TaskRecord, names: list[str]) -> dict[str, str]:
+    modes = {}
+    for name in names:
+        report = record.toolchain_of(name).precision
+        if report is not None:
+            keep = f" keeping {len(report.chosen_keep)} node(s)" if report.chosen_keep else ""
+            modes[name] = report.chosen_mode + keep
+    return modes
+
+
+def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: str = "fp32") -> VerifyReport:
+    """The main path through PyTorch and through the spliced pipeline. `precision`: "fp32" (the
+    graphs as exported), or "emulated" (each in its chosen ATC precision mode, emulated on
+    ONNX Runtime CPU: the parity to expect on Ascend from the numerics alone)."""
     if backend not in BACKENDS:
         raise InputError(f"backend: no runtime backend named {backend!r}; installed: {', '.join(BACKENDS.names())}")
+    if precision not in ("fp32", "emulated"):
+        raise InputError(f"precision: {precision!r} is not one of 'fp32', 'emulated'")
+    emulated = precision == "emulated"
+    if emulated and backend != "onnxruntime":
+        raise InputError(f"precision 'emulated' runs on onnxruntime (CPU), not on {backend!r}")
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, skipped = _spliceable(record)
+    modes = _modes(record, names) if emulated else {}
     model = open_model(record, workdir)
     driver, bound, loaded = model.driver, model.bound, model.loaded
-    inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend)
-    with running_step(task_path, "verify", inputs_hash) as step:
+    inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
+    with running_step(task_path, "verify:emulated" if emulated else "verify", inputs_hash) as step:
         reference = model.run()
         # The reference run's activations are freed; hand the pages back before the sessions load.
         return_freed_memory()
-        replacements = [(record.contracts[n], _open(record, workdir, n, backend)) for n in names]
+        replacements = [(record.contracts[n], _open(record, workdir, n, backend, emulated)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         with splice(loaded.root, replacements, strategies=strategies) as handle:
             spliced = model.run()
         report = _report(record, driver, driver.comparison(bound.verification), driver.settings_notes(bound.verification),
-                         workdir, backend, names, skipped, reference, spliced, handle)
+                         workdir, backend, names, skipped, reference, spliced, handle, modes)
         _write_html(report, driver, reference, spliced, model.data, workdir / report.report_html)
-
-        def store(rec: TaskRecord) -> None:
-            rec.verification = report
-            # A candidate with several graphs is integrated when every one of them is.
-            for c in sorted(report.candidates, key=lambda c: c.status == "fallback"):
-                rec.set_status(c.name, c.status)
-            rec.decide("verify_main_path", f"main path {report.verdict}",
-                       f"{report.main_path.summary()}; fallbacks {report.main_path.fallbacks}, "
-                       f"spliced/torch latency {report.main_path.latency_ratio:.2f}")
-
-        step.update(store)
+        step.update(_stored(report))
     return report
+
+
+def _stored(report: VerifyReport):
+    def store(rec: TaskRecord) -> None:
+        summary = (f"{report.main_path.summary()}; fallbacks {report.main_path.fallbacks}, "
+                   f"spliced/torch latency {report.main_path.latency_ratio:.2f}")
+        if report.precision == "emulated":  # expected parity on Ascend; statuses stay those of fp32
+            rec.verification_emulated = report
+            rec.decide("verify_main_path", f"main path with Ascend precision emulated: {report.verdict}", summary)
+            return
+        rec.verification = report
+        # A candidate with several graphs is integrated when every one of them is.
+        for c in sorted(report.candidates, key=lambda c: c.status == "fallback"):
+            rec.set_status(c.name, c.status)
+        rec.decide("verify_main_path", f"main path {report.verdict}", summary)
+
+    return store
 
 
 def _backend_label(record: TaskRecord, name: str, stats: SpliceStats) -> str:
@@ -189,7 +227,7 @@ def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[Ch
 
 def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck], settings: list[str], workdir: Path,
             backend: str, names: list[str], skipped: dict[str, str], reference: MainPathRun, spliced: MainPathRun,
-            handle: SpliceHandle) -> VerifyReport:
+            handle: SpliceHandle, modes: dict[str, str] | None = None) -> VerifyReport:
     checks = expand(declared, reference.steps[0].outputs) if reference.steps else declared
     per_step = [StepParity(index=r.index, checks=compare_step(checks, r.outputs, s.outputs),
                            torch_seconds=round(r.seconds, 3), spliced_seconds=round(s.seconds, 3))
@@ -206,15 +244,19 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
                           latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0)
     out = workdir / "verify"
     out.mkdir(parents=True, exist_ok=True)
+    stem = "report-emulated" if modes else "report"
+    if modes:
+        candidates = [c.model_copy(update={"backend": f"{c.backend} (Ascend {modes.get(c.name, 'fp32')} emulated, not an NPU)"})
+                      for c in candidates]
     report = VerifyReport(
         task_id=record.id, weights=record.intake.model.checkpoint or "random", scale=record.intake.model.scale,
         backend=backend, step_name=driver.step_name,
         backend_per_candidate={c.name: c.backend for c in candidates} | {n: "pytorch (not spliced)" for n in skipped},
         not_spliced=skipped, candidates=candidates, comparison=checks, main_path=main, per_step=per_step,
         splice_stats=list(stats.values()), fallback_events=handle.fallbacks(),
-        verification_settings=settings, report_json="verify/report.json",
-        report_html="verify/report.html", verdict=main.verdict)
-    (out / "report.json").write_text(report.model_dump_json(indent=2))
+        verification_settings=settings, precision="emulated" if modes else "fp32", precision_modes=modes or {},
+        report_json=f"verify/{stem}.json", report_html=f"verify/{stem}.html", verdict=main.verdict)
+    (out / f"{stem}.json").write_text(report.model_dump_json(indent=2))
     return report
 
 

@@ -1,0 +1,152 @@
+"""Ascend precision emulated on CPU: hand-built graphs whose fp16 behaviour is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from omskills.ascend.atc import AtcOptions, build_atc_command
+from omskills.ascend.emulation import compare_layers, precisions_for, prepare, run_emulated, save_emulated
+from omskills.ascend.pitfalls import check_pitfalls, load_pitfalls
+from omskills.ascend.precision_fix import precision_report, write_keep_dtype
+from omskills.errors import InputError
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = [helper.make_opsetid("", 17)]
+
+
+def _save(tmp_path, name, nodes, inputs, outputs, initializers=()):
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=list(initializers))
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=OPSET), str(path))
+    return path
+
+
+def _vi(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+@pytest.fixture()
+def matmul_beyond_fp16(tmp_path):
+    """60 x 300 summed over 4 = 72000: above fp16's 65504."""
+    weight = numpy_helper.from_array(np.full((4, 4), 300.0, np.float32), "w")
+    path = _save(tmp_path, "mm", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                 [_vi("x", [2, 4])], [_vi("y", [2, 4])], [weight])
+    return path, {"x": np.full((2, 4), 60.0, np.float32)}
+
+
+@pytest.fixture()
+def layernorm_softmax(tmp_path):
+    """Values 1000 +- 0.01: fp16's step at 1000 is 0.5, so subtracting the mean in fp16 loses
+    everything; the error starts at the Sub."""
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["m"], name="mean", axes=[-1]),
+        helper.make_node("Sub", ["x", "m"], ["d"], name="sub"),
+        helper.make_node("Mul", ["d", "d"], ["d2"], name="square"),
+        helper.make_node("ReduceMean", ["d2"], ["v"], name="variance", axes=[-1]),
+        helper.make_node("Add", ["v", "eps"], ["ve"], name="add_eps"),
+        helper.make_node("Sqrt", ["ve"], ["s"], name="sqrt"),
+        helper.make_node("Div", ["d", "s"], ["n"], name="normalise"),
+        helper.make_node("Softmax", ["n"], ["y"], name="softmax", axis=-1),
+    ]
+    eps = numpy_helper.from_array(np.array([1e-6], np.float32), "eps")
+    path = _save(tmp_path, "ln", nodes, [_vi("x", [4, 64])], [_vi("y", [4, 64])], [eps])
+    x = 1000 + 0.01 * np.random.default_rng(0).standard_normal((4, 64))
+    return path, {"x": x.astype(np.float32)}
+
+
+def test_a_matmul_beyond_fp16_overflows_under_force_fp16_and_passes_kept_in_fp32(matmul_beyond_fp16):
+    path, feeds = matmul_beyond_fp16
+    prepared = prepare(path)
+    overflowed = compare_layers(prepared, precisions_for(prepared, "force_fp16"), feeds)
+    assert not overflowed.outputs_pass and overflowed.outputs[0].overflow == 8
+    assert overflowed.first.node == "mm" and overflowed.first.origin == "local"
+    kept = compare_layers(prepared, precisions_for(prepared, "force_fp16", keep=["mm"]), feeds)
+    assert kept.outputs_pass and kept.outputs[0].max_abs == 0.0 and kept.outputs[0].ref_max_abs == 72000.0
+
+
+def test_the_report_proposes_exactly_the_overflowing_node_and_atc_gets_exactly_it(matmul_beyond_fp16, tmp_path):
+    path, feeds = matmul_beyond_fp16
+    report = precision_report(path, feeds, sample="s0")
+    fp16 = report.mode("force_fp16")
+    assert not fp16.result.passed and fp16.result.overflow == 8 and fp16.keep == ["mm"] and fp16.with_keep.passed
+    assert report.chosen_mode == "force_fp16" and report.chosen_keep == ["mm"]
+    keep_file = write_keep_dtype(report.chosen_keep, tmp_path / "om", "mm")
+    assert keep_file.read_text() == "mm\n"
+    options = AtcOptions.checked(model=str(path), output=str(tmp_path / "om" / "mm"), soc_version="Ascend910B4",
+                                 input_shapes={"x": [2, 4]}, precision_mode=report.chosen_mode, keep_dtype=str(keep_file))
+    command = build_atc_command(options)
+    assert "--precision_mode=force_fp16" in command and f"--keep_dtype={keep_file}" in command
+
+
+def test_the_bisect_names_the_subtraction_that_loses_the_normalisation_and_says_it_is_local(layernorm_softmax):
+    path, feeds = layernorm_softmax
+    prepared = prepare(path)
+    comparison = compare_layers(prepared, precisions_for(prepared, "force_fp16"), feeds)
+    assert not comparison.outputs_pass and comparison.outputs[0].cosine < 0.9
+    assert comparison.first.node == "sub" and comparison.first.origin == "local"
+    # Kept in fp32, the subtraction still receives the mean rounded to fp16 (step 0.5 at 1000):
+    # its error now comes from its input, accumulated; keeping the mean too clears it.
+    kept_sub = compare_layers(prepared, precisions_for(prepared, "force_fp16", keep=["sub"]), feeds)
+    assert kept_sub.first.node == "sub" and kept_sub.first.origin == "accumulated"
+    assert compare_layers(prepared, precisions_for(prepared, "force_fp16", keep=["sub", "mean"]), feeds).first is None
+
+
+def test_keeping_the_named_node_fixes_the_chain_and_the_mode_is_chosen_with_it(layernorm_softmax):
+    path, feeds = layernorm_softmax
+    report = precision_report(path, feeds, sample="s0")
+    fp16 = report.mode("force_fp16")
+    assert fp16.keep[0] == "sub" and fp16.with_keep.passed and fp16.with_keep.cosine >= 0.999
+    assert report.chosen_mode == "force_fp16" and report.chosen_keep == fp16.keep
+
+
+def test_allow_fp32_to_fp16_rounds_only_the_cube_ops_and_must_keep_origin_dtype_none(layernorm_softmax, matmul_beyond_fp16):
+    ln = prepare(layernorm_softmax[0])
+    assert set(precisions_for(ln, "allow_fp32_to_fp16").values()) == {"fp32"}
+    assert set(precisions_for(ln, "force_fp16").values()) == {"fp16"}
+    mm = prepare(matmul_beyond_fp16[0])
+    assert precisions_for(mm, "allow_fp32_to_fp16") == {"mm": "fp16"}
+    assert precisions_for(mm, "cube_fp16in_fp32out") == {"mm": "fp16_in"}
+    report = precision_report(layernorm_softmax[0], layernorm_softmax[1], sample="s0")
+    untouched = report.mode("must_keep_origin_dtype")
+    assert untouched.result.fp16_nodes == 0 and untouched.result.passed and "fp32" in untouched.note
+
+
+def test_weights_beyond_fp16_are_clipped_as_atc_does_not_turned_to_inf(tmp_path):
+    scale = numpy_helper.from_array(np.array([1e6], np.float32), "scale")
+    path = _save(tmp_path, "scale", [helper.make_node("Mul", ["x", "scale"], ["y"], name="mul")],
+                 [_vi("x", [3])], [_vi("y", [3])], [scale])
+    prepared = prepare(path)
+    out = save_emulated(prepared, precisions_for(prepared, "force_fp16"), tmp_path / "scale.emu.onnx")
+    y = run_emulated(out, {"x": np.array([1e-3, 0.5, 0.0], np.float32)})["y"]
+    assert np.isfinite(y).all() and y[1] == pytest.approx(65504.0 * 0.5, rel=1e-3)
+    hits = {h.id: h for h in check_pitfalls(path)}
+    assert hits["large_constant_overflow"].nodes == ["mul"] and hits["weight_clip_to_fp16_range"].keep_nodes == ["mul"]
+
+
+def test_a_convtranspose_neck_is_flagged_for_the_mixed_modes_with_its_source(tmp_path):
+    weight = numpy_helper.from_array(np.ones((4, 2, 2, 2), np.float32), "w")
+    path = _save(tmp_path, "neck", [helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="neck/up", strides=[2, 2])],
+                 [_vi("x", [1, 4, 3, 3])], [_vi("y", [1, 2, 6, 6])], [weight])
+    hit = next(h for h in check_pitfalls(path) if h.id == "fpn_convtranspose_collapse")
+    assert hit.nodes == ["neck/up"] and hit.keep_nodes == ["neck/up"]
+    assert {"allow_mix_precision", "allow_fp32_to_fp16"} <= set(hit.modes) and "force_fp16" not in hit.modes
+    assert hit.source == "https://github.com/Ascend/pytorch/issues/125" and "emulation cannot show" in hit.note
+
+
+def test_every_pitfall_is_cited_and_there_are_at_least_five():
+    pitfalls = load_pitfalls()
+    assert len(pitfalls) >= 5 and len({p.id for p in pitfalls}) == len(pitfalls)
+    for pitfall in pitfalls:
+        assert pitfall.source.startswith("https://") and pitfall.source_says and pitfall.modes
+
+
+def test_nothing_emulated_is_called_an_npu_result(matmul_beyond_fp16):
+    report = precision_report(*matmul_beyond_fp16, sample="s0")
+    assert "not an NPU" in report.backend and "emulated" in report.backend.lower()
+
+
+def test_keep_dtype_under_must_keep_origin_dtype_is_refused(tmp_path, matmul_beyond_fp16):
+    with pytest.raises(InputError, match="keep_dtype has no effect"):
+        AtcOptions.checked(model=str(matmul_beyond_fp16[0]), output=str(tmp_path / "mm"), soc_version="Ascend910B4",
+                           input_shapes={"x": [2, 4]}, precision_mode="must_keep_origin_dtype", keep_dtype="k.cfg")

@@ -1,0 +1,408 @@
+"""Ascend precision on ONNX Runtime CPU: the graph rewritten with fp16 roundings where a mode
+makes Ascend compute in fp16, and a side-by-side graph that compares it with fp32 node by node.
+
+Rounding is a Cast to float16 and back: values beyond fp16's range become inf as on the NPU,
+and the arithmetic between two roundings stays fp32, which is what the Cube unit does (fp16
+products accumulated in fp32). For vector operators it is an assumption: each operator's
+inputs and outputs are fp16, its internal arithmetic is not (precision-emulation.md says what
+this can and cannot show). Nothing here models ATC's own lowering of a graph.
+
+The comparison graph holds two copies of every float node, the fp32 original and the emulated
+one. Each compared tensor is reduced inside the graph to nine numbers (sums of squares of the
+error and of both tensors, max abs error, max |reference|, inf and NaN counts of both), so
+memory stays that of about two runs of the graph whatever its size. The first node over the
+gate is then emulated alone on the fp32 inputs ("local") in a graph cut after it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from omskills.ascend.precision_modes import node_precisions
+from omskills.records.precision import (
+    EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
+)
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
+
+MAX_FLAGGED_LISTED = 50
+FP16_MAX = 65504.0
+
+
+@dataclass
+class PreparedGraph:
+    """A model read without its weights (they stay in the external-data file beside it), every
+    node named, and which tensors are fp32."""
+
+    path: Path
+    model: ModelProto
+    float_tensors: set[str]
+    producers: dict[str, NodeProto] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> GraphProto:
+        return self.model.graph
+
+
+def prepare(path: str | Path) -> PreparedGraph:
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    for index, node in enumerate(model.graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{index}"
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is a help, not a requirement: the declared types remain
+        typed = model
+    values = [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]
+    float_tensors = {v.name for v in values if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    float_tensors |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers)
+
+
+def precisions_for(prepared: PreparedGraph, mode: str, keep: Iterable[str] = ()) -> dict[str, NodePrecision]:
+    return node_precisions(prepared.graph, prepared.float_tensors, mode, keep)
+
+
+class _Rewriter:
+    """Emits the nodes of one copy of the graph: tensor names mapped by `suffix` (graph inputs
+    and initializers shared), fp16 roundings where the node's precision asks for them."""
+
+    def __init__(self, prepared: PreparedGraph, nodes: list[NodeProto], suffix: str) -> None:
+        self.prepared, self.nodes, self.suffix = prepared, nodes, suffix
+        self.shared = {i.name for i in prepared.graph.input} | {t.name for t in prepared.graph.initializer}
+        self.weights = {t.name for t in prepared.graph.initializer}
+        self.rounded: dict[str, str] = {}
+        self.roundings: list[tuple[str, str]] = []  # (raw node output, its fp16-rounded value)
+        self._limits: tuple[str, str] | None = None
+
+    def _fp16_limits(self) -> tuple[str, str]:
+        if self._limits is None:
+            low, high = f"__fp16_min{self.suffix}", f"__fp16_max{self.suffix}"
+            for name, value in ((low, -FP16_MAX), (high, FP16_MAX)):
+                self.nodes.append(helper.make_node("Constant", [], [name], name=f"{name}__const",
+                                                   value=helper.make_tensor("v", TensorProto.FLOAT, [], [value])))
+            self._limits = (low, high)
+        return self._limits
+
+    def name(self, tensor: str) -> str:
+        return tensor if not tensor or tensor in self.shared or not self.suffix else tensor + self.suffix
+
+    def round(self, tensor: str) -> str:
+        """A fp16-rounded copy of `tensor` (already mapped), made once."""
+        if tensor not in self.rounded:
+            half, back = f"{tensor}__to_fp16{self.suffix}", f"{tensor}__fp16{self.suffix}"
+            source = tensor
+            if tensor in self.weights:
+                # ATC clips fp32 weights to fp16's range before casting them (--is_weight_clip=1,
+                # its default): a weight beyond it becomes +-65504, not inf.
+                source = f"{tensor}__clipped{self.suffix}"
+                self.nodes.append(helper.make_node("Clip", [tensor, *self._fp16_limits()], [source], name=f"{source}__clip"))
+            self.nodes.append(helper.make_node("Cast", [source], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"))
+            self.nodes.append(helper.make_node("Cast", [half], [back], to=TensorProto.FLOAT, name=f"{back}__cast"))
+            self.rounded[tensor] = back
+        return self.rounded[tensor]
+
+    def emit(self, node: NodeProto, precision: NodePrecision, inputs: list[str], tag: str) -> list[str]:
+        """Append a copy of `node` reading `inputs` (mapped names); returns its output names."""
+        floats = self.prepared.float_tensors
+        if precision != "fp32":
+            inputs = [self.round(mapped) if original in floats and mapped else mapped
+                      for original, mapped in zip(node.input, inputs)]
+        outputs = [self.name(o) + tag if o else "" for o in node.output]
+        raw = [f"{o}__raw" if precision == "fp16" and orig in floats else o for o, orig in zip(outputs, node.output)]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = node.name + (self.suffix + tag if self.suffix or tag else "")
+        del copy.input[:], copy.output[:]
+        copy.input.extend(inputs)
+        copy.output.extend(raw)
+        if self.suffix:
+            _rename_outer_references(copy, {i: m for i, m in zip(node.input, inputs)} | self._mapping_for_subgraphs())
+        self.nodes.append(copy)
+        for produced, final in zip(raw, outputs):
+            if produced != final:
+                half = f"{final}__to_fp16"
+                self.nodes.append(helper.make_node("Cast", [produced], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"))
+                self.nodes.append(helper.make_node("Cast", [half], [final], to=TensorProto.FLOAT, name=f"{final}__cast"))
+                self.rounded[final] = final  # already fp16-valued: consumers need not round it again
+                self.roundings.append((produced, final))
+        return outputs
+
+    def _mapping_for_subgraphs(self) -> dict[str, str]:
+        return {o: self.name(o) for o in self.prepared.producers}
+
+
+def _rename_outer_references(node: NodeProto, mapping: Mapping[str, str]) -> None:
+    """Subgraph bodies (If/Loop/Scan) read outer tensors by name: point them at this copy's."""
+    for attribute in node.attribute:
+        bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        for body in bodies:
+            local = {o for n in body.node for o in n.output} | {i.name for i in body.input}
+            for inner in body.node:
+                for k, name in enumerate(inner.input):
+                    if name and name not in local and name in mapping:
+                        inner.input[k] = mapping[name]
+                _rename_outer_references(inner, mapping)
+
+
+OVERFLOW_OUTPUT = "__fp16_overflow"
+
+
+def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
+                   count_overflow: bool = False) -> ModelProto:
+    """The graph as the mode computes it, with the original input and output names; with
+    `count_overflow`, one more output: how many elements fp16 rounding turned into inf."""
+    nodes: list[NodeProto] = []
+    writer = _Rewriter(prepared, nodes, suffix="")
+    for node in prepared.graph.node:
+        writer.emit(node, precisions.get(node.name, "fp32"), list(node.input), tag="")
+    outputs = list(prepared.graph.output)
+    if count_overflow:
+        counts = [_overflow_count(nodes, raw, rounded) for raw, rounded in writer.roundings]
+        zero = helper.make_node("Constant", [], [f"{OVERFLOW_OUTPUT}__0"], name=f"{OVERFLOW_OUTPUT}__zero",
+                                value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))
+        nodes.append(zero)
+        nodes.append(helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum"))
+        outputs.append(helper.make_tensor_value_info(OVERFLOW_OUTPUT, TensorProto.FLOAT, []))
+    return _with_nodes(prepared.model, nodes, outputs)
+
+
+def _overflow_count(nodes: list[NodeProto], raw: str, rounded: str) -> str:
+    """Elements finite before the rounding and infinite after it."""
+    name = f"{rounded}__overflow"
+    new_inf = [f"{name}__r", f"{name}__f", f"{name}__m", f"{name}__c"]
+    nodes += [
+        helper.make_node("IsInf", [rounded], [new_inf[0]], name=new_inf[0]),
+        helper.make_node("Not", [_is_inf(nodes, raw, name)], [new_inf[1]], name=new_inf[1]),
+        helper.make_node("And", [new_inf[0], new_inf[1]], [new_inf[2]], name=new_inf[2]),
+        helper.make_node("Cast", [new_inf[2]], [new_inf[3]], name=new_inf[3], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", [new_inf[3]], [name], name=name, keepdims=0),
+    ]
+    return name
+
+
+def _is_inf(nodes: list[NodeProto], tensor: str, prefix: str) -> str:
+    name = f"{prefix}__raw_inf"
+    nodes.append(helper.make_node("IsInf", [tensor], [name], name=name))
+    return name
+
+
+def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
+                               feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+    """The emulated graph's outputs and its fp16 overflow count, in one run."""
+    values = _run(prepared.path, emulated_model(prepared, precisions, count_overflow=True), feeds)
+    return {k: v for k, v in values.items() if k != OVERFLOW_OUTPUT}, int(values[OVERFLOW_OUTPUT])
+
+
+def run_reference(prepared: PreparedGraph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The graph's outputs in fp32."""
+    return _run(prepared.path, prepared.model, feeds)
+
+
+def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], out: Path) -> Path:
+    """Write the emulated graph beside the original (it reads the original's external weights)."""
+    if out.parent.resolve() != prepared.path.parent.resolve():
+        raise ValueError(f"{out}: an emulated graph must sit beside {prepared.path.name} to find its weights")
+    onnx.save_model(emulated_model(prepared, precisions), str(out))
+    return out
+
+
+def compare_layers(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
+                   feeds: Mapping[str, np.ndarray], gates: PrecisionGates | None = None,
+                   candidate: str = "emulated") -> LayerComparison:
+    """Run fp32 and emulated side by side on `feeds`; every float node output compared. The
+    first node over the gate is run once more alone on the fp32 inputs (local or accumulated)."""
+    gates = gates or PrecisionGates()
+    model, stats = _comparison_model(prepared, precisions)
+    values = _run(prepared.path, model, feeds)
+    nodes = _node_comparisons(prepared, precisions, stats, values, gates)
+    outputs = [_tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output
+               if f"stat__{o.name}" in values]
+    outputs_pass = all(e.cosine >= gates.output_min_cosine and not e.overflow and not e.nan for e in outputs)
+    flagged = [n for n in nodes if n.flagged]
+    if flagged:
+        flagged[0] = flagged[0].model_copy(update={"local": _local_error(prepared, precisions, flagged[0].node, feeds)})
+    first = _finding(flagged[0], gates) if flagged else None
+    return LayerComparison(
+        model=str(prepared.path), reference="onnxruntime fp32", candidate=candidate, backend=EMULATED_BACKEND,
+        nodes_compared=len(nodes), nodes_flagged=len(flagged), first=first, outputs=outputs,
+        outputs_pass=outputs_pass, overflow=sum(n.worst.overflow for n in nodes),
+        flagged=sorted(flagged, key=lambda n: n.worst.cosine)[:MAX_FLAGGED_LISTED],
+    )
+
+
+def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], name: str,
+                 feeds: Mapping[str, np.ndarray]) -> TensorError | None:
+    """The node emulated alone on the fp32 run's inputs: the graph up to it in fp32, and one
+    emulated copy of it beside the fp32 one."""
+    precision = precisions.get(name, "fp32")
+    node = next(n for n in prepared.graph.node if n.name == name)
+    if precision == "fp32" or _has_subgraph(node):
+        return None
+    nodes: list[NodeProto] = [_shape_one()]
+    reference = _Rewriter(prepared, nodes, suffix="")
+    local = _Rewriter(prepared, nodes, suffix="__loc")
+    for before in prepared.graph.node:
+        reference.emit(before, "fp32", list(before.input), tag="")
+        if before.name == name:
+            break
+    local_out = local.emit(node, precision, list(node.input), tag="")
+    stats = [_stat_nodes(nodes, o, lo, f"stat__{name}:{k}__local")
+             for k, (o, lo) in enumerate(zip(node.output, local_out)) if o in prepared.float_tensors]
+    outputs = [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in stats]
+    values = _run(prepared.path, _with_nodes(prepared.model, nodes, outputs), feeds)
+    return min((_tensor_error(s, values[s]) for s in stats), key=_badness, default=None)
+
+
+@dataclass
+class _Stats:
+    """Names of the stat outputs of one node: per float output, the stat tensor."""
+
+    emulated: dict[str, str] = field(default_factory=dict)
+
+
+def _shape_one() -> NodeProto:
+    return helper.make_node("Constant", [], [_ONE], name=f"{_ONE}__const",
+                            value=helper.make_tensor("v", TensorProto.INT64, [1], [1]))
+
+
+def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]) -> tuple[ModelProto, dict[str, _Stats]]:
+    nodes: list[NodeProto] = [_shape_one()]
+    reference = _Rewriter(prepared, nodes, suffix="")
+    emulated = _Rewriter(prepared, nodes, suffix="__emu")
+    stats: dict[str, _Stats] = {}
+    outputs: list[onnx.ValueInfoProto] = []
+    graph_outputs = {o.name for o in prepared.graph.output}
+    for node in prepared.graph.node:
+        precision = precisions.get(node.name, "fp32")
+        reference.emit(node, "fp32", list(node.input), tag="")
+        emu_out = emulated.emit(node, precision, [emulated.name(i) for i in node.input], tag="")
+        entry = stats.setdefault(node.name, _Stats())
+        for k, original in enumerate(node.output):
+            if not original or original not in prepared.float_tensors:
+                continue
+            name = original if original in graph_outputs else f"{node.name}:{k}"
+            entry.emulated[original] = _stat_nodes(nodes, original, emu_out[k], f"stat__{name}")
+        outputs += [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in entry.emulated.values()]
+    return _with_nodes(prepared.model, nodes, outputs), stats
+
+
+def _stat_nodes(nodes: list[NodeProto], ref: str, emu: str, out: str) -> str:
+    """Seven numbers comparing `emu` with `ref`, reduced inside the graph: sums of squares in
+    float64 (the cosine comes from them without cancellation), maxima in float32."""
+
+    def add(op: str, inputs: list[str], suffix: str, **attrs) -> str:
+        name = f"{out}__{suffix}"
+        nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    def as64(x: str, suffix: str) -> str:
+        return add("Reshape", [add("Cast", [x], f"{suffix}_64", to=TensorProto.DOUBLE), _ONE], suffix)
+
+    def count(mask: str, suffix: str) -> str:
+        return as64(add("ReduceSum", [add("Cast", [mask], f"{suffix}_f", to=TensorProto.FLOAT)], f"{suffix}_n", keepdims=0), suffix)
+
+    diff = add("Sub", [emu, ref], "d")
+    parts = [
+        as64(add("ReduceSumSquare", [add("Cast", [diff], "d64", to=TensorProto.DOUBLE)], "dd_s", keepdims=0), "dd"),
+        as64(add("ReduceSumSquare", [add("Cast", [ref], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"),
+        as64(add("ReduceSumSquare", [add("Cast", [emu], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"),
+        as64(add("ReduceMax", [add("Abs", [diff], "ad")], "max_abs_s", keepdims=0), "max_abs"),
+        as64(add("ReduceMax", [add("Abs", [ref], "aabs")], "ref_max_s", keepdims=0), "ref_max_abs"),
+        count(add("IsInf", [emu], "b_inf"), "b_inf_n"),
+        count(add("IsNaN", [emu], "b_nan"), "b_nan_n"),
+        count(add("IsInf", [ref], "a_inf"), "a_inf_n"),
+        count(add("IsNaN", [ref], "a_nan"), "a_nan_n"),
+    ]
+    nodes.append(helper.make_node("Concat", parts, [out], name=f"{out}__concat", axis=0))
+    return out
+
+
+_ONE = "__shape_one"
+_STAT_FIELDS = ("dd", "aa", "bb", "max_abs", "ref_max_abs", "emu_inf", "emu_nan", "ref_inf", "ref_nan")
+
+
+def _has_subgraph(node: NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _with_nodes(model: ModelProto, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto]) -> ModelProto:
+    graph = helper.make_graph(nodes, model.graph.name, list(model.graph.input), outputs,
+                              initializer=list(model.graph.initializer))
+    result = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    result.functions.extend(model.functions)
+    return result
+
+
+def _run(original: Path, model: ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a rewritten graph saved beside the original, so its external weights resolve."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_cpu_mem_arena = False
+    with tempfile.NamedTemporaryFile(dir=original.parent, prefix=f".{original.stem}.", suffix=".onnx") as handle:
+        onnx.save_model(model, handle.name)
+        session = onnxruntime.InferenceSession(handle.name, sess_options=options, providers=["CPUExecutionProvider"])
+        wanted = {i.name for i in session.get_inputs()}
+        names = [o.name for o in session.get_outputs()]
+        arrays = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+    return dict(zip(names, arrays))
+
+
+def run_emulated(path: Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Outputs of an emulated graph file (for splicing and for checks)."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in wanted})))
+
+
+def _tensor_error(tensor: str, stat: np.ndarray) -> TensorError:
+    dd, aa, bb, max_abs, ref_max, emu_inf, emu_nan, ref_inf, ref_nan = (float(x) for x in stat)
+    overflow, nan = max(0, int(emu_inf - ref_inf)), max(0, int(emu_nan - ref_nan))
+    max_abs, ref_max = max(max_abs, 0.0), max(ref_max, 0.0)  # an empty tensor reduces to -inf
+    if overflow or nan:
+        return TensorError(tensor=tensor, cosine=0.0, max_abs=float("inf"), ref_max_abs=ref_max, overflow=overflow, nan=nan)
+    if not all(np.isfinite([dd, aa, bb])):  # the fp32 run itself holds inf/NaN (masks): cosine over nothing
+        return TensorError(tensor=tensor, cosine=1.0 if max_abs == 0.0 else 0.0, max_abs=max_abs, ref_max_abs=ref_max)
+    if aa == 0.0 or bb == 0.0:
+        cosine = 1.0 if aa == bb else 0.0
+    else:
+        cosine = float(np.clip((aa + bb - dd) / (2.0 * np.sqrt(aa * bb)), -1.0, 1.0))
+    return TensorError(tensor=tensor, cosine=cosine, max_abs=max_abs, ref_max_abs=ref_max)
+
+
+def _node_comparisons(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], stats: dict[str, _Stats],
+                      values: Mapping[str, np.ndarray], gates: PrecisionGates) -> list[NodeComparison]:
+    result = []
+    for node in prepared.graph.node:
+        entry = stats.get(node.name)
+        if entry is None or not entry.emulated:
+            continue
+        worst = min((_tensor_error(t, values[s]) for t, s in entry.emulated.items()), key=_badness)
+        result.append(NodeComparison(node=node.name, op_type=node.op_type, precision=precisions.get(node.name, "fp32"),
+                                     worst=worst, flagged=_crosses(worst, gates)))
+    return result
+
+
+def _badness(error: TensorError) -> tuple[int, float]:
+    return (-(error.overflow + error.nan), error.cosine)
+
+
+def _crosses(error: TensorError, gates: PrecisionGates) -> bool:
+    return bool(error.overflow or error.nan or error.cosine < gates.node_min_cosine)
+
+
+def _finding(node: NodeComparison, gates: PrecisionGates) -> LayerFinding:
+    # Local when the node, fed the exact fp32 inputs, still crosses the gate on its own.
+    origin = "local" if node.local is not None and _crosses(node.local, gates) else "accumulated"
+    return LayerFinding(node=node.node, op_type=node.op_type, origin=origin, worst=node.worst, local=node.local)

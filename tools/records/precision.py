@@ -1,0 +1,118 @@
+"""Records of Ascend precision emulation: per-node comparisons, the bisect's finding, the keep
+list proposed for one ATC precision mode, and the emulated results without and with it.
+
+Every figure here comes from ONNX Runtime on CPU computing the way the chosen mode makes
+Ascend's units compute (see `omskills.ascend.precision`); `backend` says so. None is an NPU result.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from omskills.records.base import Record
+from pydantic import Field
+
+# How one node computes under an emulated mode. fp16: float inputs and outputs rounded to fp16
+# (cube ops accumulate in fp32 between the two roundings); fp16_in: inputs rounded, output kept
+# fp32 (cube ops under force_fp32 / cube_fp16in_fp32out); fp32: untouched.
+NodePrecision = Literal["fp16", "fp16_in", "fp32"]
+ErrorOrigin = Literal["local", "accumulated"]
+EMULATED_BACKEND = "onnxruntime:CPUExecutionProvider (Ascend precision emulated, not an NPU)"
+
+
+class PrecisionGates(Record):
+    """When an emulated tensor is close enough to its fp32 value: a node is flagged below
+    `node_min_cosine`; a graph passes when every output reaches `output_min_cosine` with no
+    overflow and no NaN."""
+
+    node_min_cosine: float = Field(default=0.999, gt=0, le=1)
+    output_min_cosine: float = Field(default=0.999, gt=0, le=1)
+
+
+class TensorError(Record):
+    """One tensor of the emulated run against the same tensor of the fp32 run."""
+
+    tensor: str
+    cosine: float  # over the elements finite in both runs (0 when none is)
+    max_abs: float  # inf when the emulated tensor overflowed where fp32 did not
+    ref_max_abs: float  # the largest |value| of the fp32 tensor, for scale
+    overflow: int = 0  # elements infinite in the emulated tensor and finite in fp32
+    nan: int = 0  # elements NaN in the emulated tensor and not in fp32
+
+
+class NodeComparison(Record):
+    node: str
+    op_type: str
+    precision: NodePrecision
+    worst: TensorError  # its output that fares worst
+    # The node emulated alone on the fp32 run's inputs: what this node loses by itself.
+    local: TensorError | None = None
+    flagged: bool = False  # worst crosses the node gate (or overflowed)
+
+
+class LayerFinding(Record):
+    """The first node, in graph order, whose error crosses the gate."""
+
+    node: str
+    op_type: str
+    origin: ErrorOrigin  # local: the node itself loses it; accumulated: its inputs already carried it
+    worst: TensorError
+    local: TensorError | None = None
+
+
+class LayerComparison(Record):
+    """Every float node output of one graph, two runs, node by node."""
+
+    model: str
+    reference: str  # what the baseline run is ("onnxruntime fp32", "ONNX model", ...)
+    candidate: str  # what is judged ("force_fp16 emulated", "NPU dump <dir>", ...)
+    backend: str
+    nodes_compared: int
+    nodes_flagged: int
+    first: LayerFinding | None = None
+    outputs: list[TensorError] = Field(default_factory=list)  # graph outputs, emulated vs fp32
+    outputs_pass: bool
+    overflow: int = 0  # over every compared node output
+    # The flagged nodes, worst first (first 50), for the report.
+    flagged: list[NodeComparison] = Field(default_factory=list)
+
+
+class EmulatedResult(Record):
+    """One graph under one mode (and keep list): what the graph's outputs lose against fp32."""
+
+    cosine: float  # worst over outputs
+    max_abs: float  # worst over outputs
+    overflow: int  # node-output elements that overflowed fp16
+    nan: int = 0
+    passed: bool
+    fp16_nodes: int  # nodes computing with fp16 inputs under this mode
+    first: LayerFinding | None = None
+
+
+class ModePrecision(Record):
+    """One ATC precision mode for one graph: emulated as is, the keep list the bisect proposes,
+    and emulated again with it."""
+
+    mode: str
+    result: EmulatedResult
+    keep: list[str] = Field(default_factory=list)  # node names to keep at their original dtype
+    keep_op_types: list[str] = Field(default_factory=list)  # their ONNX op types, for the report
+    with_keep: EmulatedResult | None = None  # None: nothing to keep (or no fix found)
+    note: str | None = None  # why no keep list, or what emulation cannot show
+
+
+class PrecisionReport(Record):
+    """Every emulated mode for one graph, and the options it proposes for ATC."""
+
+    model: str
+    sample: str  # the captured sample it ran on
+    backend: str = EMULATED_BACKEND
+    gates: PrecisionGates = Field(default_factory=PrecisionGates)
+    modes: list[ModePrecision]
+    chosen_mode: str  # the fastest mode whose emulated result passes (with its keep list)
+    chosen_keep: list[str] = Field(default_factory=list)
+    why: str
+    assumptions: str  # what emulation cannot see (ATC's own lowering: see the pitfalls in precheck)
+
+    def mode(self, name: str) -> ModePrecision | None:
+        return next((m for m in self.modes if m.mode == name), None)
