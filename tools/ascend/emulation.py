@@ -23,14 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from omskills.ascend.precision_modes import node_precisions
+from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.records.precision import (
     EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
 )
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
 
 MAX_FLAGGED_LISTED = 50
-FP16_MAX = 65504.0
 
 
 @dataclass
@@ -80,6 +79,7 @@ class _Rewriter:
         self.rounded: dict[str, str] = {}
         self.roundings: list[tuple[str, str]] = []  # (raw node output, its fp16-rounded value)
         self._limits: tuple[str, str] | None = None
+        self._outer: dict[str, str] | None = None
 
     def _fp16_limits(self) -> tuple[str, str]:
         if self._limits is None:
@@ -122,8 +122,8 @@ class _Rewriter:
         del copy.input[:], copy.output[:]
         copy.input.extend(inputs)
         copy.output.extend(raw)
-        if self.suffix:
-            _rename_outer_references(copy, {i: m for i, m in zip(node.input, inputs)} | self._mapping_for_subgraphs())
+        if self.suffix and _has_subgraph(node):
+            _rename_outer_references(copy, self._mapping_for_subgraphs())
         self.nodes.append(copy)
         for produced, final in zip(raw, outputs):
             if produced != final:
@@ -135,7 +135,10 @@ class _Rewriter:
         return outputs
 
     def _mapping_for_subgraphs(self) -> dict[str, str]:
-        return {o: self.name(o) for o in self.prepared.producers}
+        """Every tensor the graph produces -> its name in this copy (made once, on the first subgraph)."""
+        if self._outer is None:
+            self._outer = {o: self.name(o) for o in self.prepared.producers}
+        return self._outer
 
 
 def _rename_outer_references(node: NodeProto, mapping: Mapping[str, str]) -> None:
@@ -176,21 +179,14 @@ def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
 def _overflow_count(nodes: list[NodeProto], raw: str, rounded: str) -> str:
     """Elements finite before the rounding and infinite after it."""
     name = f"{rounded}__overflow"
-    new_inf = [f"{name}__r", f"{name}__f", f"{name}__m", f"{name}__c"]
-    nodes += [
-        helper.make_node("IsInf", [rounded], [new_inf[0]], name=new_inf[0]),
-        helper.make_node("Not", [_is_inf(nodes, raw, name)], [new_inf[1]], name=new_inf[1]),
-        helper.make_node("And", [new_inf[0], new_inf[1]], [new_inf[2]], name=new_inf[2]),
-        helper.make_node("Cast", [new_inf[2]], [new_inf[3]], name=new_inf[3], to=TensorProto.FLOAT),
-        helper.make_node("ReduceSum", [new_inf[3]], [name], name=name, keepdims=0),
-    ]
-    return name
 
+    def add(op: str, inputs: list[str], out: str, **attrs) -> str:
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
 
-def _is_inf(nodes: list[NodeProto], tensor: str, prefix: str) -> str:
-    name = f"{prefix}__raw_inf"
-    nodes.append(helper.make_node("IsInf", [tensor], [name], name=name))
-    return name
+    was_finite = add("Not", [add("IsInf", [raw], f"{name}__raw_inf")], f"{name}__raw_ok")
+    new_inf = add("And", [add("IsInf", [rounded], f"{name}__inf"), was_finite], f"{name}__new")
+    return add("ReduceSum", [add("Cast", [new_inf], f"{name}__f", to=TensorProto.FLOAT)], name, keepdims=0)
 
 
 def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],

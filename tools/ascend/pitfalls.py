@@ -17,6 +17,7 @@ from typing import Literal
 import numpy as np
 import onnx
 import yaml
+from omskills.ascend.precision_modes import FP16_MAX
 from omskills.convert.inspect import walk_nodes
 from omskills.records.base import Record
 from omskills.records.precision import PrecisionReport
@@ -24,7 +25,6 @@ from omskills.records.toolchain import PitfallHit
 from onnx import numpy_helper
 
 PITFALLS_FILE = "precision_pitfalls.yaml"
-FP16_MAX = 65504.0
 SMALL_TENSOR_BYTES = 1 << 20  # constants up to this size are read for their range
 MAX_NODES_LISTED = 50
 
@@ -71,10 +71,9 @@ def _matched_nodes(pitfall: PrecisionPitfall, model: onnx.ModelProto, nodes: lis
         return _consumers_of_large_constants(model, nodes)
     if precision is None:
         return []
-    overflowed = {node.node for mode in precision.modes if mode.mode in pitfall.modes and mode.result.first
-                  and mode.result.first.worst.overflow for node in [mode.result.first]}
-    by_name = {n.name: n for n in nodes}
-    return [name for name in sorted(overflowed) if name in by_name and by_name[name].op_type in pitfall.op_types]
+    findings = [m.result.first for m in precision.modes if m.mode in pitfall.modes and m.result.first is not None]
+    overflowed = {f.node for f in findings if f.worst.overflow and f.op_type in pitfall.op_types}
+    return [n.name for n in nodes if n.name in overflowed]
 
 
 def _consumers_of_large_constants(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from omskills.compare.parity import cosine_of
 from omskills.ascend.emulation import (
     PreparedGraph, compare_layers, precisions_for, prepare, run_emulated_with_overflow, run_reference,
 )
@@ -78,10 +79,7 @@ def _output_error(name: str, ref: np.ndarray, got: np.ndarray) -> TensorError:
     nan = int((np.isnan(got64) & ~np.isnan(ref64)).sum())
     finite = np.isfinite(ref64) & np.isfinite(got64)
     a, b = ref64[finite], got64[finite]
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    cosine = 1.0 if na == nb == 0.0 else 0.0 if 0.0 in (na, nb) else float(np.clip(a @ b / (na * nb), -1.0, 1.0))
-    if overflow or nan:
-        cosine = 0.0
+    cosine = 0.0 if overflow or nan else cosine_of(a, b)
     return TensorError(tensor=name, cosine=cosine, max_abs=float("inf") if overflow else float(np.abs(a - b).max(initial=0.0)),
                        ref_max_abs=float(np.abs(a).max(initial=0.0)), overflow=overflow, nan=nan)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from omskills.records.precision import NodePrecision
-from onnx import GraphProto, NodeProto, TensorProto
+from onnx import GraphProto, NodeProto
 
 # ONNX op types CANN runs on the Cube unit (convolutions and matrix products).
 CUBE_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
@@ -26,7 +26,7 @@ MIX_FP32_OPS = frozenset({
     "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Softmax", "LogSoftmax", "LayerNormalization",
     "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "CumSum", "Erf",
 })
-FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
+FP16_MAX = 65504.0  # the largest finite float16
 
 # The modes emulated by default (the acceptance set and the ones users choose among), fastest first.
 DEFAULT_MODES: tuple[str, ...] = ("force_fp16", "allow_mix_precision", "allow_fp32_to_fp16", "must_keep_origin_dtype")

@@ -79,7 +79,7 @@ def _compare_float(base: dict, ref: np.ndarray, cand: np.ndarray, gates: ParityG
     diff = np.abs(ref64 - cand64)
     max_abs = float(diff.max()) if diff.size else 0.0
     max_rel = float((diff / np.maximum(np.abs(ref64), gates.relative_floor)).max()) if diff.size else 0.0
-    cosine = _cosine(ref64, cand64)
+    cosine = cosine_of(ref64, cand64)
     verdict, reason = gates.verdict(cosine, max_abs)
     return OutputParity(**base, cosine=cosine, max_abs=max_abs, max_rel=max_rel, verdict=verdict, reason=reason)
 
@@ -91,7 +91,8 @@ def _as_real_float64(array: np.ndarray) -> np.ndarray:
     return flat.astype(np.float64)
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+def cosine_of(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two flat float64 arrays (1 for two zero vectors, 0 against one)."""
     norm_a, norm_b = float(np.linalg.norm(a)), float(np.linalg.norm(b))
     if norm_a == 0.0 and norm_b == 0.0:
         return 1.0  # two zero vectors are the same vector

@@ -11,7 +11,7 @@ from omskills.ascend.precision_fix import precision_report
 from omskills.ascend.precision_modes import DEFAULT_MODES, EMULATED_MODES
 from omskills.convert.optimize import sample_arrays
 from omskills.errors import InputError, OmskillsError, StageError
-from omskills.isolation import ISOLATE_MIN_BYTES, model_bytes, run_in_child
+from omskills.isolation import run_isolated_if_big
 from omskills.models import cache as model_cache
 from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.task import TaskRecord, load_record
@@ -57,9 +57,8 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     feeds, sample = _first_feeds(record, workdir, name)
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
-        run = run_in_child if model_bytes(model) >= ISOLATE_MIN_BYTES else _call
         try:
-            report = run(precision_report, model, feeds, sample, chosen)
+            report = run_isolated_if_big(model, precision_report, model, feeds, sample, chosen)
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types
@@ -84,8 +83,7 @@ def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16
     model = record.preferred_model(workdir, name)
     feeds, _ = _first_feeds(record, workdir, name)
     model_cache.release()
-    run = run_in_child if model_bytes(model) >= ISOLATE_MIN_BYTES else _call
-    comparison = run(_compare_file, model, mode, list(keep or []), feeds)
+    comparison = run_isolated_if_big(model, _compare_file, model, mode, list(keep or []), feeds)
     return comparison.model_copy(update={"model": str(model.relative_to(workdir))})
 
 
@@ -97,6 +95,3 @@ def _compare_file(model: Path, mode: str, keep: list[str], feeds: dict[str, np.n
     suffix = f" keeping {len(keep)} node(s)" if keep else ""
     return compare_layers(prepared, precisions_for(prepared, mode, keep), feeds, candidate=f"{mode} emulated{suffix}")
 
-
-def _call(fn, *args):
-    return fn(*args)
