@@ -230,6 +230,16 @@ def test_every_deployed_graph_has_an_emulated_precision_table_shown_in_the_deliv
         assert f"--precision_mode={report.chosen_mode}" in record.toolchain[name].atc.command
 
 
+def test_the_vision_backbone_export_agrees_with_its_pytorch_submodules_node_by_node(tiny_adaptation):
+    from omskills.stages.precision import compare_candidate_layers
+
+    result = compare_candidate_layers(tiny_adaptation / "task.yaml", "vision_backbone", against="pytorch")
+    assert result.backend == "pytorch eager (CPU)" and result.candidate.startswith("PyTorch module ")
+    # The trunk's blocks and the neck's ConvTranspose stages each meet their ONNX output.
+    assert result.nodes_compared >= 10
+    assert result.nodes_flagged == 0 and result.outputs_pass, result.flagged[:3]
+
+
 def test_the_vision_backbone_neck_is_flagged_for_the_mixed_modes_and_the_atc_options_avoid_it(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
     chain = record.toolchain["vision_backbone"]

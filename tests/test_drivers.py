@@ -212,6 +212,17 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     assert expected["main_path"]["checks"][0]["worst"] > 10 * report["main_path"]["checks"][0]["worst"]
     assert json.loads((tmp_path / "run" / "verify" / "report.json").read_text()) == report  # fp32 report untouched
 
+    # Node by node against the PyTorch submodules: the export computes what the model computes.
+    layers = omskills("tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "pytorch"}))
+    assert layers.returncode == 0, layers.stderr[-3000:]
+    compared = json.loads(layers.stdout)
+    assert compared["backend"] == "pytorch eager (CPU)" and compared["nodes_compared"] >= 6
+    assert compared["nodes_flagged"] == 0 and compared["outputs_pass"] and compared["unmatched"] == 0
+    # Against an NPU's dump: with none yet, the inputs to run the OM on are written and the command named.
+    npu = omskills("tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "npu_dump"}))
+    assert npu.returncode != 0 and "dump_dir:" in npu.stderr and "msit benchmark --om-model" in npu.stderr
+    assert [p.name for p in (tmp_path / "run" / "precision" / "layer2" / "npu_inputs").iterdir()] == ["input_0_input.bin"]
+
 
 def test_new_driver_refuses_an_entry_that_does_not_exist_and_never_overwrites(tmp_path):
     missing = omskills("new-driver", "mine", "--entry", "torchvision.models:resnet999", "--dir", str(tmp_path))

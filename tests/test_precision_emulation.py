@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -61,6 +63,8 @@ def test_a_matmul_beyond_fp16_overflows_under_force_fp16_and_passes_kept_in_fp32
     overflowed = compare_layers(prepared, precisions_for(prepared, "force_fp16"), feeds)
     assert not overflowed.outputs_pass and overflowed.outputs[0].overflow == 8
     assert overflowed.first.node == "mm" and overflowed.first.origin == "local"
+    # Overflow is counted, not written as an infinite difference: JSON (and MCP clients) have no inf.
+    assert json.loads(overflowed.model_dump_json())["outputs"][0]["max_abs"] == 0.0
     kept = compare_layers(prepared, precisions_for(prepared, "force_fp16", keep=["mm"]), feeds)
     assert kept.outputs_pass and kept.outputs[0].max_abs == 0.0 and kept.outputs[0].ref_max_abs == 72000.0
 
@@ -150,3 +154,17 @@ def test_keep_dtype_under_must_keep_origin_dtype_is_refused(tmp_path, matmul_bey
     with pytest.raises(InputError, match="keep_dtype has no effect"):
         AtcOptions.checked(model=str(matmul_beyond_fp16[0]), output=str(tmp_path / "mm"), soc_version="Ascend910B4",
                            input_shapes={"x": [2, 4]}, precision_mode="must_keep_origin_dtype", keep_dtype="k.cfg")
+
+
+def test_a_mask_that_is_minus_inf_in_fp32_too_is_compared_over_its_finite_elements(tmp_path):
+    """An attention mask adds -inf in both runs: that is no overflow, and the rest is compared."""
+    mask = numpy_helper.from_array(np.where(np.arange(8) % 2, -np.inf, 0.0).astype(np.float32).reshape(1, 8), "mask")
+    nodes = [helper.make_node("Add", ["x", "mask"], ["masked"], name="add_mask"),
+             helper.make_node("Mul", ["masked", "x"], ["y"], name="scale")]
+    path = _save(tmp_path, "masked", nodes, [_vi("x", [2, 8])], [_vi("y", [2, 8])], [mask])
+    prepared = prepare(path)
+    x = {"x": np.linspace(0.5, 3.0, 16, dtype=np.float32).reshape(2, 8)}
+    result = compare_layers(prepared, precisions_for(prepared, "force_fp16"), x)
+    assert result.overflow == 0 and result.nodes_flagged == 0 and result.outputs_pass
+    [output] = result.outputs
+    assert output.cosine > 0.9999 and 0 < output.max_abs < 1e-2 and np.isfinite(output.ref_max_abs)

@@ -17,9 +17,11 @@ gate is then emulated alone on the fp32 inputs ("local") in a graph cut after it
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -30,6 +32,8 @@ from omskills.records.precision import (
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
 
 MAX_FLAGGED_LISTED = 50
+# Bumped when the emulation computes differently, so recorded results of an older one are redone.
+EMULATION_REVISION = 2
 
 
 @dataclass
@@ -41,6 +45,7 @@ class PreparedGraph:
     model: ModelProto
     float_tensors: set[str]
     producers: dict[str, NodeProto] = field(default_factory=dict)
+    elem_types: dict[str, int] = field(default_factory=dict)  # tensor -> TensorProto type, where known
 
     @property
     def graph(self) -> GraphProto:
@@ -58,10 +63,11 @@ def prepare(path: str | Path) -> PreparedGraph:
     except Exception:  # inference is a help, not a requirement: the declared types remain
         typed = model
     values = [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]
-    float_tensors = {v.name for v in values if v.type.tensor_type.elem_type == TensorProto.FLOAT}
-    float_tensors |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    elem_types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+    elem_types.update({t.name: t.data_type for t in model.graph.initializer})
+    float_tensors = {name for name, kind in elem_types.items() if kind == TensorProto.FLOAT}
     producers = {o: n for n in model.graph.node for o in n.output}
-    return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers)
+    return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers, elem_types=elem_types)
 
 
 def precisions_for(prepared: PreparedGraph, mode: str, keep: Iterable[str] = ()) -> dict[str, NodePrecision]:
@@ -72,12 +78,15 @@ class _Rewriter:
     """Emits the nodes of one copy of the graph: tensor names mapped by `suffix` (graph inputs
     and initializers shared), fp16 roundings where the node's precision asks for them."""
 
-    def __init__(self, prepared: PreparedGraph, nodes: list[NodeProto], suffix: str) -> None:
+    def __init__(self, prepared: PreparedGraph, nodes: list[NodeProto], suffix: str, count_overflow: bool = False) -> None:
         self.prepared, self.nodes, self.suffix = prepared, nodes, suffix
+        # Counted right after each rounding, so the raw output can go at once: counted at the
+        # end, every activation of the graph would stay alive until then.
+        self.count_overflow = count_overflow
+        self.overflow_counts: list[str] = []
         self.shared = {i.name for i in prepared.graph.input} | {t.name for t in prepared.graph.initializer}
         self.weights = {t.name for t in prepared.graph.initializer}
         self.rounded: dict[str, str] = {}
-        self.roundings: list[tuple[str, str]] = []  # (raw node output, its fp16-rounded value)
         self._limits: tuple[str, str] | None = None
         self._outer: dict[str, str] | None = None
 
@@ -122,7 +131,7 @@ class _Rewriter:
         del copy.input[:], copy.output[:]
         copy.input.extend(inputs)
         copy.output.extend(raw)
-        if self.suffix and _has_subgraph(node):
+        if self.suffix and has_subgraph(node):
             _rename_outer_references(copy, self._mapping_for_subgraphs())
         self.nodes.append(copy)
         for produced, final in zip(raw, outputs):
@@ -131,7 +140,8 @@ class _Rewriter:
                 self.nodes.append(helper.make_node("Cast", [produced], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"))
                 self.nodes.append(helper.make_node("Cast", [half], [final], to=TensorProto.FLOAT, name=f"{final}__cast"))
                 self.rounded[final] = final  # already fp16-valued: consumers need not round it again
-                self.roundings.append((produced, final))
+                if self.count_overflow:
+                    self.overflow_counts.append(_overflow_count(self.nodes, produced, final))
         return outputs
 
     def _mapping_for_subgraphs(self) -> dict[str, str]:
@@ -162,18 +172,18 @@ def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
     """The graph as the mode computes it, with the original input and output names; with
     `count_overflow`, one more output: how many elements fp16 rounding turned into inf."""
     nodes: list[NodeProto] = []
-    writer = _Rewriter(prepared, nodes, suffix="")
+    writer = _Rewriter(prepared, nodes, suffix="", count_overflow=count_overflow)
     for node in prepared.graph.node:
         writer.emit(node, precisions.get(node.name, "fp32"), list(node.input), tag="")
     outputs = list(prepared.graph.output)
     if count_overflow:
-        counts = [_overflow_count(nodes, raw, rounded) for raw, rounded in writer.roundings]
+        counts = writer.overflow_counts
         zero = helper.make_node("Constant", [], [f"{OVERFLOW_OUTPUT}__0"], name=f"{OVERFLOW_OUTPUT}__zero",
                                 value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))
         nodes.append(zero)
         nodes.append(helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum"))
         outputs.append(helper.make_tensor_value_info(OVERFLOW_OUTPUT, TensorProto.FLOAT, []))
-    return _with_nodes(prepared.model, nodes, outputs)
+    return with_nodes(prepared.model, nodes, outputs)
 
 
 def _overflow_count(nodes: list[NodeProto], raw: str, rounded: str) -> str:
@@ -192,13 +202,13 @@ def _overflow_count(nodes: list[NodeProto], raw: str, rounded: str) -> str:
 def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
                                feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
     """The emulated graph's outputs and its fp16 overflow count, in one run."""
-    values = _run(prepared.path, emulated_model(prepared, precisions, count_overflow=True), feeds)
+    values = run_beside(prepared.path, emulated_model(prepared, precisions, count_overflow=True), feeds)
     return {k: v for k, v in values.items() if k != OVERFLOW_OUTPUT}, int(values[OVERFLOW_OUTPUT])
 
 
 def run_reference(prepared: PreparedGraph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The graph's outputs in fp32."""
-    return _run(prepared.path, prepared.model, feeds)
+    return run_beside(prepared.path, prepared.model, feeds)
 
 
 def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], out: Path) -> Path:
@@ -216,9 +226,9 @@ def compare_layers(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
     first node over the gate is run once more alone on the fp32 inputs (local or accumulated)."""
     gates = gates or PrecisionGates()
     model, stats = _comparison_model(prepared, precisions)
-    values = _run(prepared.path, model, feeds)
+    values = run_beside(prepared.path, model, feeds)
     nodes = _node_comparisons(prepared, precisions, stats, values, gates)
-    outputs = [_tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output
+    outputs = [tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output
                if f"stat__{o.name}" in values]
     outputs_pass = all(e.cosine >= gates.output_min_cosine and not e.overflow and not e.nan for e in outputs)
     flagged = [n for n in nodes if n.flagged]
@@ -239,9 +249,9 @@ def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision
     emulated copy of it beside the fp32 one."""
     precision = precisions.get(name, "fp32")
     node = next(n for n in prepared.graph.node if n.name == name)
-    if precision == "fp32" or _has_subgraph(node):
+    if precision == "fp32" or has_subgraph(node):
         return None
-    nodes: list[NodeProto] = [_shape_one()]
+    nodes: list[NodeProto] = _stat_constants()
     reference = _Rewriter(prepared, nodes, suffix="")
     local = _Rewriter(prepared, nodes, suffix="__loc")
     for before in prepared.graph.node:
@@ -252,8 +262,8 @@ def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision
     stats = [_stat_nodes(nodes, o, lo, f"stat__{name}:{k}__local")
              for k, (o, lo) in enumerate(zip(node.output, local_out)) if o in prepared.float_tensors]
     outputs = [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in stats]
-    values = _run(prepared.path, _with_nodes(prepared.model, nodes, outputs), feeds)
-    return min((_tensor_error(s, values[s]) for s in stats), key=_badness, default=None)
+    values = run_beside(prepared.path, with_nodes(prepared.model, nodes, outputs), feeds)
+    return min((tensor_error(s, values[s]) for s in stats), key=badness, default=None)
 
 
 @dataclass
@@ -263,13 +273,13 @@ class _Stats:
     emulated: dict[str, str] = field(default_factory=dict)
 
 
-def _shape_one() -> NodeProto:
-    return helper.make_node("Constant", [], [_ONE], name=f"{_ONE}__const",
-                            value=helper.make_tensor("v", TensorProto.INT64, [1], [1]))
+def _stat_constants() -> list[NodeProto]:
+    return [helper.make_node("Constant", [], [_ONE], name=f"{_ONE}__const", value=helper.make_tensor("v", TensorProto.INT64, [1], [1])),
+            helper.make_node("Constant", [], [_ZERO], name=f"{_ZERO}__const", value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))]
 
 
 def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]) -> tuple[ModelProto, dict[str, _Stats]]:
-    nodes: list[NodeProto] = [_shape_one()]
+    nodes: list[NodeProto] = _stat_constants()
     reference = _Rewriter(prepared, nodes, suffix="")
     emulated = _Rewriter(prepared, nodes, suffix="__emu")
     stats: dict[str, _Stats] = {}
@@ -286,12 +296,13 @@ def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrec
             name = original if original in graph_outputs else f"{node.name}:{k}"
             entry.emulated[original] = _stat_nodes(nodes, original, emu_out[k], f"stat__{name}")
         outputs += [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in entry.emulated.values()]
-    return _with_nodes(prepared.model, nodes, outputs), stats
+    return with_nodes(prepared.model, nodes, outputs), stats
 
 
 def _stat_nodes(nodes: list[NodeProto], ref: str, emu: str, out: str) -> str:
-    """Seven numbers comparing `emu` with `ref`, reduced inside the graph: sums of squares in
-    float64 (the cosine comes from them without cancellation), maxima in float32."""
+    """Nine numbers comparing `emu` with `ref`, reduced inside the graph: sums of squares in
+    float64 (the cosine comes from them without cancellation), maxima in float32 over finite
+    elements (the infinite ones are counted), inf and NaN counts."""
 
     def add(op: str, inputs: list[str], suffix: str, **attrs) -> str:
         name = f"{out}__{suffix}"
@@ -304,48 +315,68 @@ def _stat_nodes(nodes: list[NodeProto], ref: str, emu: str, out: str) -> str:
     def count(mask: str, suffix: str) -> str:
         return as64(add("ReduceSum", [add("Cast", [mask], f"{suffix}_f", to=TensorProto.FLOAT)], f"{suffix}_n", keepdims=0), suffix)
 
-    diff = add("Sub", [emu, ref], "d")
+    def masks(x: str, suffix: str) -> tuple[str, str, str]:
+        """Where `x` is infinite, NaN, finite."""
+        inf, nan = add("IsInf", [x], f"{suffix}_inf"), add("IsNaN", [x], f"{suffix}_nan")
+        return inf, nan, add("Not", [add("Or", [inf, nan], f"{suffix}_bad")], f"{suffix}_ok")
+
+    # Sums and maxima over the elements finite in both runs (attention masks hold -inf in fp32
+    # too); the infinite and NaN ones are counted apart.
+    a_inf, a_nan, a_ok = masks(ref, "a")
+    b_inf, b_nan, b_ok = masks(emu, "b")
+    both = add("And", [a_ok, b_ok], "both")
+    ref_f, emu_f = add("Where", [both, ref, _ZERO], "a_f"), add("Where", [both, emu, _ZERO], "b_f")
+    diff = add("Sub", [emu_f, ref_f], "d")
     parts = [
         as64(add("ReduceSumSquare", [add("Cast", [diff], "d64", to=TensorProto.DOUBLE)], "dd_s", keepdims=0), "dd"),
-        as64(add("ReduceSumSquare", [add("Cast", [ref], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"),
-        as64(add("ReduceSumSquare", [add("Cast", [emu], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"),
+        as64(add("ReduceSumSquare", [add("Cast", [ref_f], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"),
+        as64(add("ReduceSumSquare", [add("Cast", [emu_f], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"),
         as64(add("ReduceMax", [add("Abs", [diff], "ad")], "max_abs_s", keepdims=0), "max_abs"),
-        as64(add("ReduceMax", [add("Abs", [ref], "aabs")], "ref_max_s", keepdims=0), "ref_max_abs"),
-        count(add("IsInf", [emu], "b_inf"), "b_inf_n"),
-        count(add("IsNaN", [emu], "b_nan"), "b_nan_n"),
-        count(add("IsInf", [ref], "a_inf"), "a_inf_n"),
-        count(add("IsNaN", [ref], "a_nan"), "a_nan_n"),
+        as64(add("ReduceMax", [add("Abs", [ref_f], "aabs")], "ref_max_s", keepdims=0), "ref_max_abs"),
+        count(b_inf, "b_inf_n"), count(b_nan, "b_nan_n"), count(a_inf, "a_inf_n"), count(a_nan, "a_nan_n"),
     ]
     nodes.append(helper.make_node("Concat", parts, [out], name=f"{out}__concat", axis=0))
     return out
 
 
 _ONE = "__shape_one"
+_ZERO = "__zero"
 _STAT_FIELDS = ("dd", "aa", "bb", "max_abs", "ref_max_abs", "emu_inf", "emu_nan", "ref_inf", "ref_nan")
 
 
-def _has_subgraph(node: NodeProto) -> bool:
+def has_subgraph(node: NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
-def _with_nodes(model: ModelProto, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto]) -> ModelProto:
-    graph = helper.make_graph(nodes, model.graph.name, list(model.graph.input), outputs,
-                              initializer=list(model.graph.initializer))
+def with_nodes(model: ModelProto, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto],
+               inputs: list[onnx.ValueInfoProto] | None = None,
+               initializers: list[TensorProto] | None = None) -> ModelProto:
+    """`model`'s opsets and functions around other nodes (by default its inputs and weights)."""
+    graph = helper.make_graph(nodes, model.graph.name, list(model.graph.input) if inputs is None else inputs, outputs,
+                              initializer=list(model.graph.initializer) if initializers is None else initializers)
     result = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     result.functions.extend(model.functions)
     return result
 
 
-def _run(original: Path, model: ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a rewritten graph saved beside the original, so its external weights resolve."""
+@contextmanager
+def session_beside(original: Path, model: ModelProto) -> Iterator[Any]:
+    """An ONNX Runtime session of a rewritten graph saved beside the original, so its external
+    weights resolve; the file goes when the session does."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     options.enable_cpu_mem_arena = False
+    options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED  # in the order the nodes are written: the default order can hold every activation alive (see _Rewriter.count_overflow)
     with tempfile.NamedTemporaryFile(dir=original.parent, prefix=f".{original.stem}.", suffix=".onnx") as handle:
         onnx.save_model(model, handle.name)
-        session = onnxruntime.InferenceSession(handle.name, sess_options=options, providers=["CPUExecutionProvider"])
+        yield onnxruntime.InferenceSession(handle.name, sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def run_beside(original: Path, model: ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of a rewritten graph (see `session_beside`)."""
+    with session_beside(original, model) as session:
         wanted = {i.name for i in session.get_inputs()}
         names = [o.name for o in session.get_outputs()]
         arrays = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
@@ -362,13 +393,13 @@ def run_emulated(path: Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.nd
     return dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in wanted})))
 
 
-def _tensor_error(tensor: str, stat: np.ndarray) -> TensorError:
+def tensor_error(tensor: str, stat: np.ndarray) -> TensorError:
     dd, aa, bb, max_abs, ref_max, emu_inf, emu_nan, ref_inf, ref_nan = (float(x) for x in stat)
     overflow, nan = max(0, int(emu_inf - ref_inf)), max(0, int(emu_nan - ref_nan))
     max_abs, ref_max = max(max_abs, 0.0), max(ref_max, 0.0)  # an empty tensor reduces to -inf
     if overflow or nan:
-        return TensorError(tensor=tensor, cosine=0.0, max_abs=float("inf"), ref_max_abs=ref_max, overflow=overflow, nan=nan)
-    if not all(np.isfinite([dd, aa, bb])):  # the fp32 run itself holds inf/NaN (masks): cosine over nothing
+        return TensorError(tensor=tensor, cosine=0.0, max_abs=max_abs, ref_max_abs=ref_max, overflow=overflow, nan=nan)
+    if not all(np.isfinite([dd, aa, bb])):  # finite elements whose squares overflow even float64
         return TensorError(tensor=tensor, cosine=1.0 if max_abs == 0.0 else 0.0, max_abs=max_abs, ref_max_abs=ref_max)
     if aa == 0.0 or bb == 0.0:
         cosine = 1.0 if aa == bb else 0.0
@@ -384,21 +415,21 @@ def _node_comparisons(prepared: PreparedGraph, precisions: Mapping[str, NodePrec
         entry = stats.get(node.name)
         if entry is None or not entry.emulated:
             continue
-        worst = min((_tensor_error(t, values[s]) for t, s in entry.emulated.items()), key=_badness)
+        worst = min((tensor_error(t, values[s]) for t, s in entry.emulated.items()), key=badness)
         result.append(NodeComparison(node=node.name, op_type=node.op_type, precision=precisions.get(node.name, "fp32"),
-                                     worst=worst, flagged=_crosses(worst, gates)))
+                                     worst=worst, flagged=crosses(worst, gates)))
     return result
 
 
-def _badness(error: TensorError) -> tuple[int, float]:
+def badness(error: TensorError) -> tuple[int, float]:
     return (-(error.overflow + error.nan), error.cosine)
 
 
-def _crosses(error: TensorError, gates: PrecisionGates) -> bool:
+def crosses(error: TensorError, gates: PrecisionGates) -> bool:
     return bool(error.overflow or error.nan or error.cosine < gates.node_min_cosine)
 
 
 def _finding(node: NodeComparison, gates: PrecisionGates) -> LayerFinding:
     # Local when the node, fed the exact fp32 inputs, still crosses the gate on its own.
-    origin = "local" if node.local is not None and _crosses(node.local, gates) else "accumulated"
+    origin = "local" if node.local is not None and crosses(node.local, gates) else "accumulated"
     return LayerFinding(node=node.node, op_type=node.op_type, origin=origin, worst=node.worst, local=node.local)

@@ -1,8 +1,10 @@
-"""Records of Ascend precision emulation: per-node comparisons, the bisect's finding, the keep
-list proposed for one ATC precision mode, and the emulated results without and with it.
+"""Records of Ascend precision: per-node comparisons, the bisect's finding, the keep list
+proposed for one ATC precision mode, and the emulated results without and with it.
 
-Every figure here comes from ONNX Runtime on CPU computing the way the chosen mode makes
-Ascend's units compute (see `omskills.ascend.precision`); `backend` says so. None is an NPU result.
+Emulated figures come from ONNX Runtime on CPU computing the way the chosen mode makes Ascend's
+units compute (see `omskills.ascend.emulation`); their `backend` says so, and none is an NPU
+result. A comparison against tensors from another run (an OM's dump from an NPU, the PyTorch
+module's outputs) names that run in `candidate` and `backend`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from pydantic import Field
 # (cube ops accumulate in fp32 between the two roundings); fp16_in: inputs rounded, output kept
 # fp32 (cube ops under force_fp32 / cube_fp16in_fp32out); fp32: untouched.
 NodePrecision = Literal["fp16", "fp16_in", "fp32"]
-ErrorOrigin = Literal["local", "accumulated"]
+# local: the node, fed exact inputs (fp32 ones for an emulation, the other run's own for a dump
+# or PyTorch), still differs; accumulated: its inputs already carried the error; undetermined:
+# the other run kept no inputs of it (an output-only dump, a fused op).
+ErrorOrigin = Literal["local", "accumulated", "undetermined"]
 EMULATED_BACKEND = "onnxruntime:CPUExecutionProvider (Ascend precision emulated, not an NPU)"
 
 
@@ -34,8 +39,9 @@ class TensorError(Record):
 
     tensor: str
     cosine: float  # over the elements finite in both runs (0 when none is)
-    max_abs: float  # inf when the emulated tensor overflowed where fp32 did not
-    ref_max_abs: float  # the largest |value| of the fp32 tensor, for scale
+    # Over elements finite in both runs (JSON has no inf): `overflow` and `nan` count the rest.
+    max_abs: float
+    ref_max_abs: float  # the largest finite |value| of the fp32 tensor, for scale
     overflow: int = 0  # elements infinite in the emulated tensor and finite in fp32
     nan: int = 0  # elements NaN in the emulated tensor and not in fp32
 
@@ -43,9 +49,10 @@ class TensorError(Record):
 class NodeComparison(Record):
     node: str
     op_type: str
-    precision: NodePrecision
+    precision: NodePrecision | None = None  # under an emulated mode; None against another run
+    source: str | None = None  # where the other run's tensor came from (dump file, module path)
     worst: TensorError  # its output that fares worst
-    # The node emulated alone on the fp32 run's inputs: what this node loses by itself.
+    # The node (a module's nodes, against PyTorch) run alone on exact inputs: what it loses by itself.
     local: TensorError | None = None
     flagged: bool = False  # worst crosses the node gate (or overflowed)
 
@@ -73,6 +80,10 @@ class LayerComparison(Record):
     outputs: list[TensorError] = Field(default_factory=list)  # graph outputs, emulated vs fp32
     outputs_pass: bool
     overflow: int = 0  # over every compared node output
+    # Tensors of the other run that match no float node output of this graph, or whose shape
+    # cannot be brought to it (a fused op's output, a layout ATC changed); a few named in `notes`.
+    unmatched: int = 0
+    notes: list[str] = Field(default_factory=list)
     # The flagged nodes, worst first (first 50), for the report.
     flagged: list[NodeComparison] = Field(default_factory=list)
 

@@ -1,21 +1,34 @@
 """Ascend precision before an NPU (stage 3): every precision mode emulated on the preferred
-variant of each candidate, the keep lists proposed, and the mode ATC is to convert with."""
+variant of each candidate, the keep lists proposed, and the mode ATC is to convert with.
+
+Emulation and comparison always run in a child process: an emulated graph holds fp16 copies of
+its activations and a comparison two runs side by side, so their memory follows the
+activations, not the file (a 38 MB attention graph at full scale takes gigabytes); in a child,
+the server stays small, every byte returns at exit, and a run out of memory fails that one step."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
-from omskills.ascend.emulation import compare_layers, precisions_for, prepare
+import torch
+from omskills.ascend.emulation import EMULATION_REVISION, compare_layers, precisions_for, prepare
+from omskills.ascend.module_outputs import module_observations
+from omskills.ascend.npu_dumps import read_dump
+from omskills.ascend.observed import DEFAULT_BUDGET_BYTES, compare_observed
 from omskills.ascend.precision_fix import precision_report
 from omskills.ascend.precision_modes import DEFAULT_MODES, EMULATED_MODES
+from omskills.convert.export import ContractWrapper
 from omskills.convert.optimize import sample_arrays
 from omskills.errors import InputError, OmskillsError, StageError
-from omskills.isolation import run_isolated_if_big
+from omskills.isolation import run_in_child
 from omskills.models import cache as model_cache
 from omskills.records.precision import LayerComparison, PrecisionReport
+from omskills.records.contracts import ContractSpec
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.toolchain import BatchSplit
+from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
 
 
@@ -49,7 +62,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     chosen = _checked_modes(modes)
     model = record.preferred_model(workdir, name)
     inputs_hash = fingerprint(record.exports[name].sha256, str(model.relative_to(workdir)), chosen,
-                              record.contract(name).samples[:1])
+                              record.contract(name).samples[:1], EMULATION_REVISION)
     step = f"precision:{name}"
     existing = record.toolchain_of(name).precision
     if is_done(record, step, inputs_hash) and existing is not None:
@@ -58,7 +71,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
-            report = run_isolated_if_big(model, precision_report, model, feeds, sample, chosen)
+            report = run_in_child(precision_report, model, feeds, sample, chosen)
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types
@@ -75,15 +88,31 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     return report
 
 
-def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16", keep: list[str] | None = None) -> LayerComparison:
-    """fp32 against `mode` emulated (with `keep` kept), node by node, on the first sample."""
+CompareAgainst = Literal["emulated", "npu_dump", "pytorch"]
+
+
+def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16", keep: list[str] | None = None,
+                             against: CompareAgainst = "emulated", dump_dir: Path | None = None,
+                             om_json: Path | None = None) -> LayerComparison:
+    """One candidate's graph in fp32, node by node, on its first sample, against `mode`
+    emulated (with `keep` kept), an OM's dump from an NPU, or the PyTorch module's outputs."""
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    _checked_modes([mode])
-    model = record.preferred_model(workdir, name)
     feeds, _ = _first_feeds(record, workdir, name)
-    model_cache.release()
-    comparison = run_isolated_if_big(model, _compare_file, model, mode, list(keep or []), feeds)
+    if against == "pytorch":
+        return _compare_with_module(record, workdir, name, feeds)
+    model = record.preferred_model(workdir, name)
+    if against == "npu_dump":
+        inputs = write_npu_inputs(workdir / "precision" / name / "npu_inputs", record.contract(name), feeds)
+        if dump_dir is None:
+            raise InputError(f"dump_dir: give the folder the OM's dump went to; on the NPU run "
+                             f"`{npu_dump_command(_om_file(record, name), inputs)}` (the inputs are this candidate's first sample)")
+        model_cache.release()
+        comparison = run_in_child(_compare_dump, model, Path(dump_dir), om_json and Path(om_json), feeds)
+    else:
+        _checked_modes([mode])
+        model_cache.release()
+        comparison = run_in_child(_compare_file, model, mode, list(keep or []), feeds)
     return comparison.model_copy(update={"model": str(model.relative_to(workdir))})
 
 
@@ -95,3 +124,58 @@ def _compare_file(model: Path, mode: str, keep: list[str], feeds: dict[str, np.n
     suffix = f" keeping {len(keep)} node(s)" if keep else ""
     return compare_layers(prepared, precisions_for(prepared, mode, keep), feeds, candidate=f"{mode} emulated{suffix}")
 
+
+def _compare_dump(model: Path, dump_dir: Path, om_json: Path | None, feeds: dict[str, np.ndarray]) -> LayerComparison:
+    prepared = prepare(model)
+    dump = read_dump(dump_dir, prepared, om_json)
+    notes = [*dump.notes, f"compared with the first run of each op ({dump.repeats} later file(s) left out); "
+                          f"{dump.skipped} file(s) of ops ATC adds skipped; assumes the OM ran on this candidate's "
+                          f"first sample (precision/<candidate>/npu_inputs)"]
+    return compare_observed(prepared, dump.observed, feeds, reference="onnxruntime fp32",
+                            candidate=f"NPU dump {dump_dir}", backend="OM on an Ascend NPU (dumped there, read here)",
+                            notes=notes)
+
+
+def _compare_with_module(record: TaskRecord, workdir: Path, name: str, feeds: dict[str, np.ndarray]) -> LayerComparison:
+    """The PyTorch submodules' outputs against the export as the exporter wrote it (the variants
+    omskills optimises lose the exporter's module scopes)."""
+    export = record.exports.get(name)
+    if export is None:
+        raise StageError(f"candidate {name!r} has no export: run export_onnx first")
+    path = workdir / export.path
+    contract = record.contract(name)
+    loaded = open_model(record, workdir).loaded
+    wrapper = ContractWrapper(loaded.root.get_submodule(contract.module_path), contract)
+    prepared = prepare(path)
+    observed, notes = module_observations(wrapper, [torch.from_numpy(feeds[s.name]) for s in contract.inputs],
+                                          prepared, DEFAULT_BUDGET_BYTES)
+    if not observed:
+        raise StageError(f"{name}: no submodule output could be matched to a node of {path.name} "
+                         "(the exporter wrote no module scopes)")
+    comparison = compare_observed(prepared, observed, feeds, reference="onnxruntime fp32 (the export)",
+                                  candidate=f"PyTorch module {contract.module_path}", backend="pytorch eager (CPU)",
+                                  notes=notes)
+    return comparison.model_copy(update={"model": str(path.relative_to(workdir))})
+
+
+def write_npu_inputs(folder: Path, contract: ContractSpec, feeds: dict[str, np.ndarray]) -> list[Path]:
+    """The sample's inputs as raw .bin files in the graph's input order, as ais_bench reads them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, spec in enumerate(contract.inputs):
+        path = folder / f"input_{k}_{spec.name}.bin"
+        np.ascontiguousarray(feeds[spec.name]).tofile(path)
+        paths.append(path)
+    return paths
+
+
+def _om_file(record: TaskRecord, name: str) -> str:
+    """The OM convert_atc's command writes (ATC adds `.om` to --output)."""
+    atc = record.toolchain_of(name).atc
+    output = next((a.split("=", 1)[1] for a in (atc.command if atc else []) if a.startswith("--output=")), None)
+    return f"{output}.om" if output else f"<{name}>.om"
+
+
+def npu_dump_command(om: str, inputs: list[Path]) -> str:
+    return (f"msit benchmark --om-model {om} --input {','.join(str(p) for p in inputs)} "
+            f"--output <dump_dir> --dump 1 --dump-npy 1")
