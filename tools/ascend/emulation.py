@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ class PreparedGraph:
     @property
     def graph(self) -> GraphProto:
         return self.model.graph
+
+    @cached_property
+    def node_named(self) -> dict[str, NodeProto]:
+        return {n.name: n for n in self.model.graph.node}
 
 
 def prepare(path: str | Path) -> PreparedGraph:
@@ -230,7 +235,7 @@ def compare_layers(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
     nodes = _node_comparisons(prepared, precisions, stats, values, gates)
     outputs = [tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output
                if f"stat__{o.name}" in values]
-    outputs_pass = all(e.cosine >= gates.output_min_cosine and not e.overflow and not e.nan for e in outputs)
+    outputs_pass = all(passes_output_gate(e, gates) for e in outputs)
     flagged = [n for n in nodes if n.flagged]
     if flagged:
         flagged[0] = flagged[0].model_copy(update={"local": _local_error(prepared, precisions, flagged[0].node, feeds)})
@@ -248,7 +253,7 @@ def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision
     """The node emulated alone on the fp32 run's inputs: the graph up to it in fp32, and one
     emulated copy of it beside the fp32 one."""
     precision = precisions.get(name, "fp32")
-    node = next(n for n in prepared.graph.node if n.name == name)
+    node = prepared.node_named[name]
     if precision == "fp32" or has_subgraph(node):
         return None
     nodes: list[NodeProto] = _stat_constants()
@@ -423,6 +428,10 @@ def _node_comparisons(prepared: PreparedGraph, precisions: Mapping[str, NodePrec
 
 def badness(error: TensorError) -> tuple[int, float]:
     return (-(error.overflow + error.nan), error.cosine)
+
+
+def passes_output_gate(error: TensorError, gates: PrecisionGates) -> bool:
+    return error.cosine >= gates.output_min_cosine and not error.overflow and not error.nan
 
 
 def crosses(error: TensorError, gates: PrecisionGates) -> bool:

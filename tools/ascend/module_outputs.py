@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from omskills.ascend.emulation import PreparedGraph
-from omskills.ascend.observed import Observed
+from omskills.ascend.observed import Observed, entering_tensors
 from torch import nn
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -62,27 +62,32 @@ class _Region:
 
 
 def _regions(prepared: PreparedGraph, scopes: dict[str, list[str]]) -> dict[str, _Region]:
+    """Module path -> its region, for modules with a tensor leaving them; nested modules that end
+    on the same tensor (a block and its last layer) are kept once, the innermost (smallest)."""
     regions: dict[str, _Region] = {}
     for node in prepared.graph.node:
         for path in scopes.get(node.name, []):
             regions.setdefault(path, _Region()).nodes.append(node.name)
-    by_name = {n.name: n for n in prepared.graph.node}
     weights = {t.name for t in prepared.graph.initializer}
     graph_outputs = {o.name for o in prepared.graph.output}
     readers: dict[str, set[str]] = {}
     for node in prepared.graph.node:
         for i in node.input:
             readers.setdefault(i, set()).add(node.name)
-    for region in regions.values():
-        inside = set(region.nodes)
-        produced = {o: (n, k) for n in region.nodes for k, o in enumerate(by_name[n].output) if o}
+    innermost: dict[tuple[str, int], str] = {}
+    for path, region in regions.items():
+        inside = [prepared.node_named[n] for n in region.nodes]
+        produced = {o: (n.name, k) for n in inside for k, o in enumerate(n.output) if o}
         leaving = [o for o in produced if o in prepared.float_tensors
-                   and (o in graph_outputs or readers.get(o, set()) - inside)]
-        region.output = produced[leaving[-1]] if leaving else None
-        region.entering = list(dict.fromkeys(
-            i for n in region.nodes for i in by_name[n].input
-            if i and i not in produced and i not in weights and i in prepared.float_tensors))
-    return regions
+                   and (o in graph_outputs or readers.get(o, set()) - set(region.nodes))]
+        if not leaving:
+            continue
+        region.output = produced[leaving[-1]]
+        region.entering = [t for t in entering_tensors(inside, weights) if t in prepared.float_tensors]
+        known = innermost.get(region.output)
+        if known is None or len(region.nodes) < len(regions[known].nodes):
+            innermost[region.output] = path
+    return {path: regions[path] for path in innermost.values()}
 
 
 def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepared: PreparedGraph,
@@ -90,7 +95,7 @@ def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepare
     """Run `root` (the module exactly as exported: the contract wrapper) on `inputs` with a hook
     on every submodule that has nodes in the graph; returns what they made, and notes."""
     modules = dict(root.named_modules())
-    regions = {p: r for p, r in _regions(prepared, node_scopes(prepared, set(modules))).items() if r.output}
+    regions = _regions(prepared, node_scopes(prepared, set(modules)))
     captured: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}
     calls: dict[str, int] = {}
     over_budget: set[str] = set()
@@ -103,8 +108,8 @@ def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepare
             out = _first_float(output)
             if out is None:
                 return
-            taken = [_numpy(t) for t in [*args, *kwargs.values()] if _is_float(t)]
-            size = out.numel() * 4 + sum(t.nbytes for t in taken)
+            tensors = [t for t in [*args, *kwargs.values()] if _is_float(t)]
+            size = 4 * (out.numel() + sum(t.numel() for t in tensors))  # kept as fp32
             previous = captured.pop(path, None)
             if previous is not None:
                 kept[0] -= previous[0].nbytes + sum(t.nbytes for t in previous[1])
@@ -112,7 +117,7 @@ def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepare
                 over_budget.add(path)
                 return
             over_budget.discard(path)
-            captured[path] = (_numpy(out), taken)
+            captured[path] = (_numpy(out), [_numpy(t) for t in tensors])
             kept[0] += size
         return capture
 
@@ -127,16 +132,7 @@ def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepare
         notes.append(f"{len(over_budget)} module output(s) past the {budget_bytes / 2**30:.1f} GiB budget not compared, "
                      f"e.g. {sorted(over_budget)[0]}")
     observed = []
-    # Nested modules often end on the same tensor (a block and its last layer): the innermost,
-    # with the smallest region, speaks for them.
-    innermost: dict[tuple[str, int], str] = {}
-    for path in captured:
-        key = regions[path].output
-        if key not in innermost or len(regions[path].nodes) < len(regions[innermost[key]].nodes):
-            innermost[key] = path
     for path, (output, taken) in captured.items():
-        if innermost[regions[path].output] != path:
-            continue
         region = regions[path]
         node, index = region.output
         once = calls.get(path) == 1

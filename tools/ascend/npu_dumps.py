@@ -166,7 +166,7 @@ def _om_origin(op: dict, known: set[str]) -> _Origin | None:
 
 def _inputs_of(prepared: PreparedGraph, node_name: str, op_name: str,
                files: dict[tuple[str, str, int], _DumpFile]) -> dict:
-    node = next((n for n in prepared.graph.node if n.name == node_name), None)
+    node = prepared.node_named.get(node_name)
     if node is None:
         return {}
     return {tensor: _loader(files[(op_name, "input", k)].path) for k, tensor in enumerate(node.input)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 from omskills.ascend.emulation import (
-    MAX_FLAGGED_LISTED, PreparedGraph, badness, crosses, has_subgraph, run_beside, session_beside, tensor_error,
-    with_nodes,
+    MAX_FLAGGED_LISTED, PreparedGraph, badness, crosses, has_subgraph, passes_output_gate, run_beside, session_beside,
+    tensor_error, with_nodes,
 )
 from omskills.records.precision import LayerComparison, LayerFinding, NodeComparison, PrecisionGates, TensorError
 from onnx import NodeProto, helper
@@ -119,7 +119,7 @@ def compare_observed(prepared: PreparedGraph, observed: list[Observed], feeds: M
         first = _finding(flagged[0], gates)
     outputs = [errors[id(m)] for m in matched if id(m) in errors and m.tensor in {o.name for o in prepared.graph.output}]
     # With graph outputs observed they decide; without (a dump of inner nodes only), every node must pass.
-    outputs_pass = all(not crosses(e, _output_gates(gates)) for e in outputs) if outputs else not flagged
+    outputs_pass = all(passes_output_gate(e, gates) for e in outputs) if outputs else not flagged
     return LayerComparison(
         model=str(prepared.path), reference=reference, candidate=candidate, backend=backend,
         nodes_compared=len(nodes), nodes_flagged=len(flagged), first=first, outputs=outputs, outputs_pass=outputs_pass,
@@ -128,16 +128,11 @@ def compare_observed(prepared: PreparedGraph, observed: list[Observed], feeds: M
     )
 
 
-def _output_gates(gates: PrecisionGates) -> PrecisionGates:
-    return PrecisionGates(node_min_cosine=gates.output_min_cosine, output_min_cosine=gates.output_min_cosine)
-
-
 def _match(prepared: PreparedGraph, observed: list[Observed], notes: list[str]) -> tuple[list[_Matched], int]:
     order = {n.name: k for k, n in enumerate(prepared.graph.node)}
-    by_name = {n.name: n for n in prepared.graph.node}
     matched, unmatched = [], 0
     for ob in observed:
-        node = by_name.get(ob.node)
+        node = prepared.node_named.get(ob.node)
         tensor = node.output[ob.index] if node is not None and ob.index < len(node.output) else None
         if tensor is None or tensor not in prepared.float_tensors:
             unmatched += 1
@@ -161,7 +156,6 @@ def _groups(matched: list[_Matched], budget_bytes: int) -> list[list[_Matched]]:
 
 def _node_comparisons(prepared: PreparedGraph, matched: list[_Matched], errors: dict[int, TensorError],
                       gates: PrecisionGates) -> list[NodeComparison]:
-    by_name = {n.name: n for n in prepared.graph.node}
     per_node: dict[str, list[_Matched]] = {}
     for m in matched:
         if id(m) in errors:
@@ -170,7 +164,7 @@ def _node_comparisons(prepared: PreparedGraph, matched: list[_Matched], errors: 
     for name, entries in per_node.items():  # graph order: `matched` is sorted
         worst = min(entries, key=lambda m: badness(errors[id(m)]))
         error = errors[id(worst)]
-        result.append(NodeComparison(node=name, op_type=by_name[name].op_type, source=worst.observed.source,
+        result.append(NodeComparison(node=name, op_type=prepared.node_named[name].op_type, source=worst.observed.source,
                                      worst=error, flagged=crosses(error, gates)))
     return result
 
@@ -183,7 +177,7 @@ def _region_error(prepared: PreparedGraph, matched: _Matched, fed: Mapping[str, 
     region = [n for n in prepared.graph.node if n.name in names]
     if not ob.region_inputs or any(has_subgraph(n) for n in region):
         return None
-    entering = _entering(region, {t.name for t in prepared.graph.initializer})
+    entering = entering_tensors(region, {t.name for t in prepared.graph.initializer})
     given = {t: load for t, load in ob.region_inputs.items() if t in entering}
     if not given:
         return None
@@ -212,7 +206,7 @@ def _region_error(prepared: PreparedGraph, matched: _Matched, fed: Mapping[str, 
     return None if obs is None else tensor_error(matched.tensor, numpy_stat(out, obs))
 
 
-def _entering(region: list[NodeProto], weights: set[str]) -> list[str]:
+def entering_tensors(region: list[NodeProto], weights: set[str]) -> list[str]:
     """Tensors the region reads and does not make, in order of first use (weights excluded)."""
     produced = {o for n in region for o in n.output}
     return _unique(i for n in region for i in n.input if i and i not in produced and i not in weights)

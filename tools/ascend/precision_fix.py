@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 from omskills.compare.parity import cosine_of
 from omskills.ascend.emulation import (
-    PreparedGraph, compare_layers, precisions_for, prepare, run_emulated_with_overflow, run_reference,
+    PreparedGraph, compare_layers, passes_output_gate, precisions_for, prepare, run_emulated_with_overflow,
+    run_reference,
 )
 from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
 from omskills.records.precision import (
@@ -60,7 +61,7 @@ def emulate_mode(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.ndar
     reference = reference if reference is not None else run_reference(prepared, feeds)
     outputs, overflow = run_emulated_with_overflow(prepared, precisions, feeds)
     errors = [_output_error(name, reference[name], outputs[name]) for name in reference]
-    passed = not overflow and all(e.cosine >= gates.output_min_cosine and not e.nan and not e.overflow for e in errors)
+    passed = not overflow and all(passes_output_gate(e, gates) for e in errors)
     if passed:
         return EmulatedResult(cosine=min(e.cosine for e in errors), max_abs=max(e.max_abs for e in errors),
                               overflow=0, passed=True, fp16_nodes=_fp16_count(precisions)), None
@@ -110,7 +111,7 @@ def _to_keep(prepared: PreparedGraph, mode: str, keep: list[str], node_name: str
     precisions = precisions_for(prepared, mode, keep)
     if origin == "local" and precisions.get(node_name, "fp32") != "fp32":
         return [node_name]
-    node = next(n for n in prepared.graph.node if n.name == node_name)
+    node = prepared.node_named[node_name]
     feeders = [prepared.producers[i].name for i in node.input if i in prepared.producers]
     chosen = [f for f in dict.fromkeys(feeders) if precisions.get(f, "fp32") != "fp32"]
     if chosen:
