@@ -43,7 +43,7 @@ def _tool(ns: argparse.Namespace) -> int:
 
 def _load_subcommand_modules() -> None:
     # Each front-end module registers its commands with @command on import.
-    from omskills.orchestrator import commands, driver_commands, job_commands  # noqa: F401
+    from omskills.orchestrator import commands, deploy_commands, driver_commands, job_commands  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:

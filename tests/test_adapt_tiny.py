@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from omskills.records.task import load_record
@@ -257,3 +258,109 @@ def test_the_vision_backbone_neck_is_flagged_for_the_mixed_modes_and_the_atc_opt
         assert set(hit.nodes) <= set((tiny_adaptation / keep_file).read_text().split())
     else:
         assert mode not in ("allow_mix_precision", "allow_fp32_to_fp16")
+
+
+# -- deploying the adaptation (the public API and the bundle) ---------------------------------
+
+# Modules of the study, capture, profiling, export and ATC machinery: the deployed path needs none.
+NOT_DEPLOYED_MACHINERY = ("omskills.stages", "omskills.profiling", "omskills.contracts.capture",
+                          "omskills.contracts.samples", "omskills.contracts.provenance", "omskills.convert",
+                          "omskills.boundary", "omskills.ascend", "omskills.source.inventory", "omskills.host",
+                          "omskills.orchestrator", "onnx")
+
+DEPLOYED_RUN = """
+import json, sys
+from pathlib import Path
+from omskills.deploy import load_adapted
+from omskills.models.api import save_run
+with load_adapted(sys.argv[1], backend="onnxruntime", strict=True) as model:
+    save_run(model.run_main_path(), Path(sys.argv[2]))
+    backends = model.backend_of()
+loaded = sorted(m for m in sys.modules if m == "onnx" or m.startswith("onnx.") or m.startswith("omskills."))
+print(json.dumps({"modules": loaded, "backends": backends}))
+"""
+
+
+def _deployed_run(path, out):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DEPLOYED_RUN, str(path), str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _same_steps(a, b):
+    import numpy as np
+
+    assert a.keys() == b.keys()
+    for index in a:
+        assert a[index].keys() == b[index].keys()
+        for name in a[index]:
+            assert np.array_equal(a[index][name], b[index][name]), f"step {index} output {name} differs"
+
+
+def test_the_public_api_runs_the_adapted_main_path_in_a_fresh_process_exactly_as_verify_did(tiny_adaptation, tmp_path):
+    from omskills.models.api import load_run
+
+    record = load_record(tiny_adaptation / "task.yaml")
+    seen = _deployed_run(tiny_adaptation / "task.yaml", tmp_path / "outputs.npz")
+    loaded = [m for m in seen["modules"] if m.startswith(NOT_DEPLOYED_MACHINERY)]
+    assert not loaded, f"the deployed path imported {loaded}"
+    integrated = {c.name for c in record.verification.candidates if c.status == "integrated"}
+    assert set(seen["backends"]) == integrated and len(integrated) >= 4
+    assert all(b.startswith("onnxruntime:CPUExecutionProvider") for b in seen["backends"].values())
+    _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+
+
+def test_a_bundle_moved_to_another_folder_runs_its_example_exactly_as_verify_did(tiny_adaptation, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import omskills
+    from omskills.models.api import load_run
+
+    record = load_record(tiny_adaptation / "task.yaml")
+    written = omskills("bundle", str(tiny_adaptation / "task.yaml"), "--out", str(tmp_path / "bundle"))
+    assert written.returncode == 0, written.stderr[-2000:]
+    moved = tmp_path / "elsewhere" / "sam3-bundle"
+    shutil.move(tmp_path / "bundle", moved)
+    texts = [p for p in moved.rglob("*") if p.suffix in (".json", ".md", ".py", ".sh", ".cfg")]
+    assert {p.name for p in texts} >= {"bundle.json", "README.md", "example.py"}
+    for path in texts:
+        text = path.read_text()
+        assert str(tiny_adaptation) not in text and str(tmp_path) not in text, f"{path.name} names an absolute path"
+    example = subprocess.run([sys.executable, str(moved / "example.py"), "--backend", "onnxruntime", "--strict",
+                              "--outputs", str(tmp_path / "example.npz")], capture_output=True, text=True, cwd=tmp_path)
+    assert example.returncode == 0, example.stderr[-3000:]
+    summary = json.loads(example.stdout[example.stdout.index("\n{") + 1:])
+    assert summary["fallbacks"] == 0 and summary["steps"] == 2 and summary["backend"] == "onnxruntime"
+    _same_steps(load_run(tmp_path / "example.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+
+
+def test_a_bundle_checks_its_files_format_and_contract_schema_on_load(tiny_adaptation, tmp_path):
+    from omskills.deploy import DeployError
+    from omskills.deploy.bundle import write_bundle
+    from omskills.deploy.manifest import read_bundle
+
+    bundle = Path(write_bundle(tiny_adaptation / "task.yaml", tmp_path / "bundle").path)
+    manifest = read_bundle(bundle)
+    onnx = bundle / manifest.graphs[0].onnx.path
+    data = bytearray(onnx.read_bytes())
+    data[-1] ^= 0xFF  # same size, other content
+    onnx.unlink()  # a hard link to the run's file: write a new file, never through the link
+    onnx.write_bytes(bytes(data))
+    with pytest.raises(DeployError, match=rf"{manifest.graphs[0].name}: .*{onnx.name} has changed: its sha256"):
+        read_bundle(bundle)
+    onnx.unlink()
+    with pytest.raises(DeployError, match=rf"artifact missing: .*{onnx.name}"):
+        read_bundle(bundle)
+    stored = json.loads((bundle / "bundle.json").read_text())
+    for field, value, message in (("format", 99, "bundle format 99, this omskills reads format 1"),
+                                  ("contract_schema", 1, "contracts written under schema 1")):
+        changed = dict(stored, **{field: value})
+        (bundle / "bundle.json").write_text(json.dumps(changed))
+        with pytest.raises(DeployError, match=message):
+            read_bundle(bundle, check_hashes=False)
+    with pytest.raises(DeployError, match="is not an omskills bundle"):
+        read_bundle(tmp_path)

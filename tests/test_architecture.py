@@ -11,12 +11,13 @@ ENGINE = Path(__file__).resolve().parents[1] / "tools"
 
 # Lower layers never import higher ones. Mechanisms (one layer) may use each other.
 LAYERS = {
-    "errors": 0, "progress": 0, "stdio": 0, "registry": 0, "isolation": 0,
+    "errors": 0, "progress": 0, "stdio": 0, "registry": 0, "isolation": 0, "files": 0,
     "records": 1,
     "contracts": 2, "boundary": 2, "convert": 2, "ascend": 2, "runtime": 2, "compare": 2, "source": 2,
     "profiling": 2, "report": 2, "host": 2,
     "models": 3,
-    "stages": 4,
+    "deploy": 4,
+    "stages": 5,
 }
 DRIVER_FILES = {"models/sam3.py", "models/sam31.py"}
 NAMES_A_MODEL = re.compile(r"sam[0-9._]*\b|mask_iou|segment", re.IGNORECASE)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import omskills
+from infer_session_double import DOUBLES
 from omskills.errors import TaskRecordError
 from omskills.models.generic import FunctionDriver
 from omskills.models.registry import bind_intake, driver_for, family_driver, installed_drivers
@@ -222,6 +224,23 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     npu = omskills("tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "npu_dump"}))
     assert npu.returncode != 0 and "dump_dir:" in npu.stderr and "msit benchmark --om-model" in npu.stderr
     assert [p.name for p in (tmp_path / "run" / "precision" / "layer2" / "npu_inputs").iterdir()] == ["input_0_input.bin"]
+
+    # An "Ascend host" made of doubles (tests/fake_atc builds the OMs, tests/doubles runs them):
+    # npu-check verifies on the OMs and runs the bundle's example on them, and says what ran.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(Path(__file__).with_name("fake_atc"), bin_dir / "atc")
+    (bin_dir / "atc").chmod(0o755)
+    host = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(DOUBLES))
+    converted = omskills("tool", "convert_atc", "--task", task, env=host)
+    assert converted.returncode == 0 and not json.loads(converted.stdout)["failed"], converted.stderr[-2000:]
+    checked = omskills("npu-check", task, env=host)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    figures = json.loads((tmp_path / "run" / "npu" / "figures.json").read_text())
+    assert figures["verdict"] == "pass" and figures["example_matches_verify"] and figures["example"]["fallbacks"] == 0
+    assert set(figures["backend_per_candidate"].values()) == {"om:npu:0 (InferSession double, no NPU)"}
+    assert set(figures["example"]["graphs"].values()) == {"om:npu:0 (InferSession double, no NPU)"}
+    assert "InferSession double, no NPU" in (tmp_path / "run" / "npu" / "FIGURES.md").read_text()
 
 
 def test_new_driver_refuses_an_entry_that_does_not_exist_and_never_overwrites(tmp_path):

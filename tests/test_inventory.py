@@ -16,7 +16,8 @@ from omskills.host.toolkit import load_tool, repo_root, skills_root
 from omskills.records.inventory import Inventory, PortabilityFinding
 from omskills.records.task import TaskRecord, load_record, save_record
 from omskills.report.inventory import render_inventory_report
-from omskills.source.inventory import package_root, scan_source
+from omskills.source.inventory import scan_source
+from omskills.source.packages import package_root
 
 SCRIPT = skills_root() / "om-deployer" / "scripts" / "inventory_entries.py"
 TOOL = load_tool(SCRIPT).func

@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from infer_session_double import InferSessionDouble, install_fake_ais_bench
+from infer_session_double import InferSessionDouble, install_fake_ais_bench, recording_sessions
 from omskills.errors import OmskillsError
 from omskills.runtime import (
     BackendError,
@@ -192,15 +192,7 @@ def test_available_backends_lists_ort_providers_and_om_only_with_ais_bench(monke
 @pytest.fixture
 def sessions(monkeypatch) -> list[InferSessionDouble]:
     """Installs the fake ais_bench; collects every InferSessionDouble the adapter creates."""
-    created: list[InferSessionDouble] = []
-
-    class Recording(InferSessionDouble):
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            created.append(self)
-
-    install_fake_ais_bench(monkeypatch, Recording)
-    return created
+    return recording_sessions(monkeypatch)
 
 
 def test_om_backend_without_ais_bench_says_what_is_needed(monkeypatch, diff_model):

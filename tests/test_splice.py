@@ -37,6 +37,9 @@ class TorchBackendDouble:
         self.outputs = [IOSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in contract.outputs]
         self.feeds: list[dict[str, np.ndarray]] = []
 
+    def describe(self) -> str:
+        return f"{self.kind}:{self.device}"
+
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.feeds.append(dict(feeds))
         with torch.no_grad():

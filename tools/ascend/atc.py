@@ -8,7 +8,6 @@ result says `converted` only when atc exited 0 and the .om file is there.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from omskills.errors import InputError
+from omskills.files import sha256_file
 from omskills.records.base import Record
 from omskills.records.contracts import ShapeStrategy
 from omskills.records.toolchain import AtcErrorAdvice, AtcInstall, AtcResult
@@ -328,15 +328,22 @@ def advise(log_text: str) -> list[AtcErrorAdvice]:
 
 def conversion_script(options: AtcOptions, install: AtcInstall | None) -> str:
     """A bash script that runs the same conversion on a machine with CANN."""
-    set_env = install.set_env if install and install.set_env else "/usr/local/Ascend/ascend-toolkit/set_env.sh"
-    command = shlex.join(build_atc_command(options))
+    return atc_script(build_atc_command(options), install.set_env if install else None)
+
+
+def atc_script(command: list[str], set_env: str | None = None, from_own_folder: str | None = None) -> str:
+    """A bash script running `command` (every argument shell-quoted), sourcing CANN's set_env.sh
+    when atc is not on PATH. `from_own_folder`: a folder, relative to the script's own, to run from
+    (for scripts whose paths are relative, as in a bundle)."""
+    set_env = set_env or "/usr/local/Ascend/ascend-toolkit/set_env.sh"
+    cd = f'cd "$(dirname "${{BASH_SOURCE[0]}}")/{from_own_folder}"\n' if from_own_folder else ""
     return (
         "#!/usr/bin/env bash\n"
-        "# ATC conversion written by omskills (convert_atc). Run on a machine with CANN installed.\n"
+        "# ATC conversion written by omskills. Run on a machine with CANN installed.\n"
         "set -euo pipefail\n"
         f'SET_ENV="${{ASCEND_SET_ENV:-{set_env}}}"\n'
         'if ! command -v atc >/dev/null 2>&1; then source "$SET_ENV"; fi\n'
-        f"{command}\n"
+        f"{cd}{shlex.join(command)}\n"
     )
 
 
@@ -396,9 +403,3 @@ def _produced_om(output: str, since: float) -> Path | None:
     return max(fresh, key=lambda p: p.stat().st_mtime) if fresh else None
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from omskills.contracts import pytree
 from omskills.contracts.provenance import ProvenanceTracker, StorageHistory
-from omskills.contracts.samples import dtype_name, save_sample
+from omskills.contracts.layout import dtype_name
+from omskills.contracts.samples import save_sample
 from omskills.errors import OmskillsError
 from omskills.records.contracts import (
     CallShape,

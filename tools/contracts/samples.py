@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omskills.contracts.layout import dtype_name
 from omskills.errors import InputError
 
 INPUT_PREFIX = "in:"
@@ -37,10 +38,6 @@ class Sample:
     outputs: dict[str, torch.Tensor]
     candidate: str
     call_index: int
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+from omskills.records.deploy import external_data_path
 
 # Protobuf cannot serialise a message over 2 GiB; keep a margin for the graph itself.
 EXTERNAL_DATA_THRESHOLD_BYTES = 2**31 - 2**26
@@ -13,8 +14,8 @@ EXTERNAL_TENSOR_MIN_BYTES = 1024
 
 
 def data_path(path: Path) -> Path:
-    """Where a model's external weights go: "<name>.onnx.data" beside it."""
-    return path.with_name(path.name + ".data")
+    """Where a model's external weights go (see records.deploy.external_data_path)."""
+    return external_data_path(path)
 
 
 def save_onnx(model: onnx.ModelProto, path: Path, size: int | None = None) -> bool:

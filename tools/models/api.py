@@ -90,6 +90,26 @@ class MainPathRun:
     notes: list[str] = field(default_factory=list)
 
 
+def save_run(run: MainPathRun, path: Path) -> Path:
+    """The outputs of every step in one npz ("<step index>/<output name>" keys), for comparing runs
+    made in other processes bit for bit."""
+    arrays = {f"{step.index}/{name}": value for step in run.steps for name, value in step.outputs.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:  # a file handle: np.savez would add ".npz" to another suffix
+        np.savez_compressed(handle, **arrays)
+    return path
+
+
+def load_run(path: Path) -> dict[int, dict[str, np.ndarray]]:
+    """What `save_run` wrote: step index -> output name -> array."""
+    steps: dict[int, dict[str, np.ndarray]] = {}
+    with np.load(path, allow_pickle=False) as saved:
+        for key in saved.files:
+            index, _, name = key.partition("/")
+            steps.setdefault(int(index), {})[name] = saved[key]
+    return steps
+
+
 @dataclass
 class RunHooks:
     """Called by the driver while the main path runs; the study uses them to count per step."""

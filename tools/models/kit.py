@@ -28,7 +28,7 @@ from omskills.records.intake import ModelSpec
 from omskills.records.parity import ParityGates
 from omskills.records.verify import OutputCheck
 from omskills.report.pictures import draw_instances, side_by_side, titled
-from omskills.source.inventory import package_root
+from omskills.source.packages import package_root
 from omskills.source.portability import DevicePortability, FunctionFix, WatchedImport
 
 __all__ = [

@@ -34,7 +34,7 @@ from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, 
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
 from omskills.report.pictures import draw_instances
-from omskills.source.inventory import package_root
+from omskills.source.packages import package_root
 from omskills.source.portability import DevicePortability, FunctionFix
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator

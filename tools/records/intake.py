@@ -40,6 +40,8 @@ class ModelSpec(Record):
 class TargetSpec(Record):
     soc: str = "Ascend910B4"
     cann_version: str | None = None
+    # The NPU the deployed graphs run on (InferSession's device_id, the CANN provider's device_id).
+    device_id: int = Field(default=0, ge=0)
     # Candidates to deploy whatever their share of the main path (the plan defers small ones).
     deploy: list[str] = Field(default_factory=list)
 

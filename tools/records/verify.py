@@ -139,4 +139,7 @@ class VerifyReport(Record):
     precision_modes: dict[str, str] = Field(default_factory=dict)  # graph -> mode (and keep count) emulated
     report_json: str
     report_html: str
+    # Every step's outputs of each run (models.api.save_run), to compare other runs with bit for bit.
+    outputs_pytorch: str | None = None
+    outputs_spliced: str | None = None
     verdict: str  # "pass" when the steps match, every gating check passes and no call fell back

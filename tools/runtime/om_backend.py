@@ -18,11 +18,19 @@ github.com/mjlovesz/test-my-pages docs/benchmark/API_GUIDE.md) and its samples
 
 `ais_bench` and `aclruntime` are not on PyPI: they come as wheels built for an Ascend host
 with CANN installed, so this module imports them only when a session is opened.
+
+ACL context. ACL keeps one current context per thread. InferSession makes its own context current
+when it loads the model, and `torch_npu` has its own: a process that uses both, without care, calls
+one library with the other's context current (ACL errors 107002 "the context is empty" and 107003
+"the stream is not in the current context"). Through pyACL (`acl.rt.get_context` /
+`acl.rt.set_context`, CANN's Python AscendCL API) this backend remembers the session's context
+when it loads, makes it current around each `infer`, and puts the caller's back afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -81,6 +89,52 @@ def ais_bench_available() -> bool:
     return True
 
 
+def _pyacl():
+    """CANN's pyACL module, or None where it is not installed (then contexts are left alone)."""
+    try:
+        import acl
+    except ImportError:
+        return None
+    return acl
+
+
+class AclContexts:
+    """The thread's current ACL context, read and set through pyACL (no-ops without it)."""
+
+    def __init__(self) -> None:
+        self.acl = _pyacl()
+
+    def current(self) -> object | None:
+        if self.acl is None:
+            return None
+        context, ret = self.acl.rt.get_context()
+        return context if ret == 0 and context else None
+
+    def make_current(self, context: object | None) -> None:
+        if self.acl is None or context is None:
+            return
+        ret = self.acl.rt.set_context(context)
+        if ret != 0:
+            raise BackendError(f"acl.rt.set_context failed with ACL error {ret}")
+
+    @contextlib.contextmanager
+    def held(self, context: object | None) -> Iterator[None]:
+        """`context` current inside the block; the caller's (torch_npu's, say) back after it."""
+        saved = self.current()
+        switch = context is not None and context != saved
+        if switch:
+            self.make_current(context)
+        try:
+            yield
+        finally:
+            if switch and saved is not None:
+                self.make_current(saved)
+
+    def soc_name(self) -> str | None:
+        get = getattr(self.acl, "get_soc_name", None)
+        return get() if callable(get) else None
+
+
 class OmBackend(RuntimeBackend):
     kind = "om"
 
@@ -103,14 +157,22 @@ class OmBackend(RuntimeBackend):
         self.mode: OmMode = mode
         self.custom_sizes = custom_sizes
         self._session = None
+        self._contexts = AclContexts()
+        self._context: object | None = None  # the context the session was loaded in
 
     def _activate_impl(self) -> tuple[list[IOSpec], list[IOSpec]]:
         infer_session = import_infer_session()
+        caller = self._contexts.current()
         try:
             self._session = infer_session(self.device_id, str(self.path))
         except Exception as exc:  # aclruntime raises RuntimeError with ACL's code in the text
             raise BackendError(f"ais_bench cannot load {self.path} on npu:{self.device_id}: {exc}") from exc
-        self.device = f"npu:{self.device_id}"
+        finally:
+            self._context = self._contexts.current()
+            if caller is not None and self._context != caller:
+                self._contexts.make_current(caller)
+        soc = self._contexts.soc_name()
+        self.device = f"npu:{self.device_id}" + (f" ({soc})" if soc else "")
         inputs = [self._spec(d) for d in self._session.get_inputs() if d.name != ACL_DYNAMIC_TENSOR_NAME]
         outputs = [self._spec(d) for d in self._session.get_outputs()]
         self._check_mode_matches(inputs)
@@ -143,7 +205,10 @@ class OmBackend(RuntimeBackend):
         if self.custom_sizes is not None:
             options["custom_sizes"] = self.custom_sizes
         try:
-            values = self._session.infer(ordered, **options)
+            with self._contexts.held(self._context):
+                values = self._session.infer(ordered, **options)
+        except BackendError:
+            raise
         except Exception as exc:
             raise BackendError(f"ais_bench failed to run {self.path.name} (mode={self.mode}): {exc}") from exc
         if len(values) != len(self._outputs):
@@ -157,7 +222,8 @@ class OmBackend(RuntimeBackend):
         # down ACL for the whole process, including other open sessions, so it is not called.
         free = getattr(self._session, "free_resource", None)
         if callable(free):
-            free()
+            with self._contexts.held(self._context):
+                free()
         self._session = None
 
 

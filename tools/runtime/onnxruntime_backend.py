@@ -53,12 +53,19 @@ class OnnxRuntimeBackend(RuntimeBackend):
     kind = "onnxruntime"
 
     def __init__(
-        self, path: str | Path, providers: Sequence[str] | None = None, threads: int | None = None
+        self,
+        path: str | Path,
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+        provider_options: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
+        """provider_options: provider name -> its options (the CANN provider's device_id and
+        precision_mode, say); options of a provider not chosen are ignored."""
         super().__init__(path)
         if threads is not None and threads < 1:
             raise BackendError(f"threads: must be >= 1, got {threads}")
         self.providers = resolve_providers(providers)
+        self.provider_options = {name: {k: str(v) for k, v in opts.items()} for name, opts in (provider_options or {}).items()}
         self.threads = threads
         self._session = None
 
@@ -75,7 +82,9 @@ class OnnxRuntimeBackend(RuntimeBackend):
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
         try:
-            self._session = onnxruntime.InferenceSession(str(self.path), sess_options=options, providers=self.providers)
+            providers = [(name, self.provider_options[name]) if name in self.provider_options else name
+                         for name in self.providers]
+            self._session = onnxruntime.InferenceSession(str(self.path), sess_options=options, providers=providers)
         except Exception as exc:  # ORT raises its own types (InvalidProtobuf, Fail, ...)
             raise BackendError(f"onnxruntime cannot load {self.path}: {_first_line(exc)}") from exc
         # ORT drops providers that fail to initialise; the first one kept is the one that runs

@@ -6,7 +6,8 @@ arguments as the contract did, checks them against the contract (structure, cons
 shapes), runs the backend on numpy feeds and rebuilds the output structure the caller expects,
 with the contract's dtypes on the caller's device. A call outside the contract runs the original
 PyTorch module instead — counted, with its reason, and logged as a warning: never silent.
-`unsplice()` puts the original module objects back.
+`unsplice()` puts the original module objects back. With `strict=True` a call outside the
+contract raises `ContractViolation` instead (a deployment that must never run PyTorch silently).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
-from omskills.convert.export import TreeLayout, dtype_name, torch_dtype
+from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
@@ -34,6 +35,10 @@ class SpliceError(OmskillsError):
     """A candidate cannot be spliced, or its backend returned something the contract does not allow."""
 
 
+class ContractViolation(SpliceError):
+    """Strict mode: a call lies outside every contract of its spliced module (no fallback allowed)."""
+
+
 class IOName(Protocol):
     name: str
     dtype: str
@@ -44,6 +49,8 @@ class SpliceBackend(Protocol):
 
     kind: str
     device: str
+
+    def describe(self) -> str: ...
 
     @property
     def inputs(self) -> Sequence[IOName]: ...
@@ -77,12 +84,15 @@ class ShapeRule:
     Without a strategy, a static dim must equal the shape seen at capture and a dim that varied
     may take any of the sizes observed then. With one, its -1 dims are the dynamic ones and their
     values must form one of its gears (tiled when several inputs share them, as a batch does) or
-    lie within its ranges.
+    lie within its ranges. `any_batch`: inputs whose dim 0 takes any size, because the backend
+    serves other sizes as gear-sized calls.
     """
 
-    def __init__(self, inputs: list[TensorSpec], strategy: ShapeStrategy | None) -> None:
+    def __init__(self, inputs: list[TensorSpec], strategy: ShapeStrategy | None,
+                 any_batch: frozenset[str] = frozenset()) -> None:
         self.inputs = inputs
         self.strategy = strategy
+        self.any_batch = any_batch
 
     def violation(self, tensors: Sequence[torch.Tensor]) -> str | None:
         if self.strategy is None:
@@ -106,6 +116,8 @@ class ShapeRule:
             if tensor.dim() != len(declared):
                 return f"input {spec.name} has shape {list(tensor.shape)}, the strategy's is {declared}"
             for dim, (size, want) in enumerate(zip(tensor.shape, declared)):
+                if want == -1 and dim == 0 and spec.name in self.any_batch:
+                    continue
                 if want == -1:
                     dynamic.append(_DynamicDim(spec.name, dim, int(size), len(declared)))
                 elif size != want:
@@ -188,7 +200,7 @@ class _Route:
         self.output_layout = TreeLayout.of_output(contract)
         self.in_spec = spec_from_str(contract.in_spec)
         self.out_spec = spec_from_str(contract.out_spec)
-        self.shape_rule = ShapeRule(contract.inputs, strategy)
+        self.shape_rule = ShapeRule(contract.inputs, strategy, getattr(backend, "any_size_inputs", frozenset()))
         self.bound_constants = self._bound_constants(contract)
         self.output_constants = self._output_constants(contract)
         self.feed_names = self._feed_names(contract, backend)
@@ -306,10 +318,12 @@ class SplicedModule(nn.Module):
         contract: ContractSpec,
         backend: SpliceBackend,
         strategy: ShapeStrategy | None = None,
+        strict: bool = False,
     ) -> None:
         nn.Module.__init__(self)  # not super(): in a spliced_class the next base is the model class
         self.original = original  # registered: parameters and .to() still reach it for fallbacks
         self.method = contract.method
+        self.strict = strict
         self.routes: list[_Route] = [_Route(contract, backend, strategy)]
         self.calls = 0
         if contract.method != "forward":
@@ -366,6 +380,9 @@ class SplicedModule(nn.Module):
         return getattr(self.original, self.method)
 
     def _fall_back(self, route: _Route, violation: Violation) -> None:
+        if self.strict:
+            raise ContractViolation(f"{route.contract.candidate} call {self.calls} is outside its contract "
+                                    f"({violation.kind}): {violation.reason}")
         event = FallbackEvent(candidate=route.contract.candidate, call=self.calls, kind=violation.kind, reason=violation.reason)
         route.fallback_events.append(event)
         logger.warning("%s call %d runs in PyTorch (fallback, %s): %s", event.candidate, event.call, event.kind, event.reason)
@@ -394,8 +411,9 @@ class _Replaced:
 class SpliceHandle:
     """The splices made in one model; `unsplice()` (or leaving the `with` block) undoes them."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, strict: bool = False) -> None:
         self.root = root
+        self.strict = strict
         self._replaced: list[_Replaced] = []  # in place now
         self._spliced: list[SplicedModule] = []  # every splice made, kept for stats after unsplice
 
@@ -428,7 +446,7 @@ class SpliceHandle:
         if not _is_class(original, contract.module_class):
             found = type(original).__qualname__
             raise SpliceError(f"{where} is a {found}, the contract is for {contract.module_class}")
-        spliced = spliced_class(type(original))(original, contract, backend, strategy)
+        spliced = spliced_class(type(original))(original, contract, backend, strategy, self.strict)
         setattr(parent, contract.attribute, spliced)
         self._replaced.append(_Replaced(parent, contract.attribute, original, spliced))
         self._spliced.append(spliced)
@@ -467,15 +485,17 @@ def splice(
     replacements: Sequence[tuple[ContractSpec, SpliceBackend]],
     *,
     strategies: Mapping[str, ShapeStrategy] | None = None,
+    strict: bool = False,
 ) -> SpliceHandle:
     """Replace each contract's candidate in `root` by a module running its backend.
 
     strategies: candidate -> the shape strategy its artifact was built for (optional); without one
     the contract's observed shapes are the ones allowed. All or nothing: if one splice fails,
-    those already made are undone before the error is raised.
+    those already made are undone before the error is raised. `strict`: a call outside the contracts
+    raises ContractViolation instead of running the original module.
     """
     strategies = strategies or {}
-    handle = SpliceHandle(root)
+    handle = SpliceHandle(root, strict)
     try:
         for contract, backend in replacements:
             handle.add(contract, backend, strategies.get(contract.candidate))

@@ -16,7 +16,8 @@ import numpy as np
 from omskills.ascend.emulation import precisions_for, prepare, save_emulated
 from omskills.compare.outputs import compare_step, expand, worse
 from omskills.errors import InputError, StageError
-from omskills.models.api import MainPathRun, ModelDriver
+from omskills.deploy.manifest import graph_from_record
+from omskills.models.api import MainPathRun, ModelDriver, save_run
 from omskills.models.cache import return_freed_memory
 from omskills.records.export import SpliceStats
 from omskills.records.parity import ParityReport
@@ -32,7 +33,7 @@ from omskills.records.verify import (
 from omskills.report.pictures import side_by_side
 from omskills.report.render import template_environment
 from omskills.runtime import BACKENDS, open_backend
-from omskills.runtime.batch_split import open_onnxruntime
+from omskills.runtime.serving import SERVING_BACKENDS, open_graph
 from omskills.runtime.splice import SpliceBackend, SpliceHandle, splice
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, running_step
@@ -109,14 +110,15 @@ def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]
 
 
 def _open(record: TaskRecord, workdir: Path, name: str, backend: str, emulated: bool = False) -> SpliceBackend:
-    """The graph's backend; on ONNX Runtime, the batch in chunks where probe_onnx found it must be
-    (the OM has its batch gears and runs the whole batch). `emulated`: the graph rewritten to
-    compute as its chosen ATC precision mode would, on ONNX Runtime CPU."""
-    split = record.batch_split_of(name)
-    path = _emulated_model(record, workdir, name) if emulated else record.preferred_model(workdir, name)
-    if backend == "onnxruntime":
-        return open_onnxruntime(path, split)
-    return open_backend(path, backend)
+    """The graph's backend, opened as a deployment opens it (runtime.serving): on ONNX Runtime's CPU
+    the batch in chunks where probe_onnx found it must be; an OM in the mode of its shape strategy,
+    its batch gears serving other sizes. `emulated`: the graph rewritten to compute as its chosen
+    ATC precision mode would, on ONNX Runtime CPU."""
+    if backend not in SERVING_BACKENDS:  # a third party's backend: opened on the preferred model as it is
+        return open_backend(record.preferred_model(workdir, name), backend)
+    model = _emulated_model(record, workdir, name) if emulated else None
+    return open_graph(graph_from_record(record, workdir, name), workdir, backend,
+                      device_id=record.intake.target.device_id, model=model)
 
 
 def _emulated_model(record: TaskRecord, workdir: Path, name: str) -> Path:
@@ -245,6 +247,9 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
     out = workdir / "verify"
     out.mkdir(parents=True, exist_ok=True)
     stem = "report-emulated" if modes else "report"
+    runs = "outputs-emulated" if modes else "outputs"
+    save_run(reference, out / f"{runs}-pytorch.npz")
+    save_run(spliced, out / f"{runs}-spliced.npz")
     if modes:
         candidates = [c.model_copy(update={"backend": f"{c.backend} (Ascend {modes.get(c.name, 'fp32')} emulated, not an NPU)"})
                       for c in candidates]
@@ -255,7 +260,8 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
         not_spliced=skipped, candidates=candidates, comparison=checks, main_path=main, per_step=per_step,
         splice_stats=list(stats.values()), fallback_events=handle.fallbacks(),
         verification_settings=settings, precision="emulated" if modes else "fp32", precision_modes=modes or {},
-        report_json=f"verify/{stem}.json", report_html=f"verify/{stem}.html", verdict=main.verdict)
+        report_json=f"verify/{stem}.json", report_html=f"verify/{stem}.html",
+        outputs_pytorch=f"verify/{runs}-pytorch.npz", outputs_spliced=f"verify/{runs}-spliced.npz", verdict=main.verdict)
     (out / f"{stem}.json").write_text(report.model_dump_json(indent=2))
     return report
 

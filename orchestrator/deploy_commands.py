@@ -1,0 +1,47 @@
+"""`omskills bundle`, `omskills npu-check`: deploying a verified adaptation, thin over the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cli import command
+
+
+def _bundle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", help="the run's task record (runs/<task>/task.yaml), verified")
+    p.add_argument("--out", help="bundle folder (default: <run>/bundle); an earlier bundle there is replaced")
+    p.add_argument("--artifact", choices=["auto", "onnx", "om"], default="auto",
+                   help="auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come")
+    p.add_argument("--no-weights", action="store_true", help="do not copy the checkpoint (the loader must be given it)")
+
+
+@command("bundle", _bundle_args)
+def _bundle(ns: argparse.Namespace) -> int:
+    """Write a self-contained, movable deployment bundle of a verified adaptation."""
+    from omskills.deploy.bundle import write_bundle
+
+    summary = write_bundle(Path(ns.task), Path(ns.out) if ns.out else None, artifact=ns.artifact, weights=not ns.no_weights)
+    print(f"{len(summary.graphs)} graph(s), {summary.files} files, {summary.bytes / 1e6:.1f} MB; "
+          f"OM for {summary.om_graphs or 'none'}", file=sys.stderr)
+    for name, why in summary.not_deployed.items():
+        print(f"  {name} stays in PyTorch: {why}", file=sys.stderr)
+    for what, hint in summary.required.items():
+        print(f"  the loader must be given {what}= ({hint})", file=sys.stderr)
+    print(summary.path)
+    return 0
+
+
+@command("npu-check", lambda p: p.add_argument("task", help="the run's task record, with every OM built (convert_atc)"))
+def _npu_check(ns: argparse.Namespace) -> int:
+    """On an Ascend host: verify on the OMs, run the bundle's example, write the figures the NPU produced."""
+    from .npu_check import npu_check
+
+    figures = npu_check(Path(ns.task))
+    print(f"verify --backend om: {figures.verdict} ({figures.summary}); example {figures.example.s_per_step:.3f} s per step, "
+          f"outputs equal to verify's: {figures.example_matches_verify}", file=sys.stderr)
+    for name, backend in figures.backend_per_candidate.items():
+        print(f"  {name}: {backend}", file=sys.stderr)
+    print(Path(ns.task).resolve().parent / figures.figures_md)
+    return 0 if figures.verdict == "pass" and figures.example_matches_verify else 1

@@ -1,0 +1,84 @@
+"""What a deployment carries: the graphs that replace PyTorch modules, their files, their contracts.
+
+A `DeployManifest` is read from a verified task record (the run folder is its root), or stored as
+`bundle.json` at the root of a bundle that `omskills bundle` wrote. Every path in it is relative
+to that root, so a bundle can be moved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omskills.records.base import Record
+from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.intake import Intake
+from omskills.records.toolchain import BatchSplit
+from pydantic import Field
+
+# Raised when the bundle layout or the meaning of a field changes; a loader refuses other formats.
+BUNDLE_FORMAT = 1
+
+
+def external_data_path(model: Path) -> Path:
+    """Where omskills saves a large graph's weights: "<name>.onnx.data" beside it."""
+    return model.with_name(model.name + ".data")
+
+
+def onnx_files(model: Path) -> list[Path]:
+    """The files an ONNX model is stored in: the .onnx, and its external weights when it has them."""
+    data = external_data_path(model)
+    return [model, data] if data.is_file() else [model]
+
+
+class ArtifactFile(Record):
+    path: str  # relative to the manifest's root
+    bytes: int
+    sha256: str | None = None  # set in a bundle, checked when it loads
+
+
+class Artifact(Record):
+    """One compiled form of a graph (ONNX or OM): its main file first, then the files it needs."""
+
+    files: list[ArtifactFile] = Field(min_length=1)
+
+    @property
+    def path(self) -> str:
+        return self.files[0].path
+
+
+class DeployedGraph(Record):
+    name: str  # the graph (a plan candidate, or one of a dispatched candidate's graphs)
+    plan_candidate: str
+    module_path: str
+    contract: ContractSpec
+    strategy: ShapeStrategy | None = None  # the ATC shape strategy the OM is built with
+    # How ONNX Runtime on the CPU runs the batch (probe_onnx found the whole batch does not fit).
+    batch_split: BatchSplit | None = None
+    onnx: Artifact
+    om: Artifact | None = None  # None: ATC has not built it (no CANN where the adaptation ran)
+    precision_mode: str | None = None  # the ATC precision mode chosen in emulation
+    keep_dtype_nodes: list[str] = Field(default_factory=list)
+    atc_script: str | None = None
+
+
+class DeployManifest(Record):
+    format: int = BUNDLE_FORMAT
+    # The task record's schema the contracts were written under (records.task.SCHEMA_VERSION).
+    contract_schema: int
+    omskills_version: str
+    task_id: str
+    created: str
+    intake: Intake  # the model to build, the inputs of the example and the target device, paths relative to the root
+    weights: str  # "random" or the checkpoint the graphs were verified with
+    verified: str  # the verify verdict the graphs come from, with its figures
+    graphs: list[DeployedGraph]
+    not_deployed: dict[str, str] = Field(default_factory=dict)  # candidate -> why it stays in PyTorch
+    # What a bundle could not carry and its loader must be given: "source" (a checkout of the model's
+    # code) or "checkpoint" -> what it was.
+    required: dict[str, str] = Field(default_factory=dict)
+
+    def graph(self, name: str) -> DeployedGraph:
+        found = next((g for g in self.graphs if g.name == name), None)
+        if found is None:
+            raise KeyError(name)
+        return found
