@@ -34,18 +34,14 @@ def child(side: str, path: str, backend: str, repeat: int) -> None:
         extra = {"backends": model.backend_of(), "fallbacks": len(model.fallbacks()),
                  "load_parts_s": vars(model.times)}
     else:
+        from omskills.deploy.adapted import build_model
         from omskills.deploy.manifest import manifest_from_record, read_bundle
         from omskills.models.api import RunHooks
-        from omskills.models.registry import bind_intake, driver_for, resolved_spec
 
         imported = time.perf_counter() - started
-        root = Path(path) if Path(path).is_dir() else Path(path).resolve().parent
+        root = Path(path).resolve() if Path(path).is_dir() else Path(path).resolve().parent
         manifest = read_bundle(root, check_hashes=False) if Path(path).is_dir() else manifest_from_record(Path(path))
-        bound = bind_intake(manifest.intake, root)
-        data = bound.driver.load_inputs(bound.inputs, root)
-        spec = resolved_spec(manifest.intake.model, root)
-        loaded_model = driver_for(spec, root).load(spec)
-        loaded_model.notes += bound.driver.prepare(loaded_model, data, bound.inputs, bound.verification)
+        bound, data, loaded_model = build_model(manifest.intake, root)
         loaded = time.perf_counter() - started - imported
         runs = [bound.driver.run_main_path(loaded_model, data, bound.inputs, bound.verification, RunHooks())
                 for _ in range(repeat)]

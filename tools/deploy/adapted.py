@@ -130,11 +130,7 @@ def load_adapted(
     manifest_s = time.perf_counter() - started
     intake = _intake_with(manifest, root, source=source, checkpoint=checkpoint, device=device)
     started = time.perf_counter()
-    bound = bind_intake(intake, root)
-    data = bound.driver.load_inputs(bound.inputs, root)
-    loaded = _load_model(intake.model, root)
-    # As every stage does before running the model: settings that need the inputs.
-    loaded.notes += bound.driver.prepare(loaded, data, bound.inputs, bound.verification)
+    bound, data, loaded = build_model(intake, root)
     model_s = time.perf_counter() - started
     started = time.perf_counter()
     chosen = resolve_backend(backend, manifest.graphs)
@@ -191,10 +187,14 @@ def _manifest(path: Path, check_hashes: bool) -> tuple[DeployManifest, Path]:
     raise DeployError(f"not found: {path} (a run's task.yaml, or a folder written by `omskills bundle`)")
 
 
-def _load_model(spec: Any, root: Path) -> LoadedModel:
-    spec = resolved_spec(spec, root)
-    driver = driver_for(spec, root)
-    loaded = driver.load(spec)
-    for cls in driver.pytree_types(loaded):
+def build_model(intake: Intake, root: Path) -> tuple[BoundIntake, Any, LoadedModel]:
+    """The intake read by its driver, its inputs loaded, and the PyTorch model built and prepared as
+    every stage prepares it (nothing spliced yet): what eager PyTorch runs."""
+    bound = bind_intake(intake, root)
+    data = bound.driver.load_inputs(bound.inputs, root)
+    spec = resolved_spec(intake.model, root)
+    loaded = bound.driver.load(spec)
+    for cls in bound.driver.pytree_types(loaded):
         register_struct(cls)
-    return loaded
+    loaded.notes += bound.driver.prepare(loaded, data, bound.inputs, bound.verification)
+    return bound, data, loaded
