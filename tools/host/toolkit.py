@@ -39,6 +39,37 @@ class WorkspacePathMarker:
 WorkspacePath = Annotated[str, WorkspacePathMarker()]
 
 
+class ToolHints(BaseModel):
+    """What a client may assume about a tool: shown as its MCP `title` and `annotations`.
+
+    Declared in the script with `@tool_hints(...)`; the server maps it onto MCP's
+    ToolAnnotations (the engine itself knows nothing of MCP).
+    """
+
+    title: str
+    # Reads only: no task record, file or folder is written.
+    read_only: bool
+    # May delete or overwrite what a user made (not: adds results to a run folder).
+    destructive: bool = False
+    # Calling again with the same arguments changes nothing more (a rerun resumes or reuses).
+    idempotent: bool = True
+    # Reaches outside this machine (network, hub): never for omskills' own tools.
+    open_world: bool = False
+    # Runs a model, an export or ONNX Runtime: minutes at full scale; offered start-then-poll too.
+    long_running: bool = False
+
+
+def tool_hints(**hints: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a tool function: `@tool_hints(title="Profile the main path", read_only=False, long_running=True)`."""
+    parsed = ToolHints(**hints)
+
+    def attach(func: Callable[..., Any]) -> Callable[..., Any]:
+        func.__omskills_hints__ = parsed  # type: ignore[attr-defined]
+        return func
+
+    return attach
+
+
 def skills_root() -> Path:
     """Where the skill folders are: $OMSKILLS_SKILLS_DIR, else the checkout's skills/."""
     env = os.environ.get("OMSKILLS_SKILLS_DIR")
@@ -66,6 +97,11 @@ class ToolInfo:
     @property
     def description(self) -> str:
         return inspect.getdoc(self.func) or ""
+
+    @property
+    def hints(self) -> ToolHints | None:
+        """The script's `@tool_hints`, or None when it declares none (`omskills validate` says so)."""
+        return getattr(self.func, "__omskills_hints__", None)
 
 
 def load_tool(path: Path) -> ToolInfo:
