@@ -7,6 +7,7 @@ import sys
 from typing import Callable
 
 from omskills.errors import OmskillsError
+from omskills.orchestrator.version import installed_version
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
@@ -30,13 +31,11 @@ def _tool_args(p: argparse.ArgumentParser) -> None:
 @command("tool", _tool_args)
 def _tool(ns: argparse.Namespace) -> int:
     """Call one skill tool by hand (the same CLI as running its script)."""
-    from omskills.host.toolkit import discover_tools, run_cli
+    from omskills.host.toolkit import discover_tools, run_cli, tool_listing
 
     tools = discover_tools()
     if ns.list or not ns.name:
-        for _, info in tools.items():
-            summary = info.description.splitlines()[0] if info.description else ""
-            print(f"{info.name:28s} [{info.skill}] {summary}")
+        print(tool_listing([info for _, info in tools.items()]))
         return 0
     return run_cli(tools.get(ns.name).func, ns.tool_args, prog=f"omskills tool {ns.name}")
 
@@ -49,6 +48,7 @@ def _load_subcommand_modules() -> None:
 def build_parser() -> argparse.ArgumentParser:
     _load_subcommand_modules()
     parser = argparse.ArgumentParser(prog="omskills", description="Adapt PyTorch models to Huawei Ascend OM: cut, export, convert, splice back, verify.")
+    parser.add_argument("--version", action="version", version=f"omskills {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, handler) in _COMMANDS.items():
         p = sub.add_parser(name, help=(handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
+from .choices import Client, Scope
 from .cli import command
 
 # --------------------------------------------------------------------------- MCP server, agent, skills
-# (serve, chat, new-skill, validate, install-skills; owned with mcp_server/agent/skills_admin)
+# (serve, chat, new-skill, validate, install-skills, install-client; owned with mcp_server/agent/skills_admin)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +34,9 @@ def _agent_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Claude model id (default: $OMSKILLS_MODEL or the built-in default)")
     p.add_argument("--max-turns", type=int, default=None, help="stop after this many model turns")
     p.add_argument("--max-tokens", type=int, default=None, help="total token budget (input + output) for the run")
+    p.add_argument("--retry-seconds", type=float, default=None,
+                   help="how long to keep retrying an overloaded (429/529/5xx) or unreachable API before a line gives up "
+                        "(default: $OMSKILLS_API_RETRY_SECONDS or 600)")
 
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +53,7 @@ def _chat(ns: argparse.Namespace) -> int:
 
     from .agent import agent_settings, chat
 
-    settings = agent_settings(model=ns.model, max_turns=ns.max_turns, max_tokens=ns.max_tokens)
+    settings = agent_settings(model=ns.model, max_turns=ns.max_turns, max_tokens=ns.max_tokens, retry_seconds=ns.retry_seconds)
     asyncio.run(chat(ns.task, workspace=Path(ns.workspace), settings=settings))
     return 0
 
@@ -94,16 +99,70 @@ def _validate(ns: argparse.Namespace) -> int:
 
 
 def _install_skills_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=".claude/skills", help="where to install (default: .claude/skills)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--target", help="where to install (default: .claude/skills under the current folder)")
+    where.add_argument("--user", action="store_true", help="install for all your projects: ~/.claude/skills")
+    p.add_argument("--force", action="store_true", help="overwrite installed files that were edited since (shown as a diff)")
 
 
 @command("install-skills", _install_skills_args)
 def _install_skills(ns: argparse.Namespace) -> int:
-    """Install the skills (SKILL.md, references, scripts) for Claude Code."""
+    """Install the skills (SKILL.md, references, scripts) for Claude Code, never silently over local edits."""
+    import sys
     from pathlib import Path
 
-    from .skills_admin import install_skills
+    from .skills_admin import install_skills, user_skills_dir
 
-    for folder in install_skills(Path(ns.target)):
-        print(f"installed {folder}")
+    report = install_skills(user_skills_dir() if ns.user else Path(ns.target or ".claude/skills"), force=ns.force)
+    edits = report.local_edits
+    if not report.written:
+        for change in edits:
+            sys.stdout.write(change.diff)
+        older = [str(s.dest) for s in report.skills if s.older_install and s.local_edits]
+        edited = [c for s in report.skills if not s.older_install for c in s.local_edits]
+        if older:
+            print(f"omskills: error: {', '.join(older)} installed by an older omskills (no install manifest, diff above): "
+                  "nothing was installed; rerun with --force to update", file=sys.stderr)
+        if edited:
+            print(f"omskills: error: {len(edited)} installed file(s) differ from what omskills installed (local edits, "
+                  f"diff above): nothing was installed; rerun with --force to overwrite them", file=sys.stderr)
+        return 1
+    for skill in report.skills:
+        counts = {kind: sum(c.change == kind for c in skill.changes) for kind in ("add", "update", "remove")}
+        done = ", ".join(f"{n} file(s) {verb}" for verb, n in
+                         zip(("added", "updated", "removed"), counts.values()) if n) or "already up to date"
+        print(f"installed {skill.dest}: {done}")
+    for change in edits:
+        print(f"  overwrote local edits: {change.path} ({change.change})")
+    return 0
+
+
+def _install_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("client", choices=get_args(Client), help="the MCP client to configure")
+    p.add_argument("--workspace", help="root folder the server's path arguments must stay inside (default: the "
+                                       "current folder; claude-code --scope user: each session's folder)")
+    p.add_argument("--scope", choices=get_args(Scope),
+                   help="claude-code only: WORKSPACE/.mcp.json (project, default) or ~/.claude.json (user)")
+    p.add_argument("--force", action="store_true", help="replace a different omskills entry already there")
+
+
+@command("install-client", _install_client_args)
+def _install_client(ns: argparse.Namespace) -> int:
+    """Write this installation's MCP server (absolute paths) into Claude Code's or Claude Desktop's config."""
+    import sys
+    from pathlib import Path
+
+    from .skills_admin import install_client
+
+    result = install_client(ns.client, Path(ns.workspace) if ns.workspace else None, ns.scope, force=ns.force)
+    sys.stdout.write(result.diff)
+    where = f"mcpServers.omskills in {result.config_path}"
+    if result.status == "refused":
+        print(f"omskills: error: {where} is a different server (diff above); rerun with --force to replace it",
+              file=sys.stderr)
+        return 1
+    print(f"{result.status}: {where}")
+    if result.status != "unchanged":
+        then = "restart Claude Desktop" if ns.client == "claude-desktop" else "in Claude Code, run /mcp to connect it"
+        print(f"next: {then}; the server starts with: {result.entry['command']} {' '.join(result.entry['args'])}")
     return 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import get_args
+
+from omskills.records.literals import BundleArtifact
 
 from .cli import command
 
@@ -12,7 +15,7 @@ from .cli import command
 def _bundle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("task", help="the run's task record (runs/<task>/task.yaml), verified")
     p.add_argument("--out", help="bundle folder (default: <run>/bundle); an earlier bundle there is replaced")
-    p.add_argument("--artifact", choices=["auto", "onnx", "om"], default="auto",
+    p.add_argument("--artifact", choices=get_args(BundleArtifact), default="auto",
                    help="auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come")
     p.add_argument("--no-weights", action="store_true", help="do not copy the checkpoint (the loader must be given it)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from .cli import command
@@ -45,17 +46,40 @@ def _with_overrides(record, base_dir: Path, ns: argparse.Namespace):
     return record
 
 
+class PhaseLines:
+    """Shows the engine's progress reports as lines on stderr, with the seconds since the start:
+    a log file keeps them, where it hides tqdm's redrawn bars."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._last: str | None = None
+
+    def __call__(self, done: float, total: float | None, message: str) -> None:
+        if message != self._last:  # a repeated message adds nothing to a log
+            self._last = message
+            print(f"[{time.perf_counter() - self._start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 @command("main-path", _main_path_args)
 def _main_path(ns: argparse.Namespace) -> int:
     """Run the model's main path once and write main_path.json, outputs.npz and its pictures."""
-    from omskills.records.task import load_record
-    from omskills.stages.main_path import run_and_report
+    from omskills import progress
 
-    task_path = Path(ns.task)
-    base = task_path.resolve().parent
-    record = _with_overrides(load_record(task_path), base, ns)
-    out = Path(ns.out) if ns.out else Path("runs") / f"{record.id}-{record.intake.model.scale}" / "main_path"
-    report, _ = run_and_report(record, base, out)
+    with progress.reporting_to(PhaseLines()):
+        # Said before the imports: reading the record imports its driver (torch, the model's package).
+        progress.report(0, None, f"reading {ns.task} and loading its model driver...")
+        from omskills.records.task import load_record
+        from omskills.stages.main_path import run_and_report
+
+        task_path = Path(ns.task)
+        base = task_path.resolve().parent
+        record = _with_overrides(load_record(task_path), base, ns)
+        out = Path(ns.out) if ns.out else Path("runs") / f"{record.id}-{record.intake.model.scale}" / "main_path"
+        if out.exists() and not out.is_dir():  # said now, not after the model has run
+            from omskills.errors import InputError
+
+            raise InputError(f"--out: {out} is a file, not a folder")
+        report, _ = run_and_report(record, base, out)
     unit = report.step_name
     print(f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_steps} {unit}s "
           f"in {report.total_seconds:.1f} s ({report.seconds_per_step:.2f} s/{unit}) | load {report.load_seconds:.1f} s "
@@ -114,24 +138,28 @@ def _adapt(ns: argparse.Namespace) -> int:
     import asyncio
 
     from omskills.models.registry import localised_intake
-    from omskills.records.task import load_record, save_record
+    from omskills.records.task import load_record, save_record, updating
+
+    from .run_lock import claim_run_folder
 
     base = Path(ns.task).resolve().parent
     source = _with_overrides(load_record(ns.task), base, ns)
     out = Path(ns.out) if ns.out else Path("runs") / f"{source.id}-{source.intake.model.scale}"
+    # One adapt per run folder (exit 2 naming the owner); the record may name inputs beside the given one.
+    claim_run_folder(out, inputs_from=(base, ns.source))
     out.mkdir(parents=True, exist_ok=True)
     task = out / "task.yaml"
+    intake = localised_intake(source.intake, base)  # paths stay valid from the run folder
     if task.exists():  # resume: keep the results, take the intake from the command line
-        record = load_record(task)
-        record.intake = source.intake
+        with updating(task) as record:
+            record.intake = intake
     else:
-        record = source
-    record.intake = localised_intake(record.intake, base)  # paths stay valid from the run folder
-    save_record(record, task)
+        source.intake = intake
+        save_record(source, task)
     if ns.agent == "claude":
         from .agent import agent_settings, run_agent
 
-        settings = agent_settings(ns.model, ns.max_turns, ns.max_tokens)
+        settings = agent_settings(ns.model, ns.max_turns, ns.max_tokens, ns.retry_seconds)
         result = asyncio.run(run_agent(str(task), settings=settings, workspace=out))
         print(f"agent stopped: {result.stop}; transcript {result.transcript_path}", file=sys.stderr)
         return 0 if result.stop == "end_turn" else 1

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import anyio
 import mcp_types as types
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -28,6 +29,9 @@ from pydantic import BaseModel
 ProgressFn = Callable[[float, float | None, str | None], Awaitable[None]]
 
 _SERVE_ENTRY = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
+
+# A job_status poll that times out (a busy machine) is asked again this many times before call_as_job gives up.
+POLL_TIMEOUT_RETRIES = 3
 
 # Secrets the tool server has no use for stay out of its environment.
 _WITHHELD_ENV_PREFIXES = ("ANTHROPIC_",)
@@ -67,6 +71,11 @@ class OmskillsClient:
         self._tools: list[ToolSpec] | None = None
 
     async def list_tools(self) -> list[ToolSpec]:
+        """The skill tools, without the server's own start_job/job_status/...
+
+        The orchestrator calls tools directly (it holds a request as long as the tool runs, with
+        progress) or through `call_as_job`, so a model it drives needs no start-then-poll tools.
+        """
         if self._tools is None:
             listed = await self.session.list_tools()
             self._tools = [
@@ -78,7 +87,7 @@ class OmskillsClient:
                 )
                 for t in listed.tools
             ]
-        return self._tools
+        return [t for t in self._tools if t.skill is not None]
 
     async def call(self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None) -> ToolCallOutcome:
         """Call a tool. A tool failure is an outcome with `is_error`, not an exception."""
@@ -96,6 +105,58 @@ class OmskillsClient:
             structured=structured,
             seconds=round(time.perf_counter() - started, 3),
         )
+
+    async def call_as_job(self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None,
+                          poll_seconds: float = 5.0) -> ToolCallOutcome:
+        """Call a tool through start_job / job_status: no request lasts longer than `poll_seconds`
+        (plus the answer's way back), for sessions with a short `read_timeout_seconds`.
+
+        A poll that times out is asked again (up to POLL_TIMEOUT_RETRIES times in a row): the job
+        goes on meanwhile. The job is cancelled only when this coroutine is cancelled; any other
+        error is raised with the job left running (job_status / cancel_job still reach it)."""
+        started = time.perf_counter()
+        job = await self.call("start_job", {"tool": name, "arguments": arguments}, on_progress)
+        if job.is_error:
+            return job.model_copy(update={"name": name, "arguments": arguments})
+        status = job.structured
+        try:
+            timeouts = 0
+            while status["state"] == "running":
+                try:
+                    polled = await self.call("job_status", {"job_id": status["job_id"], "wait_seconds": poll_seconds},
+                                             on_progress)
+                except MCPError as err:
+                    if err.code == types.CONNECTION_CLOSED:
+                        await self._cancel_job(status["job_id"])  # over HTTP the server may outlive the link
+                    if err.code != types.REQUEST_TIMEOUT or timeouts >= POLL_TIMEOUT_RETRIES:
+                        raise
+                    timeouts += 1
+                    continue
+                timeouts = 0
+                if polled.is_error:
+                    return polled.model_copy(update={"name": name, "arguments": arguments})
+                status = polled.structured
+        except anyio.get_cancelled_exc_class():
+            await self._cancel_job(status["job_id"])
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            await self._cancel_job(status["job_id"])
+            raise
+        failed = status["state"] != "succeeded"
+        structured = status["result"]
+        return ToolCallOutcome(
+            name=name,
+            arguments=arguments,
+            is_error=failed,
+            text=(status["error"] or status["state"]) if failed else json.dumps(structured),
+            structured=None if failed else structured,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    async def _cancel_job(self, job_id: str) -> None:
+        """Best effort: tell the server to stop the job (the connection may already be gone)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10), contextlib.suppress(Exception):
+            await self.session.call_tool("cancel_job", {"job_id": job_id, "wait_seconds": 0})
 
     async def list_resources(self) -> list[ResourceSpec]:
         listed = await self.session.list_resources()
@@ -121,6 +182,9 @@ def server_parameters(workspace: Path, skills_dir: Path | None = None, env: dict
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(_WITHHELD_ENV_PREFIXES)}
     # The server's own log stays quiet unless asked: the orchestrator reports every outcome itself.
     inherited.setdefault("OMSKILLS_LOG_LEVEL", "WARNING")
+    # The server ends with us (parent-death signal, parent pid watch); with our pid it also knows
+    # whether we died before it started watching.
+    inherited["OMSKILLS_PARENT_PID"] = str(os.getpid())
     return StdioServerParameters(command=sys.executable, args=args, env=inherited | (env or {}), cwd=str(workspace))
 
 
@@ -152,12 +216,17 @@ async def connect(
     *,
     env: dict[str, str] | None = None,
     errlog: TextIO = sys.stderr,
+    read_timeout_seconds: float | None = None,
 ) -> AsyncIterator[OmskillsClient]:
-    """Start `omskills serve --workspace WORKSPACE` as a child process and connect over stdio."""
+    """Start `omskills serve --workspace WORKSPACE` as a child process and connect over stdio.
+
+    `read_timeout_seconds`: give up on any request after this long (and tell the server to
+    cancel it), as clients with short timeouts do; None (the default) waits as long as a tool runs.
+    """
     params = server_parameters(Path(workspace).resolve(), Path(skills_dir).resolve() if skills_dir else None, env)
     try:
         async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write) as session:
+            async with ClientSession(read, write, read_timeout_seconds=read_timeout_seconds) as session:
                 yield await _initialized(session, "omskills serve")
     except BaseExceptionGroup as group:
         if (err := _only_omskills_error(group)) is not None:

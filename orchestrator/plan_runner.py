@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mcp.shared.exceptions import MCPError
+from omskills.progress import is_heartbeat, without_elapsed
 from pydantic import BaseModel, Field
 from tqdm import tqdm
 
@@ -52,21 +53,36 @@ class PlanResult(BaseModel):
 
 
 class ToolCallDisplay:
-    """A start line, a tqdm bar fed by progress notifications, an end line (on stderr)."""
+    """A start line, the tool's progress, an end line (on stderr).
+
+    The server's progress value is elapsed seconds and its message the current phase, with
+    heartbeats ("<tool>: running for N s; last: ...") in between (both worded by
+    `omskills.progress`). On a terminal one status line shows the elapsed time and the phase; in a
+    log file each new phase is a line of its own, its elapsed time shown once (heartbeats are left
+    out: they repeat the phase).
+    """
 
     def __init__(self, prefix: str, tool: str, stream: TextIO) -> None:
         self.prefix = prefix
         self.stream = stream
         self.bar: tqdm | None = None
+        self.last_phase: str | None = None
+        self.on_terminal = bool(getattr(stream, "isatty", lambda: False)())
         print(f"{self.prefix}: {tool} ...", file=stream, flush=True)
 
     async def on_progress(self, done: float, total: float | None, message: str | None) -> None:
+        if not self.on_terminal:
+            phase = without_elapsed(message) if message else None
+            if phase and phase != self.last_phase and not is_heartbeat(phase):
+                self.last_phase = phase
+                print(f"{self.prefix}: [{done:6.1f} s] {phase}", file=self.stream, flush=True)
+            return
         if self.bar is None:
-            # disable=None: a bar on a terminal, nothing in a log file.
-            self.bar = tqdm(total=total, desc=self.prefix, file=self.stream, leave=False, disable=None, dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=self.prefix, file=self.stream, leave=False, dynamic_ncols=True,
+                            bar_format="{desc}: {elapsed} {postfix}" if total is None else None)
         if total is not None:
             self.bar.total = total
-        self.bar.n = done
+            self.bar.n = done
         if message:
             self.bar.set_postfix_str(message, refresh=False)
         self.bar.refresh()

@@ -10,8 +10,11 @@ naming every tool the skill ships.
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import inspect
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,12 +22,16 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Literal
 
 import jinja2
 import skills_ref
 from omskills.errors import InputError, OmskillsError
+from omskills.files import atomic_write_text
 from omskills.host.mcp_server import registration_problem
-from omskills.host.toolkit import TOOL_NAME, ToolInfo, load_tool, skills_root
+from omskills.host.toolkit import TOOL_NAME, ToolInfo, hints_of, load_tool, parameter_description, skills_root
+from omskills.orchestrator.choices import Client, Scope
+from omskills.orchestrator.version import installed_version
 from pydantic import BaseModel, Field
 from skills_ref.validator import validate_metadata
 
@@ -140,7 +147,8 @@ def script_files(skill: Path) -> list[Path]:
 
 
 def signature_problems(func: object) -> list[str]:
-    """A tool's signature rules: every parameter and the return annotated, no *args/**kwargs."""
+    """A tool's signature rules: every parameter annotated and described, the return annotated, no
+    *args/**kwargs, a docstring, and `@tool_hints` (the MCP title and annotations)."""
     problems: list[str] = []
     try:
         hints = inspect.get_annotations(func, eval_str=True)  # type: ignore[arg-type]
@@ -151,12 +159,18 @@ def signature_problems(func: object) -> list[str]:
             problems.append(f"parameter {pname!r}: *args/**kwargs cannot be described to a model; name each argument")
         elif pname not in hints:
             problems.append(f"parameter {pname!r} has no type annotation")
+        elif parameter_description(hints[pname]) is None:
+            problems.append(f"parameter {pname!r} has no description: annotate it "
+                            f"Annotated[T, Field(description=...)] (pydantic Field; clients show it)")
         if pname.startswith("_"):
             problems.append(f"parameter {pname!r}: names starting with '_' are not allowed by MCP")
     if "return" not in hints:
         problems.append("the return type is not annotated (return a pydantic model)")
     if not (inspect.getdoc(func) or "").strip():
         problems.append("the function has no docstring (the model reads it as the tool description)")
+    if hints_of(func) is None:  # type: ignore[arg-type]
+        problems.append("no @tool_hints(title=..., read_only=..., ...): clients need its title and whether it "
+                        "writes, destroys or runs long (from omskills.host.toolkit import tool_hints)")
     return problems
 
 
@@ -245,22 +259,256 @@ def validate_skills(paths: Iterable[Path] | None = None, *, run_help: bool = Tru
 
 # --------------------------------------------------------------------------- install-skills
 
+# Written into each installed skill: the hash of every file as installed, so a later install can
+# tell a file edited by its user (kept unless --force) from one it may simply update.
+INSTALL_MANIFEST = ".omskills-install.json"
 
-def install_skills(target: Path, source: Path | None = None) -> list[Path]:
-    """Copy each skill's SKILL.md, references/ and scripts/ into `target/<skill>/` (replacing it)."""
-    installed: list[Path] = []
-    for skill in skill_dirs([source] if source else None):
-        if not (skill / "SKILL.md").is_file():
-            raise OmskillsError(f"{skill} has no SKILL.md; run `omskills validate` before installing")
-        dest = target / skill.name
-        if dest.exists():
-            if not (dest / "SKILL.md").is_file():
-                raise InputError(f"{dest} exists and is not an installed skill; move it away first")
-            shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        shutil.copy2(skill / "SKILL.md", dest / "SKILL.md")
-        for part in ("references", "scripts"):
-            if (skill / part).is_dir():
-                shutil.copytree(skill / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        installed.append(dest)
-    return installed
+
+class InstallManifest(BaseModel):
+    omskills_version: str
+    files: dict[str, str]  # path inside the skill -> sha256 of the content installed
+
+
+class FileChange(BaseModel):
+    """One installed file an install would add, update or remove."""
+
+    path: Path
+    change: Literal["add", "update", "remove"]
+    # Its content is not what omskills installed there (edited since, or never installed by it).
+    local_edit: bool
+    diff: str  # unified diff from the file as it is to what the install leaves
+
+
+class SkillInstall(BaseModel):
+    skill: str
+    dest: Path
+    changes: list[FileChange] = Field(default_factory=list)
+    # Installed before without an install manifest (by an omskills that wrote none): every changed
+    # file then counts as a local edit, since nothing says what was installed.
+    older_install: bool = False
+
+    @property
+    def local_edits(self) -> list[FileChange]:
+        return [c for c in self.changes if c.local_edit]
+
+
+class InstallReport(BaseModel):
+    target: Path
+    skills: list[SkillInstall]
+    written: bool  # False: local edits were found and nothing was written (rerun with force)
+
+    @property
+    def local_edits(self) -> list[FileChange]:
+        return [c for s in self.skills for c in s.local_edits]
+
+    @property
+    def installed(self) -> list[Path]:
+        return [s.dest for s in self.skills] if self.written else []
+
+
+def user_skills_dir() -> Path:
+    """Claude Code's skills folder for every project of this user."""
+    return Path.home() / ".claude" / "skills"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _files_under(folder: Path) -> dict[str, bytes]:
+    """Every file of an installed or source skill by its path inside it (caches and the manifest left out)."""
+    found: dict[str, bytes] = {}
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if not path.is_file() or relative.as_posix() == INSTALL_MANIFEST:
+            continue
+        if any(part == "__pycache__" for part in relative.parts) or path.suffix == ".pyc":
+            continue
+        found[relative.as_posix()] = path.read_bytes()
+    return found
+
+
+def _source_files(skill: Path) -> dict[str, bytes]:
+    files = {"SKILL.md": (skill / "SKILL.md").read_bytes()}
+    for part in ("references", "scripts"):
+        if (skill / part).is_dir():
+            files.update({f"{part}/{name}": data for name, data in _files_under(skill / part).items()})
+    return files
+
+
+def _read_manifest(dest: Path) -> InstallManifest | None:
+    try:
+        return InstallManifest.model_validate_json((dest / INSTALL_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or unreadable: every difference counts as a local edit
+        return None
+
+
+def unified_diff(before: bytes | None, after: bytes | None, before_label: str, after_label: str) -> str:
+    try:
+        old = (before or b"").decode("utf-8").splitlines(keepends=True)
+        new = (after or b"").decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return f"Binary files {before_label} and {after_label} differ\n"
+    lines = difflib.unified_diff(old, new, before_label if before is not None else "/dev/null",
+                                 after_label if after is not None else "/dev/null")
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+
+
+def _plan_skill(skill: Path, dest: Path, version: str) -> tuple[SkillInstall, dict[str, bytes]]:
+    if not (skill / "SKILL.md").is_file():
+        raise OmskillsError(f"{skill} has no SKILL.md; run `omskills validate` before installing")
+    if dest.exists() and not (dest / "SKILL.md").is_file():
+        raise InputError(f"{dest} exists and is not an installed skill; move it away first")
+    new = _source_files(skill)
+    old = _files_under(dest) if dest.exists() else {}
+    manifest = _read_manifest(dest)
+    installed_hashes = manifest.files if manifest else {}
+    plan = SkillInstall(skill=skill.name, dest=dest, older_install=bool(old) and manifest is None)
+    for name in sorted(old.keys() | new.keys()):
+        before, after = old.get(name), new.get(name)
+        if before == after:
+            continue
+        change = "add" if before is None else "remove" if after is None else "update"
+        edited = before is not None and installed_hashes.get(name) != _sha256(before)
+        diff = unified_diff(before, after, f"{dest / name} (installed)", f"{dest / name} (omskills {version})")
+        plan.changes.append(FileChange(path=dest / name, change=change, local_edit=edited, diff=diff))
+    return plan, new
+
+
+def _write_skill(skill: Path, plan: SkillInstall, files: dict[str, bytes], version: str) -> None:
+    """Apply the plan's changes (identical files are not touched) and record what is installed."""
+    for change in plan.changes:
+        if change.change == "remove":
+            change.path.unlink()
+            for folder in change.path.parents:  # drop the folders it leaves empty
+                if folder == plan.dest or any(folder.iterdir()):
+                    break
+                folder.rmdir()
+        else:
+            change.path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(skill / change.path.relative_to(plan.dest), change.path)  # keeps the mode
+    manifest = InstallManifest(omskills_version=version, files={name: _sha256(data) for name, data in files.items()})
+    if _read_manifest(plan.dest) != manifest:
+        atomic_write_text(plan.dest / INSTALL_MANIFEST, manifest.model_dump_json(indent=2) + "\n")
+
+
+def install_skills(target: Path, source: Path | None = None, *, force: bool = False) -> InstallReport:
+    """Install each skill's SKILL.md, references/ and scripts/ as `target/<skill>/`.
+
+    A file whose content is not what omskills installed there (edited, or added by hand) is a
+    local edit: unless `force`, nothing at all is written and the report carries the diffs.
+    Files unchanged since the last install are updated; identical files are left as they are.
+    """
+    version = installed_version()
+    skills = skill_dirs([source] if source else None)
+    plans = [_plan_skill(skill, target / skill.name, version) for skill in skills]
+    report = InstallReport(target=target, skills=[plan for plan, _ in plans], written=False)
+    if report.local_edits and not force:
+        return report
+    for skill, (plan, files) in zip(skills, plans):
+        _write_skill(skill, plan, files, version)
+    report.written = True
+    return report
+
+
+# --------------------------------------------------------------------------- install-client
+
+SERVER_NAME = "omskills"
+
+
+class ClientInstall(BaseModel):
+    """What `install-client` did to one client's configuration file."""
+
+    client: Client
+    config_path: Path
+    entry: dict[str, Any]  # the mcpServers.omskills entry it wants there
+    previous: dict[str, Any] | None  # the entry that was there
+    status: Literal["added", "replaced", "unchanged", "refused"]
+    diff: str
+
+
+def serve_command(workspace: str) -> tuple[str, list[str]]:
+    """The command that starts this installation's MCP server, with absolute paths.
+
+    The interpreter path is kept as it is (not resolved): a venv's python is a symlink whose
+    target does not see the venv's packages.
+    """
+    python = Path(sys.executable).absolute()
+    script = python.parent / ("omskills.exe" if os.name == "nt" else "omskills")
+    if script.is_file():
+        return str(script), ["serve", "--workspace", workspace]
+    return str(python), ["-m", "omskills.orchestrator.cli", "serve", "--workspace", workspace]
+
+
+def desktop_config_path() -> Path:
+    """Claude Desktop's configuration file on this system."""
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
+    if sys.platform == "win32":
+        return Path(os.environ.get("APPDATA", home / "AppData" / "Roaming")) / "Claude" / "claude_desktop_config.json"
+    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "Claude" / "claude_desktop_config.json"
+
+
+def _client_target(client: Client, workspace: Path | None, scope: Scope | None) -> tuple[Path, str, dict[str, Any]]:
+    """(config file, server workspace argument, extra entry fields) for a client and scope."""
+    if workspace is not None and not workspace.is_dir():
+        raise InputError(f"--workspace: {workspace} is not a folder")
+    folder = (workspace or Path.cwd()).resolve()
+    if client == "claude-desktop":
+        if scope is not None:
+            raise InputError("--scope applies to claude-code only (Claude Desktop has one configuration)")
+        # Claude Desktop starts servers in `/`: the workspace must be absolute.
+        return desktop_config_path(), str(folder), {}
+    if (scope or "project") == "project":
+        return folder / ".mcp.json", str(folder), {"type": "stdio"}
+    # User scope serves every project: without --workspace, each session's own folder (the
+    # server's cwd is the folder `claude` was started in).
+    return Path.home() / ".claude.json", str(folder) if workspace else ".", {"type": "stdio"}
+
+
+def _load_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path}: cannot read it as JSON ({err}); fix or move it (nothing was written)") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object at the top level (nothing was written)")
+    if not isinstance(data.get("mcpServers", {}), dict):
+        raise InputError(f"{path}: mcpServers is not a JSON object (nothing was written)")
+    return data
+
+
+def write_json_keeping_mode(path: Path, data: dict[str, Any]) -> None:
+    """Replace `path` atomically (a crash leaves the old file), keeping its permissions."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def install_client(client: Client, workspace: Path | None = None, scope: Scope | None = None,
+                   *, force: bool = False) -> ClientInstall:
+    """Add the omskills server to a client's `mcpServers`, keeping every other server and key.
+
+    A different omskills entry already there is replaced only with `force`; the result carries
+    the diff either way.
+    """
+    path, workspace_arg, extra = _client_target(client, workspace, scope)
+    command, args = serve_command(workspace_arg)
+    entry = {**extra, "command": command, "args": args, "env": {}}
+    data = _load_config(path)
+    previous = data.get("mcpServers", {}).get(SERVER_NAME)
+    label = f"{path} mcpServers.{SERVER_NAME}"
+    as_text = lambda value: (json.dumps(value, indent=2) + "\n").encode()  # noqa: E731
+    diff = unified_diff(as_text(previous) if previous is not None else None, as_text(entry), f"{label} (now)", f"{label} (new)")
+    result = ClientInstall(client=client, config_path=path, entry=entry, previous=previous, status="added", diff=diff)
+    if previous == entry:
+        result.status, result.diff = "unchanged", ""
+    elif previous is not None and not force:
+        result.status = "refused"
+    else:
+        result.status = "replaced" if previous is not None else "added"
+        data.setdefault("mcpServers", {})[SERVER_NAME] = entry
+        write_json_keeping_mode(path, data)
+    return result

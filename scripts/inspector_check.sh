@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # A third-party MCP client against `omskills serve`: the MCP Inspector CLI (npm, Node >= 20).
 #
-#   1. tools/list on the project's real skills;
-#   2. tools/call of a tool scaffolded by `omskills new-skill` in a temporary skills folder
-#      (so the call does not depend on which stage tools exist today);
-#   3. the same tool with a task record outside the workspace: the server must refuse it,
+#   1. connect time: how long `omskills serve` takes to answer `initialize` and `tools/list`
+#      (measured with the SDK's stdio client, median of 3; must be under 2 s), and the
+#      Inspector's own wall time for tools/list against omskills and against a one-tool server
+#      (the difference is what our server adds);
+#   2. tools/list on the project's real skills: every tool has a title and annotations;
+#   3. resources/list, resources/templates/list and prompts/list (with descriptions),
+#      prompts/get of adapt_task;
+#   4. tools/call of a tool scaffolded by `omskills new-skill` in a temporary skills folder
+#      (so the call does not depend on which stage tools exist today), directly and as a job
+#      (start_job: a quick tool has ended by the time the job id comes back);
+#   5. the same tool with a task record outside the workspace: the server must refuse it,
 #      which the Inspector reports with exit status 5 (tool error).
 #
 # Usage: scripts/inspector_check.sh   (from anywhere; uses the repo's .venv)
@@ -14,17 +21,103 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 omskills="$repo/.venv/bin/omskills"
 python="$repo/.venv/bin/python"
 inspector=(npx -y @modelcontextprotocol/inspector@2.12.0 --cli)
+connect_limit=2.0
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 
-echo "== tools/list (real skills)"
+now() { "$python" -c 'import time; print(time.monotonic())'; }
+
+echo "== connect time (omskills serve --workspace $repo)"
+set +e
+"$python" - "$omskills" "$repo" "$connect_limit" <<'PY'
+import statistics, sys, time
+import anyio
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+omskills, workspace, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+
+async def once() -> tuple[float, float]:
+    params = StdioServerParameters(command=omskills, args=["serve", "--workspace", workspace], cwd=workspace)
+    started = time.monotonic()
+    with open("/dev/null", "w") as quiet:
+        async with stdio_client(params, errlog=quiet) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                initialized = time.monotonic() - started
+                await session.list_tools()
+                return initialized, time.monotonic() - started
+
+runs = [anyio.run(once) for _ in range(3)]
+init = statistics.median(r[0] for r in runs)
+listed = statistics.median(r[1] for r in runs)
+print(f"  initialize answered after {init:.2f} s, tools/list after {listed:.2f} s "
+      f"(median of 3; runs: {', '.join(f'{a:.2f}/{b:.2f}' for a, b in runs)})")
+verdict = "ok" if init < limit else "OVER"
+print(f"  connect time {init:.2f} s vs limit {limit:.1f} s: {verdict}")
+sys.exit(0 if init < limit else 3)
+PY
+connect_status=$?
+set -e
+
+cat > "$scratch/one_tool_server.py" <<'PY'
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("baseline")
+
+
+@server.tool()
+def ping() -> str:
+    """Answer pong."""
+    return "pong"
+
+
+server.run("stdio")
+PY
+t0=$(now)
+"${inspector[@]}" "$python" "$scratch/one_tool_server.py" --method tools/list > /dev/null
+t1=$(now)
 (cd "$repo" && "${inspector[@]}" "$omskills" serve --workspace . --method tools/list) > "$scratch/list.json"
+t2=$(now)
+"$python" -c "import sys; a,b,c = map(float, sys.argv[1:]); print(f'  Inspector tools/list wall time: omskills {c-b:.2f} s, one-tool server {b-a:.2f} s (node + npx + Python start): omskills adds {c-b-(b-a):.2f} s')" "$t0" "$t1" "$t2"
+
+echo "== tools/list (real skills)"
 "$python" - "$scratch/list.json" <<'PY'
 import json, sys
 tools = json.load(open(sys.argv[1]))["tools"]
 for tool in tools:
-    print(f"  {tool['name']:28s} {tool['description'].splitlines()[0][:80]}")
-print(f"  {len(tools)} tool(s)")
+    hints = tool.get("annotations") or {}
+    flags = "".join(flag for flag, key in (("R", "readOnlyHint"), ("D", "destructiveHint"), ("I", "idempotentHint")) if hints.get(key))
+    print(f"  {tool['name']:24s} {flags:3s} {(tool.get('title') or '-')[:40]:40s} {tool['description'].splitlines()[0][:60]}")
+missing = [t["name"] for t in tools if not t.get("title") or not t.get("annotations")]
+print(f"  {len(tools)} tool(s) (R read-only, D destructive, I idempotent); without title or annotations: {missing or 'none'}")
+PY
+
+echo "== resources/list, resources/templates/list, prompts/list (real skills, workspace = repo)"
+(cd "$repo" && "${inspector[@]}" "$omskills" serve --workspace . --method resources/list) > "$scratch/resources.json"
+(cd "$repo" && "${inspector[@]}" "$omskills" serve --workspace . --method resources/templates/list) > "$scratch/templates.json"
+(cd "$repo" && "${inspector[@]}" "$omskills" serve --workspace . --method prompts/list) > "$scratch/prompts.json"
+(cd "$repo" && "${inspector[@]}" "$omskills" serve --workspace . --method prompts/get --prompt-name adapt_task \
+  --prompt-args task=task_records/sam3-video-text.yaml) > "$scratch/prompt.json"
+"$python" - "$scratch" <<'PY'
+import json, sys
+from pathlib import Path
+scratch = Path(sys.argv[1])
+resources = json.loads((scratch / "resources.json").read_text())["resources"]
+for r in resources[:12]:
+    print(f"  {r['uri']:58s} {r.get('mimeType', '-'):16s} {(r.get('description') or '')[:60]}")
+undescribed = [r["uri"] for r in resources if not r.get("description")]
+print(f"  {len(resources)} resource(s); without a description: {undescribed or 'none'}")
+templates = json.loads((scratch / "templates.json").read_text())["resourceTemplates"]
+for t in templates:
+    print(f"  {t['uriTemplate']:32s} {t.get('mimeType', '-'):20s} {(t.get('description') or '')[:60]}")
+prompts = json.loads((scratch / "prompts.json").read_text())["prompts"]
+for p in prompts:
+    args = ", ".join(a["name"] for a in p.get("arguments", []))
+    print(f"  prompt {p['name']} ({args}): {p.get('title')}")
+text = json.loads((scratch / "prompt.json").read_text())["messages"][0]["content"]["text"]
+print(f"  prompts/get adapt_task: {text.splitlines()[0]}")
+assert resources and templates and len(prompts) >= 2 and not undescribed
 PY
 
 echo "== tools/call (scaffolded skill)"
@@ -42,6 +135,11 @@ serve=("$omskills" serve --workspace "$scratch/ws" --skills-dir "$scratch/skills
   | tee "$scratch/call.json"
 grep -q '"task_id": "inspector"' "$scratch/call.json"
 
+echo "== tools/call start_job (the same tool as a job)"
+"${inspector[@]}" "${serve[@]}" --method tools/call --tool-name start_job \
+  --tool-args-json '{"tool": "inspector_demo_task_summary", "arguments": {"task": "task.yaml"}}' | tee "$scratch/job.json"
+grep -q '"state": "succeeded"' "$scratch/job.json"
+
 echo "== tools/call with a path outside the workspace (must be refused)"
 set +e
 "${inspector[@]}" "${serve[@]}" --method tools/call --tool-name inspector_demo_task_summary \
@@ -53,4 +151,8 @@ if [[ $status -ne 5 ]] || ! grep -q "outside the workspace" "$scratch/refused.js
   echo "FAILED: expected exit 5 and 'outside the workspace', got exit $status" >&2
   exit 1
 fi
-echo "== ok: the Inspector listed the tools, called one, and saw the refusal"
+if [[ $connect_status -ne 0 ]]; then
+  echo "FAILED: connect time over ${connect_limit} s (see above)" >&2
+  exit 1
+fi
+echo "== ok: the Inspector listed tools, resources and prompts, called a tool directly and as a job, and saw the refusal"

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = REPO / "task_records" / "sam3-video-text.yaml"
@@ -19,9 +20,20 @@ def omskills(*args: str, cwd: Path | None = None, check: bool = False,
 
 
 @pytest.fixture(scope="session")
-def tiny_adaptation(tmp_path_factory) -> Path:
-    """`omskills adapt` on tiny SAM 3, 2 frames: the run folder (task.yaml, onnx/, verify/...)."""
-    out = tmp_path_factory.mktemp("adapt") / "run"
-    result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+def tiny_adaptation(tmp_path_factory, worker_id: str) -> Path:
+    """`omskills adapt` on tiny SAM 3, 2 frames: the run folder (task.yaml, onnx/, verify/...).
+
+    Made once per test run, not once per xdist worker: the workers share the base temp folder's
+    parent, and a file lock lets the first one adapt while the others wait for its folder.
+    Tests read it; a test that changes a run works on a copy.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    out = shared / "tiny-adaptation" / "run"
+    finished = out.parent / "adapt-finished"
+    with FileLock(str(shared / "tiny-adaptation.lock")):
+        if not finished.exists():
+            result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(out))
+            assert result.returncode == 0, result.stderr[-3000:]
+            finished.write_text(result.stderr)
     return out

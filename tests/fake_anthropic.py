@@ -2,6 +2,8 @@
 
 The real `anthropic` SDK is pointed at it with `base_url`; it POSTs to /v1/messages and
 gets the next scripted message back (id, type, role, model, content, stop_reason, usage).
+A script entry may also be an `HttpError` (a 529, a 400 ... with the API's error body and
+headers), or a function of the request body that returns either.
 """
 
 from __future__ import annotations
@@ -11,10 +13,32 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Union
 
 Reply = dict[str, Any]
+
+
+@dataclass
+class HttpError:
+    """An error answer as the API gives it: status, `{"type": "error", "error": {...}}`, headers."""
+
+    status: int
+    error_type: str
+    message: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
+
+
+def overloaded(**headers: str) -> HttpError:
+    return HttpError(529, "overloaded_error", "Overloaded", dict(headers))
+
+
+Answer = Union[Reply, HttpError]
+Entry = Union[Answer, Callable[[dict[str, Any]], Answer]]
 _ids = itertools.count(1)
 
 
@@ -23,7 +47,12 @@ def tool_use(name: str, arguments: dict[str, Any], text: str | None = None) -> l
     return ([{"type": "text", "text": text}] if text else []) + [block]
 
 
-def message(content: list[dict[str, Any]], stop_reason: str, usage: tuple[int, int] = (100, 20)) -> Reply:
+def message(content: list[dict[str, Any]], stop_reason: str, usage: tuple[int, int] = (100, 20),
+            cache: tuple[int, int] | None = None) -> Reply:
+    """An assistant message; `cache` = (cache_read_input_tokens, cache_creation_input_tokens) when given."""
+    tokens: dict[str, int] = {"input_tokens": usage[0], "output_tokens": usage[1]}
+    if cache is not None:
+        tokens |= {"cache_read_input_tokens": cache[0], "cache_creation_input_tokens": cache[1]}
     return {
         "id": f"msg_{next(_ids):04d}",
         "type": "message",
@@ -32,7 +61,7 @@ def message(content: list[dict[str, Any]], stop_reason: str, usage: tuple[int, i
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": None,
-        "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+        "usage": tokens,
     }
 
 
@@ -46,16 +75,17 @@ def done(text: str) -> Reply:
 
 
 class FakeMessagesAPI:
-    def __init__(self, script: list[Reply] | Callable[[int], Reply]) -> None:
+    def __init__(self, script: list[Entry] | Callable[[int], Answer]) -> None:
         self.script = script
         self.requests: list[dict[str, Any]] = []
         self.base_url = ""
 
-    def next_reply(self) -> Reply:
+    def next_reply(self) -> Answer:
         index = len(self.requests) - 1
         if callable(self.script):
             return self.script(index)
-        return self.script[index]
+        entry = self.script[index]
+        return entry(self.requests[-1]) if callable(entry) else entry
 
 
 def _handler(api: FakeMessagesAPI) -> type[BaseHTTPRequestHandler]:
@@ -67,13 +97,18 @@ def _handler(api: FakeMessagesAPI) -> type[BaseHTTPRequestHandler]:
                 return
             api.requests.append(body)
             try:
-                payload = json.dumps(api.next_reply()).encode()
-                status = 200
+                answer = api.next_reply()
             except IndexError:
-                payload = json.dumps({"type": "error", "error": {"type": "invalid_request_error", "message": "script exhausted"}}).encode()
-                status = 400
+                answer = HttpError(400, "invalid_request_error", "script exhausted")
+            if isinstance(answer, HttpError):
+                status, payload, headers = answer.status, json.dumps(answer.body()).encode(), answer.headers
+            else:
+                status, payload, headers = 200, json.dumps(answer).encode(), {}
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            self.send_header("request-id", f"req_{len(api.requests):04d}")
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -85,7 +120,7 @@ def _handler(api: FakeMessagesAPI) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_anthropic(script: list[Reply] | Callable[[int], Reply]) -> Iterator[FakeMessagesAPI]:
+def fake_anthropic(script: list[Entry] | Callable[[int], Answer]) -> Iterator[FakeMessagesAPI]:
     api = FakeMessagesAPI(script)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(api))
     api.base_url = f"http://127.0.0.1:{server.server_address[1]}"

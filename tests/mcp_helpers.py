@@ -2,7 +2,9 @@
 
 `write_toy_skill(root)` creates `root/toy-skill/` with tools that cover what a real tool
 does: a quick typed call, a long call that reports progress, an anticipated error
-(OmskillsError), a crash (RuntimeError), and a writer that takes a path and prints on
+(OmskillsError), a crash (RuntimeError), a stage tool that runs its step through the engine's
+`running_step` (so an interrupted step shows in the record), a reader whose path argument is
+confined only by its `WorkspacePath` marker, and a writer that takes a path and prints on
 stdout at both the Python and the file-descriptor level.
 """
 
@@ -24,7 +26,8 @@ description: Toy tools for testing the omskills MCP server. Use in tests only.
 # Toy skill
 
 Call `toy_add` to add, `toy_slow` for a long job with progress, `toy_fail` for an
-anticipated error, `toy_crash` for a crash, `toy_stage` to mark a stage done, `toy_write` to write a file.
+anticipated error, `toy_crash` for a crash, `toy_stage` to mark a stage done, `toy_write` to write a file,
+`toy_read` to measure a file.
 """
 
 _REFERENCE = "# Toy reference\n\nLoaded on demand.\n"
@@ -35,11 +38,14 @@ _TOOLS = {
 
         from pydantic import BaseModel
 
+        from omskills.host.toolkit import tool_hints
+
 
         class Sum(BaseModel):
             total: int
 
 
+        @tool_hints(title="Add two integers", read_only=True)
         def toy_add(a: int, b: int = 1) -> Sum:
             """Add a and b.
 
@@ -54,6 +60,7 @@ _TOOLS = {
 
         from pydantic import BaseModel
 
+        from omskills.host.toolkit import tool_hints
         from omskills.progress import track
 
 
@@ -61,6 +68,7 @@ _TOOLS = {
             steps: int
 
 
+        @tool_hints(title="Sleep with progress", read_only=True, long_running=True)
         def toy_slow(steps: int = 4, pause: float = 0.05) -> Slow:
             """Sleep `steps` times, reporting progress after each step."""
             done = 0
@@ -75,12 +83,14 @@ _TOOLS = {
         from pydantic import BaseModel
 
         from omskills.errors import InputError
+        from omskills.host.toolkit import tool_hints
 
 
         class Never(BaseModel):
             ok: bool
 
 
+        @tool_hints(title="Always refuse", read_only=True)
         def toy_fail(name: str) -> Never:
             """Always refuse, naming the argument."""
             raise InputError(f"argument 'name': no model called {name!r}")
@@ -90,11 +100,14 @@ _TOOLS = {
 
         from pydantic import BaseModel
 
+        from omskills.host.toolkit import tool_hints
+
 
         class Never(BaseModel):
             ok: bool
 
 
+        @tool_hints(title="Crash", read_only=True)
         def toy_crash(x: int) -> Never:
             """Crash with an unexpected exception."""
             raise RuntimeError(f"boom at {x}")
@@ -102,21 +115,50 @@ _TOOLS = {
     "toy_stage": '''
         """A stage tool: writes its result into the task record, as the real stage tools do."""
 
+        import time
+        from pathlib import Path
+
         from pydantic import BaseModel
 
-        from omskills.records.stages import StageResult
-        from omskills.records.task import now_iso, updating
+        from omskills import progress
+        from omskills.host.toolkit import tool_hints
+        from omskills.stages.steps import fingerprint, running_step
 
 
         class StageDone(BaseModel):
             stage: str
 
 
-        def toy_stage(task: str, stage: str = "toy_stage") -> StageDone:
-            """Mark `stage` done in the task record `task`."""
-            with updating(task) as record:
-                record.stages[stage] = StageResult(status="done", finished=now_iso(), note="toy")
+        @tool_hints(title="Mark a stage done", read_only=False, long_running=True)
+        def toy_stage(task: str, stage: str = "toy_stage", seconds: float = 0.0) -> StageDone:
+            """Work `seconds` (reporting progress, so it can be cancelled) inside the step `stage` of the task
+            record `task`, as the real stage tools do: running while it works, then done (or failed)."""
+            with running_step(Path(task), stage, fingerprint(stage, seconds)) as step:
+                started = time.monotonic()
+                while time.monotonic() - started < seconds:
+                    progress.report(time.monotonic() - started, seconds, "toy work")
+                    time.sleep(0.05)
+                step.result.note = "toy"
             return StageDone(stage=stage)
+        ''',
+    "toy_read": '''
+        """A reader whose path argument has no path-like name: only its WorkspacePath marker confines it."""
+
+        from pathlib import Path
+
+        from pydantic import BaseModel
+
+        from omskills.host.toolkit import WorkspacePath, tool_hints
+
+
+        class Size(BaseModel):
+            bytes: int
+
+
+        @tool_hints(title="Measure a file", read_only=True)
+        def toy_read(source: WorkspacePath) -> Size:
+            """The size of the file `source`, in bytes."""
+            return Size(bytes=Path(source).stat().st_size)
         ''',
     "toy_write": '''
         """Write a text file, printing noise on stdout the way chatty libraries do."""
@@ -126,6 +168,8 @@ _TOOLS = {
         from pathlib import Path
 
         from pydantic import BaseModel
+
+        from omskills.host.toolkit import tool_hints
 
 
         # Import-time noise: the server imports tool scripts before the transport starts.
@@ -138,6 +182,7 @@ _TOOLS = {
             bytes: int
 
 
+        @tool_hints(title="Write a text file", read_only=False)
         def toy_write(out: str, text: str) -> Written:
             """Write `text` to the file `out` and return where it went."""
             print("python-level noise on stdout")

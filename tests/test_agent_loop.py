@@ -1,24 +1,37 @@
 """The Claude tool-use loop, against a local fake Messages API and a real `omskills serve`.
 
-The fake API returns scripted turns; the real Anthropic SDK sends the requests, the real
-MCP client runs the tools on toy skills, and the real task record takes the decisions.
+The fake API returns scripted turns (answers, and errors: 529s, a 400); the real Anthropic
+SDK sends the requests, the real MCP client runs the tools on toy skills (one server for
+the module, started once through a blocking portal), and the real task record takes the
+decisions.
 """
 
 from __future__ import annotations
 
+import functools
+import io
+import itertools
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
-import anyio
 import pytest
 from anthropic import AsyncAnthropic
-from fake_anthropic import calls, done, fake_anthropic, message, tool_use
-from mcp_helpers import write_task_record, write_toy_skill
-from omskills.orchestrator.agent import AgentSettings, chat, run_agent
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from fake_anthropic import HttpError, calls, done, fake_anthropic, message, overloaded, tool_use
+from mcp_helpers import write_task_record, write_tool, write_toy_skill
+from omskills.orchestrator.agent import AgentResult, AgentSettings, chat, run_agent
+from omskills.orchestrator.mcp_client import OmskillsClient, connect
+from omskills.orchestrator.messages_api import RetryPolicy
+from omskills.orchestrator.tool_results import ResultPager
 from omskills.records.task import load_record
+
+# Retries in milliseconds, not minutes: the policy is the same, only the clock is short.
+FAST_RETRY = RetryPolicy(total_seconds=5, first_wait=0.01, max_wait=0.05)
 
 ENTRY_SKILL_MD = """\
 ---
@@ -31,35 +44,92 @@ description: Entry skill of the test library.
 Step one: call toy_stage on the task. The gate phrase is PURPLE-GIRAFFE.
 """
 
+_INVENTORY_TOOL = '''
+    """An inventory as large as a real package's: hundreds of entries."""
 
-@pytest.fixture()
-def world(tmp_path: Path) -> dict[str, Path]:
-    skills = tmp_path / "skills"
+    from pydantic import BaseModel
+
+    from omskills.host.toolkit import tool_hints
+
+
+    class Entry(BaseModel):
+        qualname: str
+        file: str
+        line: int
+        calls: list[str]
+
+
+    class Inventory(BaseModel):
+        package: str
+        entries: list[Entry]
+
+
+    @tool_hints(title="Toy inventory", read_only=True)
+    def toy_inventory(count: int = 400) -> Inventory:
+        """List `count` made-up entry points."""
+        return Inventory(package="toy", entries=[
+            Entry(qualname=f"toy.models.block_{i}.Block{i}.forward", file=f"toy/models/block_{i}.py", line=10 + i,
+                  calls=[f"toy.ops.op_{i}_{j}" for j in range(4)]) for i in range(count)])
+    '''
+
+
+@dataclass
+class World:
+    """One test's task record, in the workspace of the module's one `omskills serve`."""
+
+    portal: BlockingPortal
+    client: OmskillsClient
+    workspace: Path
+    task: Path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent")
+    skills = root / "skills"
     write_toy_skill(skills)
+    write_tool(skills / "toy-skill", "toy_inventory", _INVENTORY_TOOL)
     (skills / "om-deployer").mkdir()
     (skills / "om-deployer" / "SKILL.md").write_text(ENTRY_SKILL_MD)
-    workspace = tmp_path / "ws"
-    task = write_task_record(workspace / "toy" / "task.yaml")
-    return {"skills": skills, "workspace": workspace, "task": task}
+    workspace = root / "ws"
+    workspace.mkdir()
+    with (root / "server.stderr").open("w") as errlog, start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(connect(workspace, skills, errlog=errlog)) as client:
+            yield portal, client, workspace.resolve()
+
+
+_worlds = itertools.count()
+
+
+@pytest.fixture()
+def world(served) -> World:
+    portal, client, workspace = served
+    return World(portal, client, workspace, write_task_record(workspace / f"toy{next(_worlds)}" / "task.yaml").resolve())
 
 
 def _llm(api) -> AsyncAnthropic:
     return AsyncAnthropic(api_key="test-key", base_url=api.base_url, max_retries=0)
 
 
-def _run(world: dict[str, Path], api, **settings) -> object:
-    async def go():
-        return await run_agent(
-            world["task"],
-            "adapt the toy model",
-            settings=AgentSettings(model="claude-fake", **settings),
-            workspace=world["workspace"],
-            skills_dir=world["skills"],
-            llm=_llm(api),
-            on_text=lambda text: None,
-        )
+def _run(world: World, api, progress: io.StringIO | None = None, **settings) -> AgentResult:
+    return world.portal.call(functools.partial(
+        run_agent,
+        world.task,
+        "adapt the toy model",
+        settings=AgentSettings(model="claude-fake", **({"api_retry": FAST_RETRY} | settings)),
+        workspace=world.workspace,
+        client=world.client,
+        llm=_llm(api),
+        on_text=lambda text: None,
+        progress_stream=progress or io.StringIO(),
+    ))
 
-    return anyio.run(go)
+
+def _chat(world: World, api, stdin: TextIO, stdout: TextIO) -> Path:
+    return world.portal.call(functools.partial(
+        chat, world.task, workspace=world.workspace, settings=AgentSettings(model="claude-fake", api_retry=FAST_RETRY),
+        llm=_llm(api), stdin=stdin, stdout=stdout, progress_stream=io.StringIO(), client=world.client,
+    ))
 
 
 def _tool_results(request: dict) -> list[dict]:
@@ -70,14 +140,15 @@ def _tool_results(request: dict) -> list[dict]:
 
 def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run(world):
     script = [
-        calls(tool_use("toy_stage", {"task": str(world["task"])})),
+        calls(tool_use("toy_stage", {"task": str(world.task)})),
         calls(tool_use("load_skill", {"skill": "toy-skill"}), tool_use("toy_fail", {"name": "ghost"})),
         calls(tool_use("load_skill", {"skill": "toy-skill", "reference": "toy.md"}),
               tool_use("record_decision", {"what": "skip ghost", "why": "toy_fail said no model called 'ghost'"})),
         done("SUMMARY: toy_stage done; ghost skipped."),
     ]
+    progress = io.StringIO()
     with fake_anthropic(script) as api:
-        result = _run(world, api)
+        result = _run(world, api, progress)
 
     assert result.stop == "end_turn"
     assert result.final_text == "SUMMARY: toy_stage done; ghost skipped."
@@ -85,10 +156,11 @@ def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run
 
     # The system prompt is the entry skill; every MCP tool and the local tools were offered.
     first = api.requests[0]
-    assert "PURPLE-GIRAFFE" in first["system"]
+    assert "PURPLE-GIRAFFE" in first["system"][0]["text"]
     offered = {t["name"] for t in first["tools"]}
-    assert {"toy_add", "toy_slow", "toy_stage", "toy_fail", "toy_crash", "toy_write", "load_skill", "record_decision"} <= offered
-    assert all(set(t) == {"name", "description", "input_schema"} for t in first["tools"])
+    assert {"toy_add", "toy_slow", "toy_stage", "toy_fail", "toy_crash", "toy_write", "load_skill", "record_decision",
+            "read_tool_result"} <= offered
+    assert all(set(t) == {"name", "description", "input_schema"} for t in first["tools"][:-1])
 
     # Turn 2 got toy_stage's structured result; turn 3 got the SKILL.md and toy_fail's error.
     (stage_result,) = _tool_results(api.requests[1])
@@ -102,17 +174,28 @@ def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run
 
     # The transcript holds the messages and every call with args, result, error flag, duration.
     transcript = json.loads(result.transcript_path.read_text())
-    assert result.transcript_path.is_relative_to(world["task"].parent)
+    assert result.transcript_path.is_relative_to(world.task.parent)
     assert len(transcript["messages"]) == 8  # user goal + 4 assistant turns + 3 tool-result turns
     assert [c["is_error"] for c in transcript["tool_calls"]] == [False, False, True, False, False]
     assert all(c["seconds"] >= 0 and "arguments" in c for c in transcript["tool_calls"])
-    assert transcript["usage"] == {"input_tokens": 400, "output_tokens": 80}
+    assert transcript["usage"] == {"input_tokens": 400, "output_tokens": 80, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    assert transcript["stop"] == "end_turn" and transcript["error"] is None
+
+    # The human saw every call as it happened, the local ones and the failed one included.
+    shown = progress.getvalue().splitlines()
+    assert any(line.startswith("[turn 1] toy_stage: ok") for line in shown)
+    assert any(line.startswith('[turn 2] load_skill {"skill": "toy-skill"}: ok') for line in shown)
+    assert any(line.startswith("[turn 2] toy_fail: FAILED") and "no model called 'ghost'" in line for line in shown)
+    assert any(line.startswith('[turn 3] load_skill {"skill": "toy-skill", "reference": "toy.md"}: ok') for line in shown)
+    assert any(line.startswith('[turn 3] record_decision {"what": "skip ghost"') and line.endswith("s") for line in shown)
 
     # The task record shows the stage the tool ran, the agent's decision, and the run itself.
-    record = load_record(world["task"])
+    record = load_record(world.task)
     assert record.stages["toy_stage"].status == "done"
     assert record.stages["agent"].status == "done"
-    assert record.stages["agent"].artifacts[0].path == str(result.transcript_path)
+    # Stored relative to the run folder (the record's folder), so a moved run still finds it.
+    stored = record.stages["agent"].artifacts[0].path
+    assert not Path(stored).is_absolute() and (world.task.parent / stored).resolve() == result.transcript_path.resolve()
     whats = [(d.by, d.what) for d in record.decisions]
     assert ("agent", "skip ghost") in whats
     summary = record.decisions[-1]
@@ -126,7 +209,7 @@ def test_turn_limit_stops_a_model_that_never_ends(world):
     assert result.stop == "max_turns"
     assert len(api.requests) == 3
     assert [c.name for c in result.tool_calls] == ["toy_add"] * 3
-    record = load_record(world["task"])
+    record = load_record(world.task)
     assert record.stages["agent"].status == "failed"
     assert record.stages["agent"].error == "stopped: max_turns"
 
@@ -148,14 +231,17 @@ def test_crashing_tool_and_unknown_tool_reach_the_model_as_errors(world):
         calls(tool_use("toy_add", {"a": 1, "b": 2})),
         done("ok"),
     ]
+    progress = io.StringIO()
     with fake_anthropic(script) as api:
-        result = _run(world, api)
+        result = _run(world, api, progress)
     crash, unknown = _tool_results(api.requests[1])
     assert crash["is_error"] and "RuntimeError: boom at 7" in crash["content"]
     assert unknown["is_error"] and "unknown tool 'no_such_tool'" in unknown["content"]
     (added,) = _tool_results(api.requests[2])
     assert json.loads(added["content"]) == {"total": 3}  # the server kept serving
     assert result.stop == "end_turn"
+    shown = progress.getvalue()
+    assert "[turn 1] toy_crash: FAILED" in shown and "[turn 1] no_such_tool {}: FAILED — unknown tool 'no_such_tool'" in shown
 
 
 def test_chat_keeps_the_conversation_across_lines(world, tmp_path):
@@ -164,10 +250,7 @@ def test_chat_keeps_the_conversation_across_lines(world, tmp_path):
     lines.write_text("hi\nadd four and four\nexit\n")
     out = tmp_path / "stdout.txt"
     with fake_anthropic(script) as api, lines.open() as stdin, out.open("w") as stdout:
-        transcript = anyio.run(
-            lambda: chat(world["task"], workspace=world["workspace"], skills_dir=world["skills"],
-                         settings=AgentSettings(model="claude-fake"), llm=_llm(api), stdin=stdin, stdout=stdout)
-        )
+        transcript = _chat(world, api, stdin, stdout)
     shown = out.read_text()
     assert "claude> hello" in shown and "claude> eight" in shown
     # The second question was sent with the first exchange as context.
@@ -180,10 +263,256 @@ def test_without_an_api_key_the_cli_says_so_in_one_line(world):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-         "chat", "--task", str(world["task"]), "--workspace", str(world["workspace"])],
+         "chat", "--task", str(world.task), "--workspace", str(world.workspace)],
         env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "omskills: error: ANTHROPIC_API_KEY is not set: export it (and ANTHROPIC_BASE_URL for a proxy), or use `--agent plan`"
     ]
+
+
+# --------------------------------------------------------------------------- an API that misbehaves
+
+
+def _retry_lines(progress: io.StringIO) -> list[str]:
+    return [line for line in progress.getvalue().splitlines() if line.startswith("Anthropic API ")]
+
+
+def test_overloaded_api_is_retried_with_backoff_until_it_answers(world):
+    script = [
+        overloaded(),
+        overloaded(),
+        overloaded(**{"retry-after-ms": "300"}),
+        overloaded(),
+        calls(tool_use("toy_stage", {"task": str(world.task)})),
+        done("SUMMARY: staged."),
+    ]
+    progress = io.StringIO()
+    with fake_anthropic(script) as api:
+        result = _run(world, api, progress)
+
+    assert result.stop == "end_turn" and result.final_text == "SUMMARY: staged."
+    # Each retry resent the same request; the SDK itself retried nothing (six requests for six answers).
+    assert len(api.requests) == 6
+    assert api.requests[0] == api.requests[3] == api.requests[4]
+    lines = _retry_lines(progress)
+    assert len(lines) == 4
+    assert all("529 overloaded_error: Overloaded" in line and "giving up after 5s" in line for line in lines)
+    assert [line.split("retry ")[1].split(" ")[0] for line in lines] == ["1", "2", "3", "4"]
+    # The third wait is the server's retry-after (0.3 s), longer than the backoff's 0.05 s cap.
+    assert "in 0.3s (retry-after)" in lines[2] and "retry-after" not in lines[0]
+
+    transcript = json.loads(result.transcript_path.read_text())
+    assert transcript["stop"] == "end_turn" and transcript["error"] is None
+    assert [m["role"] for m in transcript["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert [c["name"] for c in transcript["tool_calls"]] == ["toy_stage"]
+    assert [(e["kind"], e["turn"]) for e in transcript["events"]] == [("retry", 1)] * 4
+    assert load_record(world.task).stages["agent"].status == "done"
+
+
+def test_an_api_that_stays_overloaded_stops_the_run_with_the_status(world):
+    progress = io.StringIO()
+    with fake_anthropic(lambda i: overloaded()) as api:
+        result = _run(world, api, progress, api_retry=RetryPolicy(total_seconds=0.3, first_wait=0.02, max_wait=0.1))
+    assert result.stop == "api_error_529"
+    assert "529 overloaded_error" in result.error and "Overloaded" in result.error
+    assert 2 <= len(api.requests) <= 16 and len(_retry_lines(progress)) == len(api.requests) - 1
+    record = load_record(world.task)
+    assert record.stages["agent"].status == "failed"
+    assert record.stages["agent"].error.startswith("stopped: api_error_529: Anthropic API error 529")
+
+
+def test_a_400_mid_run_stops_honestly_and_leaves_the_record_consistent(world):
+    refusal = HttpError(400, "invalid_request_error", "messages.2.content.0: tool_result block is malformed")
+    script = [calls(tool_use("toy_stage", {"task": str(world.task)}), tool_use("load_skill", {"skill": "toy-skill"})), refusal]
+    with fake_anthropic(script) as api:
+        result = _run(world, api)
+
+    assert result.stop == "api_error_400"
+    assert "400 invalid_request_error" in result.error and "tool_result block is malformed" in result.error
+    assert len(api.requests) == 2  # a 400 is not retried
+
+    # The transcript says what happened: the calls before the error, the request the API refused, the error.
+    transcript = json.loads(result.transcript_path.read_text())
+    assert transcript["stop"] == "api_error_400" and transcript["finished"]
+    assert "tool_result block is malformed" in transcript["error"]
+    assert [m["role"] for m in transcript["messages"]] == ["user", "assistant", "user"]
+    assert [b["type"] for b in transcript["messages"][2]["content"]] == ["tool_result", "tool_result"]
+    assert [c["name"] for c in transcript["tool_calls"]] == ["toy_stage", "load_skill"]
+    assert transcript["events"][-1]["kind"] == "api_error" and transcript["events"][-1]["turn"] == 2
+
+    # The record loads; the tool's stage is done, the agent step failed with the API's error.
+    record = load_record(world.task)
+    assert record.stages["toy_stage"].status == "done"
+    agent = record.stages["agent"]
+    assert agent.status == "failed"
+    assert agent.error.startswith("stopped: api_error_400: Anthropic API error 400 invalid_request_error")
+    assert "tool_result block is malformed" in agent.error
+    assert not Path(agent.artifacts[0].path).is_absolute()
+    assert (world.task.parent / agent.artifacts[0].path).resolve() == result.transcript_path.resolve()
+    assert "ended (api_error_400)" in record.decisions[-1].what and "the API failed" in record.decisions[-1].why
+
+
+def test_chat_survives_a_400_and_the_user_can_type_again(world, tmp_path):
+    script = [HttpError(400, "invalid_request_error", "prompt is malformed"), done("back again")]
+    lines = tmp_path / "stdin.txt"
+    lines.write_text("hi\nhello again\nexit\n")
+    out = tmp_path / "stdout.txt"
+    with fake_anthropic(script) as api, lines.open() as stdin, out.open("w") as stdout:
+        transcript = _chat(world, api, stdin, stdout)
+    shown = out.read_text()
+    assert "(stopped: api_error_400: Anthropic API error 400 invalid_request_error" in shown and "type again" in shown
+    assert "claude> back again" in shown
+    # The refused line stays in the conversation; the next one joins it in the same user turn.
+    (second,) = api.requests[1]["messages"]
+    assert second["role"] == "user" and [b["text"] for b in second["content"]] == ["hi", "hello again"]
+    saved = json.loads(transcript.read_text())
+    assert saved["stop"] == "end_turn" and saved["error"] is None
+    assert [e["kind"] for e in saved["events"]] == ["api_error"]
+    record = load_record(world.task)
+    assert record.stages["agent"].status == "done"
+    assert [d.what.split("(")[1].split(")")[0] for d in record.decisions if d.what.startswith("agent run")] == ["api_error_400", "end_turn"]
+
+
+# --------------------------------------------------------------------------- replies cut by max_tokens
+
+
+def _text(text: str) -> list[dict]:
+    return [{"type": "text", "text": text}]
+
+
+def test_a_reply_cut_by_max_tokens_is_continued_and_merged(world):
+    script = [message(_text("The plan has two "), "max_tokens"), done("parts: export, then ATC.")]
+    with fake_anthropic(script) as api:
+        result = _run(world, api)
+    assert result.stop == "end_turn"
+    assert result.final_text == "The plan has two parts: export, then ATC."
+    cut, nudge = api.requests[1]["messages"][-2:]
+    assert cut == {"role": "assistant", "content": [{"type": "text", "text": "The plan has two "}]}
+    assert nudge["role"] == "user" and "continue exactly where it stopped" in nudge["content"][-1]["text"]
+    assert load_record(world.task).decisions[-1].why == "The plan has two parts: export, then ATC."
+
+
+def test_a_tool_call_cut_by_max_tokens_is_not_run(world):
+    half_written = tool_use("toy_stage", {"task": str(world.task)}, text="Marking the stage.")
+    script = [message(half_written, "max_tokens"), calls(tool_use("toy_add", {"a": 1})), done("ok")]
+    progress = io.StringIO()
+    with fake_anthropic(script) as api:
+        result = _run(world, api, progress)
+    assert result.stop == "end_turn"
+    assert [c.name for c in result.tool_calls] == ["toy_add"]
+    assert "toy_stage" not in load_record(world.task).stages  # the cut call never reached the server
+    cut, nudge = api.requests[1]["messages"][-2:]
+    assert cut["content"] == [{"type": "text", "text": "Marking the stage."}]  # no tool_use left without its result
+    assert "inside a call to `toy_stage`" in nudge["content"][-1]["text"] and "not run" in nudge["content"][-1]["text"]
+    assert "[turn 1] reply cut by the output limit (8192 tokens) inside `toy_stage`: not run" in progress.getvalue()
+
+
+def test_continuations_are_bounded(world):
+    with fake_anthropic(lambda i: message(_text(f"part {i} "), "max_tokens")) as api:
+        result = _run(world, api, max_continuations=2)
+    assert result.stop == "max_tokens"
+    assert len(api.requests) == 3
+    assert result.final_text == "part 0 part 1 part 2"
+    assert load_record(world.task).stages["agent"].error == "stopped: max_tokens"
+
+
+# --------------------------------------------------------------------------- prompt caching
+
+
+def _cache_marks(request: dict) -> list[str]:
+    marks = ["system" for b in request["system"] if "cache_control" in b]
+    marks += [f"tool:{t['name']}" for t in request["tools"] if "cache_control" in t]
+    for index, m in enumerate(request["messages"]):
+        content = m["content"] if isinstance(m["content"], list) else []
+        marks += [f"message:{index}" for b in content if "cache_control" in b]
+    return marks
+
+
+def test_system_tools_and_conversation_are_prompt_cached(world):
+    script = [
+        message(tool_use("toy_add", {"a": 1}), "tool_use", usage=(900, 30), cache=(0, 5_000)),
+        message(tool_use("toy_add", {"a": 2}), "tool_use", usage=(50, 30), cache=(5_000, 900)),
+        message(_text("done"), "end_turn", usage=(40, 10), cache=(5_900, 80)),
+    ]
+    with fake_anthropic(script) as api:
+        result = _run(world, api)
+    assert result.stop == "end_turn"
+    ephemeral = {"type": "ephemeral"}
+    first, second, third = api.requests
+    assert first["system"][0]["cache_control"] == ephemeral
+    last_tool = first["tools"][-1]["name"]
+    # System, the last tool definition, and the latest user message(s): never more than the API's four.
+    assert _cache_marks(first) == ["system", f"tool:{last_tool}", "message:0"]
+    assert _cache_marks(second) == ["system", f"tool:{last_tool}", "message:0", "message:2"]
+    assert _cache_marks(third) == ["system", f"tool:{last_tool}", "message:2", "message:4"]
+    assert third["messages"][4]["content"][-1]["cache_control"] == ephemeral
+    # The stored conversation carries no marks (they would pile up past four).
+    transcript = json.loads(result.transcript_path.read_text())
+    assert "cache_control" not in json.dumps(transcript["messages"])
+    assert transcript["usage"] == {"input_tokens": 990, "output_tokens": 70,
+                                   "cache_read_input_tokens": 10_900, "cache_creation_input_tokens": 5_980}
+    assert "cache read/written 10900/5980" in load_record(world.task).stages["agent"].note
+
+
+# --------------------------------------------------------------------------- long tool results
+
+def test_a_large_structured_result_is_outlined_as_json_and_paged_whole(world):
+    limit = 30_000
+    pages: list[dict] = []
+
+    def read_next_page(request: dict) -> dict:
+        (result,) = _tool_results(request)
+        assert len(result["content"]) <= limit
+        page = json.loads(result["content"])  # every page is valid JSON
+        if "result_too_long" in page:  # the outline of the first call
+            pages.append(page)
+            return calls(tool_use("read_tool_result", {"call_id": page["result_too_long"]["call_id"], "path": "/entries"}))
+        pages.append(page)
+        if page["next_offset"] is None:
+            return done("read it all")
+        return calls(tool_use("read_tool_result", {"call_id": page["call_id"], "path": "/entries", "offset": page["next_offset"]}))
+
+    script = [calls(tool_use("toy_inventory", {"count": 400})), *[read_next_page] * 12]
+    progress = io.StringIO()
+    with fake_anthropic(script) as api:
+        result = _run(world, api, progress, max_tool_result_chars=limit)
+    assert result.stop == "end_turn"
+
+    full = json.loads(result.tool_calls[0].result)  # the transcript keeps the whole result
+    assert len(result.tool_calls[0].result) > limit
+    outline, *entry_pages = pages
+    note = outline["result_too_long"]
+    assert note["call_id"] == result.tool_calls[0].tool_use_id and note["chars"] == len(result.tool_calls[0].result)
+    assert "read_tool_result" in note["how_to_read"] and "'/entries'" in note["how_to_read"]
+    assert outline["outline"]["package"] == "toy"
+    assert outline["outline"]["entries"]["list_length"] == 400
+    assert outline["outline"]["entries"]["first_items"][0] == full["entries"][0]
+    # Paged through, the entries come back whole and in order, none lost, none cut.
+    assert len(entry_pages) >= 2
+    assert [item for page in entry_pages for item in page["items"]] == full["entries"]
+    assert entry_pages[1]["offset"] == len(entry_pages[0]["items"])
+    assert progress.getvalue().count("] read_tool_result {") == len(entry_pages)
+
+
+def test_a_long_text_result_is_paged_back_whole_and_a_wrong_path_is_named():
+    pager = ResultPager(limit=1_000)
+    log = "".join(f"step {i}: exported\n" for i in range(400))
+    first = pager.fit("toolu_log", log)
+    assert len(first) <= 1_000 and "read_tool_result(call_id='toolu_log', offset=" in first
+    shown_upto = int(first.split("offset=")[1].rstrip(")]"))
+    assert log.startswith(first[:shown_upto]) and first[:shown_upto].endswith("\n")  # cut at a line end
+    text, offset = first[:shown_upto], shown_upto
+    while offset is not None:
+        page = pager.read({"call_id": "toolu_log", "offset": offset})
+        assert not page.is_error and len(page.text) <= 1_000
+        body = json.loads(page.text)
+        text, offset = text + body["text"], body["next_offset"]
+    assert text == log
+
+    pager.fit("toolu_json", json.dumps({"entries": [{"name": f"e{i}"} for i in range(200)]}))
+    missing = pager.read({"call_id": "toolu_json", "path": "/entries/200/name"})
+    assert missing.is_error and "/entries has no '200'; it has a list of 200 items (0..199)" in missing.text
+    assert pager.read({"call_id": "toolu_nope"}).is_error
+    assert json.loads(pager.read({"call_id": "toolu_json", "path": "/entries/7"}).text)["value"] == {"name": "e7"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import stat
 from pathlib import Path
@@ -181,7 +182,11 @@ def test_without_atc_a_script_is_written_and_nothing_is_claimed(relu_model, tmp_
     script = Path(result.script)
     assert script.name == "convert_relu.sh" and os.access(script, os.X_OK)
     text = script.read_text()
-    assert "set_env.sh" in text and f"--model={relu_model}" in text and "--soc_version=Ascend310P3" in text
+    assert "set_env.sh" in text and "--soc_version=Ascend310P3" in text
+    # Paths are relative to the script's folder, which it runs from: it moves with the run folder.
+    assert 'cd "$(dirname "${BASH_SOURCE[0]}")/."' in text and str(tmp_path) not in text
+    model_arg = next(a for a in shlex.split(text.splitlines()[-1]) if a.startswith("--model="))
+    assert (script.parent / model_arg.removeprefix("--model=")).resolve() == Path(relu_model).resolve()
 
 
 def test_find_atc_sources_set_env_of_a_toolkit_install(tmp_path):

@@ -7,10 +7,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from omskills.errors import TaskRecordError
+import yaml
+from omskills.errors import InputError, TaskRecordError
 from omskills.host.environment import probe_cann, probe_environment, probe_npu
 from omskills.host.toolkit import load_tool, skills_root
+from omskills.models.registry import bind_intake, resolved_spec
 from omskills.records.environment import STAGES
+from omskills.records.stages import StageResult
+from omskills.records.toolchain import AtcResult, OpPrecheck
+from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.task import TaskRecord, load_record, save_record
 
 TOOL = load_tool(skills_root() / "om-deployer" / "scripts" / "check_environment.py").func
@@ -142,3 +147,156 @@ def test_a_record_without_intake_is_an_error_and_stays_untouched(tmp_path):
     with pytest.raises(TaskRecordError, match="intake"):
         TOOL(task=str(path))
     assert path.read_bytes() == before
+
+
+# -- the gate: what the task asks, checked before any model runs -------------------------------
+
+NET_DRIVER = """\
+def build_model(spec):
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+def run_main_path(model, inputs):
+    import torch
+    return model(torch.zeros(1, 4))
+"""
+
+
+def test_the_gate_says_what_it_checked(this_machine):
+    report, _ = this_machine
+    assert "intake.inputs.video: builtin:shapes, 30 frames, the first 8 used" in report.checked
+    assert any(line.startswith("intake.model.builder: sam3.model_builder.build_sam3_video_model") for line in report.checked)
+    assert "intake.model.checkpoint: none (seeded random weights)" in report.checked
+
+
+def test_an_unknown_soc_names_the_closest_known_ones():
+    from omskills.ascend.atc import check_soc, soc_problem
+    from omskills.errors import InputError
+
+    assert soc_problem("Ascend910B4") is None
+    with pytest.raises(InputError, match=r"^intake.target.soc: unknown SoC 'Ascend910b4' .*did you mean Ascend910B4"):
+        check_soc("Ascend910b4", "intake.target.soc")
+
+
+def test_the_builtin_clip_refuses_more_frames_than_it_has_before_drawing_one():
+    from omskills.errors import InputError
+    from omskills.models.media import BUILTIN_CLIP_FRAMES, load_video
+
+    with pytest.raises(InputError, match=f"has {BUILTIN_CLIP_FRAMES['shapes']} frames, 1000000000 asked"):
+        load_video("builtin:shapes", 1_000_000_000, field="intake.inputs.video")
+
+
+def test_a_video_whose_container_does_not_record_its_length_is_counted_only_as_far_as_needed(tmp_path, monkeypatch):
+    """improps says 0 frames for such a container: the gate decodes, stopping one frame past those asked."""
+    import dataclasses
+
+    import imageio.v3 as iio
+    import numpy as np
+    from omskills.models.registry import family_driver
+
+    clip = tmp_path / "clip.gif"
+    iio.imwrite(clip, np.stack([np.full((8, 8, 3), 40 * i, dtype=np.uint8) for i in range(5)]), loop=0)
+    props = iio.improps(clip)
+    assert props.shape[0] == 5  # the gif records it; the test pretends it does not
+    monkeypatch.setattr(iio, "improps", lambda path: dataclasses.replace(props, shape=(0, *props.shape[1:])))
+    decoded = []
+    real_imiter = iio.imiter
+
+    def counting_imiter(path):
+        for frame in real_imiter(path):
+            decoded.append(frame)
+            yield frame
+
+    monkeypatch.setattr(iio, "imiter", counting_imiter)
+    driver = family_driver("sam3")
+    inputs = lambda frames: driver.parse_inputs({"video": "clip.gif", "prompt": "objects", "frames": frames})  # noqa: E731
+    found = driver.check_inputs(inputs(2), tmp_path)
+    assert found == [f"intake.inputs.video: {clip}, more than 2 frames, the first 2 used"]
+    assert len(decoded) == 3
+    decoded.clear()
+    with pytest.raises(InputError, match=r"^intake.inputs.frames: 8 frames asked, but the video .*clip.gif has 5$"):
+        driver.check_inputs(inputs(8), tmp_path)
+    assert len(decoded) == 5
+
+
+def test_a_checkpoint_that_fits_passes_and_one_that_does_not_is_one_line(tmp_path):
+    import torch
+
+    (tmp_path / "net.py").write_text(NET_DRIVER)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    torch.save(model.state_dict(), tmp_path / "fits.pt")
+    torch.save({"model": {"encoder.weight": torch.zeros(1)}}, tmp_path / "other.pt")
+    record = {"id": "net", "intake": {"model": {"driver": "net.py", "checkpoint": "fits.pt"}}}
+    path = tmp_path / "task.yaml"
+    path.write_text(yaml.safe_dump(record))
+    report = TOOL(task=str(path))
+    assert f"intake.model.checkpoint: {tmp_path / 'fits.pt'}, 4 tensors, its keys fit the full model" in report.checked
+
+    record["intake"]["model"]["checkpoint"] = "other.pt"
+    path.write_text(yaml.safe_dump(record))
+    before = path.read_bytes()
+    with pytest.raises(InputError) as refused:
+        TOOL(task=str(path))
+    assert str(refused.value) == (f"intake.model.checkpoint: {tmp_path / 'other.pt'} does not fit the full net model: "
+                                  "4 missing key(s) (e.g. 0.bias, 0.weight, 2.bias), 1 unexpected key(s) (e.g. encoder.weight)")
+    assert path.read_bytes() == before
+
+
+def test_a_sam3_checkpoint_of_other_keys_is_counted_against_the_model_at_the_scale_asked(tmp_path):
+    """The tiny SAM 3 is built on the meta device for its keys: no weights are allocated."""
+    import torch
+
+    torch.save({"model": {"detector.unknown.weight": torch.zeros(2)}}, tmp_path / "sam3.pt")
+    path = write_record(tmp_path, checkpoint="sam3.pt")
+    before = path.read_bytes()
+    with pytest.raises(InputError) as refused:
+        TOOL(task=str(path))
+    message = str(refused.value)
+    assert message.startswith(f"intake.model.checkpoint: {tmp_path / 'sam3.pt'} does not fit the tiny sam3 model: ")
+    # The count is the tiny model's own key count, as the driver lists it (so no figure is written here).
+    record = load_record(path)
+    expected = bind_intake(record.intake, tmp_path).driver.expected_state_keys(resolved_spec(record.intake.model, tmp_path))
+    assert expected and "detector.unknown.weight" not in expected
+    assert f"{len(expected)} missing key(s) (e.g. detector." in message
+    assert "1 unexpected key(s) (e.g. detector.unknown.weight)" in message
+    assert "\n" not in message and len(message) < 600
+    assert path.read_bytes() == before
+
+
+def _precheck(soc: str) -> OpPrecheck:
+    return OpPrecheck(model="onnx/g/g.onnx", soc=soc, opset=17, table="test table", verdict="pass",
+                      counts={"supported": 0, "constrained": 0, "unsupported": 0}, rows=[])
+
+
+def test_sam3_keys_are_held_against_a_checkpoint_only_for_a_builder_that_loads_them_as_saved():
+    """build_sam3_image_model renames the keys on load (detector./tracker. prefixes): the gate leaves them
+    to it rather than compare raw names that would never match."""
+    from omskills.models.registry import family_driver
+    from omskills.records.intake import ModelSpec
+
+    spec = ModelSpec.model_validate({"family": "sam3", "builder": "build_sam3_image_model", "scale": "tiny"})
+    assert family_driver("sam3").expected_state_keys(spec) is None
+
+
+def test_a_changed_soc_drops_the_atc_results_and_prechecks_written_for_the_old_one(tmp_path):
+    path = write_record(tmp_path)  # target.soc Ascend310P3
+    record = load_record(path)
+    command = ["atc", "--model=g.onnx", "--framework=5", "--output=om/g", "--soc_version=Ascend910B4"]
+    record.toolchain = {
+        "g": CandidateToolchain(atc=AtcResult(status="not_run", command=command, script="om/g/atc.sh"),
+                                precheck=_precheck("Ascend910B4")),
+        "h": CandidateToolchain(atc=AtcResult(status="not_run", command=[*command[:4], "--soc_version=Ascend310P3"],
+                                              script="om/h/atc.sh"), precheck=_precheck("Ascend310P3")),
+        "k": CandidateToolchain(precheck=_precheck("Ascend910B4")),  # prechecked for the old SoC, never converted
+    }
+    record.stages["atc:g"] = StageResult(status="not_run")
+    record.stages["atc:h"] = StageResult(status="not_run")
+    save_record(record, path)
+    TOOL(task=str(path))
+    after = load_record(path)
+    assert after.toolchain["g"].atc is None and "atc:g" not in after.stages and after.toolchain["g"].precheck is None
+    assert after.toolchain["k"].precheck is None
+    # Written for the target SoC: kept.
+    assert after.toolchain["h"].atc is not None and "atc:h" in after.stages and after.toolchain["h"].precheck is not None
+    dropped = [d.what for d in after.decisions if d.by == "check_environment"]
+    assert dropped == ["ATC results dropped for g; operator prechecks dropped for g, k"]

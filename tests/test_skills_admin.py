@@ -1,8 +1,10 @@
 """Contributing a skill: `new-skill` scaffolds one the server serves at once, `validate` is
-the gate (spec + tool rules, with reasons), `install-skills` copies skills for Claude Code."""
+the gate (spec + tool rules, with reasons), `install-skills` copies skills for Claude Code and
+never overwrites a local edit without --force."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from mcp_helpers import write_task_record, write_tool
 from omskills.errors import InputError
 from omskills.host.toolkit import skills_root
 from omskills.orchestrator.mcp_client import connect
-from omskills.orchestrator.skills_admin import install_skills, new_skill, validate_skills
+from omskills.orchestrator.skills_admin import INSTALL_MANIFEST, install_skills, new_skill, validate_skills
 
 CLI = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"]
 
@@ -105,7 +107,10 @@ def _untyped_return(skill: Path) -> None:
 
 def _no_docstring(skill: Path) -> None:
     write_tool(skill, "demo_model_task_summary", '''
-        def demo_model_task_summary(task: str) -> dict:
+        from omskills.host.toolkit import TaskPath, tool_hints
+
+        @tool_hints(title="Summarise", read_only=True)
+        def demo_model_task_summary(task: TaskPath) -> dict:
             return {}
         ''')
 
@@ -121,7 +126,14 @@ def _duplicate_tool_name(skill: Path) -> None:
 
 def _unnamed_in_skill_md(skill: Path) -> None:
     write_tool(skill, "extra_tool", '''
-        def extra_tool(x: int) -> int:
+        from typing import Annotated
+
+        from pydantic import Field
+
+        from omskills.host.toolkit import tool_hints
+
+        @tool_hints(title="Extra", read_only=True)
+        def extra_tool(x: Annotated[int, Field(description="A number.")]) -> int:
             """A tool SKILL.md never mentions."""
             return x
         ''')
@@ -176,15 +188,74 @@ def test_install_skills_copies_skill_md_references_and_scripts(tmp_path):
     source = tmp_path / "skills"
     new_skill("demo-model", None, source)
     target = tmp_path / "claude" / "skills"
-    assert install_skills(target, source) == [target / "demo-model"]
+    assert install_skills(target, source).installed == [target / "demo-model"]
     installed = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
-    assert installed == ["demo-model/SKILL.md", "demo-model/references/README.md", "demo-model/scripts/demo_model_task_summary.py"]
-    # A second install replaces the first; a folder that is not a skill is left alone.
-    (target / "demo-model" / "scripts" / "stale.py").write_text("")
-    install_skills(target, source)
-    assert not (target / "demo-model" / "scripts" / "stale.py").exists()
+    assert installed == ["demo-model/.omskills-install.json", "demo-model/SKILL.md", "demo-model/references/README.md",
+                         "demo-model/scripts/demo_model_task_summary.py"]
+    # An update of the source reaches an install nobody edited, without --force; the rest is not touched.
+    (source / "demo-model" / "references" / "README.md").write_text("# Updated upstream\n")
+    os.utime(target / "demo-model" / "SKILL.md", ns=(1, 1))  # copying it again would restore the source's time
+    update = install_skills(target, source)
+    assert update.written and [(c.path.name, c.change, c.local_edit) for c in update.skills[0].changes] == [
+        ("README.md", "update", False)]
+    assert (target / "demo-model" / "references" / "README.md").read_text() == "# Updated upstream\n"
+    assert (target / "demo-model" / "SKILL.md").stat().st_mtime_ns == 1
+    # A folder that is not a skill is left alone.
     shutil.rmtree(target / "demo-model")
     (target / "demo-model").mkdir()
     (target / "demo-model" / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match="not an installed skill"):
         install_skills(target, source)
+
+
+def test_install_skills_never_overwrites_local_edits_silently(tmp_path):
+    source = tmp_path / "skills"
+    new_skill("demo-model", None, source)
+    target = tmp_path / "claude" / "skills"
+    install_skills(target, source)
+    skill_md = target / "demo-model" / "SKILL.md"
+    skill_md.write_text(skill_md.read_text() + "My own note.\n")
+    (target / "demo-model" / "scripts" / "mine.py").write_text("print('mine')\n")
+
+    refused = install_skills(target, source)
+    assert not refused.written and refused.installed == []
+    assert sorted((c.path.name, c.change) for c in refused.local_edits) == [("SKILL.md", "update"), ("mine.py", "remove")]
+    assert "My own note." in skill_md.read_text() and (target / "demo-model" / "scripts" / "mine.py").exists()
+    diff = next(c.diff for c in refused.local_edits if c.path == skill_md)
+    assert diff.startswith(f"--- {skill_md} (installed)\n+++ {skill_md} (omskills ") and "\n-My own note.\n" in diff
+
+    forced = install_skills(target, source, force=True)
+    assert forced.written and "My own note." not in skill_md.read_text()
+    assert not (target / "demo-model" / "scripts" / "mine.py").exists()
+    assert install_skills(target, source).skills[0].changes == []  # now identical: nothing to do
+
+
+def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
+    home = tmp_path / "home"
+    env = {**os.environ, "HOME": str(home)}
+    run = lambda *args: subprocess.run([*CLI, "install-skills", *args], capture_output=True, text=True, timeout=300,  # noqa: E731
+                                       env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    first = run("--user")
+    assert first.returncode == 0, first.stderr
+    installed = home / ".claude" / "skills"
+    assert sorted(p.name for p in installed.iterdir()) == sorted(p.name for p in skills_root().iterdir() if (p / "SKILL.md").is_file())
+    skill_md = installed / "om-deployer" / "SKILL.md"
+    assert "## Running the scripts" in skill_md.read_text()  # the installed skills say how to run their tools
+    assert run("--user").stdout.count("already up to date") == len(list(installed.iterdir()))
+
+    skill_md.write_text(skill_md.read_text().replace("## Running the scripts", "## How I run them"))
+    refused = run("--user")
+    assert refused.returncode == 1 and "rerun with --force" in refused.stderr
+    assert f"--- {skill_md} (installed)" in refused.stdout and "-## How I run them" in refused.stdout
+    assert "## How I run them" in skill_md.read_text()
+    forced = run("--user", "--force")
+    assert forced.returncode == 0 and f"overwrote local edits: {skill_md} (update)" in forced.stdout
+    assert "## Running the scripts" in skill_md.read_text()
+
+    # Installed by an omskills that wrote no manifest, and older than this one: it says so, not "local edits".
+    (skill_md.parent / INSTALL_MANIFEST).unlink()
+    skill_md.write_text(skill_md.read_text().replace("## Running the scripts", "## Scripts (older wording)"))
+    older = run("--user")
+    assert older.returncode == 1 and "local edits" not in older.stderr
+    assert older.stderr.strip() == (f"omskills: error: {skill_md.parent} installed by an older omskills (no install manifest, "
+                                    "diff above): nothing was installed; rerun with --force to update")

@@ -15,3 +15,24 @@ class InputError(OmskillsError):
 
 class StageError(OmskillsError):
     """A stage cannot run because an earlier stage has not produced what it needs."""
+
+
+def one_line(err: BaseException | str, limit: int = 500) -> str:
+    """The first non-empty line of an error (or of a text), whitespace collapsed, at most `limit` characters.
+
+    An OmskillsError is already written for the user, so its message stands alone; any other exception is
+    prefixed with its type name ("KeyError: 'x'"), which is often the only clue; an exception with no
+    message gives its type name. A cut line ends with "…" so the reader knows it was cut.
+    """
+    line = _first_line(err if isinstance(err, str) else str(err))
+    if isinstance(err, BaseException):
+        if not line:
+            line = type(err).__name__
+        elif not isinstance(err, OmskillsError):
+            line = f"{type(err).__name__}: {line}"
+    return line if len(line) <= limit else line[: max(limit - 1, 0)] + "…"
+
+
+def _first_line(text: str) -> str:
+    lines = (" ".join(line.split()) for line in text.splitlines())
+    return next((line for line in lines if line), "")

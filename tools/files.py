@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import tempfile
+import threading
 from pathlib import Path
+
+# (resolved path, size, mtime_ns) -> sha256: a file unchanged since it was last hashed in this
+# process is not read again (a long-lived MCP server checks the same GB-sized ONNX files often).
+_HASHED: dict[tuple[str, int, int], str] = {}
+_HASHED_LOCK = threading.Lock()
 
 
 def sha256_file(path: Path) -> str:
@@ -13,3 +22,54 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_state(path: Path) -> tuple[int, int]:
+    """(size in bytes, mtime in ns): the fast check that a file is the one hashed before."""
+    stat = Path(path).stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def sha256_cached(path: Path) -> str:
+    """sha256_file, remembered for the file's current size and mtime."""
+    size, mtime = file_state(path)
+    key = (str(Path(path).resolve()), size, mtime)
+    with _HASHED_LOCK:
+        known = _HASHED.get(key)
+    if known is None:
+        known = sha256_file(path)
+        with _HASHED_LOCK:
+            _HASHED[key] = known
+    return known
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would race with other threads)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename, so a crash mid-write leaves
+    the previous file intact. The file keeps its mode (a new one gets 0666 less the umask, as
+    open() would give it; mkstemp's 0600 would hide a shared record from its group)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

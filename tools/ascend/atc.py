@@ -8,6 +8,7 @@ result says `converted` only when atc exited 0 and the .om file is there.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
@@ -22,41 +23,39 @@ from omskills.errors import InputError
 from omskills.files import sha256_file
 from omskills.records.base import Record
 from omskills.records.contracts import ShapeStrategy
+from omskills.records.choices import PRECISION_MODES, PrecisionMode  # noqa: F401 (re-exported)
+from omskills.records.intake import KNOWN_SOCS  # the --soc_version names, kept where records can read them
 from omskills.records.toolchain import AtcErrorAdvice, AtcInstall, AtcResult
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 ShapeStrategyKind = Literal["static", "dynamic_batch_size", "dynamic_image_size", "dynamic_dims", "dynamic_shape"]
 
-# --soc_version values. ATC's guide gives no list (it says: "Ascend" + the Name column of
-# `npu-smi info`; for Atlas A3, Chip Name + "_" + NPU Name); these are the SoC names CANN
-# ships platform configurations for, as enumerated by torch_npu's SoC table and CANN's
-# runtime sources: 310 / 310P / 310B inference chips, 910 (A1), 910B (Atlas A2), 910_93xx (A3).
-KNOWN_SOCS: tuple[str, ...] = (
-    "Ascend310",
-    "Ascend310P1", "Ascend310P2", "Ascend310P3", "Ascend310P4", "Ascend310P5", "Ascend310P7",
-    "Ascend310P3vir01", "Ascend310P3vir02", "Ascend310P3vir04", "Ascend310P3vir08",
-    "Ascend310B1", "Ascend310B2", "Ascend310B3", "Ascend310B4",
-    "Ascend910", "Ascend910A", "Ascend910B", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA",
-    "Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1",
-    "Ascend910_9391", "Ascend910_9392", "Ascend910_9381", "Ascend910_9382", "Ascend910_9372", "Ascend910_9362",
-)
+SOC_FLAG = "--soc_version="
 
-# --precision_mode values documented for ATC (CANN 8.0 guide, `--precision_mode`).
-PRECISION_MODES: tuple[str, ...] = (
-    "force_fp16",  # default for inference
-    "force_fp32",
-    "cube_fp16in_fp32out",
-    "allow_fp32_to_fp16",
-    "must_keep_origin_dtype",
-    "allow_mix_precision",
-    "allow_mix_precision_fp16",
-    "allow_mix_precision_bf16",
-    "allow_fp32_to_bf16",
-)
-PrecisionMode = Literal[
-    "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16", "must_keep_origin_dtype",
-    "allow_mix_precision", "allow_mix_precision_fp16", "allow_mix_precision_bf16", "allow_fp32_to_bf16",
-]
+
+def soc_problem(soc: str) -> str | None:
+    """Why `soc` is not a --soc_version ATC knows (with the closest known names), None if it is."""
+    if soc in KNOWN_SOCS:
+        return None
+    by_lower = {known.lower(): known for known in KNOWN_SOCS}
+    close = [by_lower[m] for m in difflib.get_close_matches(soc.lower(), list(by_lower), n=3, cutoff=0.6)]
+    hint = f"; did you mean {' or '.join(close)}?" if close else f"; known: {', '.join(KNOWN_SOCS)}"
+    return f"unknown SoC {soc!r} (the name `npu-smi info` shows, prefixed 'Ascend'){hint}"
+
+
+def check_soc(soc: str, field: str) -> str:
+    """`soc` if ATC knows it, else an InputError naming `field` with a did-you-mean."""
+    problem = soc_problem(soc)
+    if problem:
+        raise InputError(f"{field}: {problem}")
+    return soc
+
+
+def soc_of_command(command: list[str]) -> str | None:
+    """The --soc_version an ATC command line was written for (None if it names none)."""
+    return next((arg.removeprefix(SOC_FLAG) for arg in command if arg.startswith(SOC_FLAG)), None)
+
+
 InputFormat = Literal["NCHW", "NHWC", "ND", "NCDHW", "NDHWC"]
 AtcLogLevel = Literal["debug", "info", "warning", "error", "null"]
 
@@ -93,10 +92,9 @@ class AtcOptions(Record):
     @field_validator("soc_version")
     @classmethod
     def _known_soc(cls, value: str) -> str:
-        if value not in KNOWN_SOCS:
-            close = [s for s in KNOWN_SOCS if s.lower().startswith(value.lower()[:9])][:8]
-            hint = f"; did you mean one of {close}?" if close else ""
-            raise ValueError(f"unknown SoC {value!r} (use the name `npu-smi info` shows, prefixed 'Ascend'){hint}")
+        problem = soc_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @field_validator("input_shapes")
@@ -239,7 +237,7 @@ def build_atc_command(options: AtcOptions, atc: str = "atc") -> list[str]:
         f"--model={options.model}",
         f"--framework={ONNX_FRAMEWORK}",
         f"--output={options.output}",
-        f"--soc_version={options.soc_version}",
+        f"{SOC_FLAG}{options.soc_version}",
     ]
     if options.dynamic_shape is not None:
         shape = ";".join(f"{name}:{','.join(_range_text(d) for d in dims)}" for name, dims in options.dynamic_shape.items())
@@ -326,9 +324,22 @@ def advise(log_text: str) -> list[AtcErrorAdvice]:
     return found
 
 
-def conversion_script(options: AtcOptions, install: AtcInstall | None) -> str:
-    """A bash script that runs the same conversion on a machine with CANN."""
-    return atc_script(build_atc_command(options), install.set_env if install else None)
+def conversion_script(options: AtcOptions, install: AtcInstall | None, folder: Path) -> str:
+    """A bash script in `folder` that runs the same conversion on a machine with CANN. Its paths
+    are relative to its own folder, which it runs from, so it moves with the run folder."""
+    return atc_script(paths_relative_to(build_atc_command(options), folder), install.set_env if install else None,
+                      from_own_folder=".")
+
+
+def paths_relative_to(command: list[str], folder: Path) -> list[str]:
+    """`--flag=/abs/path` arguments rewritten relative to `folder` (`--model=../../onnx/a.onnx`)."""
+    def relative(arg: str) -> str:
+        flag, sep, value = arg.partition("=")
+        if sep and value.startswith("/"):
+            return f"{flag}={os.path.relpath(value, folder.resolve())}"
+        return arg
+
+    return [relative(arg) for arg in command]
 
 
 def atc_script(command: list[str], set_env: str | None = None, from_own_folder: str | None = None) -> str:
@@ -356,7 +367,7 @@ def run_atc(options: AtcOptions, workdir: str | Path, timeout: float | None = No
     name = Path(options.output).name
     install = find_atc()
     script = work / f"convert_{name}.sh"
-    script.write_text(conversion_script(options, install))
+    script.write_text(conversion_script(options, install, work))
     script.chmod(0o755)
     command = build_atc_command(options)
     if install is None:

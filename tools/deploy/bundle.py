@@ -19,28 +19,20 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import get_args
 
 from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
 from omskills.files import sha256_file
 from omskills.models.api import InputPathMarker
 from omskills.models.registry import driver_for, localised_intake
-from omskills.records.base import Record
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployManifest
+from omskills.records.literals import BundleArtifact
+from omskills.records.results import BundleSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
 
-ARTIFACTS = ("auto", "onnx", "om")
-
-
-class BundleSummary(Record):
-    path: str
-    graphs: list[str]
-    files: int
-    bytes: int
-    om_graphs: list[str]  # graphs that ship an OM
-    not_deployed: dict[str, str]
-    required: dict[str, str]  # what the loader must be given (a model source checkout)
+ARTIFACTS: tuple[str, ...] = get_args(BundleArtifact)
 
 
 def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "auto", weights: bool = True) -> BundleSummary:

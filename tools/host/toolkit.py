@@ -3,6 +3,11 @@
 A tool is a file `skills/<skill>/scripts/<name>.py` defining a function `<name>` with a
 typed signature and a docstring, returning a pydantic model (or JSON-able value). The same
 file is a CLI: `python <file> --task X` or `--args '{...}'`, printing JSON on stdout.
+
+Every parameter is `Annotated[T, Field(description=...)]` (`Literal[...]` where the values are
+known) and the function carries `@tool_hints(...)`. Discovery imports every script, so a script's
+top level imports only light modules (this one, pydantic, typing, `omskills.records`): the engine
+function, which brings torch or onnx, is imported inside the tool function.
 """
 
 from __future__ import annotations
@@ -13,14 +18,18 @@ import inspect
 import json
 import os
 import re
+import shutil
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from collections.abc import Iterable
+from typing import Annotated, Any, Callable, get_args, get_origin
 
-from omskills.errors import OmskillsError
+from omskills.errors import InputError, OmskillsError
 from omskills.registry import Registry
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -37,6 +46,8 @@ class WorkspacePathMarker:
 
 
 WorkspacePath = Annotated[str, WorkspacePathMarker()]
+# The argument almost every tool takes.
+TaskPath = Annotated[WorkspacePath, Field(description="Path of the task record (YAML), relative to the workspace or absolute inside it.")]
 
 
 class ToolHints(BaseModel):
@@ -49,9 +60,11 @@ class ToolHints(BaseModel):
     title: str
     # Reads only: no task record, file or folder is written.
     read_only: bool
-    # May delete or overwrite what a user made (not: adds results to a run folder).
+    # May delete or overwrite what a user or an earlier step made (MCP destructiveHint: not only additive):
+    # a rewritten DELIVERY.md, a replaced bundle, results dropped by a re-export or a changed SoC.
     destructive: bool = False
-    # Calling again with the same arguments changes nothing more (a rerun resumes or reuses).
+    # Calling again with the same arguments changes nothing more than timestamps (a rerun reuses, or
+    # writes the same result without a new decision).
     idempotent: bool = True
     # Reaches outside this machine (network, hub): never for omskills' own tools.
     open_world: bool = False
@@ -68,6 +81,11 @@ def tool_hints(**hints: Any) -> Callable[[Callable[..., Any]], Callable[..., Any
         return func
 
     return attach
+
+
+def hints_of(func: Callable[..., Any]) -> ToolHints | None:
+    """The `@tool_hints` a tool function declares, or None."""
+    return getattr(func, "__omskills_hints__", None)
 
 
 def skills_root() -> Path:
@@ -99,9 +117,28 @@ class ToolInfo:
         return inspect.getdoc(self.func) or ""
 
     @property
+    def summary(self) -> str:
+        """The docstring's first paragraph on one line: what `tool --list` shows."""
+        return first_paragraph(self.description)
+
+    @property
     def hints(self) -> ToolHints | None:
         """The script's `@tool_hints`, or None when it declares none (`omskills validate` says so)."""
-        return getattr(self.func, "__omskills_hints__", None)
+        return hints_of(self.func)
+
+
+def first_paragraph(text: str) -> str:
+    return " ".join(text.strip().split("\n\n", 1)[0].split())
+
+
+def parameter_description(annotation: Any) -> str | None:
+    """The `Field(description=...)` inside a parameter's `Annotated[...]`, or None."""
+    if get_origin(annotation) is Annotated:
+        for meta in reversed(get_args(annotation)[1:]):
+            if isinstance(meta, FieldInfo) and meta.description:
+                return meta.description
+        return parameter_description(get_args(annotation)[0])
+    return None
 
 
 def load_tool(path: Path) -> ToolInfo:
@@ -112,7 +149,14 @@ def load_tool(path: Path) -> ToolInfo:
     if spec is None or spec.loader is None:
         raise OmskillsError(f"cannot import tool script {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # Registered first, as importlib's recipe does: pydantic resolves a model's postponed
+    # annotations (`from __future__ import annotations`) through sys.modules.
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)
+        raise
     func = getattr(module, name, None)
     if not callable(func):
         raise OmskillsError(f"{path}: defines no function named {name!r} (a tool file defines a function of its own name)")
@@ -139,24 +183,70 @@ def discover_tools(root: Path | None = None) -> Registry[ToolInfo]:
     return tools
 
 
-def validate_arguments(func: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
-    """Check arguments against the signature; one readable error naming the argument."""
-    sig = inspect.signature(func)
-    unknown = set(args) - set(sig.parameters)
-    if unknown:
-        raise OmskillsError(f"unknown argument(s) {sorted(unknown)}; expected {list(sig.parameters)}")
+def tool_listing(tools: list[ToolInfo], width: int | None = None) -> str:
+    """Each tool's name, skill and title, then its whole summary (the docstring's first paragraph), wrapped."""
+    width = width or min(shutil.get_terminal_size((100, 24)).columns, 120)
+    blocks = []
+    for info in tools:
+        title = f" - {info.hints.title}" if info.hints else ""
+        head = f"{info.name}  [{info.skill}]{title}"
+        body = textwrap.fill(info.summary, width=width, initial_indent="    ", subsequent_indent="    ")
+        blocks.append(f"{head}\n{body}" if body else head)
+    return "\n\n".join(blocks)
+
+
+def _problem(error: Any) -> str:
+    """One pydantic error as plain words (no URL, no input dump)."""
+    if error["type"] == "literal_error":
+        return f"must be one of {error['ctx']['expected']}"
+    message = str(error["msg"])
+    return message[0].lower() + message[1:] if message.startswith("Input should") else message
+
+
+def _where(pname: str, loc: tuple[Any, ...]) -> str:
+    # The type-adapter's own loc names union arms ("str", "none"); keep only list indexes and keys.
+    inner = "".join(f"[{part!r}]" for part in loc if isinstance(part, int))
+    return f"argument {pname!r}{inner}"
+
+
+def argument_problems(func: Callable[..., Any], args: dict[str, Any], *,
+                      ignored: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """The validated arguments and every problem with them, one readable line per argument.
+
+    `ignored`: parameters that are not the caller's to give (the MCP server's context argument).
+    """
+    skipped = set(ignored)
+    parameters = {name: p for name, p in inspect.signature(func).parameters.items() if name not in skipped}
     hints = inspect.get_annotations(func, eval_str=True)
+    problems = [f"argument {name!r}: unknown (this tool takes {', '.join(parameters) or 'no arguments'})"
+                for name in args if name not in parameters]
     bound: dict[str, Any] = {}
-    for pname, param in sig.parameters.items():
+    for pname, param in parameters.items():
         if pname not in args:
             if param.default is inspect.Parameter.empty:
-                raise OmskillsError(f"missing required argument {pname!r}")
+                problems.append(f"argument {pname!r}: required")
             continue
         try:
             bound[pname] = TypeAdapter(hints.get(pname, Any)).validate_python(args[pname])
         except ValidationError as err:
-            first = err.errors()[0]
-            raise OmskillsError(f"argument {pname!r}: {first['msg']}") from None
+            problems.append(_argument_problem(pname, err))
+    return bound, problems
+
+
+def _argument_problem(pname: str, err: ValidationError) -> str:
+    """One line for one argument; a union reports an error per arm, each distinct one said once."""
+    by_place: dict[str, list[str]] = {}
+    for error in err.errors():
+        by_place.setdefault(_where(pname, error["loc"]), []).append(_problem(error))
+    return "; ".join(f"{where}: {' or '.join(dict.fromkeys(found))}" for where, found in by_place.items())
+
+
+def validate_arguments(func: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
+    """Check arguments against the signature; one error listing every bad, missing or unknown
+    argument, one line each ("argument 'mode': must be one of ...")."""
+    bound, problems = argument_problems(func, args)
+    if problems:
+        raise InputError("\n".join(problems))
     return bound
 
 
@@ -172,12 +262,16 @@ def to_jsonable(result: Any) -> Any:
 
 def run_cli(func: Callable[..., Any], argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a tool function as a CLI: one flag per parameter, or --args JSON; the result is printed
-    as JSON on stdout, an error as one line on stderr (exit 2)."""
-    parser = argparse.ArgumentParser(prog=prog or func.__name__, description=inspect.getdoc(func))
+    as JSON on stdout; a refused input is reported on stderr, one line per problem (exit 2)."""
+    parser = argparse.ArgumentParser(prog=prog or func.__name__, description=inspect.getdoc(func),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--args", help="all arguments as one JSON object")
     sig = inspect.signature(func)
+    hints = inspect.get_annotations(func, eval_str=True)
     for pname, param in sig.parameters.items():
-        parser.add_argument(f"--{pname.replace('_', '-')}", dest=pname, help=f"(default: {param.default!r})" if param.default is not inspect.Parameter.empty else "(required)")
+        default = f"(default: {param.default!r})" if param.default is not inspect.Parameter.empty else "(required)"
+        described = parameter_description(hints.get(pname))
+        parser.add_argument(f"--{pname.replace('_', '-')}", dest=pname, help=f"{described} {default}" if described else default)
     ns = parser.parse_args(argv)
     try:
         args: dict[str, Any] = json.loads(ns.args) if ns.args else {}
@@ -197,7 +291,12 @@ def run_cli(func: Callable[..., Any], argv: list[str] | None = None, prog: str |
     try:
         result = call_tool(func, args)
     except OmskillsError as err:
-        print(f"error: {err}", file=sys.stderr)
+        for line in str(err).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
-    print(json.dumps(to_jsonable(result), indent=2))
+    try:
+        print(json.dumps(to_jsonable(result), indent=2), flush=True)
+    except BrokenPipeError:  # the reader (e.g. `| head`) stopped early: not an error of the tool
+        # Point stdout at /dev/null so Python's flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, ContextManager
 
 import numpy as np
+from omskills.errors import InputError
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
@@ -223,6 +224,34 @@ class ModelDriver(ABC):
     @abstractmethod
     def load(self, spec: ModelSpec) -> LoadedModel:
         """Build the model on spec.device (never a hub download); checkpoint or seeded random weights."""
+
+    # -- what the environment gate checks before any model is built --------------------------
+
+    def check_builder(self, spec: ModelSpec) -> str:
+        """That what builds the model imports (an error naming intake.model.builder if not), said
+        in a few words; by default the builder the spec names is not looked up."""
+        return f"builder: {self.builder_name(spec) or 'the driver default'} (not checked by the {self.family} driver)"
+
+    def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
+        """The state-dict keys of the model `spec` builds, found without building it for real (on
+        the meta device, say), so the gate can name a checkpoint that does not fit before any
+        weights are allocated. None: the driver cannot tell cheaply (the checkpoint is then only
+        read, and its keys meet the model at load)."""
+        return None
+
+    def check_inputs(self, inputs: BaseModel, base_dir: Path) -> list[str]:
+        """Before any model is built: the files the inputs name read, and the work they ask for is
+        within what they hold (frames of a video). Raises InputError naming the field; returns what
+        was found, for the report. By default every `InputPath` field must exist."""
+        found = []
+        for name, field in type(inputs).model_fields.items():
+            value = getattr(inputs, name, None)
+            if not (isinstance(value, str) and any(isinstance(m, InputPathMarker) for m in field.metadata)):
+                continue
+            if ":" not in value and not (base_dir / Path(value).expanduser()).exists():
+                raise InputError(f"intake.inputs.{name}: not found: {base_dir / Path(value).expanduser()}")
+            found.append(f"intake.inputs.{name}: {value}")
+        return found
 
     # -- the main path ---------------------------------------------------------------------
 

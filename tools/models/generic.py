@@ -15,19 +15,23 @@ generator is seeded with 0, so random inputs are the same in the reference and s
 Optional names in the same file: `Inputs` (a pydantic model validating intake.inputs),
 `COMPARISON` (a list of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
 `FAMILY` and `STEP_NAME`. Without seed candidates the study ranks the module tree.
+
+When the record names a checkpoint, the gate (check_environment) runs `build_model(spec)` once
+with every parameter on the meta device to list the model's keys and compare them with the
+checkpoint's before any weights are allocated; a build that fails there is one line naming the file.
 """
 
 from __future__ import annotations
 
 import inspect
-import pickle
 import time
 import types
 from pathlib import Path
 from typing import Any, ClassVar
 
-from omskills.errors import InputError, TaskRecordError
+from omskills.errors import InputError, TaskRecordError, one_line
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, SeedCandidate, StepOutput, as_arrays
+from omskills.models.checkpoints import load_state_dict, parameters_on_meta
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
 from pydantic import BaseModel, ConfigDict
@@ -89,6 +93,24 @@ class FunctionDriver(ModelDriver):
         return LoadedModel(entry=entry, root=root, source_root=self.path.parent,
                            weights=spec.checkpoint or "random", notes=notes)
 
+    def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
+        """The root's state-dict keys, for the gate (check_environment) to hold a checkpoint against
+        before any weights exist. A driver file has no other way to tell them, so this runs the user's
+        `build_model(spec)`: once, with the spec as the gate got it (the scale asked), every parameter
+        created on the meta device (no memory for weights; other tensors stay real). A build that
+        fails there stops the gate with one line naming the driver file: `build_model` must not read
+        its parameters' values (`weight.item()`) while building. None: it built no nn.Module."""
+        import torch
+
+        try:
+            with parameters_on_meta():
+                built = getattr(self.module, BUILD)(spec)
+        except Exception as err:  # noqa: BLE001 - the user's code may raise anything; one line says what
+            raise InputError(f"intake.model.driver: {self.path}: {BUILD}(spec) failed at scale {spec.scale} "
+                             f"with parameters on the meta device (the gate lists its keys so): {one_line(err, 300)}") from None
+        root = built[1] if isinstance(built, tuple) else built
+        return set(root.state_dict()) if isinstance(root, torch.nn.Module) else None
+
     def load_inputs(self, inputs: BaseModel, base_dir: Path) -> Any:
         return inputs.model_dump() if isinstance(inputs, AnyInputs) else inputs
 
@@ -117,25 +139,3 @@ class FunctionDriver(ModelDriver):
     def seed_candidates(self) -> list[SeedCandidate]:
         return [SeedCandidate(name, path, f"declared in {self.path.name}")
                 for name, path in getattr(self.module, "SEED_CANDIDATES", [])]
-
-
-def load_state_dict(root: Any, checkpoint: Path, device: str) -> None:
-    """A checkpoint's state dict into `root`, with one-line errors naming the path."""
-    import torch
-
-    if not checkpoint.is_file():
-        raise InputError(f"intake.model.checkpoint: checkpoint file not found: {checkpoint}")
-    try:
-        state = torch.load(checkpoint, map_location=device, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InputError(f"intake.model.checkpoint: {checkpoint} is not a loadable state dict ({first[:200]})") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise InputError(f"intake.model.checkpoint: {checkpoint} holds a {type(state).__name__}, not a state dict")
-    result = root.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise InputError(f"intake.model.checkpoint: {checkpoint} does not fit the model: "
-                         f"{len(result.missing_keys)} missing keys (first {result.missing_keys[:3]}), "
-                         f"{len(result.unexpected_keys)} unexpected (first {result.unexpected_keys[:3]})")

@@ -21,7 +21,7 @@ from omskills.models.api import (
     StepOutput,
     as_arrays,
 )
-from omskills.models.generic import load_state_dict
+from omskills.models.checkpoints import load_state_dict
 from omskills.models.media import load_video
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omskills.errors import InputError
+from omskills.errors import InputError, one_line
 from PIL import Image, ImageDraw
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
@@ -69,20 +69,42 @@ def builtin_shapes(frames: int = 8, width: int = 640, height: int = 480, seed: i
 
 
 BUILTIN_CLIPS = {"shapes": builtin_shapes}
+# Each built-in clip's length: the three shapes have all left the 640x480 picture by frame 30.
+BUILTIN_CLIP_FRAMES = {"shapes": 30}
 
 
-def _read_folder(folder: Path) -> list[Image.Image]:
+@dataclass(frozen=True)
+class VideoFacts:
+    """What the gate learns of a video without decoding it all."""
+
+    where: str  # the path, or builtin:<name>
+    frames: int  # its length in frames, or (when `whole` is False) a lower bound
+    # False when counting stopped early: the video has at least `frames` frames, maybe more.
+    whole: bool = True
+
+
+def _frame_paths(folder: Path, field: str) -> list[Path]:
     paths = sorted((p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES), key=_frame_sort_key)
     if not paths:
-        raise InputError(f"video folder {folder} holds no image frames ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return [Image.open(p).convert("RGB") for p in paths]
+        raise InputError(f"{field}: video folder {folder} holds no image frames ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return paths
+
+
+def _read_folder(folder: Path, frames: int, field: str) -> list[Image.Image]:
+    images = []
+    for path in _frame_paths(folder, field)[:frames]:  # only the frames asked for are opened
+        try:
+            images.append(Image.open(path).convert("RGB"))
+        except OSError as err:
+            raise InputError(f"{field}: cannot read frame {path}: {err}") from None
+    return images
 
 
 def _frame_sort_key(path: Path) -> tuple[int, int | str]:
     return (0, int(path.stem)) if path.stem.isdigit() else (1, path.stem)
 
 
-def _read_file(path: Path, frames: int) -> list[Image.Image]:
+def _read_file(path: Path, frames: int, field: str) -> list[Image.Image]:
     import imageio.v3 as iio
 
     try:
@@ -92,26 +114,73 @@ def _read_file(path: Path, frames: int) -> list[Image.Image]:
                 break
             images.append(Image.fromarray(np.asarray(frame)[..., :3]).convert("RGB"))
     except Exception as err:  # imageio raises many types for unreadable files
-        raise InputError(f"cannot read video {path}: {err}") from None
+        raise InputError(f"{field}: cannot read video {path}: {one_line(err, 200)}") from None
     if not images:
-        raise InputError(f"video {path} has no frames")
+        raise InputError(f"{field}: video {path} has no frames")
     return images
 
 
-def load_video(spec: str, frames: int, base_dir: Path | None = None) -> list[Image.Image]:
-    """Frames of `spec` (builtin:<name>, a folder, an mp4/gif/... file), at most `frames`."""
-    if spec.startswith("builtin:"):
-        name = spec.split(":", 1)[1]
-        if name not in BUILTIN_CLIPS:
-            raise InputError(f"unknown built-in clip {name!r}; known: {', '.join(BUILTIN_CLIPS)}")
-        return BUILTIN_CLIPS[name](frames=frames)
+def _count_file_frames(path: Path, field: str, enough: int | None) -> tuple[int, bool]:
+    """Frames of a video file and whether that is its whole length: from the container's metadata
+    when it records the length, else by decoding, stopping once more than `enough` frames are seen
+    (the caller only needs to know there are enough; decoding a long clip to the end costs minutes)."""
+    import imageio.v3 as iio
+
+    try:
+        shape = iio.improps(path).shape
+        count = int(shape[0]) if len(shape) == 4 else 1
+        if count > 0:
+            return count, True
+        # The container does not record its length (improps says 0): count the frames it holds.
+        for _ in iio.imiter(path):
+            count += 1
+            if enough is not None and count > enough:
+                return count, False
+    except Exception as err:  # imageio raises many types for unreadable files
+        raise InputError(f"{field}: cannot read video {path}: {one_line(err, 200)}") from None
+    if count <= 0:
+        raise InputError(f"{field}: video {path} has no frames")
+    return count, True
+
+
+def _video_path(spec: str, base_dir: Path | None, field: str) -> Path:
     path = Path(spec).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     if not path.exists():
-        raise InputError(f"video not found: {path}")
+        raise InputError(f"{field}: video not found: {path}")
+    if not path.is_dir() and path.suffix.lower() not in VIDEO_SUFFIXES | {".gif"}:
+        raise InputError(f"{field}: video {path}: unsupported type {path.suffix!r} (mp4/gif/folder of frames or builtin:<name>)")
+    return path
+
+
+def _builtin(spec: str, field: str) -> str:
+    name = spec.split(":", 1)[1]
+    if name not in BUILTIN_CLIPS:
+        raise InputError(f"{field}: unknown built-in clip {name!r}; known: {', '.join(BUILTIN_CLIPS)}")
+    return name
+
+
+def probe_video(spec: str, base_dir: Path | None = None, field: str = "video", enough: int | None = None) -> VideoFacts:
+    """The video's length in frames (one-line errors naming `field`), read from its metadata; a file whose
+    container does not record it is decoded, only until more than `enough` frames are seen when given."""
+    if spec.startswith("builtin:"):
+        return VideoFacts(where=spec, frames=BUILTIN_CLIP_FRAMES[_builtin(spec, field)])
+    path = _video_path(spec, base_dir, field)
     if path.is_dir():
-        return _read_folder(path)[:frames]
-    if path.suffix.lower() in VIDEO_SUFFIXES | {".gif"}:
-        return _read_file(path, frames)
-    raise InputError(f"video {path}: unsupported type {path.suffix!r} (mp4/gif/folder of frames or builtin:<name>)")
+        return VideoFacts(where=str(path), frames=len(_frame_paths(path, field)))
+    frames, whole = _count_file_frames(path, field, enough)
+    return VideoFacts(where=str(path), frames=frames, whole=whole)
+
+
+def load_video(spec: str, frames: int, base_dir: Path | None = None, field: str = "video") -> list[Image.Image]:
+    """Frames of `spec` (builtin:<name>, a folder, an mp4/gif/... file), at most `frames`."""
+    if spec.startswith("builtin:"):
+        name = _builtin(spec, field)
+        if frames > BUILTIN_CLIP_FRAMES[name]:  # checked before a frame is drawn
+            raise InputError(f"{field}: the built-in clip {name!r} has {BUILTIN_CLIP_FRAMES[name]} frames, {frames} asked")
+        return BUILTIN_CLIPS[name](frames=frames)
+    path = _video_path(spec, base_dir, field)
+    if path.is_dir():
+        return _read_folder(path, frames, field)
+    return _read_file(path, frames, field)

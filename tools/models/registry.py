@@ -21,7 +21,7 @@ from types import ModuleType
 
 from omskills.errors import TaskRecordError
 from omskills.models.api import InputPathMarker, ModelDriver
-from omskills.records.intake import Intake, ModelSpec
+from omskills.records.intake import Intake, ModelSpec, confined_path
 from omskills.records.task import validation_problems
 from omskills.registry import Registry, RegistryError, import_reference
 from pydantic import BaseModel, ValidationError
@@ -155,6 +155,30 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
         if _is_input_path(field) and isinstance(value, str) and ":" not in value and not Path(value).expanduser().is_absolute():
             inputs[name] = str((base_dir / value).resolve())
     return intake.model_copy(update={"model": model, "inputs": inputs})
+
+
+def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
+    """Every file or folder the intake names, as (field, value): the source checkout, the
+    checkpoint and the inputs the driver marks `InputPath` (values with a scheme, such as
+    "builtin:shapes", name no file). The driver file is code the user chose to run, not data read."""
+    named: list[tuple[str, str]] = []
+    if intake.model.source != "package":
+        named.append(("intake.model.source", intake.model.source))
+    if intake.model.checkpoint:
+        named.append(("intake.model.checkpoint", intake.model.checkpoint))
+    for name, field in driver.inputs_model.model_fields.items():
+        value = intake.inputs.get(name)
+        if _is_input_path(field) and isinstance(value, str) and ":" not in value:
+            named.append((f"intake.inputs.{name}", value))
+    return named
+
+
+def confine_intake(intake: Intake, base_dir: Path, roots: list[Path]) -> None:
+    """Every path the intake names must resolve (symlinks followed) inside one of `roots`; the
+    first that does not is an InputError naming its field."""
+    driver = driver_for(intake.model, base_dir)
+    for field, value in intake_paths(intake, driver):
+        confined_path(value, field, base_dir, roots)
 
 
 @dataclass

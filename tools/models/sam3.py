@@ -12,13 +12,14 @@ import contextlib
 import functools
 import importlib.util
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
 
 import numpy as np
 import torch
-from omskills.errors import InputError, TaskRecordError
+from omskills.errors import InputError, TaskRecordError, one_line
 from omskills.models.api import (
     InputPath,
     LoadedModel,
@@ -29,13 +30,15 @@ from omskills.models.api import (
     SeedCandidate,
     StepOutput,
 )
-from omskills.models.media import load_video
+from omskills.models.checkpoints import CHECKPOINT_FIELD, load_state_dict, parameters_on_meta, read_state_dict
+from omskills.models.media import load_video, probe_video
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
 from omskills.report.pictures import draw_instances
 from omskills.source.packages import package_root
 from omskills.source.portability import DevicePortability, FunctionFix
+from omskills.stdio import stdout_to_stderr
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -57,7 +60,14 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 EXPORT_OVERRIDES: dict[str, dict[str, Any]] = {"RoPEAttention": {"use_rope_real": True}}
 
 BPE_FILE = "bpe_simple_vocab_16e6.txt.gz"
+# A session holds every frame as a 3x1008x1008 float tensor (12 MB each): 1000 frames is 12 GB.
+MAX_FRAMES = 1000
 DEFAULT_BUILDER = "build_sam3_video_model"
+# Builders that load a checkpoint's keys as saved (build_sam3_video_model: `load_state_dict(ckpt)`):
+# for these the gate compares the keys and the driver loads them itself, strictly, for one-line
+# errors. Others rename keys on load (build_sam3_image_model strips `detector.` and maps `tracker.`
+# into its interactive predictor, not strictly): they load the checkpoint themselves, unchecked here.
+KEYS_AS_SAVED = frozenset({"build_sam3_video_model"})
 
 
 class VideoTextInputs(BaseModel):
@@ -67,7 +77,7 @@ class VideoTextInputs(BaseModel):
 
     video: InputPath  # an mp4/gif/folder of frames, or builtin:<name>
     prompt: str
-    frames: int = Field(8, ge=1)
+    frames: int = Field(8, ge=1, le=MAX_FRAMES)
 
     @field_validator("prompt")
     @classmethod
@@ -315,7 +325,14 @@ class SamVideoDriver(ModelDriver):
         return "sam3"
 
     def load_inputs(self, inputs: VideoTextInputs, base_dir: Path) -> list[Image.Image]:
-        return load_video(inputs.video, inputs.frames, base_dir=base_dir)
+        return load_video(inputs.video, inputs.frames, base_dir=base_dir, field="intake.inputs.video")
+
+    def check_inputs(self, inputs: VideoTextInputs, base_dir: Path) -> list[str]:
+        video = probe_video(inputs.video, base_dir, field="intake.inputs.video", enough=inputs.frames)
+        if inputs.frames > video.frames:
+            raise InputError(f"intake.inputs.frames: {inputs.frames} frames asked, but the video {video.where} has {video.frames}")
+        length = f"{video.frames}" if video.whole else f"more than {video.frames - 1}"
+        return [f"intake.inputs.video: {video.where}, {length} frames, the first {inputs.frames} used"]
 
     def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: VideoTextInputs,
                       verification: SamVerification, hooks: RunHooks) -> MainPathRun:
@@ -395,6 +412,37 @@ class Sam3Driver(SamVideoDriver):
             raise InputError("intake.model.source: the sam3 package is not installed (pip install 'omskills[sam3]')")
         return package_root(spec.source, "sam3")
 
+    def _builder(self, spec: ModelSpec) -> Callable[..., Any]:
+        """The builder function in sam3.model_builder (imported inside a portability context)."""
+        from sam3 import model_builder
+
+        builder_name = self.builder_name(spec)
+        builder = getattr(model_builder, builder_name, None)
+        if builder is None:
+            raise TaskRecordError(f"intake.model.builder: {builder_name!r} is not in sam3.model_builder")
+        return builder
+
+    def check_builder(self, spec: ModelSpec) -> str:
+        # sam3's modules warn on import (no CUDA, torch.jit.script deprecated): the gate's answer is its line.
+        with DevicePortability(spec.device, self.source_root(spec) / "sam3"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._builder(spec)
+        return f"intake.model.builder: sam3.model_builder.{self.builder_name(spec)} imports"
+
+    def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
+        """The model built on the meta device at the scale asked: its keys, no weights allocated."""
+        if spec.builder_kwargs.get("strict_state_dict_loading") is False:
+            return None  # the user lets the keys differ
+        if self.builder_name(spec) not in KEYS_AS_SAVED:
+            return None  # the builder renames the keys on load: the raw ones would not compare
+        with DevicePortability("cpu", self.source_root(spec) / "sam3"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            builder = self._builder(spec)
+            with parameters_on_meta(), scaled_builder(spec.scale):
+                model = builder(checkpoint_path=None, load_from_HF=False, bpe_path=str(bpe_vocabulary_path()),
+                                device="meta", **spec.builder_kwargs)
+        return set(model.state_dict())
+
     def load(self, spec: ModelSpec) -> LoadedModel:
         source_root = self.source_root(spec)
         if spec.checkpoint is not None and not Path(spec.checkpoint).is_file():
@@ -404,16 +452,16 @@ class Sam3Driver(SamVideoDriver):
             portability.add_fix(fix)
         notes: list[str] = []
         torch.manual_seed(spec.seed)
-        builder_name = self.builder_name(spec)
+        # A builder that takes the keys as saved gets no checkpoint: it is loaded here, its errors one
+        # line (the builder's strict load lists every key). Another builder loads it with its own renaming.
+        ours = self.builder_name(spec) in KEYS_AS_SAVED
         with portability:
-            from sam3 import model_builder
-
-            builder = getattr(model_builder, builder_name, None)
-            if builder is None:
-                raise TaskRecordError(f"intake.model.builder: {builder_name!r} is not in sam3.model_builder")
+            builder = self._builder(spec)
             with scaled_builder(spec.scale), deterministic_uninitialised(spec.seed) as filled:
-                model = builder(checkpoint_path=spec.checkpoint, load_from_HF=False, bpe_path=str(bpe_vocabulary_path()),
-                                device=spec.device, **spec.builder_kwargs)
+                model = self._build(builder, spec, checkpoint=None if ours else spec.checkpoint)
+            if spec.checkpoint is not None and ours:
+                load_state_dict(model, Path(spec.checkpoint), "cpu",
+                                strict=spec.builder_kwargs.get("strict_state_dict_loading", True) is not False)
             model = model.eval()
         fixed = reinit_non_finite(model, spec.seed)
         if spec.checkpoint is None:
@@ -422,6 +470,20 @@ class Sam3Driver(SamVideoDriver):
             notes.append(f"re-initialised non-finite parameters: {', '.join(fixed)}")
         return LoadedModel(entry=self._predictor(model), root=model, source_root=source_root,
                            weights=spec.checkpoint or "random", portability=portability, notes=notes)
+
+    def _build(self, builder: Callable[..., Any], spec: ModelSpec, checkpoint: str | None) -> Any:
+        """The builder's model; given a checkpoint, the builder loads it (printing what it finds, to
+        stderr here: stdout may be the MCP channel) and a failure is one line naming the field."""
+        kwargs = dict(load_from_HF=False, bpe_path=str(bpe_vocabulary_path()), device=spec.device, **spec.builder_kwargs)
+        if checkpoint is None:
+            return builder(checkpoint_path=None, **kwargs)
+        read_state_dict(Path(checkpoint))  # a file that is no state dict: the usual one line
+        try:
+            with stdout_to_stderr():
+                return builder(checkpoint_path=str(checkpoint), **kwargs)
+        except Exception as err:  # noqa: BLE001 - torch's load errors list every key over many lines
+            raise InputError(f"{CHECKPOINT_FIELD}: {checkpoint}: sam3.model_builder.{self.builder_name(spec)} "
+                             f"could not load it: {one_line(err, 300)}") from None
 
     @staticmethod
     def _predictor(model: torch.nn.Module) -> Any:

@@ -15,19 +15,19 @@ from pathlib import Path
 import jinja2
 from omskills.errors import InputError
 from omskills.registry import RegistryError, import_reference
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "driver"
 NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 
 
 class ScaffoldedDriver(BaseModel):
-    name: str
-    entry: str
-    driver: str  # the driver file
-    task: str  # the task record
-    test: str
-    next_steps: list[str]
+    name: str = Field(description="The driver's name, which prefixes the three files.")
+    entry: str = Field(description="The callable that builds the model, as 'package.module:callable'.")
+    driver: str = Field(description="Path of the driver file written (<name>_driver.py: build_model and run_main_path).")
+    task: str = Field(description="Path of the task record written (<name>.yaml), naming the driver file.")
+    test: str = Field(description="Path of the test written (test_<name>_driver.py): validate-driver, then adapt with a passing verdict.")
+    next_steps: list[str] = Field(description="What to do next, in order: edit the driver to call the model as your application does, validate it, adapt.")
 
 
 def new_driver(name: str, entry: str, folder: Path, shape: list[int] | None = None) -> ScaffoldedDriver:
@@ -47,6 +47,8 @@ def new_driver(name: str, entry: str, folder: Path, shape: list[int] | None = No
     if not shape or any(d < 1 for d in shape):
         raise InputError(f"shape: {shape} must be positive sizes")
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"out_dir: {folder} is a file, not a folder")
     files = {"driver": folder / f"{name}_driver.py", "task": folder / f"{name}.yaml", "test": folder / f"test_{name}_driver.py"}
     existing = [str(p) for p in files.values() if p.exists()]
     if existing:

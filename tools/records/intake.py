@@ -6,10 +6,32 @@ own pydantic models (`ModelDriver.inputs_model`, `verification_model`) when the 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
+from omskills.errors import InputError
 from omskills.records.base import Record
 from pydantic import Field, model_validator
+
+# Folders outside the run folder that a record may name files in (os.pathsep-separated): the
+# user's own inputs. `omskills adapt` adds the folder of the task record it was given.
+INPUT_ROOTS_ENV = "OMSKILLS_INPUT_ROOTS"
+
+
+# --soc_version values. ATC's guide gives no list (it says: "Ascend" + the Name column of
+# `npu-smi info`; for Atlas A3, Chip Name + "_" + NPU Name); these are the SoC names CANN
+# ships platform configurations for, as enumerated by torch_npu's SoC table and CANN's
+# runtime sources: 310 / 310P / 310B inference chips, 910 (A1), 910B (Atlas A2), 910_93xx (A3).
+KNOWN_SOCS: tuple[str, ...] = (
+    "Ascend310",
+    "Ascend310P1", "Ascend310P2", "Ascend310P3", "Ascend310P4", "Ascend310P5", "Ascend310P7",
+    "Ascend310P3vir01", "Ascend310P3vir02", "Ascend310P3vir04", "Ascend310P3vir08",
+    "Ascend310B1", "Ascend310B2", "Ascend310B3", "Ascend310B4",
+    "Ascend910", "Ascend910A", "Ascend910B", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA",
+    "Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1",
+    "Ascend910_9391", "Ascend910_9392", "Ascend910_9381", "Ascend910_9382", "Ascend910_9372", "Ascend910_9362",
+)
 
 
 class ModelSpec(Record):
@@ -51,3 +73,33 @@ class Intake(Record):
     inputs: dict[str, Any] = Field(default_factory=dict)  # the driver's inputs_model validates it
     target: TargetSpec = Field(default_factory=TargetSpec)
     verification: dict[str, Any] = Field(default_factory=dict)  # the driver's verification_model validates it
+
+
+def allowed_input_roots(workspace: Path, *extra: str | Path | None) -> list[Path]:
+    """Where a path named in a record may lead: the workspace (run folder) first, then the roots in
+    $OMSKILLS_INPUT_ROOTS and `extra`, each resolved (symlinks followed)."""
+    given = [r for r in os.environ.get(INPUT_ROOTS_ENV, "").split(os.pathsep) if r.strip()]
+    roots = [Path(workspace).resolve()]
+    for root in [*given, *(e for e in extra if e)]:
+        resolved = Path(root).expanduser().resolve()
+        if resolved not in roots:
+            roots.append(resolved)
+    return roots
+
+
+def confined_path(value: str, field: str, base_dir: Path, roots: list[Path], *,
+                  root_name: str = "the run folder", widened_by_env: bool = True) -> Path:
+    """`value` (relative to `base_dir`) resolved with its symlinks followed; an InputError naming
+    `field` when it leads outside every root, so a record cannot make a tool read any file.
+
+    The one confinement check of omskills: the MCP server calls it too, for tool arguments and
+    resources (`root_name="the workspace"`, `widened_by_env=False`: no variable widens the workspace).
+    """
+    path = Path(value).expanduser()
+    resolved = (path if path.is_absolute() else Path(base_dir) / path).resolve()
+    if not any(resolved.is_relative_to(root) for root in roots):
+        via = f" (through a symlink to {resolved})" if resolved != Path(os.path.abspath(Path(base_dir) / path)) else ""
+        others = f" or the allowed input roots ({', '.join(map(str, roots[1:]))})" if roots[1:] else ""
+        widen = f"; add its folder to {INPUT_ROOTS_ENV} to allow it" if widened_by_env else ""
+        raise InputError(f"{field}: {value} is outside {root_name} {roots[0]}{others}{via}{widen}")
+    return resolved

@@ -70,22 +70,25 @@ class LayerFinding(Record):
 class LayerComparison(Record):
     """Every float node output of one graph, two runs, node by node."""
 
-    model: str
-    reference: str  # what the baseline run is ("onnxruntime fp32", "ONNX model", ...)
-    candidate: str  # what is judged ("force_fp16 emulated", "NPU dump <dir>", ...)
-    backend: str
-    nodes_compared: int
-    nodes_flagged: int
-    first: LayerFinding | None = None
-    outputs: list[TensorError] = Field(default_factory=list)  # graph outputs, emulated vs fp32
-    outputs_pass: bool
-    overflow: int = 0  # over every compared node output
-    # Tensors of the other run that match no float node output of this graph, or whose shape
-    # cannot be brought to it (a fused op's output, a layout ATC changed); a few named in `notes`.
-    unmatched: int = 0
-    notes: list[str] = Field(default_factory=list)
-    # The flagged nodes, worst first (first 50), for the report.
-    flagged: list[NodeComparison] = Field(default_factory=list)
+    model: str = Field(description="Run-folder path of the ONNX graph compared.")
+    reference: str = Field(description="The baseline run: the graph in fp32 on ONNX Runtime (CPU).")
+    candidate: str = Field(description=(
+        "The run judged against it: a precision mode emulated (with how many nodes kept), an NPU dump's folder, or a PyTorch module."))
+    backend: str = Field(description="What computed the judged run; an emulation says it is not an NPU result.")
+    nodes_compared: int = Field(description="Nodes whose float outputs were compared.")
+    nodes_flagged: int = Field(description="Compared nodes whose worst output crosses the node gate (cosine under it, an overflow or a NaN).")
+    first: LayerFinding | None = Field(None, description=(
+        "The first flagged node in graph order, and whether its error is local, accumulated or undetermined; null when none is flagged."))
+    outputs: list[TensorError] = Field(default_factory=list, description=(
+        "The graph's outputs, judged run against fp32: cosine, max abs difference, overflowed and NaN elements (against a dump, the outputs it kept)."))
+    outputs_pass: bool = Field(description=(
+        "Whether every compared graph output meets the output gate (its cosine, no overflow, no NaN); with no output compared, whether no node is flagged."))
+    overflow: int = Field(0, description="Elements infinite in the judged run and finite in fp32, summed over each compared node's worst output.")
+    unmatched: int = Field(0, description=(
+        "Tensors of the other run that match no float node output, or whose shape cannot be brought to it (a fused op's output, "
+        "a layout ATC changed); a few are named in notes. 0 for an emulation."))
+    notes: list[str] = Field(default_factory=list, description="What the comparison left out or assumed (unmatched tensors, dump files skipped, the sample the OM ran on).")
+    flagged: list[NodeComparison] = Field(default_factory=list, description="The flagged nodes, lowest cosine first (at most 50).")
 
 
 class EmulatedResult(Record):

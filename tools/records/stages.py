@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
+from omskills.files import file_state, sha256_cached
 from omskills.records.base import Record
 from pydantic import Field
 
@@ -11,9 +13,37 @@ StageStatus = Literal["pending", "running", "done", "failed", "not_run"]
 
 
 class Artifact(Record):
-    path: str
+    """A file a step wrote, as it wrote it: a rerun checks it before reusing the step's result."""
+
+    path: str  # relative to the run folder (the record's folder)
     sha256: str | None = None
     bytes: int | None = None
+    # With the size, the fast check that the file is untouched; the sha256 decides when either moved
+    # (a copied run folder has new mtimes). None in records written before artefacts were checked.
+    mtime_ns: int | None = None
+
+    @classmethod
+    def of(cls, path: Path, root: Path) -> Artifact:
+        """The file at `path` (inside the run folder `root`) as it is now."""
+        size, mtime = file_state(path)
+        return cls(path=Path(path).resolve().relative_to(root.resolve()).as_posix(), sha256=sha256_cached(path),
+                   bytes=size, mtime_ns=mtime)
+
+    def problem(self, root: Path) -> str | None:
+        """Why the file is not the one the step wrote (None: it is, or nothing was recorded to tell)."""
+        path = root / self.path
+        if not path.is_file():
+            return f"{self.path} is missing"
+        if self.mtime_ns is None or self.sha256 is None:  # written before files were checked: present is all we know
+            return None
+        size, mtime = file_state(path)
+        if (size, mtime) == (self.bytes, self.mtime_ns):
+            return None
+        if size != self.bytes:
+            return f"{self.path} changed on disk ({self.bytes} bytes recorded, {size} now)"
+        if sha256_cached(path) != self.sha256:
+            return f"{self.path} changed on disk (sha256 differs from the record)"
+        return None
 
 
 class StageResult(Record):

@@ -1,20 +1,29 @@
 """The task record: one YAML file per adaptation, validated, written atomically.
 
 Every tool reads it and writes its results back; a rerun resumes from what is done.
-Artefacts of a run live in the record's folder (`TaskRecord.workdir(path)`).
+Artefacts of a run live in the record's folder (`TaskRecord.workdir(path)`), and every path
+stored in the record is relative to that folder, so a copied run folder works on its own files.
+
+Writers go through `updating(path)`: an exclusive lock on the record (`.task.yaml.lock` next to
+it, held by one thread of one process at a time) around load, change and save, so concurrent
+tools (MCP calls in one server, CLI processes) never lose each other's results. A save writes
+`stages` after the results it summarises, keeps the file's mode, and keeps the comments a user
+wrote in the sections users write (header, `id`, `schema_version`, `intake`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import os
-import tempfile
+import io
+import re
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import yaml
+from filelock import FileLock, Timeout
 from omskills.errors import StageError, TaskRecordError
+from omskills.files import atomic_write_text
 from omskills.records.base import Record
 from omskills.records.contracts import BoundaryDecision, ContractSpec, is_ancestor
 from omskills.records.environment import EnvironmentReport
@@ -27,7 +36,7 @@ from omskills.records.stages import Decision, StageResult
 from omskills.records.toolchain import BatchSplit
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
-from pydantic import Field, ValidationError
+from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError
 
 # 2: verification is judged by the driver's output checks (per step), not by frames and masks.
 SCHEMA_VERSION = 2
@@ -59,6 +68,9 @@ class TaskRecord(Record):
     verification: VerifyReport | None = None
     # The same main path with every spliced graph in its chosen ATC precision mode, emulated on CPU.
     verification_emulated: VerifyReport | None = None
+    # The text the record was read from when it carries comments: a save keeps the user's comments
+    # even into a new file (`omskills adapt` copies the intake into the run folder).
+    _source_text: str | None = PrivateAttr(default=None)
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))
@@ -171,6 +183,39 @@ class TaskRecord(Record):
         return any(len(parts := step.split(":")) > 1 and parts[1] in siblings and result.status == "failed"
                    for step, result in self.stages.items())
 
+    def missing_results(self, step: str) -> list[str]:
+        """What a step marked done should have written and the record lacks ("contracts for X"):
+        a record cut short, or edited, says a stage is done whose results are gone."""
+        kind, _, rest = step.partition(":")
+        graph, _, variant = rest.partition(":")
+        chain = self.toolchain_of(graph) if graph else None
+        singles = {"environment": self.environment, "plan": self.plan, "verify": self.verification}
+        if kind in singles and not rest:
+            return [] if singles[kind] is not None else [kind]
+        if step == "verify:emulated":
+            return [] if self.verification_emulated is not None else ["verification_emulated"]
+        if kind == "study":
+            missing = [name for name in ("profile", "study") if getattr(self, name) is None]
+            captured = self.study.contracts_captured if self.study else []
+            lost = [name for name in captured if name not in self.contracts]
+            return missing + ([f"contracts for {', '.join(lost)}"] if lost else [])
+        if kind == "boundaries":
+            return self._missing_boundaries(rest or None)
+        owned = {"export": lambda: graph in self.exports, "probe": lambda: variant in chain.probes,
+                 "optimize": lambda: chain.optimize is not None, "precision": lambda: chain.precision is not None,
+                 "atc": lambda: chain.atc is not None}
+        if kind in owned and graph and not owned[kind]():
+            return [f"{kind} results for {graph}" + (f" ({variant})" if variant else "")]
+        return []
+
+    def _missing_boundaries(self, candidate: str | None) -> list[str]:
+        try:
+            names = self.graphs(candidate) + (self.inner_graphs() if candidate is None else [])
+        except StageError as err:
+            return [str(err)]
+        lost = [name for name in names if name not in self.boundaries]
+        return [f"boundaries for {', '.join(lost)}"] if lost else []
+
     @staticmethod
     def workdir(path: str | Path) -> Path:
         return Path(path).resolve().parent
@@ -216,36 +261,178 @@ def parse_record(data: object, path: Path) -> TaskRecord:
 
 
 def load_record(path: str | Path) -> TaskRecord:
+    """Read without locking: saves replace the file whole, so a reader sees one version or the next."""
     path = Path(path)
     if not path.is_file():
         raise TaskRecordError(f"task record not found: {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
-    except yaml.YAMLError as err:
-        raise TaskRecordError(f"task record {path}: not valid YAML ({err})") from None
-    return parse_record(data, path)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise TaskRecordError(f"task record {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as err:  # PyYAML's message spans lines: one line, as every error here
+        raise TaskRecordError(f"task record {path}: not valid YAML ({' '.join(str(err).split())})") from None
+    record = parse_record(data, path)
+    if "#" in text:
+        record._source_text = text
+    return record
+
+
+# A writer that waits longer than this for the record is stuck behind a hung one: say so.
+LOCK_TIMEOUT_S = 600.0
+
+
+def record_lock(path: str | Path) -> FileLock:
+    """The record's write lock: one per record path and process (re-entrant in one thread), held
+    across processes through flock on `.<name>.lock` next to the record."""
+    path = Path(path).resolve()
+    return FileLock(path.with_name(f".{path.name}.lock"), timeout=LOCK_TIMEOUT_S, is_singleton=True,
+                    preserve_lock_file=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    try:
+        with record_lock(path):
+            yield
+    except Timeout:
+        raise TaskRecordError(f"task record {path}: another writer has held it for {LOCK_TIMEOUT_S:.0f} s; "
+                              f"is a tool stuck on it?") from None
 
 
 def save_record(record: TaskRecord, path: str | Path) -> None:
-    """Write atomically: a crash mid-write leaves the previous record intact."""
+    """Write atomically under the record's lock: a crash mid-write leaves the previous record intact.
+    Prefer `updating`, which also holds the lock while the record is read and changed."""
     path = Path(path)
-    text = yaml.dump(record.model_dump(mode="json", exclude_none=False), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _locked(path):
+        previous = path.read_text() if path.is_file() else None
+        template = previous if previous is not None and "#" in previous else record._source_text
+        text = render_record(record, template)
+        atomic_write_text(path, text)
+    record._source_text = text if "#" in text else None
 
 
 @contextlib.contextmanager
 def updating(path: str | Path) -> Iterator[TaskRecord]:
-    """Load, let the caller change, save atomically. Nothing is saved if the body raises."""
-    record = load_record(path)
-    yield record
-    save_record(record, path)
+    """Lock, load, let the caller change, save atomically, unlock. Nothing is saved if the body
+    raises. Keep the body short (no model runs): every other writer of the record waits for it."""
+    path = Path(path)
+    with _locked(path):
+        record = load_record(path)
+        yield record
+        save_record(record, path)
+
+
+# -- the YAML text -----------------------------------------------------------------------------
+
+# Sections a user writes in a task record: their comments are kept when the record is saved.
+AUTHORED = ("schema_version", "id", "intake")
+_TOP_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(?:[ \t]|$)")
+
+
+def _dump(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+def render_record(record: TaskRecord, template: str | None = None) -> str:
+    """The record as YAML, `stages` last: written after the results it summarises, a record cut
+    short loses the stage first and the step runs again. With a `template` (the text the record
+    was read from) its header comments and the authored sections' comments are kept."""
+    data = record.model_dump(mode="json", exclude_none=False)
+    data["stages"] = data.pop("stages")
+    split = _sections(template) if template is not None else None
+    if split is None:
+        return _dump(data)
+    header, old = split
+    parts = [header]
+    for key, value in data.items():
+        text = old.get(key) if key in AUTHORED else None
+        parts.append(_authored_section(key, value, text) if text is not None and "#" in text else _dump({key: value}))
+    return "".join(parts)
+
+
+def _sections(text: str) -> tuple[str, dict[str, str]] | None:
+    """The comments before the first key, and each top-level key's text (the comment lines just
+    above it included); None when the text is not one block mapping that splits cleanly."""
+    header: list[str] = []
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    pending: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(("---", "...")) and current is not None:
+            return None  # a second document
+        key = _TOP_KEY.match(line)
+        if key:
+            if key.group(1) in sections:
+                return None
+            if current is None:
+                header, pending = header + pending, []
+            current = sections[key.group(1)] = pending + [line]
+            pending = []
+        elif not line.strip() or line.startswith("#") or (current is None and line.startswith("---")):
+            pending.append(line)
+        elif current is None:
+            return None  # content before the first key: not a block mapping
+        else:
+            current += pending + [line]
+            pending = []
+    if current is not None:
+        current += pending
+    else:
+        header += pending
+    return "".join(header), {key: "".join(lines) for key, lines in sections.items()}
+
+
+def _authored_section(key: str, value: Any, text: str) -> str:
+    """An authored section with its comments: the old text itself when it still says the same
+    (as validated), else the old text's comments and layout with the new values (ruamel.yaml's
+    round trip; only these small sections pay for it)."""
+    try:
+        old = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return _dump({key: value})
+    if not isinstance(old, dict) or list(old) != [key]:
+        return _dump({key: value})
+    if _canonical(key, old[key]) == value:
+        return text if text.endswith("\n") else text + "\n"
+    from ruamel.yaml import YAML
+
+    round_trip = YAML(typ="rt")
+    round_trip.preserve_quotes = True
+    round_trip.representer.add_representer(type(None), _represent_null)
+    doc = round_trip.load(text)
+    doc[key] = _merged(doc[key], value)
+    out = io.StringIO()
+    round_trip.dump(doc, out)
+    return out.getvalue()
+
+
+def _represent_null(representer: Any, _value: None) -> Any:
+    return representer.represent_scalar("tag:yaml.org,2002:null", "null")  # as PyYAML writes it, not empty
+
+
+def _canonical(key: str, value: Any) -> Any:
+    """`value` as the record would store it (defaults filled in), or itself when it is not valid."""
+    adapter = TypeAdapter(TaskRecord.model_fields[key].annotation)
+    try:
+        return adapter.dump_python(adapter.validate_python(value), mode="json")
+    except ValidationError:
+        return value
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """`new`, written into ruamel's `old` node where their shapes agree, so comments stay attached."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for gone in [k for k in old if k not in new]:
+            del old[gone]
+        for k, v in new.items():
+            old[k] = _merged(old[k], v) if k in old else v
+        return old
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, v in enumerate(new):
+            old[i] = _merged(old[i], v)
+        return old
+    # Equal values keep ruamel's node (its quotes and style); True is not kept for 1, nor 1 for True.
+    same = old == new and isinstance(old, type(new)) and isinstance(old, bool) == isinstance(new, bool)
+    return old if same else new

@@ -70,6 +70,20 @@ class StepParity(Record):
         return all(c.passed for c in self.checks if c.gating)
 
 
+class ItemFigure(Record):
+    """One item's figure of a keyed check on one step (e.g. one object's mask IoU on one frame):
+    the item of the reference run against the spliced run's item with the same key."""
+
+    output: str
+    metric: MetricName
+    title: str
+    key: str  # the check's key output (e.g. object ids)
+    item: str  # the item's value in it
+    step: int
+    value: float | None  # the item missing from the spliced run counts as the worst value
+    passed: bool
+
+
 class CheckSummary(Record):
     """A check over every step: its worst figure and whether it held on all of them."""
 
@@ -120,26 +134,40 @@ def figure(value: float | None, metric: str) -> str:
 
 
 class VerifyReport(Record):
-    task_id: str
-    weights: str
-    scale: str
-    backend: str
-    step_name: str = "step"
-    backend_per_candidate: dict[str, str]
-    not_spliced: dict[str, str] = Field(default_factory=dict)  # candidate -> why it stayed in PyTorch
-    candidates: list[CandidateVerification]
-    comparison: list[OutputCheck]
-    main_path: MainPathParity
-    per_step: list[StepParity]
-    splice_stats: list[SpliceStats]
-    fallback_events: list[FallbackEvent]
-    verification_settings: list[str]
-    # "fp32", or "emulated": every spliced graph ran its ATC precision mode emulated on CPU
-    precision: str = "fp32"
-    precision_modes: dict[str, str] = Field(default_factory=dict)  # graph -> mode (and keep count) emulated
-    report_json: str
-    report_html: str
-    # Every step's outputs of each run (models.api.save_run), to compare other runs with bit for bit.
-    outputs_pytorch: str | None = None
-    outputs_spliced: str | None = None
-    verdict: str  # "pass" when the steps match, every gating check passes and no call fell back
+    task_id: str = Field(description="The task record's id.")
+    weights: str = Field(description="The checkpoint the model was built with, or 'random' (seeded random weights).")
+    scale: str = Field(description="The model scale verified: 'full' or 'tiny'.")
+    backend: str = Field(description="The runtime backend the spliced graphs were asked to run on (e.g. 'onnxruntime', 'om').")
+    step_name: str = Field("step", description="What the driver calls one step of the main path (e.g. 'frame').")
+    backend_per_candidate: dict[str, str] = Field(description=(
+        "Graph -> what really ran it ('<backend>:<device>', with batch chunks or the emulated mode when so); "
+        "'pytorch (not spliced)' for candidates left in PyTorch."))
+    not_spliced: dict[str, str] = Field(default_factory=dict, description=(
+        "First-batch candidates left in PyTorch -> why (not exported, never probed, or the probe failed)."))
+    candidates: list[CandidateVerification] = Field(description=(
+        "Per spliced graph: integrated or fallback, what ran it, its probe's verdict, cosine and max abs, ms per call "
+        "in PyTorch and on the backend, calls and fallbacks."))
+    comparison: list[OutputCheck] = Field(description="The output checks applied to every step (a '*' check expanded to one per output).")
+    main_path: MainPathParity = Field(description=(
+        "The whole main path: steps, each check's worst figure over all steps, fallbacks, seconds per step of each run and their ratio."))
+    per_step: list[StepParity] = Field(description="Every step's check results and the seconds each run took on it.")
+    splice_stats: list[SpliceStats] = Field(description=(
+        "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, and backend time."))
+    fallback_events: list[FallbackEvent] = Field(description="Each call a spliced graph could not send to its backend, so PyTorch ran it, and why.")
+    verification_settings: list[str] = Field(description="The driver's verification settings that are on, said plainly.")
+    precision: str = Field("fp32", description=(
+        "'fp32': the graphs as exported; 'emulated': each graph in its chosen ATC precision mode, emulated on "
+        "ONNX Runtime CPU (not an NPU result)."))
+    precision_modes: dict[str, str] = Field(default_factory=dict, description=(
+        "Graph -> the ATC precision mode emulated for it (and how many nodes it kept); empty for fp32."))
+    report_json: str = Field(description="Run-folder path of this report as JSON.")
+    report_html: str = Field(description="Run-folder path of the self-contained HTML report (its charts and pictures embedded).")
+    outputs_pytorch: str | None = Field(None, description=(
+        "Run-folder path of the .npz with every step's outputs of the PyTorch run, to compare other runs with bit for bit."))
+    outputs_spliced: str | None = Field(None, description="Run-folder path of the .npz with every step's outputs of the spliced run.")
+    item_figures: list[ItemFigure] = Field(default_factory=list, description=(
+        "Per item of every keyed check (e.g. each object, matched by id) and step: its figure and whether it passed."))
+    figures: list[str] = Field(default_factory=list, description=(
+        "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); the HTML embeds them too."))
+    verdict: str = Field(description=(
+        "'pass' when both runs have the same steps, every gating check held on all of them and no call fell back; else 'fail'."))

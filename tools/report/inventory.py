@@ -8,7 +8,7 @@ from typing import NamedTuple, Sequence
 
 from omskills.records.inventory import Inventory
 from omskills.records.profile import ProfileReport
-from omskills.report.charts import bar_chart_compute_share
+from omskills.report.charts import bar_chart_compute_share, plan_group
 from omskills.report.render import template_environment
 
 
@@ -30,7 +30,8 @@ def render_inventory_report(inventory: Inventory | None, profile: ProfileReport 
     rows = [PlanRow(*row) for row in plan_rows]
     chart = None
     if rows:
-        chart = bar_chart_compute_share([(r.name, r.share) for r in rows], out_dir / "compute_share.png")
+        chart = bar_chart_compute_share([(r.name, r.share, plan_group(r.status, r.status == "selected")) for r in rows],
+                                        out_dir / "compute_share.png")
     top = sorted(profile.nodes, key=lambda n: n.inclusive_s, reverse=True)[:top_modules] if profile else []
     portability = inventory.portability if inventory else []
     text = template_environment().get_template("inventory_report.md.j2").render(

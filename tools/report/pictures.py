@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 PALETTE = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240), (240, 50, 230)]
 
@@ -32,7 +32,36 @@ def draw_instances(image: Image.Image, ids: Sequence[int], regions: np.ndarray |
     if title:
         draw.rectangle([0, 0, w, 18], fill=(0, 0, 0))
         draw.text((4, 3), title, fill=(255, 255, 255))
-    return picture
+    return with_legend(picture, [(f"id {i}", PALETTE[i % len(PALETTE)]) for i in dict.fromkeys(ids)])
+
+
+def with_legend(image: Image.Image, entries: Sequence[tuple[str, tuple[int, int, int]]]) -> Image.Image:
+    """The image with a legend strip below it: one colour swatch and its label per entry (which
+    colour is which object), wrapped over as many rows as the width needs."""
+    font = ImageFont.load_default(size=14)
+    swatch, gap, row_height = 14, 16, 22
+    draw_probe = ImageDraw.Draw(image)
+    labels = [label for label, _ in entries] or ["no objects"]
+    widths = [swatch + 4 + int(draw_probe.textlength(label, font=font)) + gap for label in labels]
+    rows, x = 1, 4
+    for width in widths:
+        if x + width > image.width and x > 4:
+            rows, x = rows + 1, 4
+        x += width
+    canvas = Image.new("RGB", (image.width, image.height + rows * row_height + 4), (255, 255, 255))
+    canvas.paste(image.convert("RGB"), (0, 0))
+    draw = ImageDraw.Draw(canvas)
+    x, y = 4, image.height + 4
+    for (label, width), colour in zip(zip(labels, widths), [c for _, c in entries] or [None]):
+        if x + width > image.width and x > 4:
+            x, y = 4, y + row_height
+        if colour is None:  # nothing drawn: the label alone says so
+            draw.text((x, y + 1), label, fill=(0, 0, 0), font=font)
+        else:
+            draw.rectangle([x, y + 2, x + swatch, y + 2 + swatch], fill=colour, outline=(0, 0, 0))
+            draw.text((x + swatch + 4, y + 1), label, fill=(0, 0, 0), font=font)
+        x += width
+    return canvas
 
 
 def titled(image: Image.Image, title: str) -> Image.Image:
@@ -45,6 +74,7 @@ def titled(image: Image.Image, title: str) -> Image.Image:
 
 
 def side_by_side(left: Image.Image, right: Image.Image) -> Image.Image:
+    """Two pictures next to each other on white, 8 pixels apart (each keeps its own title)."""
     canvas = Image.new("RGB", (left.width + right.width + 8, max(left.height, right.height)), (255, 255, 255))
     canvas.paste(left, (0, 0))
     canvas.paste(right, (left.width + 8, 0))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
@@ -16,6 +18,21 @@ def table_cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def shell_line(argv: list[str]) -> str:
+    """One shell command line: every argument quoted where the shell would split or expand it
+    (`;` in ATC's --input_shape ends a command in bash unquoted)."""
+    return shlex.join(argv)
+
+
+def inline_code(value: object) -> str:
+    """`value` as Markdown inline code, whatever backticks it holds (CommonMark: a longer fence)."""
+    text = str(value).replace("\n", " ")
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def template_environment(*, html: bool = False) -> Environment:
     """Strict (an unknown name is an error); HTML templates autoescape, Markdown ones trim blocks."""
     if html:
@@ -26,4 +43,5 @@ def template_environment(*, html: bool = False) -> Environment:
     env.filters["cell"] = table_cell
     env.filters["pct"] = lambda x: f"{100 * x:.1f}%"
     env.filters["figure"] = figure
+    env.filters["code"] = inline_code
     return env

@@ -7,24 +7,11 @@ from pathlib import Path
 from omskills.boundary.analysis import analyze_boundaries as _analyze
 from omskills.boundary.analysis import render_contract_table
 from omskills.models.registry import driver_for
-from omskills.records.base import Record
-from omskills.records.contracts import BoundaryDecision, ContractSpec
+from omskills.records.results import BoundariesResult, ContractsResult
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
 from omskills.stages.study import ensure_study
-from pydantic import Field
-
-
-class ContractsResult(Record):
-    contracts: list[ContractSpec]
-    table_path: str
-
-
-class BoundariesResult(Record):
-    decisions: list[BoundaryDecision]
-    table_path: str
-    control_plane: list[str] = Field(default_factory=list)
 
 
 def capture_contracts(task_path: Path, candidate: str | None = None) -> ContractsResult:
@@ -51,7 +38,7 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     inputs_hash = fingerprint(contracts, trial_export, limits)
     step_name = "boundaries" if candidate is None else f"boundaries:{candidate}"
     workdir = TaskRecord.workdir(task_path)
-    if is_done(record, step_name, inputs_hash):
+    if is_done(record, step_name, inputs_hash, workdir):
         decisions = [record.boundaries[n] for n in names]
     else:
         with running_step(task_path, step_name, inputs_hash) as step:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+from typing import NamedTuple
 
 from omskills.errors import StageError
 from omskills.models.registry import bind_intake
 from omskills.records.contracts import TensorSpec
 from omskills.records.task import TaskRecord, load_record
-from omskills.report.render import template_environment
+from omskills.report.item_table import item_table
+from omskills.report.render import shell_line, template_environment
+from omskills.report.stage_status import STAGES, stage_notes, stage_status
+from omskills.stages.steps import relative_args, relative_to_run
 
 
 def _io(specs: list[TensorSpec]) -> str:
@@ -32,6 +38,64 @@ def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
     return limits
 
 
+class AtcBlock(NamedTuple):
+    """One graph's ATC command as DELIVERY.md shows it: a fenced block of its own."""
+
+    graph: str
+    status: str
+    reason: str | None
+    script: str | None  # the ready-to-run script, relative to the run folder, when it is there
+    command: str  # one shell line, every argument quoted, paths relative to the run folder
+
+
+def atc_blocks(record: TaskRecord, workdir: Path) -> list[AtcBlock]:
+    """Every graph's recorded ATC command, quoted for the shell, to run from the run folder."""
+    blocks = []
+    for graph, chain in record.toolchain.items():
+        if chain.atc is None or not chain.atc.command:
+            continue
+        script = relative_to_run(chain.atc.script, workdir)
+        blocks.append(AtcBlock(graph=graph, status=chain.atc.status, reason=chain.atc.reason,
+                               script=script if script and (workdir / script).is_file() else None,
+                               command=shell_line(relative_args(chain.atc.command, workdir))))
+    return blocks
+
+
+class DocumentLink(NamedTuple):
+    title: str
+    path: str  # relative to the run folder
+
+
+def document_links(record: TaskRecord, workdir: Path) -> list[DocumentLink]:
+    """The run's reports (verification, inventory) and the planning chart that exist, for DELIVERY.md to link."""
+    candidates = []
+    for title, report in (("verification report", record.verification),
+                          ("verification report, Ascend precision emulated", record.verification_emulated)):
+        if report is not None:
+            candidates += [DocumentLink(title, report.report_html), DocumentLink(f"{title} (JSON)", report.report_json)]
+    if record.plan is not None:
+        candidates += [DocumentLink("inventory report", record.plan.report_path or ""),
+                       DocumentLink("compute share at planning", record.plan.chart_path or "")]
+    return [link for link in candidates if link.path and (workdir / link.path).is_file()]
+
+
+def pictures(record: TaskRecord, workdir: Path) -> list[DocumentLink]:
+    """The verification report's pictures (charts, both runs side by side) that exist."""
+    report = record.verification
+    if report is None:
+        return []
+    prefix = Path(report.report_html).stem + "-"  # figures are named <report>-<what>.png
+    return [DocumentLink(Path(p).stem.removeprefix(prefix).replace("-", " "), p)
+            for p in report.figures if (workdir / p).is_file()]
+
+
+def relative_text(text: str, workdir: Path) -> str:
+    """The text with the run folder's absolute paths made relative to it: reasons and notes from
+    the stages may name files by their absolute path, the document is read from the run folder."""
+    root = r"(?<![\w./-])" + re.escape(str(workdir.resolve()))
+    return re.sub(root + r"(?![\w.-])", ".", re.sub(root + "/", "", text))
+
+
 def write_delivery_doc(task_path: Path) -> Path:
     record = load_record(task_path)
     if record.plan is None:
@@ -39,16 +103,26 @@ def write_delivery_doc(task_path: Path) -> Path:
     workdir = TaskRecord.workdir(task_path)
     bound = bind_intake(record.intake, workdir)
     settings = bound.driver.settings_notes(bound.verification)
+    task_name = Path(task_path).name
+    stages = stage_status(record, record.verification)
     text = template_environment().get_template("delivery.md.j2").render(
         r=record, m=record.intake.model, family=bound.driver.family, inputs=bound.inputs.model_dump(mode="json"),
         plan=record.plan, env=record.environment, v=record.verification, ve=record.verification_emulated, toolchain=record.toolchain,
-        task_name=Path(task_path).name,
+        task_name=task_name,
         strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},
         ios={n: (_io(c.inputs), _io(c.outputs)) for n, c in record.contracts.items()},
         graphs={c.name: [g.candidate for g in record.contracts_of(c.name)] for c in record.plan.candidates},
         control_plane=sorted({line for b in record.boundaries.values() for line in b.control_plane})[:8],
-        limits=known_limits(record, settings),
+        adapt_command=shell_line(["omskills", "adapt", task_name, "--out", "."]),
+        bundle_command=shell_line(["omskills", "bundle", task_name]),
+        npu_check_command=shell_line(["omskills", "npu-check", task_name]),
+        compare_layers_command=shell_line(["omskills", "tool", "compare_layers", "--args", json.dumps(
+            {"task": task_name, "candidate": "<name>", "against": "npu_dump"})]),
+        limits=known_limits(record, settings), atc=atc_blocks(record, workdir),
+        links=document_links(record, workdir), pictures=pictures(record, workdir),
+        stages=stages, stage_names=STAGES, stage_notes=stage_notes(stages),
+        items=item_table(record.verification.item_figures if record.verification else []),
     )
     path = workdir / "DELIVERY.md"
-    path.write_text(text)
+    path.write_text(relative_text(text, workdir))
     return path

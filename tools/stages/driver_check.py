@@ -19,39 +19,11 @@ from omskills.models.api import RunHooks
 from omskills.models.registry import bind_intake
 from omskills.profiling.auto_seeds import seeds_from_profile
 from omskills.profiling.profiler import ModuleProfiler
-from omskills.records.main_path import OutputSummary
+from omskills.records.results import CandidateCheck, DriverCheck
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import summarise
 from omskills.stages.model import open_model
 from omskills.stages.study import declared_seeds
-from pydantic import BaseModel, Field
-
-
-class CandidateCheck(BaseModel):
-    name: str
-    module_path: str
-    share: float
-    calls: int
-    graphs: int  # contracts: more than one when dispatched on a non-tensor argument
-    exportable: bool
-    reason: str
-
-
-class DriverCheck(BaseModel):
-    ok: bool
-    task: str
-    family: str | None = None
-    driver: str | None = None
-    steps: int = 0
-    step_name: str = "step"
-    outputs: list[OutputSummary] = Field(default_factory=list)  # of the first step
-    comparison: list[str] = Field(default_factory=list)
-    modules: int = 0
-    parameters: int = 0
-    seeds_from: str | None = None
-    candidates: list[CandidateCheck] = Field(default_factory=list)
-    problems: list[str] = Field(default_factory=list)
-    notes: list[str] = Field(default_factory=list)
 
 
 def check_driver(task_path: Path) -> DriverCheck:

@@ -1,34 +1,129 @@
-"""The environment gate: what this machine can run for the task, stored in the task record."""
+"""The environment gate: what the task asks is checked before any model runs, then what this
+machine can run for it is probed; both go into the task record.
+
+Checked, in order of cost, each a one-line InputError naming the field (the record is not written
+then): the intake read through its driver (bounds such as a driver's most frames included), the
+target SoC against ATC's list (with a did-you-mean), every path the record names inside the run
+folder or an allowed input root, the inputs' files (a video's frame count against the frames
+asked), the builder, the checkpoint (it reads, and its keys fit the model at the scale asked).
+A target SoC other than the one recorded ATC commands were written for drops those results.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from omskills.errors import OmskillsError
+from omskills.ascend.atc import check_soc, soc_of_command
+from omskills.errors import InputError, OmskillsError
 from omskills.host.environment import probe_environment
-from omskills.models.registry import bind_intake, resolved_spec
+from omskills.models.api import ModelDriver
+from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
 from omskills.records.environment import EnvironmentReport
+from omskills.records.intake import ModelSpec, allowed_input_roots, confined_path
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
+
+SOC_FIELD = "intake.target.soc"
 
 
 def check_environment(task_path: Path) -> EnvironmentReport:
     started, clock = now_iso(), time.perf_counter()
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    driver = bind_intake(record.intake, workdir).driver
+    check_soc(record.intake.target.soc, SOC_FIELD)
+    bound = bind_intake(record.intake, workdir)
+    confine_record(record, workdir, bound.driver)
+    spec = resolved_spec(record.intake.model, workdir)
     try:
-        driver.source_root(resolved_spec(record.intake.model, workdir))
+        bound.driver.source_root(spec)
         model_problem = None
     except OmskillsError as err:
         model_problem = str(err)
+    checked = check_task_inputs(bound, spec, workdir, model_found=model_problem is None)
     report = probe_environment(record.intake, model_problem)
+    report.checked = checked
     with updating(task_path) as rec:
         rec.environment = report
+        dropped = drop_results_for_other_soc(rec)
+        if dropped.atc or dropped.precheck:
+            rec.decide("check_environment", dropped.summary(),
+                       f"they were written for another SoC than {SOC_FIELD} {rec.intake.target.soc}")
         blocked = [s.stage for s in report.stages if not s.can_run]
         rec.stages["environment"] = StageResult(
             status="done", started=started, finished=now_iso(), seconds=round(time.perf_counter() - clock, 3),
             note=f"cannot run here: {', '.join(blocked)}" if blocked else "every stage can run here",
         )
     return report
+
+
+def confine_record(record: TaskRecord, workdir: Path, driver: ModelDriver) -> None:
+    """Every path the record names (the intake's source, checkpoint and input files, the exports
+    and optimised variants) must resolve inside the run folder or an allowed input root: the
+    $OMSKILLS_INPUT_ROOTS folders and the checkout the driver's own environment variable names."""
+    from_env = os.environ.get(driver.source_env or "", "").strip() or None
+    roots = allowed_input_roots(workdir, from_env)
+    confine_intake(record.intake, workdir, roots)
+    inside_run = roots[:1]  # what the stages wrote stays in the run folder
+    for graph, export in record.exports.items():
+        confined_path(export.path, f"exports.{graph}.path", workdir, inside_run)
+    for graph, chain in record.toolchain.items():
+        optimize = chain.optimize
+        for variant in optimize.variants if optimize else []:
+            if variant.path:
+                confined_path(variant.path, f"toolchain.{graph}.optimize.variants.{variant.name}.path", workdir, inside_run)
+        if optimize and optimize.preferred_path:
+            confined_path(optimize.preferred_path, f"toolchain.{graph}.optimize.preferred_path", workdir, inside_run)
+
+
+def check_task_inputs(bound: BoundIntake, spec: ModelSpec, workdir: Path, model_found: bool) -> list[str]:
+    """The inputs' files, the checkpoint file, the builder and the checkpoint's keys, cheapest
+    first; what was found, in words."""
+    from omskills.models.checkpoints import key_mismatch, read_state_dict
+
+    driver = bound.driver
+    checked = driver.check_inputs(bound.inputs, workdir)
+    found = read_state_dict(Path(spec.checkpoint)) if spec.checkpoint else None
+    if not model_found:  # the probe reports the missing source; the builder and the keys need it
+        return checked
+    checked.append(driver.check_builder(spec))
+    if found is None:
+        return checked + ["intake.model.checkpoint: none (seeded random weights)"]
+    expected = driver.expected_state_keys(spec)
+    mismatch = key_mismatch(expected, found) if expected is not None else None
+    if mismatch:
+        raise InputError(f"intake.model.checkpoint: {spec.checkpoint} does not fit the {spec.scale} "
+                         f"{driver.family} model: {mismatch}")
+    fit = (f"its keys fit the {spec.scale} model" if expected is not None
+           else f"keys not checked here (the {driver.family} driver cannot list them without building the model)")
+    return checked + [f"intake.model.checkpoint: {spec.checkpoint}, {len(found)} tensors, {fit}"]
+
+
+class DroppedForSoc(NamedTuple):
+    """The graphs whose ATC results, and whose operator prechecks, were made for another SoC."""
+
+    atc: list[str]
+    precheck: list[str]
+
+    def summary(self) -> str:
+        parts = [f"{what} dropped for {', '.join(graphs)}"
+                 for what, graphs in (("ATC results", self.atc), ("operator prechecks", self.precheck)) if graphs]
+        return "; ".join(parts)
+
+
+def drop_results_for_other_soc(record: TaskRecord) -> DroppedForSoc:
+    """ATC results and operator prechecks made for another SoC than the target's are dropped (ATC's
+    with its step), so they rerun and no delivery document ships commands for the old SoC."""
+    soc = record.intake.target.soc
+    dropped = DroppedForSoc(atc=[], precheck=[])
+    for graph, chain in record.toolchain.items():
+        if chain.atc is not None and soc_of_command(chain.atc.command) not in (None, soc):
+            chain.atc = None
+            record.stages.pop(f"atc:{graph}", None)
+            dropped.atc.append(graph)
+        if chain.precheck is not None and chain.precheck.soc != soc:
+            chain.precheck = None
+            dropped.precheck.append(graph)
+    return dropped

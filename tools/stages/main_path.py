@@ -38,15 +38,23 @@ def summarise(name: str, value: np.ndarray) -> OutputSummary:
 
 
 def run_and_report(record: TaskRecord, task_dir: Path, out_dir: Path) -> tuple[MainPathReport, MainPathRun]:
-    """Load (or reuse) the model, run the main path once, write the outputs."""
-    model = open_model(record, task_dir)
+    """Load (or reuse) the model, run the main path once, write the outputs.
+
+    Each phase is reported as it starts (progress lines on the CLI, notifications over MCP):
+    building a model and its first step can take minutes in which nothing else is said.
+    """
+    model = open_model(record, task_dir)  # reports its own phases (inputs, build, prepare)
+    unit = model.driver.step_name
+    progress.report(0, None, f"running the main path: setup and {unit} 1...")
     done = [0]
 
     def on_step(_index: int) -> None:  # the model may show its own bar; this feeds MCP progress
         done[0] += 1
-        progress.report(done[0], None, f"main path: {model.driver.step_name} {done[0]}")
+        progress.report(done[0], None, f"running the main path: {unit} {done[0]} done")
 
     run = model.run(RunHooks(on_step=on_step))
+    progress.report(done[0], None, f"main path done ({len(run.steps)} {unit}(s) in {run.total_seconds:.1f} s); "
+                                   f"writing outputs and pictures to {out_dir}...")
     report = write_main_path(record, model.bound, model.loaded, run, model.data, out_dir, model.load_seconds)
     return report, run
 

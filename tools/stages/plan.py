@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omskills.boundary.analysis import analyze_boundary
-from omskills.errors import TaskRecordError
+from omskills.errors import StageError, TaskRecordError
 from omskills.records.contracts import ContractSpec, is_ancestor
 from omskills.records.inventory import Inventory
 from omskills.records.plan import Candidate, Plan, Seed
@@ -125,9 +125,11 @@ def plan_candidates(task_path: Path) -> Plan:
     assert record.profile is not None and record.study is not None
     inputs_hash = fingerprint(record.stages["study"].inputs_hash if "study" in record.stages else None,
                               record.intake.target.deploy)
-    if is_done(record, "plan", inputs_hash) and record.plan is not None:
-        return record.plan
     workdir = TaskRecord.workdir(task_path)
+    if is_done(record, "plan", inputs_hash, workdir):
+        if record.plan is None:  # is_done checks the step's results; a record edited by hand may still lack them
+            raise StageError(f"{task_path}: stage plan is marked done but the record has no plan: rerun plan_candidates")
+        return record.plan
     with running_step(task_path, "plan", inputs_hash) as step:
         plan = plan_from_study(record.study.seeds, record.profile, record.contracts, deploy=record.intake.target.deploy)
         report = render_plan_report(plan, record.inventory, record.profile, workdir / "plan")

@@ -9,7 +9,6 @@ the server stays small, every byte returns at exit, and a run out of memory fail
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -24,12 +23,13 @@ from omskills.convert.optimize import sample_arrays
 from omskills.errors import InputError, OmskillsError, StageError
 from omskills.isolation import run_in_child
 from omskills.models import cache as model_cache
+from omskills.records.choices import CompareAgainst
 from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.contracts import ContractSpec
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.toolchain import BatchSplit
 from omskills.stages.model import open_model
-from omskills.stages.steps import fingerprint, is_done, running_step
+from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
 
 
 def _checked_modes(modes: list[str] | None) -> list[str]:
@@ -61,11 +61,12 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     workdir = TaskRecord.workdir(task_path)
     chosen = _checked_modes(modes)
     model = record.preferred_model(workdir, name)
+    require_intact(record, workdir, ["study", f"export:{name}", f"optimize:{name}"], "export_onnx / optimize_onnx")
     inputs_hash = fingerprint(record.exports[name].sha256, str(model.relative_to(workdir)), chosen,
                               record.contract(name).samples[:1], EMULATION_REVISION)
     step = f"precision:{name}"
     existing = record.toolchain_of(name).precision
-    if is_done(record, step, inputs_hash) and existing is not None:
+    if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
     feeds, sample = _first_feeds(record, workdir, name)
     model_cache.release()  # emulation needs no PyTorch model
@@ -86,9 +87,6 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
 
         handle.update(store)
     return report
-
-
-CompareAgainst = Literal["emulated", "npu_dump", "pytorch"]
 
 
 def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16", keep: list[str] | None = None,

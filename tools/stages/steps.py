@@ -1,7 +1,14 @@
 """Running one step of a stage: status in the task record, input fingerprint, resume.
 
-A step that finished with the same inputs is skipped on a rerun. A step that raises is
-recorded as failed with its error (the record stays valid) and the error propagates.
+A step that finished with the same inputs is skipped on a rerun, unless the record or the
+disk says its result cannot be trusted: the results it wrote are missing from the record, or a
+file it wrote is gone or changed (size and mtime first, then sha256). Either way a line on
+stderr says why the step runs again. A step that raises is recorded as failed with its error
+(the record stays valid) and the error propagates.
+
+Every write goes through `updating` (the record's lock held across load, change and save), and
+a step's changes are closures applied to the record as it is at the end of the step, so
+writers of other steps in the meantime keep their results.
 """
 
 from __future__ import annotations
@@ -9,13 +16,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from omskills.records.stages import StageResult
-from omskills.records.task import TaskRecord, load_record, now_iso, save_record
+from omskills.errors import StageError
+from omskills.records.stages import Artifact, StageResult
+from omskills.records.task import TaskRecord, now_iso, updating
 from pydantic import BaseModel
+
+logger = logging.getLogger(__name__)
 
 
 def fingerprint(*parts: Any) -> str:
@@ -30,9 +41,61 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def is_done(record: TaskRecord, step: str, inputs_hash: str) -> bool:
+def is_done(record: TaskRecord, step: str, inputs_hash: str, workdir: Path | None = None) -> bool:
+    """The step finished with these inputs, its results are in the record and (given the run
+    folder) the files it wrote are as it wrote them."""
     result = record.stages.get(step)
-    return result is not None and result.status == "done" and result.inputs_hash == inputs_hash
+    if result is None or result.status != "done" or result.inputs_hash != inputs_hash:
+        return False
+    missing = record.missing_results(step)
+    if missing:
+        logger.warning("stage %s says done but its results are missing (%s); redoing it", step, "; ".join(missing))
+        return False
+    problems = changed_artifacts(result, workdir) if workdir is not None else []
+    if problems:
+        logger.warning("stage %s: %s; redoing it", step, "; ".join(problems))
+        return False
+    return True
+
+
+def changed_artifacts(result: StageResult, workdir: Path) -> list[str]:
+    return [problem for artifact in result.artifacts if (problem := artifact.problem(workdir))]
+
+
+def require_intact(record: TaskRecord, workdir: Path, steps: list[str], tool: str) -> None:
+    """The files earlier steps wrote and this step reads are as they were written; else stop
+    before a result is reused or computed from them (the step that wrote them must run again)."""
+    for step in steps:
+        result = record.stages.get(step)
+        problems = changed_artifacts(result, workdir) if result is not None else []
+        if problems:
+            raise StageError(f"{'; '.join(problems)}: written by step {step}, which must run again "
+                             f"({tool}, or rerun `omskills adapt`)")
+
+
+def artifacts_of(paths: list[Path], workdir: Path) -> list[Artifact]:
+    """The files a step wrote (those that exist), hashed, with paths relative to the run folder."""
+    return [Artifact.of(path, workdir) for path in paths if path.is_file()]
+
+
+def relative_to_run(value: str | None, workdir: Path) -> str | None:
+    """A path inside the run folder as relative to it (posix); others as they are."""
+    if not value:
+        return value
+    path = Path(value)
+    if not path.is_absolute():
+        return value
+    try:
+        return path.resolve().relative_to(workdir.resolve()).as_posix()
+    except ValueError:
+        return value
+
+
+def relative_args(args: list[str], workdir: Path) -> list[str]:
+    """Command-line arguments with the run folder's absolute paths made relative to it
+    (`--model=/runs/x/onnx/a.onnx` -> `--model=onnx/a.onnx`): the command runs from the run folder."""
+    prefix = str(workdir.resolve()) + "/"
+    return [arg.replace(prefix, "") for arg in args]
 
 
 class Step:
@@ -53,29 +116,29 @@ class Step:
 @contextlib.contextmanager
 def running_step(task_path: Path, step: str, inputs_hash: str) -> Iterator[Step]:
     """Mark `step` running; on success apply the step's record changes and mark it done in one
-    atomic save; on error mark it failed with the error (earlier results stay as they were)."""
-    record = load_record(task_path)
-    record.stages[step] = StageResult(status="running", inputs_hash=inputs_hash, started=now_iso())
-    save_record(record, task_path)
-    handle = Step(record.stages[step].model_copy())
+    locked, atomic save; on error mark it failed with the error (earlier results stay as they were).
+    The step's changes are applied to the record as it is then, so other writers keep theirs."""
+    with updating(task_path) as record:
+        record.stages[step] = StageResult(status="running", inputs_hash=inputs_hash, started=now_iso())
+        handle = Step(record.stages[step].model_copy())
     start = time.perf_counter()
     try:
         yield handle
     except BaseException as err:
-        record = load_record(task_path)
         handle.result.status = "failed"
         handle.result.error = f"{type(err).__name__}: {err}"[:2000]
-        _close(task_path, record, step, handle.result, start)
+        _close(task_path, step, handle.result, start, None)
         raise
-    record = load_record(task_path)
-    handle.apply(record)
     if handle.result.status == "running":
         handle.result.status = "done"
-    _close(task_path, record, step, handle.result, start)
+    _close(task_path, step, handle.result, start, handle)
 
 
-def _close(task_path: Path, record: TaskRecord, step: str, result: StageResult, start: float) -> None:
+def _close(task_path: Path, step: str, result: StageResult, start: float, handle: Step | None) -> None:
     result.finished = now_iso()
     result.seconds = round(time.perf_counter() - start, 3)
-    record.stages[step] = result
-    save_record(record, task_path)
+    with updating(task_path) as record:
+        if handle is not None:
+            handle.apply(record)
+        # Written after the results it summarises (and saved after them: `stages` ends the file).
+        record.stages[step] = result

@@ -25,13 +25,12 @@ from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
 from omskills.models.registry import BoundIntake, driver_for
 from omskills.profiling.auto_seeds import seeds_from_profile
 from omskills.profiling.profiler import ModuleProfiler
-from omskills.records.base import Record
 from omskills.records.plan import Seed, StudyRun
+from omskills.records.results import ModuleShare, ProfileSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import write_main_path
 from omskills.stages.model import open_model
-from omskills.stages.steps import fingerprint, is_done, running_step
-from pydantic import Field
+from omskills.stages.steps import artifacts_of, fingerprint, is_done, running_step
 
 STEP = "study"
 MAX_SAMPLES = 2
@@ -75,12 +74,13 @@ def ensure_study(task_path: Path) -> TaskRecord:
     workdir = TaskRecord.workdir(task_path)
     inputs_hash = study_inputs_hash(record, driver_for(record.intake.model, workdir))
     samples_present = all((workdir / p).exists() for c in record.contracts.values() for p in c.samples)
-    if is_done(record, STEP, inputs_hash) and record.profile and record.contracts and samples_present:
+    if is_done(record, STEP, inputs_hash, workdir) and record.contracts and samples_present:
         return record
     model = open_model(record, workdir)
     bound, driver, data, loaded = model.bound, model.driver, model.data, model.loaded
     with running_step(task_path, STEP, inputs_hash) as step:
         declared = declared_seeds(driver)
+        progress.report(0, None, "study: seeds from the driver" if declared else "study: discovery run to find seed candidates...")
         seeds = declared or _discover_seeds(bound, loaded, data)
         tracker = ProvenanceTracker()
         profiler = ModuleProfiler(loaded.root)
@@ -97,11 +97,13 @@ def ensure_study(task_path: Path) -> TaskRecord:
                                                     _counting_hooks(profiler, steps_done, "study run")))
 
         start = time.perf_counter()
+        progress.report(0, None, f"study run: setup and {driver.step_name} 1 under the profiler and contract capture...")
         contracts = capture_contracts(loaded.root, {s.name: s.module_path for s in seeds}, run, tracker,
                                       samples_dir=workdir / "samples", max_samples=MAX_SAMPLES,
                                       frame_counter=lambda: steps_done[0], relative_to=workdir,
                                       derived_args=driver.derived_args())
         seconds = time.perf_counter() - start
+        progress.report(steps_done[0], None, f"study run done ({seconds:.1f} s); writing the profile, contracts and outputs...")
         profile = profiler.report(notes=[f"instrumented run (profiler + contract capture); weights: {loaded.weights}"])
         report = write_main_path(record, bound, loaded, outcome[0], data, workdir / "study", model.load_seconds)
         study = StudyRun(inputs_hash=inputs_hash, main_path_json=str(Path("study") / "main_path.json"),
@@ -116,6 +118,8 @@ def ensure_study(task_path: Path) -> TaskRecord:
                 rec.inventory = rec.inventory.merge_runtime_findings(report.portability_findings)
 
         step.update(store)
+        # The samples every later step reads: checked before a rerun reuses anything built on them.
+        step.result.artifacts += artifacts_of([workdir / p for c in contracts for p in c.samples], workdir)
         step.result.note = (f"{len(outcome[0].steps)} {driver.step_name}s, {len(contracts)} contracts, "
                             f"seeds from the {study.seeds_from}, weights {loaded.weights}")
     return load_record(task_path)
@@ -124,26 +128,6 @@ def ensure_study(task_path: Path) -> TaskRecord:
 def require_study(record: TaskRecord) -> None:
     if record.profile is None or not record.contracts or record.study is None:
         raise StageError("no study run in the task record: run profile_main_path first")
-
-
-class ModuleShare(Record):
-    path: str
-    module_class: str
-    share: float
-    calls: int
-    calls_per_frame: float | None
-
-
-class ProfileSummary(Record):
-    weights: str
-    scale: str
-    frames: int
-    total_seconds: float
-    control_plane_seconds: float
-    top_modules: list[ModuleShare]
-    seeds_from: str
-    candidate_shares: dict[str, float] = Field(default_factory=dict)
-    main_path_json: str
 
 
 def profile_main_path(task_path: Path, top: int = 12) -> ProfileSummary:

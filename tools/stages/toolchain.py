@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Generic, Literal, TypeVar
+from typing import Callable
 
 from omskills import progress
-from omskills.ascend.atc import AtcOptions, run_atc
+from omskills.ascend.atc import AtcOptions, build_atc_command, run_atc
 from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_fix import write_keep_dtype
@@ -25,18 +25,22 @@ from omskills.errors import OmskillsError, StageError
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
 from omskills.records.base import Record
-from omskills.records.export import ExportResult
+from omskills.records.export import ExporterName, ExportResult
 from omskills.records.parity import ParityReport, verdict_rank
-from omskills.records.precision import PrecisionReport
-from omskills.records.stages import Artifact
+from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
 from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from omskills.runtime.batch_split import batch_split_for, open_onnxruntime
 from omskills.stages.model import open_model
-from omskills.stages.steps import fingerprint, is_done, running_step
-from pydantic import BaseModel, Field
-
-Exporter = Literal["dynamo", "legacy"]
+from omskills.stages.steps import (
+    artifacts_of,
+    fingerprint,
+    is_done,
+    relative_args,
+    relative_to_run,
+    require_intact,
+    running_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +56,11 @@ def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
     return [load_sample(p) for p in _sample_paths(record, workdir, name)]
 
 
-def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") -> ExportResult:
+# The steps whose results live in the graph's `toolchain` entry (`<kind>:<graph>[:<variant>]`).
+_CHAIN_STEPS = ("probe", "optimize", "precision", "atc")
+
+
+def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynamo") -> ExportResult:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     contract = record.contract(name)
@@ -61,8 +69,9 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
         raise StageError(f"candidate {name!r} has no exportable boundary: run analyze_boundaries first")
     inputs_hash = fingerprint(contract, boundary.shape_strategy, exporter)
     step = f"export:{name}"
-    if is_done(record, step, inputs_hash) and name in record.exports and (workdir / record.exports[name].path).exists():
+    if is_done(record, step, inputs_hash, workdir):
         return record.exports[name]
+    require_intact(record, workdir, ["study"], "profile_main_path")  # the samples it traces with
     dims = dynamic_dims_from_strategy(contract, boundary.shape_strategy)
     sample = _tracing_sample(_samples(record, workdir, name), dims)
     model = open_model(record, workdir)
@@ -77,14 +86,18 @@ def export_candidate(task_path: Path, name: str, exporter: Exporter = "dynamo") 
                              dynamic_dims=dims,
                              exporter=exporter, log_path=out.parent / f"{name}.onnx.export.log")
         result.path = str(Path(result.path).resolve().relative_to(workdir))
+        result.log_path = relative_to_run(result.log_path, workdir) or result.log_path
 
         def store(rec: TaskRecord) -> None:
             rec.exports[name] = result
             rec.toolchain.pop(name, None)  # probes, variants and ATC of an earlier export no longer apply
+            for later in [s for s in rec.stages if s.split(":")[:2] in ([k, name] for k in _CHAIN_STEPS)]:
+                del rec.stages[later]  # nor their statuses: a stage says done only beside its results
             rec.set_status(name, "exported")
 
         handle.update(store)
-        handle.result.artifacts.append(Artifact(path=result.path, sha256=result.sha256, bytes=result.bytes))
+        onnx_file = workdir / result.path
+        handle.result.artifacts += artifacts_of([onnx_file, onnx_file.with_name(onnx_file.name + ".data")], workdir)
     return result
 
 
@@ -113,11 +126,12 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     path = record.model_path(workdir, name, variant)
+    require_intact(record, workdir, _model_steps(name, variant), "export_onnx / optimize_onnx")
     # A variant is made from the export deterministically: its sha and the samples fix the result.
     inputs_hash = fingerprint(record.exports[name].sha256, variant, record.contract(name).samples)
     step = f"probe:{name}:{variant}"
     existing = record.toolchain_of(name).probes.get(variant)
-    if is_done(record, step, inputs_hash) and existing is not None:
+    if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
     sample_paths = _sample_paths(record, workdir, name)
     # Probing needs no PyTorch model; at full scale the model next to a 2 GB backbone's ORT
@@ -141,6 +155,28 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
 
         handle.update(store)
     return report
+
+
+def _model_steps(name: str, variant: str | None = None) -> list[str]:
+    """The steps whose files a step reading this graph's ONNX depends on: the samples (study), the
+    export, and the optimised variants unless only the original is read."""
+    return ["study", f"export:{name}"] + ([f"optimize:{name}"] if variant != "original" else [])
+
+
+def _relative_optimize(result: OptimizeResult, workdir: Path) -> OptimizeResult:
+    """The variants' paths relative to the run folder (a copied run must not read the original's files)."""
+    def rel(value: str | None) -> str | None:
+        return relative_to_run(value, workdir)
+
+    variants = [v.model_copy(update={"path": rel(v.path), "built_from": rel(v.built_from)}) for v in result.variants]
+    return result.model_copy(update={"original": rel(result.original), "variants": variants,
+                                     "preferred_path": rel(result.preferred_path)})
+
+
+def _relative_atc(result: AtcResult, workdir: Path) -> AtcResult:
+    return result.model_copy(update={
+        "command": relative_args(result.command, workdir), "script": relative_to_run(result.script, workdir),
+        "log": relative_to_run(result.log, workdir), "om_path": relative_to_run(result.om_path, workdir)})
 
 
 def _probe_reports(record: TaskRecord, name: str, path: Path,
@@ -184,15 +220,20 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     inputs_hash = fingerprint(record.exports[name].sha256, *([split] if split else []))
     step = f"optimize:{name}"
     existing = record.toolchain_of(name).optimize
-    if is_done(record, step, inputs_hash) and existing is not None:
+    if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
+    require_intact(record, workdir, _model_steps(name, "original"), "export_onnx")
     samples = _sample_paths(record, workdir, name)  # loaded one at a time, where they are run
     # At full scale the model (several GB) plus a 2 GB ONNX in three variants and their ORT
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
     model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
+        progress.report(0, None, f"optimize {name}: building and checking each variant (onnxslim, auto_optimizer)...")
         probed = record.toolchain_of(name).probes.get("original")
-        result = optimize_variants(original, original.parent, samples, original_probe=probed, batch_split=split)
+        result = _relative_optimize(optimize_variants(original, original.parent, samples, original_probe=probed,
+                                                      batch_split=split), workdir)
+        made = [workdir / v.path for v in result.variants if v.path and v.name != "original"]
+        handle.result.artifacts += artifacts_of(made + [p.with_name(p.name + ".data") for p in made], workdir)
 
         def store(rec: TaskRecord) -> None:
             rec.chain(name).optimize = result
@@ -208,14 +249,27 @@ def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> Op
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     model = record.preferred_model(workdir, name)
+    require_intact(record, workdir, _model_steps(name)[1:], "export_onnx / optimize_onnx")
     result = _precheck(model, soc or record.intake.target.soc)
+    result.model = relative_to_run(result.model, workdir) or result.model
     result.pitfalls = check_pitfalls(model, record.toolchain_of(name).precision)
+    # Reading the op types costs little next to a record write: the same result leaves the record as it is.
+    if record.toolchain_of(name).precheck == result:
+        return result
     with updating(task_path) as rec:
         rec.chain(name).precheck = result
         pitfalls = "; ".join(f"{h.id} ({h.count} node(s), {'/'.join(h.modes)})" for h in result.pitfalls) or "none"
-        rec.decide("precheck_ops", f"{name}: operator precheck {result.verdict}",
-                   f"counts {result.counts} against {result.table}; known precision pitfalls: {pitfalls}")
+        decide_unless_repeated(rec, "precheck_ops", name, f"{name}: operator precheck {result.verdict}",
+                               f"counts {result.counts} against {result.table}; known precision pitfalls: {pitfalls}")
     return result
+
+
+def decide_unless_repeated(rec: TaskRecord, by: str, name: str, what: str, why: str) -> None:
+    """A decision about candidate `name`, unless the last one `by` made about it says the same
+    (a tool called again with the same result adds nothing to the record's history)."""
+    last = next((d for d in reversed(rec.decisions) if d.by == by and d.what.startswith(f"{name}:")), None)
+    if last is None or (last.what, last.why) != (what, why):
+        rec.decide(by, what, why)
 
 
 def convert_candidate(task_path: Path, name: str, precision_mode: str | None = None) -> AtcResult:
@@ -225,15 +279,24 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     if boundary is None or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no shape strategy: run analyze_boundaries first")
     model = record.preferred_model(workdir, name)
+    require_intact(record, workdir, _model_steps(name)[1:], "export_onnx / optimize_onnx")
     out_dir = workdir / "om" / name
     options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(out_dir / name),
                                        soc_version=record.intake.target.soc,
                                        **_precision_options(record, name, precision_mode, out_dir))
-    inputs_hash = fingerprint(options)
+    # Relative paths: the same ATC run in a copied run folder has the same inputs.
+    inputs_hash = fingerprint(relative_args(build_atc_command(options), workdir))
     step = f"atc:{name}"
+    existing = record.toolchain_of(name).atc
+    # Converted with this command and the OM as ATC wrote it: reused. "not_run" and "failed" run
+    # again (CANN may have been installed or fixed since); their decision is not repeated.
+    if is_done(record, step, inputs_hash, workdir) and existing is not None and existing.status == "converted":
+        return existing
     with running_step(task_path, step, inputs_hash) as handle:
-        result = run_atc(options, out_dir)
+        result = _relative_atc(run_atc(options, out_dir), workdir)
         handle.result.logs += [p for p in (result.log, result.script) if p]
+        if result.om_path:
+            handle.result.artifacts += artifacts_of([workdir / result.om_path], workdir)
         if result.status == "not_run":
             handle.result.status = "not_run"
             handle.result.note = result.reason
@@ -248,7 +311,8 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
                 cand = rec.plan_candidate_of(name)
                 if cand is not None and len(rec.contracts_of(cand.name)) <= 1:  # graphs of one value each keep theirs in atc
                     cand.om_path = result.om_path
-            rec.decide("convert_atc", f"{name}: ATC {result.status}", result.reason or "ATC exited 0 and wrote the OM")
+            decide_unless_repeated(rec, "convert_atc", name, f"{name}: ATC {result.status}",
+                                   result.reason or "ATC exited 0 and wrote the OM")
 
         handle.update(store)
     return result
@@ -273,29 +337,6 @@ def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir
     if path is not None:
         options["keep_dtype"] = str(path)
     return options
-
-
-class CandidateFailure(Record):
-    candidate: str
-    error: str
-
-
-ResultT = TypeVar("ResultT", bound=BaseModel)
-
-
-class CandidateBatch(Record, Generic[ResultT]):
-    """One step over several candidates: the results, and the candidates that failed with why."""
-
-    results: dict[str, ResultT] = Field(default_factory=dict)
-    failed: list[CandidateFailure] = Field(default_factory=list)
-
-
-ExportBatch = CandidateBatch[ExportResult]
-ProbeBatch = CandidateBatch[ParityReport]
-OptimizeBatch = CandidateBatch[OptimizeResult]
-PrecheckBatch = CandidateBatch[OpPrecheck]
-PrecisionBatch = CandidateBatch[PrecisionReport]
-AtcBatch = CandidateBatch[AtcResult]
 
 
 def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],

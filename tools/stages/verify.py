@@ -8,11 +8,11 @@ the report says which backend really ran each graph.
 from __future__ import annotations
 
 import base64
-import io
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from omskills import progress
 from omskills.ascend.emulation import precisions_for, prepare, save_emulated
 from omskills.compare.outputs import compare_step, expand, worse
 from omskills.errors import InputError, StageError
@@ -25,18 +25,22 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import (
     CandidateVerification,
     CheckSummary,
+    ItemFigure,
     MainPathParity,
     OutputCheck,
     StepParity,
     VerifyReport,
 )
-from omskills.report.pictures import side_by_side
+from omskills.report.charts import bar_chart_compute_share, checks_chart, plan_group
+from omskills.report.item_table import item_table
+from omskills.report.pictures import save_png, side_by_side
 from omskills.report.render import template_environment
+from omskills.report.stage_status import STAGES, stage_status
 from omskills.runtime import BACKENDS, open_backend
 from omskills.runtime.serving import SERVING_BACKENDS, open_graph
 from omskills.runtime.splice import SpliceBackend, SpliceHandle, splice
 from omskills.stages.model import open_model
-from omskills.stages.steps import fingerprint, running_step
+from omskills.stages.steps import fingerprint, require_intact, running_step
 
 
 def _spliceable(record: TaskRecord) -> tuple[list[str], dict[str, str]]:
@@ -65,42 +69,6 @@ def _not_spliceable(record: TaskRecord, graph: str) -> str | None:
     if probe.verdict == "fail":
         return f"probe failed (cosine {probe.worst_cosine:.5f}, max abs {probe.worst_max_abs:.2e})"
     return None
-
-
-def _png_b64(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _figure(report: VerifyReport) -> str:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 3.5))
-    ax1, ax2 = fig.subplots(1, 2)
-    steps = [s.index for s in report.per_step]
-    for check in report.comparison:
-        values = [next((c.value for c in s.checks if c.output == check.output and c.metric == check.metric), None)
-                  for s in report.per_step]
-        if check.metric == "iou" and any(v is not None for v in values):
-            ax1.plot(steps, [v if v is not None else 0.0 for v in values], marker="o", label=check.title)
-            ax1.axhline(check.threshold, color="r", linestyle="--", label=f"gate {check.threshold}")  # type: ignore[arg-type]
-        elif check.metric in ("tensor", "max_abs") and any(v for v in values):
-            ax1.semilogy(steps, [max(v or 0.0, 1e-12) for v in values], marker=".", label=f"{check.title} max abs")
-    ax1.set(title=f"per {report.step_name}", xlabel=report.step_name)
-    if ax1.get_legend_handles_labels()[0]:
-        ax1.legend(fontsize=7)
-    names = [c.name for c in report.candidates]
-    x = np.arange(len(names))
-    ax2.bar(x - 0.2, [c.torch_ms_per_call or 0 for c in report.candidates], 0.4, label="PyTorch (profile)")
-    ax2.bar(x + 0.2, [c.backend_ms_per_call or 0 for c in report.candidates], 0.4, label="spliced backend")
-    ax2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    ax2.set(title="latency per call (ms)")
-    ax2.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]:
@@ -155,21 +123,26 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, skipped = _spliceable(record)
+    require_intact(record, workdir, [f"{kind}:{n}" for n in names for kind in ("export", "optimize")],
+                   "export_onnx / optimize_onnx")
     modes = _modes(record, names) if emulated else {}
     model = open_model(record, workdir)
     driver, bound, loaded = model.driver, model.bound, model.loaded
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
     with running_step(task_path, "verify:emulated" if emulated else "verify", inputs_hash) as step:
+        progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({driver.step_name}s)...")
         reference = model.run()
         # The reference run's activations are freed; hand the pages back before the sessions load.
         return_freed_memory()
         replacements = [(record.contracts[n], _open(record, workdir, n, backend, emulated)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
+        progress.report(1, 3, f"verify: spliced run, {len(names)} graph(s) on {backend}...")
         with splice(loaded.root, replacements, strategies=strategies) as handle:
             spliced = model.run()
+        progress.report(2, 3, "verify: comparing outputs, writing the report and pictures...")
         report = _report(record, driver, driver.comparison(bound.verification), driver.settings_notes(bound.verification),
                          workdir, backend, names, skipped, reference, spliced, handle, modes)
-        _write_html(report, driver, reference, spliced, model.data, workdir / report.report_html)
+        report = _write_reports(report, record, driver, reference, spliced, model.data, workdir)
         step.update(_stored(report))
     return report
 
@@ -261,13 +234,68 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
         splice_stats=list(stats.values()), fallback_events=handle.fallbacks(),
         verification_settings=settings, precision="emulated" if modes else "fp32", precision_modes=modes or {},
         report_json=f"verify/{stem}.json", report_html=f"verify/{stem}.html",
-        outputs_pytorch=f"verify/{runs}-pytorch.npz", outputs_spliced=f"verify/{runs}-spliced.npz", verdict=main.verdict)
-    (out / f"{stem}.json").write_text(report.model_dump_json(indent=2))
+        outputs_pytorch=f"verify/{runs}-pytorch.npz", outputs_spliced=f"verify/{runs}-spliced.npz",
+        item_figures=_item_figures(checks, reference, spliced), verdict=main.verdict)
     return report
 
 
-def _write_html(report: VerifyReport, driver: ModelDriver, reference: MainPathRun, spliced: MainPathRun, data: Any,
-                path: Path) -> None:
+def _item_figures(checks: list[OutputCheck], reference: MainPathRun, spliced: MainPathRun) -> list[ItemFigure]:
+    """Each keyed check per item and step: the check's own comparator on the one reference item
+    against the spliced run (which it matches by key, a missing item counting as the worst)."""
+    figures = []
+    for check in checks:
+        if check.key is None or check.key == check.output:
+            continue
+        for ref, got in zip(reference.steps, spliced.steps):
+            if check.output not in ref.outputs or check.key not in ref.outputs:
+                continue
+            keys = np.asarray(ref.outputs[check.key]).reshape(-1)
+            values = np.asarray(ref.outputs[check.output])
+            for i, key in enumerate(keys.tolist()):
+                one = {check.output: values[i:i + 1], check.key: keys[i:i + 1]}
+                [result] = compare_step([check], one, got.outputs)
+                figures.append(ItemFigure(output=check.output, metric=check.metric, title=check.title, key=check.key,
+                                          item=str(key), step=ref.index, value=result.value, passed=result.passed))
+    return figures
+
+
+def _write_reports(report: VerifyReport, record: TaskRecord, driver: ModelDriver, reference: MainPathRun,
+                   spliced: MainPathRun, data: Any, workdir: Path) -> VerifyReport:
+    """The report's pictures as PNG files (verify/figures/), the self-contained HTML that embeds
+    them, and the JSON; returns the report with its figures listed."""
+    stem = Path(report.report_html).stem
+    folder = workdir / "verify" / "figures"
+    charts = ReportCharts(checks=checks_chart(report, folder / f"{stem}-checks.png"),
+                          compute_share=_compute_share(record, folder / f"{stem}-compute-share.png"))
+    pictures = _pictures(driver, reference, spliced, data, folder, stem)
+    files = [p for p in (charts.compute_share, charts.checks) if p is not None] + [p for _, p in pictures]
+    report = report.model_copy(update={"figures": [p.relative_to(workdir).as_posix() for p in files]})
+    html = template_environment(html=True).get_template("report.html.j2").render(
+        r=report, m=report.main_path, stages=stage_status(record, report), stage_names=STAGES,
+        items=item_table(report.item_figures), compute_share=_b64(charts.compute_share), checks=_b64(charts.checks),
+        pictures=[(index, _b64(path)) for index, path in pictures])
+    (workdir / report.report_html).write_text(html)
+    (workdir / report.report_json).write_text(report.model_dump_json(indent=2))
+    return report
+
+
+class ReportCharts(NamedTuple):
+    checks: Path
+    compute_share: Path | None  # None: no plan candidates to chart
+
+
+def _compute_share(record: TaskRecord, path: Path) -> Path | None:
+    """Share of main-path time per plan candidate (from the profile), coloured by plan group."""
+    plan = record.plan
+    if plan is None or not plan.candidates:
+        return None
+    return bar_chart_compute_share([(c.name, c.share, plan_group(c.status, c.name in plan.first_batch))
+                                    for c in plan.candidates], path)
+
+
+def _pictures(driver: ModelDriver, reference: MainPathRun, spliced: MainPathRun, data: Any, folder: Path,
+              stem: str) -> list[tuple[int, Path]]:
+    """First, middle and last step drawn from both runs side by side (PyTorch left), as PNG files."""
     steps = len(reference.steps)
     pictures = []
     for i in sorted({0, steps // 2, steps - 1}) if steps else []:
@@ -277,7 +305,10 @@ def _write_html(report: VerifyReport, driver: ModelDriver, reference: MainPathRu
         left = driver.picture(data, r, f"PyTorch {driver.step_name} {r.index}")
         right = driver.picture(data, s, f"spliced {driver.step_name} {s.index}")
         if left is not None and right is not None:
-            pictures.append((r.index, _png_b64(side_by_side(left, right))))
-    html = template_environment(html=True).get_template("report.html.j2").render(
-        r=report, m=report.main_path, pictures=pictures, figure=_figure(report))
-    path.write_text(html)
+            path = save_png(side_by_side(left, right), folder / f"{stem}-{driver.step_name}-{r.index}.png")
+            pictures.append((r.index, path))
+    return pictures
+
+
+def _b64(path: Path | None) -> str | None:
+    return base64.b64encode(path.read_bytes()).decode() if path is not None else None

@@ -1,16 +1,40 @@
-"""Tool: Compare one candidate's graph node by node on its first captured sample, fp32 ONNX against: an ATC precision mode emulated on CPU (against="emulated", optionally with nodes kept at their original dtype), the OM's dump from an Ascend NPU (against="npu_dump", msit/ais_bench .npy layout in dump_dir, om_json to map fused ops), or the PyTorch submodules' outputs (against="pytorch"); names the first node whose error crosses the gate and whether that error is local, accumulated or undetermined. Only a dump is an NPU result; the tool says which backend produced each side."""
+"""Tool: compare one candidate's graph node by node and name the first node whose error crosses the gate."""
+
+from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from omskills.host.toolkit import WorkspacePath
+from omskills.host.toolkit import TaskPath, WorkspacePath, tool_hints
+from omskills.records.choices import CompareAgainst, EmulatedMode
 from omskills.records.precision import LayerComparison
-from omskills.stages.precision import CompareAgainst, compare_candidate_layers
+from pydantic import Field
 
 
-def compare_layers(task: WorkspacePath, candidate: str, mode: str = "force_fp16", keep: list[str] | None = None,
-                   against: CompareAgainst = "emulated", dump_dir: WorkspacePath | None = None,
-                   om_json: WorkspacePath | None = None) -> LayerComparison:
-    """Compare one candidate's graph node by node on its first captured sample, fp32 ONNX against: an ATC precision mode emulated on CPU (against="emulated", optionally with nodes kept at their original dtype), the OM's dump from an Ascend NPU (against="npu_dump", msit/ais_bench .npy layout in dump_dir, om_json to map fused ops), or the PyTorch submodules' outputs (against="pytorch"); names the first node whose error crosses the gate and whether that error is local, accumulated or undetermined. Only a dump is an NPU result; the tool says which backend produced each side."""
+@tool_hints(title="Compare a graph layer by layer", read_only=False, idempotent=True, long_running=True)
+def compare_layers(
+    task: TaskPath,
+    candidate: Annotated[str, Field(description="The candidate (graph) to compare, as plan_candidates and the batch "
+                                                "results name it.")],
+    mode: Annotated[EmulatedMode, Field(description='ATC precision mode to emulate (against="emulated").')] = "force_fp16",
+    keep: Annotated[list[str] | None, Field(description='Node names kept at their original dtype in the emulation '
+                                                        "(ATC's --keep_dtype; against=\"emulated\").")] = None,
+    against: Annotated[CompareAgainst, Field(description='"emulated": the precision mode emulated on CPU; "npu_dump": the '
+                                                         "OM's dump from an Ascend NPU; \"pytorch\": the PyTorch submodules' "
+                                                         "outputs.")] = "emulated",
+    dump_dir: Annotated[WorkspacePath | None, Field(description='Folder of the NPU dump (msit/ais_bench .npy layout; '
+                                                                'against="npu_dump"). Without it the tool writes the '
+                                                                "inputs and the dump command to run on the NPU.")] = None,
+    om_json: Annotated[WorkspacePath | None, Field(description="The OM graph as JSON (atc --mode=1), to map fused ops "
+                                                               'back to ONNX nodes (against="npu_dump").')] = None,
+) -> LayerComparison:
+    """Compare one candidate's fp32 ONNX graph node by node, on its first captured sample, against
+    an emulated ATC precision mode, an NPU dump or the PyTorch submodules, and name the first node
+    whose error crosses the gate and whether that error is local, accumulated or undetermined.
+
+    Only a dump is an NPU result; the result says which backend produced each side."""
+    from omskills.stages.precision import compare_candidate_layers
+
     return compare_candidate_layers(Path(task), candidate, mode, keep, against,
                                     Path(dump_dir) if dump_dir else None, Path(om_json) if om_json else None)
 

@@ -1,15 +1,34 @@
-"""Tool: Emulate ATC's precision modes (force_fp16, allow_mix_precision, allow_fp32_to_fp16, must_keep_origin_dtype by default) on ONNX Runtime CPU for the preferred variant, bisect each failing mode to the first node that breaks, propose the nodes to keep at their original dtype, emulate again with them, and record the mode convert_atc will use. Emulated, never an NPU result."""
+"""Tool: emulate ATC's precision modes on CPU and choose the one convert_atc will use."""
+
+from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from omskills.host.toolkit import WorkspacePath
-from omskills.stages.precision import emulate_candidate
-from omskills.stages.toolchain import PrecisionBatch, for_each_candidate
+from omskills.host.toolkit import TaskPath, tool_hints
+from omskills.records.choices import CandidateName, EmulatedMode
+from omskills.records.results import PrecisionBatch
+from pydantic import Field
 
 
-def emulate_precision(task: WorkspacePath, candidate: str | None = None, modes: list[str] | None = None) -> PrecisionBatch:
-    """Emulate ATC's precision modes (force_fp16, allow_mix_precision, allow_fp32_to_fp16, must_keep_origin_dtype by default) on ONNX Runtime CPU for the preferred variant, bisect each failing mode to the first node that breaks, propose the nodes to keep at their original dtype, emulate again with them, and record the mode convert_atc will use. Emulated, never an NPU result. Works on the plan's first batch, or on the one candidate named; a candidate whose
-    emulation fails keeps its status (the failure is recorded) and the others go on."""
+@tool_hints(title="Emulate ATC precision modes", read_only=False, idempotent=True, long_running=True)
+def emulate_precision(
+    task: TaskPath,
+    candidate: CandidateName = None,
+    modes: Annotated[list[EmulatedMode] | None, Field(description="ATC precision modes to emulate; default: force_fp16, "
+                                                                  "allow_mix_precision, allow_fp32_to_fp16, "
+                                                                  "must_keep_origin_dtype.")] = None,
+) -> PrecisionBatch:
+    """Emulate ATC's precision modes on ONNX Runtime CPU for the preferred variant and record the
+    mode convert_atc will use. Emulated, never an NPU result.
+
+    Bisects each failing mode to the first node that breaks, proposes the nodes to keep at their
+    original dtype and emulates again with them. Works on the plan's first batch, or on the one
+    candidate named; a candidate whose emulation fails keeps its status (the failure is recorded)
+    and the others go on."""
+    from omskills.stages.precision import emulate_candidate
+    from omskills.stages.toolchain import for_each_candidate
+
     path = Path(task)
     return for_each_candidate(path, candidate, PrecisionBatch(), lambda name: emulate_candidate(path, name, modes),
                               "emulate_precision", advisory=True)

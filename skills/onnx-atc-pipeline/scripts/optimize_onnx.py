@@ -1,14 +1,25 @@
-"""Tool: Build the variants original, onnxslim and auto_optimizer (Huawei msit surgeon, through a compatibility layer), check each (onnx checker, ORT load, no dangling outputs, probe parity) and prefer auto_optimizer > onnxslim > original among those that pass."""
+"""Tool: build and check the optimised variants of each candidate's ONNX and prefer the best that passes."""
+
+from __future__ import annotations
 
 from pathlib import Path
 
-from omskills.host.toolkit import WorkspacePath
-from omskills.stages.toolchain import OptimizeBatch, for_each_candidate, optimize_candidate
+from omskills.host.toolkit import TaskPath, tool_hints
+from omskills.records.choices import CandidateName
+from omskills.records.results import OptimizeBatch
 
 
-def optimize_onnx(task: WorkspacePath, candidate: str | None = None) -> OptimizeBatch:
-    """Build the variants original, onnxslim and auto_optimizer (Huawei msit surgeon, through a compatibility layer), check each (onnx checker, ORT load, no dangling outputs, probe parity) and prefer auto_optimizer > onnxslim > original among those that pass. Works on the plan's first batch, or on the one candidate named; a candidate that
-    fails is recorded as failed with its error (its logs kept) and the others go on."""
+@tool_hints(title="Optimise the ONNX graphs", read_only=False, idempotent=True, long_running=True)
+def optimize_onnx(task: TaskPath, candidate: CandidateName = None) -> OptimizeBatch:
+    """Build the variants original, onnxslim and auto_optimizer (Huawei msit surgeon, through a
+    compatibility layer), check each and prefer auto_optimizer > onnxslim > original among those
+    that pass.
+
+    The checks: onnx checker, ONNX Runtime load, no dangling outputs, probe parity. Works on the
+    plan's first batch, or on the one candidate named; a candidate that fails is recorded as failed
+    with its error (its logs kept) and the others go on."""
+    from omskills.stages.toolchain import for_each_candidate, optimize_candidate
+
     path = Path(task)
     return for_each_candidate(path, candidate, OptimizeBatch(), lambda name: optimize_candidate(path, name), "optimize_onnx")
 

@@ -1,14 +1,31 @@
-"""Tool: Compare every operator of the preferred variant (op type and opset) with the ONNX operators ATC supports (CANN 8.0.0 list shipped in the repo); report unsupported and constrained ops with node names."""
+"""Tool: check every operator of the preferred variant against the ONNX operators ATC supports."""
+
+from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from omskills.host.toolkit import WorkspacePath
-from omskills.stages.toolchain import PrecheckBatch, for_each_candidate, precheck_candidate
+from omskills.host.toolkit import TaskPath, tool_hints
+from omskills.records.choices import CandidateName, Soc
+from omskills.records.results import PrecheckBatch
+from pydantic import Field
 
 
-def precheck_ops(task: WorkspacePath, candidate: str | None = None, soc: str | None = None) -> PrecheckBatch:
-    """Compare every operator of the preferred variant (op type and opset) with the ONNX operators ATC supports (CANN 8.0.0 list shipped in the repo); report unsupported and constrained ops with node names. Works on the plan's first batch, or on the one candidate named; a candidate that
-    fails is recorded as failed with its error (its logs kept) and the others go on."""
+@tool_hints(title="Precheck operators for ATC", read_only=False, idempotent=True)
+def precheck_ops(
+    task: TaskPath,
+    candidate: CandidateName = None,
+    soc: Annotated[Soc | None, Field(description="Target SoC (ATC --soc_version: 'Ascend' + the Name `npu-smi info` "
+                                                 "shows); default: the task record's target.")] = None,
+) -> PrecheckBatch:
+    """Compare every operator of the preferred variant (op type and opset) with the ONNX operators
+    ATC supports (CANN 8.0.0 list shipped in the repo); report unsupported and constrained ops with
+    node names.
+
+    Works on the plan's first batch, or on the one candidate named; a candidate that fails is
+    recorded as failed with its error and the others go on."""
+    from omskills.stages.toolchain import for_each_candidate, precheck_candidate
+
     path = Path(task)
     return for_each_candidate(path, candidate, PrecheckBatch(), lambda name: precheck_candidate(path, name, soc), "precheck_ops")
 
