@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,10 @@ def tiny_adaptation(tmp_path_factory, worker_id: str) -> Path:
             assert result.returncode == 0, result.stderr[-3000:]
             finished.write_text(result.stderr)
     return out
+
+
+def copy_run(run: Path, dest: Path) -> Path:
+    """A copy of a run folder with fresh mtimes (as `cp -r` makes), without its lock files: for a
+    test that changes a run, so the shared `tiny_adaptation` stays as adapt left it."""
+    shutil.copytree(run, dest, copy_function=shutil.copy, ignore=shutil.ignore_patterns(".*.lock"))
+    return dest

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 import yaml
-from conftest import REPO, TASK, omskills
+from conftest import REPO, TASK, copy_run, omskills
 from omskills.orchestrator.mcp_client import connect
 from omskills.records.task import load_record, render_record
 
@@ -29,12 +29,6 @@ WRITERS_MCP = 4
 
 def tool(name: str, task: Path, *flags: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return omskills("tool", name, "--task", str(task), *flags, cwd=cwd)
-
-
-def copy_run(run: Path, dest: Path) -> Path:
-    """A copy of a run folder with fresh mtimes (as `cp -r` makes), without the lock file."""
-    shutil.copytree(run, dest, copy_function=shutil.copy, ignore=shutil.ignore_patterns(".*.lock"))
-    return dest
 
 
 def graphs_by_size(task: Path) -> list[str]:

@@ -22,6 +22,7 @@ from types import ModuleType
 from omskills.errors import TaskRecordError
 from omskills.models.api import InputPathMarker, ModelDriver
 from omskills.records.intake import Intake, ModelSpec, confined_path
+from omskills.records.results import DriverListing
 from omskills.records.task import validation_problems
 from omskills.registry import Registry, RegistryError, import_reference
 from pydantic import BaseModel, ValidationError
@@ -202,14 +203,6 @@ def bind_intake(intake: Intake, base_dir: Path | None = None) -> BoundIntake:
     except ValidationError as err:
         raise TaskRecordError(f"{validation_problems(err, 'intake.verification')} ({driver.family} driver)") from None
     return BoundIntake(driver=driver, inputs=inputs, verification=verification)
-
-
-class DriverListing(BaseModel):
-    family: str
-    reference: str
-    origin: str
-    description: str = ""
-    error: str | None = None  # why it cannot be loaded here
 
 
 def installed_drivers() -> list[DriverListing]:

@@ -124,3 +124,14 @@ class BundleSummary(Record):
     om_graphs: list[str] = Field(description="Graphs that ship an OM (built by ATC); the others ship ONNX only.")
     not_deployed: dict[str, str] = Field(description="Candidate -> why it is not in the bundle (stays in PyTorch).")
     required: dict[str, str] = Field(description="What the loader must be given that the bundle does not hold (e.g. a model source checkout).")
+
+
+# --------------------------------------------------------------------------- drivers (list_drivers)
+
+
+class DriverListing(BaseModel):
+    family: str = Field(description="The model family name a task record gives as intake.model.family.")
+    reference: str = Field(description="The driver class, as 'package.module:Class'.")
+    origin: str = Field(description="Where the entry comes from: the distribution whose entry point registered it, or code.")
+    description: str = Field("", description="What the driver adapts, from its class.")
+    error: str | None = Field(None, description="Why the driver cannot be loaded here; null when it loads.")

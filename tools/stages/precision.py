@@ -61,7 +61,8 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     workdir = TaskRecord.workdir(task_path)
     chosen = _checked_modes(modes)
     model = record.preferred_model(workdir, name)
-    require_intact(record, workdir, ["study", f"export:{name}", f"optimize:{name}"], "export_onnx / optimize_onnx")
+    require_intact(record, workdir, {"study": record.contract(name).samples[:1], f"export:{name}": None,
+                                     f"optimize:{name}": None}, "export_onnx / optimize_onnx")
     inputs_hash = fingerprint(record.exports[name].sha256, str(model.relative_to(workdir)), chosen,
                               record.contract(name).samples[:1], EMULATION_REVISION)
     step = f"precision:{name}"

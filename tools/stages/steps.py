@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from collections.abc import Collection, Mapping
 from typing import Any, Callable, Iterator
 
 from omskills.errors import StageError
@@ -62,12 +63,17 @@ def changed_artifacts(result: StageResult, workdir: Path) -> list[str]:
     return [problem for artifact in result.artifacts if (problem := artifact.problem(workdir))]
 
 
-def require_intact(record: TaskRecord, workdir: Path, steps: list[str], tool: str) -> None:
+def require_intact(record: TaskRecord, workdir: Path, reads: Mapping[str, Collection[str] | None], tool: str) -> None:
     """The files earlier steps wrote and this step reads are as they were written; else stop
-    before a result is reused or computed from them (the step that wrote them must run again)."""
-    for step in steps:
+    before a result is reused or computed from them (the step that wrote them must run again).
+    `reads` maps each earlier step to the files of it that this step reads (None: all it wrote):
+    the study writes every graph's samples, and a step of one graph reads only its own."""
+    for step, files in reads.items():
         result = record.stages.get(step)
-        problems = changed_artifacts(result, workdir) if result is not None else []
+        if result is None:
+            continue
+        problems = [problem for artifact in result.artifacts
+                    if (files is None or artifact.path in files) and (problem := artifact.problem(workdir))]
         if problems:
             raise StageError(f"{'; '.join(problems)}: written by step {step}, which must run again "
                              f"({tool}, or rerun `omskills adapt`)")

@@ -24,7 +24,6 @@ from omskills.convert.optimize import optimize_variants, sample_arrays
 from omskills.errors import OmskillsError, StageError
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
-from omskills.records.base import Record
 from omskills.records.export import ExporterName, ExportResult
 from omskills.records.parity import ParityReport, verdict_rank
 from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
@@ -71,7 +70,7 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
     step = f"export:{name}"
     if is_done(record, step, inputs_hash, workdir):
         return record.exports[name]
-    require_intact(record, workdir, ["study"], "profile_main_path")  # the samples it traces with
+    require_intact(record, workdir, {"study": contract.samples}, "profile_main_path")  # the samples it traces with
     dims = dynamic_dims_from_strategy(contract, boundary.shape_strategy)
     sample = _tracing_sample(_samples(record, workdir, name), dims)
     model = open_model(record, workdir)
@@ -126,7 +125,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     path = record.model_path(workdir, name, variant)
-    require_intact(record, workdir, _model_steps(name, variant), "export_onnx / optimize_onnx")
+    require_intact(record, workdir, _model_steps(name, variant, record.contract(name).samples), "export_onnx / optimize_onnx")
     # A variant is made from the export deterministically: its sha and the samples fix the result.
     inputs_hash = fingerprint(record.exports[name].sha256, variant, record.contract(name).samples)
     step = f"probe:{name}:{variant}"
@@ -157,10 +156,15 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     return report
 
 
-def _model_steps(name: str, variant: str | None = None) -> list[str]:
-    """The steps whose files a step reading this graph's ONNX depends on: the samples (study), the
-    export, and the optimised variants unless only the original is read."""
-    return ["study", f"export:{name}"] + ([f"optimize:{name}"] if variant != "original" else [])
+def _model_steps(name: str, variant: str | None = None, samples: list[str] | None = None) -> dict[str, list[str] | None]:
+    """The steps whose files a step reading this graph's ONNX depends on, with the files it reads:
+    the graph's samples (study) when given, the export, and the optimised variants unless only
+    the original is read."""
+    steps: dict[str, list[str] | None] = {"study": samples} if samples is not None else {}
+    steps[f"export:{name}"] = None
+    if variant != "original":
+        steps[f"optimize:{name}"] = None
+    return steps
 
 
 def _relative_optimize(result: OptimizeResult, workdir: Path) -> OptimizeResult:
@@ -222,7 +226,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     existing = record.toolchain_of(name).optimize
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
-    require_intact(record, workdir, _model_steps(name, "original"), "export_onnx")
+    require_intact(record, workdir, _model_steps(name, "original", record.contract(name).samples), "export_onnx")
     samples = _sample_paths(record, workdir, name)  # loaded one at a time, where they are run
     # At full scale the model (several GB) plus a 2 GB ONNX in three variants and their ORT
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
@@ -249,7 +253,7 @@ def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> Op
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     model = record.preferred_model(workdir, name)
-    require_intact(record, workdir, _model_steps(name)[1:], "export_onnx / optimize_onnx")
+    require_intact(record, workdir, _model_steps(name), "export_onnx / optimize_onnx")
     result = _precheck(model, soc or record.intake.target.soc)
     result.model = relative_to_run(result.model, workdir) or result.model
     result.pitfalls = check_pitfalls(model, record.toolchain_of(name).precision)
@@ -279,7 +283,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     if boundary is None or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no shape strategy: run analyze_boundaries first")
     model = record.preferred_model(workdir, name)
-    require_intact(record, workdir, _model_steps(name)[1:], "export_onnx / optimize_onnx")
+    require_intact(record, workdir, _model_steps(name), "export_onnx / optimize_onnx")
     out_dir = workdir / "om" / name
     options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(out_dir / name),
                                        soc_version=record.intake.target.soc,

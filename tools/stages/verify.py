@@ -123,7 +123,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, skipped = _spliceable(record)
-    require_intact(record, workdir, [f"{kind}:{n}" for n in names for kind in ("export", "optimize")],
+    require_intact(record, workdir, {f"{kind}:{n}": None for n in names for kind in ("export", "optimize")},
                    "export_onnx / optimize_onnx")
     modes = _modes(record, names) if emulated else {}
     model = open_model(record, workdir)

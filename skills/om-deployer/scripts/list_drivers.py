@@ -1,7 +1,7 @@
 """Tool: the model drivers installed here."""
 
 from omskills.host.toolkit import tool_hints
-from omskills.models.registry import DriverListing
+from omskills.records.results import DriverListing
 from pydantic import BaseModel, Field
 
 
