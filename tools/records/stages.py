@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Literal
 
@@ -26,8 +28,11 @@ class Artifact(Record):
     def of(cls, path: Path, root: Path) -> Artifact:
         """The file at `path` (inside the run folder `root`) as it is now."""
         size, mtime = file_state(path)
-        return cls(path=Path(path).resolve().relative_to(root.resolve()).as_posix(), sha256=sha256_cached(path),
-                   bytes=size, mtime_ns=mtime)
+        # Not resolved first: a sub-folder may be a symlink to another disk and still belong to the run.
+        relative = os.path.relpath(Path(path).absolute(), Path(root).absolute())
+        if relative.startswith(".."):
+            relative = os.path.relpath(Path(path).resolve(), Path(root).resolve())
+        return cls(path=Path(relative).as_posix(), sha256=sha256_cached(path), bytes=size, mtime_ns=mtime)
 
     def problem(self, root: Path) -> str | None:
         """Why the file is not the one the step wrote (None: it is, or nothing was recorded to tell)."""

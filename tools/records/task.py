@@ -306,7 +306,7 @@ def save_record(record: TaskRecord, path: str | Path) -> None:
     Prefer `updating`, which also holds the lock while the record is read and changed."""
     path = Path(path)
     with _locked(path):
-        previous = path.read_text() if path.is_file() else None
+        previous = path.read_text(encoding="utf-8") if path.is_file() else None
         template = previous if previous is not None and "#" in previous else record._source_text
         text = render_record(record, template)
         atomic_write_text(path, text)

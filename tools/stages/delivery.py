@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import re
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,7 +14,7 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.report.item_table import item_table
 from omskills.report.render import shell_line, template_environment
 from omskills.report.stage_status import STAGES, stage_notes, stage_status
-from omskills.stages.steps import relative_args, relative_to_run
+from omskills.stages.steps import relative_args, relative_text, relative_to_run
 
 
 def _io(specs: list[TensorSpec]) -> str:
@@ -89,11 +89,12 @@ def pictures(record: TaskRecord, workdir: Path) -> list[DocumentLink]:
             for p in report.figures if (workdir / p).is_file()]
 
 
-def relative_text(text: str, workdir: Path) -> str:
-    """The text with the run folder's absolute paths made relative to it: reasons and notes from
-    the stages may name files by their absolute path, the document is read from the run folder."""
-    root = r"(?<![\w./-])" + re.escape(str(workdir.resolve()))
-    return re.sub(root + r"(?![\w.-])", ".", re.sub(root + "/", "", text))
+def _seen_from(value: object, workdir: Path) -> object:
+    """An absolute path (an input beside the user's record, a checkout) as the document's reader
+    sees it from the run folder; anything else as it is."""
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.relpath(value, workdir.resolve())
+    return value
 
 
 def write_delivery_doc(task_path: Path) -> Path:
@@ -105,8 +106,11 @@ def write_delivery_doc(task_path: Path) -> Path:
     settings = bound.driver.settings_notes(bound.verification)
     task_name = Path(task_path).name
     stages = stage_status(record, record.verification)
+    model = record.intake.model
+    model = model.model_copy(update={"source": _seen_from(model.source, workdir), "checkpoint": _seen_from(model.checkpoint, workdir)})
+    inputs = {key: _seen_from(value, workdir) for key, value in bound.inputs.model_dump(mode="json").items()}
     text = template_environment().get_template("delivery.md.j2").render(
-        r=record, m=record.intake.model, family=bound.driver.family, inputs=bound.inputs.model_dump(mode="json"),
+        r=record, m=model, family=bound.driver.family, inputs=inputs,
         plan=record.plan, env=record.environment, v=record.verification, ve=record.verification_emulated, toolchain=record.toolchain,
         task_name=task_name,
         strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},

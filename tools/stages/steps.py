@@ -17,6 +17,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
+import re
 import time
 from pathlib import Path
 from collections.abc import Collection, Mapping
@@ -84,6 +86,17 @@ def artifacts_of(paths: list[Path], workdir: Path) -> list[Artifact]:
     return [Artifact.of(path, workdir) for path in paths if path.is_file()]
 
 
+def path_in_run(path: Path, workdir: Path) -> str | None:
+    """`path` relative to the run folder (posix), or None when it lies outside. Compared as given
+    first, so a sub-folder that is a symlink to another disk still belongs to the run; then with
+    symlinks resolved on both sides."""
+    for inside, root in ((Path(path).absolute(), Path(workdir).absolute()), (Path(path).resolve(), Path(workdir).resolve())):
+        relative = os.path.relpath(inside, root)
+        if not relative.startswith(".."):
+            return Path(relative).as_posix()
+    return None
+
+
 def relative_to_run(value: str | None, workdir: Path) -> str | None:
     """A path inside the run folder as relative to it (posix); others as they are."""
     if not value:
@@ -91,10 +104,8 @@ def relative_to_run(value: str | None, workdir: Path) -> str | None:
     path = Path(value)
     if not path.is_absolute():
         return value
-    try:
-        return path.resolve().relative_to(workdir.resolve()).as_posix()
-    except ValueError:
-        return value
+    relative = path_in_run(path, workdir)
+    return value if relative is None else relative
 
 
 def relative_args(args: list[str], workdir: Path) -> list[str]:
@@ -148,3 +159,10 @@ def _close(task_path: Path, step: str, result: StageResult, start: float, handle
             handle.apply(record)
         # Written after the results it summarises (and saved after them: `stages` ends the file).
         record.stages[step] = result
+
+
+def relative_text(text: str, workdir: Path) -> str:
+    """The text with the run folder's absolute paths made relative to it: reasons and notes may
+    name files by their absolute path, and a record or document is read from the run folder."""
+    root = r"(?<![\w./-])" + re.escape(str(workdir.resolve()))
+    return re.sub(root + r"(?![\w.-])", ".", re.sub(root + "/", "", text))

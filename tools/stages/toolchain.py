@@ -36,6 +36,7 @@ from omskills.stages.steps import (
     fingerprint,
     is_done,
     relative_args,
+    relative_text,
     relative_to_run,
     require_intact,
     running_step,
@@ -180,7 +181,9 @@ def _relative_optimize(result: OptimizeResult, workdir: Path) -> OptimizeResult:
 def _relative_atc(result: AtcResult, workdir: Path) -> AtcResult:
     return result.model_copy(update={
         "command": relative_args(result.command, workdir), "script": relative_to_run(result.script, workdir),
-        "log": relative_to_run(result.log, workdir), "om_path": relative_to_run(result.om_path, workdir)})
+        "log": relative_to_run(result.log, workdir), "om_path": relative_to_run(result.om_path, workdir),
+        "reason": relative_text(result.reason, workdir) if result.reason else result.reason,
+        "errors": [e.model_copy(update={"message": relative_text(e.message, workdir)}) for e in result.errors]})
 
 
 def _probe_reports(record: TaskRecord, name: str, path: Path,
