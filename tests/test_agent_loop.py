@@ -132,6 +132,16 @@ def _chat(world: World, api, stdin: TextIO, stdout: TextIO) -> Path:
     ))
 
 
+def _chat_typing(world: World, script: list, typed: str, folder: Path):
+    """`omskills chat` fed the lines `typed` against a fake API answering `script`:
+    (the fake's received requests, the transcript path, what the chat showed)."""
+    lines, out = folder / "stdin.txt", folder / "stdout.txt"
+    lines.write_text(typed)
+    with fake_anthropic(script) as api, lines.open() as stdin, out.open("w") as stdout:
+        transcript = _chat(world, api, stdin, stdout)
+    return api, transcript, out.read_text()
+
+
 def _tool_results(request: dict) -> list[dict]:
     last = request["messages"][-1]
     assert last["role"] == "user"
@@ -246,12 +256,7 @@ def test_crashing_tool_and_unknown_tool_reach_the_model_as_errors(world):
 
 def test_chat_keeps_the_conversation_across_lines(world, tmp_path):
     script = [done("hello"), calls(tool_use("toy_add", {"a": 4, "b": 4})), done("eight")]
-    lines = tmp_path / "stdin.txt"
-    lines.write_text("hi\nadd four and four\nexit\n")
-    out = tmp_path / "stdout.txt"
-    with fake_anthropic(script) as api, lines.open() as stdin, out.open("w") as stdout:
-        transcript = _chat(world, api, stdin, stdout)
-    shown = out.read_text()
+    api, transcript, shown = _chat_typing(world, script, "hi\nadd four and four\nexit\n", tmp_path)
     assert "claude> hello" in shown and "claude> eight" in shown
     # The second question was sent with the first exchange as context.
     assert [m["role"] for m in api.requests[1]["messages"]] == ["user", "assistant", "user"]
@@ -356,12 +361,7 @@ def test_a_400_mid_run_stops_honestly_and_leaves_the_record_consistent(world):
 
 def test_chat_survives_a_400_and_the_user_can_type_again(world, tmp_path):
     script = [HttpError(400, "invalid_request_error", "prompt is malformed"), done("back again")]
-    lines = tmp_path / "stdin.txt"
-    lines.write_text("hi\nhello again\nexit\n")
-    out = tmp_path / "stdout.txt"
-    with fake_anthropic(script) as api, lines.open() as stdin, out.open("w") as stdout:
-        transcript = _chat(world, api, stdin, stdout)
-    shown = out.read_text()
+    api, transcript, shown = _chat_typing(world, script, "hi\nhello again\nexit\n", tmp_path)
     assert "(stopped: api_error_400: Anthropic API error 400 invalid_request_error" in shown and "type again" in shown
     assert "claude> back again" in shown
     # The refused line stays in the conversation; the next one joins it in the same user turn.
