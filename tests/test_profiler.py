@@ -178,3 +178,30 @@ def test_small_deep_nodes_are_dropped_but_totals_stay_right():
     kept = sum(n.exclusive_s for n in report.nodes)
     assert kept + report.dropped_exclusive_s == pytest.approx(report.module_seconds, abs=1e-9)
     assert all(n.parent is None or report.node(n.parent) is not None for n in report.nodes)
+
+
+def test_seeds_of_a_fast_model_come_from_warm_passes_and_a_slow_model_is_profiled_once():
+    from omskills.profiling.discovery import MAX_PASSES, MIN_TIMED_SECONDS, discovery_profile
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    passes = []
+
+    def fast(profiler):
+        passes.append(net(torch.randn(1, 8)))
+        profiler.mark_frame()
+        return len(passes)
+
+    profile, first = discovery_profile(net, fast)
+    assert first == 1  # the first pass's result is what the caller gets back
+    assert len(passes) > 2 and profile.frames == len(passes) - 1  # the first (cold) pass is not in the profile
+    assert (profile.total_seconds >= MIN_TIMED_SECONDS or profile.frames == MAX_PASSES) and "warm passes" in profile.notes[0]
+
+    slow_passes = []
+
+    def slow(profiler):
+        time.sleep(MIN_TIMED_SECONDS)
+        slow_passes.append(net(torch.randn(1, 8)))
+        profiler.mark_frame()
+
+    profile, _ = discovery_profile(net, slow)
+    assert len(slow_passes) == 1 and profile.frames == 1 and not profile.notes

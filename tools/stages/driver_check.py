@@ -15,10 +15,12 @@ from omskills.boundary.analysis import analyze_boundary
 from omskills.compare.outputs import expand
 from omskills.contracts.capture import capture_contracts
 from omskills.errors import OmskillsError
-from omskills.models.api import RunHooks
+from omskills.models.api import MainPathRun, RunHooks
 from omskills.models.registry import bind_intake
 from omskills.profiling.auto_seeds import seeds_from_profile
+from omskills.profiling.discovery import discovery_profile
 from omskills.profiling.profiler import ModuleProfiler
+from omskills.records.profile import ProfileReport
 from omskills.records.results import CandidateCheck, DriverCheck
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import summarise
@@ -50,10 +52,11 @@ def _check(task_path: Path, report: DriverCheck) -> None:
     report.modules = sum(1 for _ in loaded.root.modules())
     report.parameters = sum(p.numel() for p in loaded.root.parameters())
     report.notes += list(loaded.notes)
-    profiler = ModuleProfiler(loaded.root)
-    with profiler:
-        run = driver.run_main_path(loaded, data, bound.inputs, bound.verification,
-                                   RunHooks(on_step=lambda _i: profiler.mark_frame()))
+    def run_pass(profiler: ModuleProfiler) -> MainPathRun:
+        return driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+                                    RunHooks(on_step=lambda _i: profiler.mark_frame()))
+
+    profile, run = discovery_profile(loaded.root, run_pass)
     report.steps = len(run.steps)
     if not run.steps:
         report.problems.append("run_main_path returned no steps: return (or yield) the model's outputs")
@@ -69,11 +72,10 @@ def _check(task_path: Path, report: DriverCheck) -> None:
             if name not in first:
                 report.problems.append(f"the comparison checks output {name!r}, which the main path does not return "
                                        f"(it returns {sorted(first)})")
-    _check_candidates(report, driver, loaded, bound, data, profiler)
+    _check_candidates(report, driver, loaded, bound, data, profile)
 
 
-def _check_candidates(report, driver, loaded, bound, data, profiler: ModuleProfiler) -> None:
-    profile = profiler.report()
+def _check_candidates(report, driver, loaded, bound, data, profile: ProfileReport) -> None:
     declared = declared_seeds(driver)
     seeds = declared or seeds_from_profile(profile)
     report.seeds_from = "driver" if declared else "profile"

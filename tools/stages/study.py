@@ -24,6 +24,7 @@ from omskills.errors import StageError
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
 from omskills.models.registry import BoundIntake, driver_for
 from omskills.profiling.auto_seeds import seeds_from_profile
+from omskills.profiling.discovery import discovery_profile
 from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.plan import Seed, StudyRun
 from omskills.records.results import ModuleShare, ProfileSummary
@@ -57,12 +58,13 @@ def declared_seeds(driver: ModelDriver) -> list[Seed]:
 
 
 def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[Seed]:
-    """The main path once under the profiler alone; its heaviest subtrees become the seeds."""
-    profiler = ModuleProfiler(loaded.root)
-    with profiler:
+    """The main path under the profiler alone (warm passes for a fast model); its heaviest subtrees become the seeds."""
+    def run_pass(profiler: ModuleProfiler) -> None:
         bound.driver.run_main_path(loaded, data, bound.inputs, bound.verification,
                                    _counting_hooks(profiler, [0], "discovery run"))
-    seeds = seeds_from_profile(profiler.report())
+
+    profile, _ = discovery_profile(loaded.root, run_pass)
+    seeds = seeds_from_profile(profile)
     if not seeds:
         raise StageError("the profile shows no subtree with parameters worth a graph: name seed candidates in the driver")
     return seeds
