@@ -7,6 +7,9 @@ model around it, the way a predictor holds its candidates (`host.head`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 from omskills.contracts import capture_contracts
 from omskills.records.contracts import ContractSpec
@@ -61,3 +64,29 @@ def head_inputs(batch: int, dtype: torch.dtype = torch.float32) -> list[torch.Te
 
 
 BATCH_DIMS = {"x": {0: "batch"}, "pair_0": {0: "batch"}, "pair_1": {0: "batch"}}
+
+
+def one_graph_task(folder: Path, host: nn.Module, name: str, run: Callable[[], None], export_inputs: list[torch.Tensor],
+                   dynamic_dims: dict[str, dict[int, str]], task_id: str) -> Path:
+    """A task record (folder/task.yaml) for one graph, `host.<name>`: its contract and samples
+    captured while `run` calls the host, the shape strategy proposed from them, and its export."""
+    from omskills.boundary.shape_strategy import propose_shape_strategy
+    from omskills.convert.export import export_onnx
+    from omskills.records.contracts import BoundaryDecision
+    from omskills.records.task import TaskRecord, save_record
+
+    [contract] = capture_contracts(host, {name: name}, run, samples_dir=folder / "samples", relative_to=folder)
+    strategy = propose_shape_strategy(contract)
+    exported = export_onnx(getattr(host, name), contract, export_inputs, folder / "onnx" / f"{name}.onnx",
+                           dynamic_dims=dynamic_dims)
+    record = TaskRecord.model_validate({
+        "id": task_id,
+        "intake": {"model": {"family": "sam3", "builder": "build_sam3_video_model", "scale": "tiny"},
+                   "inputs": {"video": "builtin:shapes", "prompt": "objects"}, "target": {"soc": "Ascend310P3"}},
+        "contracts": {name: contract},
+        "boundaries": {name: BoundaryDecision(candidate=name, exportable=True, reasons=[], shape_strategy=strategy)},
+        "exports": {name: exported},
+    })
+    path = folder / "task.yaml"
+    save_record(record, path)
+    return path

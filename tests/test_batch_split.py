@@ -14,13 +14,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from export_helpers import BATCH_DIMS, head_inputs, make_host
+from export_helpers import BATCH_DIMS, head_inputs, make_host, one_graph_task
 from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
-from omskills.convert.export import export_onnx
 from omskills.errors import StageError
-from omskills.records.contracts import BoundaryDecision
-from omskills.records.task import TaskRecord, load_record, save_record
+from omskills.records.task import load_record, save_record
 from omskills.runtime import open_backend
 from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
 from omskills.runtime.splice import splice
@@ -41,19 +39,7 @@ def head_task(tmp_path_factory):
             for batch in BATCHES:
                 host(torch.randn(batch, 4))
 
-    [contract] = capture_contracts(host, {"head": "head"}, run, samples_dir=folder / "samples", relative_to=folder)
-    strategy = propose_shape_strategy(contract)
-    exported = export_onnx(host.head, contract, head_inputs(2), folder / "onnx" / "head.onnx", dynamic_dims=BATCH_DIMS)
-    record = TaskRecord.model_validate({
-        "id": "batch-split-test",
-        "intake": {"model": {"family": "sam3", "builder": "build_sam3_video_model", "scale": "tiny"},
-                   "inputs": {"video": "builtin:shapes", "prompt": "objects"}, "target": {"soc": "Ascend310P3"}},
-        "contracts": {"head": contract},
-        "boundaries": {"head": BoundaryDecision(candidate="head", exportable=True, reasons=[], shape_strategy=strategy)},
-        "exports": {"head": exported},
-    })
-    path = folder / "task.yaml"
-    save_record(record, path)
+    path = one_graph_task(folder, host, "head", run, head_inputs(2), BATCH_DIMS, "batch-split-test")
     return path, host
 
 

@@ -580,3 +580,16 @@ def test_routed_modules_are_recorded_once_per_call_however_they_are_called(tmp_p
         for path in contract.samples:
             assert torch.equal(load_sample(Path(path)).outputs["out"], torch.full((2, 2), 3.0))
     assert "forward" not in model.called.__dict__ and not model.called._forward_pre_hooks
+
+
+def test_samples_are_kept_one_per_distinct_input_shape_read_from_their_headers(tmp_path):
+    from omskills.contracts.samples import input_shapes, one_per_shape, save_sample
+
+    def sample(name: str, batch: int) -> Path:
+        x = torch.full((batch, 3), float(batch))
+        return save_sample(tmp_path / name, "c", 0, inputs={"x": x, "scale": torch.ones(1)}, outputs={"y": 2 * x})
+
+    paths = [sample("a.npz", 1), sample("b.npz", 4), sample("c.npz", 1), sample("d.npz", 4)]
+
+    assert input_shapes(paths[1]) == (("scale", (1,)), ("x", (4, 3)))
+    assert one_per_shape(paths) == [paths[0], paths[1]]

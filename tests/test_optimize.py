@@ -57,10 +57,10 @@ def exported(tmp_path_factory):
 def test_every_variant_is_built_checked_and_probed(exported, tmp_path, capfd):
     path, samples = exported
 
-    result = optimize_variants(path, tmp_path, samples)
+    result = optimize_variants(path, tmp_path, samples, variants=["original", "onnxslim"])
+    auto = optimize_variants(path, tmp_path / "auto", samples, variants=["original", "auto_optimizer"])
 
-    variants = {v.name: v for v in result.variants}
-    assert list(variants) == ["original", "onnxslim", "auto_optimizer"]
+    variants = {v.name: v for v in result.variants} | {"auto_optimizer": auto.variants[1]}
     for v in variants.values():
         assert v.status == "ok", v.reason
         assert [c.name for c in v.checks] == ["onnx_checker", "outputs_produced", "ort_load", "parity"]
@@ -69,13 +69,94 @@ def test_every_variant_is_built_checked_and_probed(exported, tmp_path, capfd):
         assert {p.name for p in v.parity} == {"logits", "score"}
     # onnxslim removes the exporter's Constant/Shape noise.
     assert variants["onnxslim"].node_count < variants["original"].node_count
-    # auto_optimizer works on the slimmed model and reports what each knowledge did.
-    assert variants["auto_optimizer"].built_from == variants["onnxslim"].path
+    # auto_optimizer reports what each knowledge did; on the export as it is, KnowledgeTypeCast applies.
     assert {k.outcome for k in variants["auto_optimizer"].knowledges} <= {"applied", "not_matched", "failed", "rejected"}
     assert len(variants["auto_optimizer"].knowledges) >= 5
-    assert result.preferred == "auto_optimizer" and result.preferred_path == variants["auto_optimizer"].path
+    assert "KnowledgeTypeCast" in [k.name for k in variants["auto_optimizer"].knowledges if k.outcome == "applied"]
+    assert auto.preferred == "auto_optimizer" and auto.preferred_path == variants["auto_optimizer"].path
+    assert result.preferred == "onnxslim"
     # Nothing reached stdout (onnxslim prints tables; stdout may be an MCP stream).
     assert capfd.readouterr().out == ""
+
+
+def test_a_variant_that_changes_nothing_is_neither_saved_nor_probed(exported, tmp_path):
+    path, samples = exported
+
+    result = optimize_variants(path, tmp_path, samples)
+
+    # auto_optimizer works on the slimmed model, where its one match (KnowledgeTypeCast) breaks the graph.
+    auto = next(v for v in result.variants if v.name == "auto_optimizer")
+    assert auto.built_from == next(v.path for v in result.variants if v.name == "onnxslim")
+    assert auto.status == "unchanged" and auto.path is None and auto.samples_probed == 0 and not auto.checks
+    assert "left the graph as it was" in auto.reason and "knowledges applied: none" in auto.reason
+    assert not list(tmp_path.glob("*.auto_optimizer.onnx*"))
+    assert result.preferred == "onnxslim" and "auto_optimizer: unchanged" in result.why
+
+
+def test_the_most_optimised_variant_is_probed_first_and_the_one_under_it_only_if_it_fails(exported, tmp_path):
+    from omskills.convert import optimize
+
+    path, samples = exported
+    original = optimize.check_variant("original", path, samples)
+    slim = optimize._build("onnxslim", path, tmp_path / "tiny.onnxslim.onnx", None)
+    auto = optimize._build("auto_optimizer", path, tmp_path / "tiny.auto_optimizer.onnx", None)  # KnowledgeTypeCast applies
+    assert slim.status == auto.status == "ok" and not slim.checks and not auto.checks  # built, not yet probed
+
+    checked = optimize._check_most_optimised_first([original, slim, auto], samples, None, isolate=False)
+
+    assert [v.status for v in checked] == ["ok", "not_checked", "ok"]
+    assert checked[2].samples_probed == 2 and checked[1].samples_probed == 0
+    assert "auto_optimizer, which is built on it, passed" in checked[1].reason
+
+    wrong = [(feeds, {k: v + 1.0 for k, v in reference.items()}) for feeds, reference in samples]
+    checked = optimize._check_most_optimised_first([original, slim, auto], wrong, None, isolate=False)
+    assert [v.status for v in checked] == ["ok", "failed", "failed"]  # auto failed, so onnxslim was probed too
+
+
+class Weighty(torch.nn.Module):
+    """Weights of several KB, as a real model's: they live in a .data file beside the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x).reshape(x.shape[0], 4, 16).transpose(1, 2).reshape(x.shape[0], 64)  # shape arithmetic
+        return self.b(torch.relu(y))
+
+
+@pytest.mark.parametrize("stored", ["external", "inline"])
+def test_a_big_graph_is_rewritten_without_its_weights_and_keeps_their_bytes(tmp_path, stored):
+    from omskills.convert.onnx_io import save_onnx
+
+    model = Weighty().eval()
+    path = tmp_path / "weighty.onnx"
+    torch.onnx.export(model, (torch.randn(2, 64),), str(path), input_names=["x"], output_names=["y"], dynamo=False,
+                      opset_version=17)
+    if stored == "external":  # as a model too big for one protobuf is saved
+        save_onnx(onnx.load(str(path)), path, size=2**31)
+        assert path.with_name("weighty.onnx.data").is_file()
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        sample = ({"x": x.numpy()}, {"y": model(x).numpy()})
+
+    result = optimize_variants(path, tmp_path, [sample], variants=["original", "onnxslim"])
+
+    slim = result.variants[1]
+    assert slim.status == "ok" and slim.parity_verdict == "pass", slim.reason
+    assert slim.node_count < result.variants[0].node_count
+    variant = onnx.load(slim.path, load_external_data=False)
+    weights = [t for t in variant.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    assert {t.name for t in weights} == {"a.weight", "b.weight"} and {e.value for t in weights for e in t.external_data if e.key == "location"} == {
+        "weighty.onnxslim.onnx.data"}
+    assert {i.name for i in variant.graph.input} == {"x"}  # the detached weights are initializers again
+    data = (tmp_path / "weighty.onnxslim.onnx.data").read_bytes()
+    original = onnx.load(str(path))
+    for tensor in weights:  # each weight's bytes where its entry says, equal to the original's
+        entries = {e.key: int(e.value) for e in tensor.external_data if e.key in ("offset", "length")}
+        expected = next(t for t in original.graph.initializer if t.name == tensor.name)
+        assert data[entries["offset"]:entries["offset"] + entries["length"]] == onnx.numpy_helper.to_array(expected).tobytes()
 
 
 def test_auto_optimizer_reports_unavailable_when_not_importable(exported, tmp_path, monkeypatch):
@@ -288,7 +369,8 @@ def test_a_child_that_dies_fails_its_variant_and_the_caller_goes_on(exported, tm
     from omskills.convert import optimize
 
     path, samples = exported
-    monkeypatch.setattr(optimize, "_build_and_check", _die)  # what the OOM killer does to the child
+    monkeypatch.setattr(optimize, "_build", _die)  # what the OOM killer does to the child
+    monkeypatch.setattr(optimize, "_check", _die)
 
     result = optimize.optimize_variants(path, tmp_path, samples, variants=["original", "onnxslim"], isolate=True)
 

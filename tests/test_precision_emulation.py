@@ -102,6 +102,10 @@ def test_keeping_the_named_node_fixes_the_chain_and_the_mode_is_chosen_with_it(l
     fp16 = report.mode("force_fp16")
     assert fp16.keep[0] == "sub" and fp16.with_keep.passed and fp16.with_keep.cosine >= 0.999
     assert report.chosen_mode == "force_fp16" and report.chosen_keep == fp16.keep
+    # The fastest mode passed with its keep list: the slower ones are not emulated, and say so.
+    assert [m.mode for m in report.modes] == ["force_fp16", "must_keep_origin_dtype"]
+    assert report.not_evaluated == ["allow_mix_precision", "allow_fp32_to_fp16"]
+    assert "not emulated, as slower: allow_mix_precision, allow_fp32_to_fp16" in report.why
 
 
 def test_allow_fp32_to_fp16_rounds_only_the_cube_ops_and_must_keep_origin_dtype_none(layernorm_softmax, matmul_beyond_fp16):
@@ -168,3 +172,19 @@ def test_a_mask_that_is_minus_inf_in_fp32_too_is_compared_over_its_finite_elemen
     assert result.overflow == 0 and result.nodes_flagged == 0 and result.outputs_pass
     [output] = result.outputs
     assert output.cosine > 0.9999 and 0 < output.max_abs < 1e-2 and np.isfinite(output.ref_max_abs)
+
+
+def test_the_modes_are_compared_with_the_pytorch_outputs_the_study_captured_when_given(layernorm_softmax):
+    path, feeds = layernorm_softmax
+    x = feeds["x"].astype(np.float64)
+    n = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    exact = np.exp(n - n.max(-1, keepdims=True))
+    captured = {"y": (exact / exact.sum(-1, keepdims=True)).astype(np.float32)}  # what PyTorch gave
+
+    report = precision_report(path, feeds, sample="s0", outputs=captured)
+    assert report.reference == "PyTorch's outputs for the sample"
+    assert report.chosen_mode == "force_fp16" and report.chosen_keep == precision_report(path, feeds, sample="s0").chosen_keep
+
+    # Outputs that are not the graph's (another contract's names) are not used: the graph runs in fp32.
+    other = precision_report(path, feeds, sample="s0", outputs={"logits": captured["y"]})
+    assert other.reference == "the graph in fp32 on ONNX Runtime"

@@ -9,6 +9,7 @@ The file holds no pickled objects (np.load with allow_pickle=False reads it).
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,3 +90,32 @@ def load_sample(path: Path) -> Sample:
             else:
                 outputs[key.removeprefix(OUTPUT_PREFIX)] = tensor
     return Sample(inputs=inputs, outputs=outputs, candidate=meta["candidate"], call_index=meta["call_index"])
+
+
+def array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Every array's shape and dtype in a sample file, keys as stored ("in:x", "out:y"), read
+    from the npz's array headers: no array is loaded."""
+    headers = {}
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            with archive.open(member) as handle:
+                version = np.lib.format.read_magic(handle)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(handle)
+            headers[member.removesuffix(".npy")] = (tuple(shape), dtype)
+    return headers
+
+
+def input_shapes(path: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The shapes of a sample's inputs, from its array headers."""
+    return tuple(sorted((key.removeprefix(INPUT_PREFIX), shape) for key, (shape, _) in array_headers(path).items()
+                        if key.startswith(INPUT_PREFIX)))
+
+
+def one_per_shape(paths: list[Path]) -> list[Path]:
+    """The first sample of each distinct set of input shapes: what a graph computes differently
+    between calls of one shape is only the values, which one call already compares."""
+    kept: dict[tuple, Path] = {}
+    for path in paths:
+        kept.setdefault(input_shapes(path), path)
+    return list(kept.values())

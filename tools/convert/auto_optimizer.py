@@ -134,7 +134,7 @@ def default_knowledges(api: AutoOptimizerApi) -> list[str]:
 
 
 def apply_knowledges(
-    api: AutoOptimizerApi, model_path: str | Path, knowledges: list[str] | None = None
+    api: AutoOptimizerApi, model: str | Path | onnx.ModelProto, knowledges: list[str] | None = None
 ) -> tuple[onnx.ModelProto, list[KnowledgeOutcome]]:
     """Apply each knowledge in turn on a copy of the graph; keep the copy when it applied.
 
@@ -144,7 +144,7 @@ def apply_knowledges(
     unknown = [n for n in names if n not in api.knowledge_pool]
     if unknown:
         raise OmskillsError(f"knowledges: unknown auto_optimizer knowledge(s) {unknown}; known: {sorted(api.knowledge_pool)}")
-    graph = api.OnnxGraph.parse(str(model_path))
+    graph = api.OnnxGraph.parse(model if isinstance(model, onnx.ModelProto) else str(model))
     outcomes: list[KnowledgeOutcome] = []
     for name in names:
         knowledge = api.knowledge_pool[name]

@@ -2,15 +2,18 @@
 
 Variants: `original` (the export as is), `onnxslim` (onnxslim's graph simplification) and
 `auto_optimizer` (Huawei's msit surgeon knowledge bases, through `auto_optimizer_compat`).
-Every variant is checked the same way — onnx checker, ONNX Runtime loads it, every graph
-output is produced, parity against the PyTorch reference samples — and the preferred one is
-the first of auto_optimizer -> onnxslim -> original that passes and is no less accurate than
-the original.
+Both optimisers work on the graph with its weights detached (`convert.detached_weights`), so
+a 2 GB model is rewritten as a graph of a few MB. A variant that changes nothing is `unchanged`:
+not saved, not probed. A variant is checked — onnx checker, ONNX Runtime loads it, every graph
+output is produced, parity against the PyTorch reference samples — most optimised first, and
+the preferred one is the first of auto_optimizer -> onnxslim -> original that passes and is no
+less accurate than the original; a variant under the chosen one is `not_checked`.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,13 +22,14 @@ import onnx
 from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import load_sample
 from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
+from omskills.convert.detached_weights import attach, detach, discard
 from omskills.convert.inspect import load_model_proto
-from omskills.convert.onnx_io import save_onnx
 from omskills.errors import InputError, OmskillsError
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.records.parity import OutputParity, ParityReport, Verdict, overall_verdict, verdict_rank
 from omskills.records.toolchain import (
     BatchSplit,
+    KnowledgeOutcome,
     OptimizeResult,
     VariantCheck,
     VariantName,
@@ -83,12 +87,14 @@ def optimize_variants(
         isolate = model_bytes(original) >= ISOLATE_MIN_BYTES
     results: list[VariantResult] = []
     for name in variants:
-        if name == "original" and original_probe is not None:
-            results.append(check_variant(name, original, samples, probed=original_probe))
-            continue
-        args = (name, _source_for(name, original, results), out / f"{original.stem}.{name}.onnx", samples, knowledges,
-                batch_split)
-        results.append(_in_child_process(*args) if isolate else _build_and_check(*args))
+        if name == "original":
+            results.append(check_variant(name, original, samples, probed=original_probe) if original_probe is not None
+                           else _run(isolate, _check, VariantResult(name=name, status="ok", path=str(original)),
+                                     samples, batch_split))
+        else:
+            results.append(_run(isolate, _build, name, _source_for(name, original, results),
+                                out / f"{original.stem}.{name}.onnx", knowledges))
+    results = _check_most_optimised_first(results, samples, batch_split, isolate)
     preferred, why = choose_preferred(results)
     return OptimizeResult(
         original=str(original),
@@ -99,78 +105,137 @@ def optimize_variants(
     )
 
 
-def _in_child_process(
-    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None,
-    split: BatchSplit | None,
-) -> VariantResult:
-    """_build_and_check in a fresh process (onnxslim's and ORT's copies of a 2 GB model): if the
-    OOM killer takes it, this variant fails instead of the tool server dying."""
+def _check_most_optimised_first(results: list[VariantResult], samples: Sequence[Sample], split: BatchSplit | None,
+                                isolate: bool) -> list[VariantResult]:
+    """Probe the built variants in order of preference and stop at the first that passes: the
+    ones after it would not be chosen, and probing a 2 GB graph is minutes of CPU."""
+    by_name = {r.name: r for r in results}
+    original = by_name.get("original")
+    ceiling = _parity_ceiling(original)
+    chosen = None
+    for name in PREFERENCE:
+        result = by_name.get(name)
+        if name == "original" or result is None or result.status != "ok" or result.checks:
+            continue
+        if chosen is not None:
+            by_name[name] = result.model_copy(update={
+                "status": "not_checked", "reason": f"not probed: {chosen}, which is built on it, passed its checks"})
+            continue
+        by_name[name] = checked = _run(isolate, _check, result, samples, split)
+        if checked.status == "ok" and not _worse_than(checked, ceiling):
+            chosen = name
+    return [by_name[r.name] for r in results]
+
+
+def _run(isolate: bool, work, *args) -> VariantResult:
+    """`work` here, or in a fresh process for a big model (onnxslim's and ORT's copies of a 2 GB
+    graph): if the OOM killer takes it, this variant fails instead of the tool server dying."""
+    if not isolate:
+        return work(*args)
     try:
-        return run_in_child(_build_and_check, name, source, destination, samples, knowledges, split)
+        return run_in_child(work, *args)
     except ChildDied as err:
-        return VariantResult(name=name, status="failed", built_from=str(source),
-                             reason=f"the process building and checking the variant died ({err})")
+        name = args[0].name if isinstance(args[0], VariantResult) else args[0]
+        return VariantResult(name=name, status="failed", built_from=str(args[1]) if work is _build else None,
+                             reason=f"the process {'building' if work is _build else 'checking'} the variant died ({err})")
 
 
 def _source_for(name: VariantName, original: Path, done: Sequence[VariantResult]) -> Path:
-    """auto_optimizer works on the onnxslim variant when that one passed (msit's own flow
+    """auto_optimizer works on the onnxslim variant when that one was built (msit's own flow
     simplifies first), so the preference order is also an order of increasing optimisation."""
     slim = next((r for r in done if r.name == "onnxslim" and r.status == "ok" and r.path), None)
     return Path(slim.path) if name == "auto_optimizer" and slim else original
 
 
-def _build_and_check(
-    name: VariantName, source: Path, destination: Path, samples: Sequence[Sample], knowledges: list[str] | None,
-    split: BatchSplit | None = None,
-) -> VariantResult:
+def _build(name: VariantName, source: Path, destination: Path, knowledges: list[str] | None) -> VariantResult:
+    """Make the variant; status ok (built, not yet checked), unchanged, unavailable or failed."""
     started = time.perf_counter()
-    target = source if name == "original" else destination
     knowledge_outcomes = []
     try:
         if name == "onnxslim":
-            make_onnxslim(source, target)
-        elif name == "auto_optimizer":
-            knowledge_outcomes = make_auto_optimizer(source, target, knowledges)
+            changed = make_onnxslim(source, destination)
+        else:
+            knowledge_outcomes, changed = make_auto_optimizer(source, destination, knowledges)
     except AutoOptimizerUnavailable as err:
         return VariantResult(name=name, status="unavailable", built_from=str(source), reason=str(err))
     except Exception as err:  # one variant's failure must not stop the others
         return VariantResult(
             name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
         )
-    seconds = 0.0 if name == "original" else time.perf_counter() - started
-    result = check_variant(name, target, samples, split=split)
-    result.seconds = round(seconds, 3)
-    result.built_from = str(source)
-    result.knowledges = knowledge_outcomes
+    result = VariantResult(name=name, status="ok" if changed else "unchanged", path=str(destination) if changed else None,
+                           built_from=str(source), seconds=round(time.perf_counter() - started, 3),
+                           reason=None if changed else f"{name} left the graph as it was", knowledges=knowledge_outcomes)
     if name == "auto_optimizer":
-        by_outcome = {o: [k.name for k in knowledge_outcomes if k.outcome == o] for o in ("applied", "failed", "rejected")}
-        note = f"knowledges applied: {by_outcome['applied'] or 'none'}"
-        if by_outcome["failed"]:
-            note += f"; raised an error (skipped): {by_outcome['failed']}"
-        if by_outcome["rejected"]:
-            note += f"; broke the graph (undone): {by_outcome['rejected']}"
-        result.reason = f"{result.reason}; {note}" if result.reason else note
+        result.reason = "; ".join(filter(None, [result.reason, _knowledge_note(knowledge_outcomes)]))
     return result
 
 
-def make_onnxslim(source: Path, target: Path) -> Path:
+def _knowledge_note(outcomes: list[KnowledgeOutcome]) -> str:
+    by_outcome = {o: [k.name for k in outcomes if k.outcome == o] for o in ("applied", "failed", "rejected")}
+    note = f"knowledges applied: {by_outcome['applied'] or 'none'}"
+    if by_outcome["failed"]:
+        note += f"; raised an error (skipped): {by_outcome['failed']}"
+    if by_outcome["rejected"]:
+        note += f"; broke the graph (undone): {by_outcome['rejected']}"
+    return note
+
+
+def _check(built: VariantResult, samples: Sequence[Sample], split: BatchSplit | None) -> VariantResult:
+    """check_variant on a built variant, keeping what the build recorded."""
+    assert built.path is not None
+    checked = check_variant(built.name, Path(built.path), samples, split=split)
+    checked.seconds, checked.built_from, checked.knowledges = built.seconds or 0.0, built.built_from, built.knowledges
+    checked.reason = "; ".join(filter(None, [checked.reason, built.reason])) or None
+    return checked
+
+
+def _signature(model: onnx.ModelProto) -> Counter[bytes]:
+    """The graph's interface and its nodes as a multiset, node names aside: equal signatures,
+    the same computation."""
+    graph = model.graph
+    nodes = Counter(f"{kind}:{value.name}".encode() for kind, values in
+                    (("input", graph.input), ("output", graph.output), ("initializer", graph.initializer)) for value in values)
+    for node in graph.node:
+        unnamed = onnx.NodeProto()
+        unnamed.CopyFrom(node)
+        unnamed.name = ""
+        nodes[unnamed.SerializeToString(deterministic=True)] += 1
+    return nodes
+
+
+def make_onnxslim(source: Path, target: Path) -> bool:
+    """onnxslim on the graph with its weights detached (see convert.detached_weights); False,
+    and nothing kept, when it changed nothing."""
     import onnxslim
 
+    model, weights = detach(source, target)
+    before = _signature(model)
     with stdout_to_stderr():
-        # Given a path only, slim() returns the model quietly; saving is ours (external data).
-        model = onnxslim.slim(str(source))
-    if not isinstance(model, onnx.ModelProto):
-        raise OmskillsError(f"onnxslim returned {type(model).__name__}, not a model, for {source}")
-    save_onnx(model, target)
-    return target
+        # Given a model only, slim() returns the result quietly; saving is ours.
+        slim = onnxslim.slim(model)
+    if not isinstance(slim, onnx.ModelProto):
+        discard(target)
+        raise OmskillsError(f"onnxslim returned {type(slim).__name__}, not a model, for {source}")
+    return _keep(slim, weights, target, changed=_signature(slim) != before)
 
 
-def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None):
+def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None) -> tuple[list[KnowledgeOutcome], bool]:
+    """auto_optimizer's knowledges on the graph with its weights detached; the outcomes, and
+    whether the graph changed (nothing is kept when it did not)."""
+    model, weights = detach(source, target)
     with stdout_to_stderr():
         api = load_auto_optimizer()
-        model, outcomes = apply_knowledges(api, source, knowledges)
-    save_onnx(model, target)
-    return outcomes
+        optimised, outcomes = apply_knowledges(api, model, knowledges)
+    # Its graph object rewrites every Constant as an initializer: what changed is what applied.
+    return outcomes, _keep(optimised, weights, target, changed=any(o.outcome == "applied" for o in outcomes))
+
+
+def _keep(model: onnx.ModelProto, weights: dict[str, str], target: Path, changed: bool) -> bool:
+    if not changed:
+        discard(target)
+        return False
+    onnx.save_model(attach(model, weights), str(target))
+    return True
 
 
 def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None,
@@ -272,12 +337,19 @@ def _worse(a: OutputParity, b: OutputParity) -> bool:
     return (a.max_abs or 0.0) > (b.max_abs or 0.0)
 
 
+def _parity_ceiling(original: VariantResult | None) -> int | None:
+    return verdict_rank(original.parity_verdict) if original and original.parity_verdict else None
+
+
+def _worse_than(result: VariantResult, ceiling: int | None) -> bool:
+    return ceiling is not None and result.parity_verdict is not None and verdict_rank(result.parity_verdict) > ceiling
+
+
 def choose_preferred(results: Sequence[VariantResult]) -> tuple[VariantResult | None, str]:
     """First of auto_optimizer -> onnxslim -> original that passed every check and is no less
     accurate than the original (an optimisation must not move a model down a parity tier)."""
     by_name = {r.name: r for r in results}
-    original = by_name.get("original")
-    ceiling = verdict_rank(original.parity_verdict) if original and original.parity_verdict else None
+    ceiling = _parity_ceiling(by_name.get("original"))
     passed_over: list[str] = []
     for name in PREFERENCE:
         result = by_name.get(name)
@@ -286,7 +358,7 @@ def choose_preferred(results: Sequence[VariantResult]) -> tuple[VariantResult | 
         if result.status != "ok":
             passed_over.append(f"{name}: {result.status}")
             continue
-        if ceiling is not None and result.parity_verdict and verdict_rank(result.parity_verdict) > ceiling:
+        if _worse_than(result, ceiling):
             passed_over.append(f"{name}: parity {result.parity_verdict} is worse than the original's")
             continue
         reason = f"first in order {list(PREFERENCE)} that passed its checks"

@@ -126,6 +126,10 @@ class PrecisionReport(Record):
     chosen_mode: str  # the fastest mode whose emulated result passes (with its keep list)
     chosen_keep: list[str] = Field(default_factory=list)
     why: str
+    # Slower modes left out because a faster one already passed (emulating a 2 GB graph is minutes).
+    not_evaluated: list[str] = Field(default_factory=list)
+    # What each mode's emulated outputs are compared with.
+    reference: str = "the graph in fp32 on ONNX Runtime"
     assumptions: str  # what emulation cannot see (ATC's own lowering: see the pitfalls in precheck)
 
     def mode(self, name: str) -> ModePrecision | None:

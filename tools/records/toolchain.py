@@ -70,7 +70,9 @@ class OnnxSummary(Record):
 # -- optimize_onnx --------------------------------------------------------------------------
 
 VariantName = Literal["original", "onnxslim", "auto_optimizer"]
-VariantStatus = Literal["ok", "failed", "unavailable"]
+# unchanged: the optimiser left the graph as it was (nothing saved); not_checked: built, but a
+# more optimised variant built on it passed first, so it was never probed.
+VariantStatus = Literal["ok", "unchanged", "not_checked", "failed", "unavailable"]
 CheckName = Literal["onnx_checker", "ort_load", "outputs_produced", "parity"]
 
 

@@ -114,6 +114,9 @@ class MainPathParity(Record):
     torch_s_per_step: float
     spliced_s_per_step: float
     latency_ratio: float  # spliced / torch, same process, same steps
+    # The whole pass, session setup included (None in reports written before it was kept).
+    torch_pass_s: float | None = None
+    spliced_pass_s: float | None = None
 
     @property
     def verdict(self) -> str:

@@ -6,6 +6,7 @@ same import name as `onnxruntime`; whichever wheel is installed decides what is 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -15,6 +16,14 @@ from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
 # of this project), then a GPU, then the CPU that is always there.
 PREFERRED_PROVIDERS = ("CANNExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+logger = logging.getLogger(__name__)
+
+CPU_PROVIDER = "CPUExecutionProvider"
+
+# Attention is fused in memory for models up to this size: the rewrite holds the model twice
+# (parsed and serialised) next to the session's own copy; a bigger model opens as exported.
+FUSE_IN_MEMORY_MAX_BYTES = 1 << 30
 
 # ONNX Runtime reports element types as "tensor(<onnx name>)"; these are the names that
 # differ from numpy's spelling. Others ("int64", "bool", "float16", ...) are the same.
@@ -58,18 +67,42 @@ class OnnxRuntimeBackend(RuntimeBackend):
         providers: Sequence[str] | None = None,
         threads: int | None = None,
         provider_options: Mapping[str, Mapping[str, str]] | None = None,
+        fuse_attention: bool = False,
     ) -> None:
         """provider_options: provider name -> its options (the CANN provider's device_id and
-        precision_mode, say); options of a provider not chosen are ignored."""
+        precision_mode, say); options of a provider not chosen are ignored. fuse_attention: on the
+        CPU, run exported attention as ONNX Runtime's fused MultiHeadAttention (see
+        omskills.runtime.attention_fusion); the file on disk is not changed. Off by default: the
+        rewrite needs the `onnx` package, which a deployment does not import, and a deployment
+        must compute exactly what verify computed."""
         super().__init__(path)
         if threads is not None and threads < 1:
             raise BackendError(f"threads: must be >= 1, got {threads}")
         self.providers = resolve_providers(providers)
         self.provider_options = {name: {k: str(v) for k, v in opts.items()} for name, opts in (provider_options or {}).items()}
         self.threads = threads
+        self.fuse_attention = fuse_attention
+        self.fused_attention_blocks = 0  # attention blocks the running session computes fused
         self._session = None
 
     def _activate_impl(self) -> tuple[list[IOSpec], list[IOSpec]]:
+        fused = self._fused_model() if self.fuse_attention and self.providers[0] == CPU_PROVIDER else None
+        if fused is not None:
+            try:
+                self._session = self._new_session(fused)
+            except BackendError as exc:
+                logger.warning("%s: the session with fused attention does not load (%s); running it as exported",
+                               self.path.name, exc)
+                self.fused_attention_blocks = 0
+        if self._session is None:
+            self._session = self._new_session(None)
+        # ORT drops providers that fail to initialise; the first one kept is the one that runs
+        # the graph (nodes it does not support fall back to the next, typically the CPU).
+        self.device = self._session.get_providers()[0]
+        return _specs(self._session.get_inputs()), _specs(self._session.get_outputs())
+
+    def _new_session(self, model: bytes | None):
+        """A session on `model` (serialised; its external data next to the file) or on the file."""
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
@@ -81,23 +114,52 @@ class OnnxRuntimeBackend(RuntimeBackend):
         options.enable_cpu_mem_arena = False
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
+        if model is not None:
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))
         try:
             providers = [(name, self.provider_options[name]) if name in self.provider_options else name
                          for name in self.providers]
-            self._session = onnxruntime.InferenceSession(str(self.path), sess_options=options, providers=providers)
+            return onnxruntime.InferenceSession(model if model is not None else str(self.path),
+                                                sess_options=options, providers=providers)
         except Exception as exc:  # ORT raises its own types (InvalidProtobuf, Fail, ...)
             raise BackendError(f"onnxruntime cannot load {self.path}: {_first_line(exc)}") from exc
-        # ORT drops providers that fail to initialise; the first one kept is the one that runs
-        # the graph (nodes it does not support fall back to the next, typically the CPU).
-        self.device = self._session.get_providers()[0]
-        return _specs(self._session.get_inputs()), _specs(self._session.get_outputs())
+
+    def _fused_model(self) -> bytes | None:
+        """The model with its attention fused, serialised; None when nothing was fused or the model
+        is too big to rewrite in memory."""
+        import onnx
+        from omskills.runtime.attention_fusion import fuse_attention
+
+        if self.path.stat().st_size > FUSE_IN_MEMORY_MAX_BYTES:
+            logger.info("%s: %d bytes, over %d: attention left unfused", self.path.name,
+                        self.path.stat().st_size, FUSE_IN_MEMORY_MAX_BYTES)
+            return None
+        try:
+            model = onnx.load(str(self.path), load_external_data=False)
+            self.fused_attention_blocks = fuse_attention(model)
+        except Exception as exc:  # a model the matcher cannot read runs as exported
+            logger.warning("%s: attention fusion skipped (%s)", self.path.name, _first_line(exc))
+            self.fused_attention_blocks = 0
+            return None
+        if not self.fused_attention_blocks:
+            return None
+        logger.info("%s: %d attention block(s) fused for ONNX Runtime", self.path.name, self.fused_attention_blocks)
+        return model.SerializeToString()
 
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         names = [spec.name for spec in self._outputs]
         try:
             values = self._session.run(names, feeds)
         except Exception as exc:
-            raise BackendError(f"onnxruntime failed to run {self.path.name}: {_first_line(exc)}") from exc
+            if not self.fused_attention_blocks:
+                raise BackendError(f"onnxruntime failed to run {self.path.name}: {_first_line(exc)}") from exc
+            # A fused block met shapes the export allowed and MultiHeadAttention does not (a
+            # broadcast batch, say): from now on the graph runs as exported.
+            logger.warning("%s: fused attention failed (%s); running the graph as exported from now on",
+                           self.path.name, _first_line(exc))
+            self.fused_attention_blocks = 0
+            self._session = self._new_session(None)
+            return self._infer_impl(feeds)
         return dict(zip(names, values))
 
     def _deactivate_impl(self) -> None:

@@ -42,18 +42,26 @@ def _checked_modes(modes: list[str] | None) -> list[str]:
 
 def _first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
     """The first captured sample's inputs, cut to the batch ONNX Runtime can hold here."""
+    feeds, _, sample = _first_sample(record, workdir, name)
+    return feeds, sample
+
+
+def _first_sample(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], str]:
+    """The first captured sample's inputs and PyTorch outputs, cut to the batch ONNX Runtime can hold here."""
     samples = record.contract(name).samples
     if not samples:
         raise StageError(f"candidate {name!r} has no captured samples")
-    feeds, _ = sample_arrays(workdir / samples[0])
-    return _first_chunk(feeds, record.batch_split_of(name)), samples[0]
+    feeds, outputs = sample_arrays(workdir / samples[0])
+    split = record.batch_split_of(name)
+    return (_first_chunk(feeds, split.input_axes if split else None, split),
+            _first_chunk(outputs, split.output_axes if split else None, split), samples[0])
 
 
-def _first_chunk(feeds: dict[str, np.ndarray], split: BatchSplit | None) -> dict[str, np.ndarray]:
-    if split is None:
-        return feeds
-    return {k: (np.take(v, range(min(split.max_batch, v.shape[axis])), axis=axis) if (axis := split.input_axes.get(k)) is not None else v)
-            for k, v in feeds.items()}
+def _first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int] | None, split: BatchSplit | None) -> dict[str, np.ndarray]:
+    if split is None or axes is None:
+        return arrays
+    return {k: (np.take(v, range(min(split.max_batch, v.shape[axis])), axis=axis) if (axis := axes.get(k)) is not None else v)
+            for k, v in arrays.items()}
 
 
 def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None) -> PrecisionReport:
@@ -69,11 +77,11 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     existing = record.toolchain_of(name).precision
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
-    feeds, sample = _first_feeds(record, workdir, name)
+    feeds, outputs, sample = _first_sample(record, workdir, name)
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
-            report = run_in_child(precision_report, model, feeds, sample, chosen)
+            report = run_in_child(precision_report, model, feeds, sample, chosen, None, outputs)
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types

@@ -17,11 +17,11 @@ from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_fix import write_keep_dtype
 from omskills.compare.parity import compare_outputs
-from omskills.contracts.samples import Sample, load_sample
+from omskills.contracts.samples import Sample, load_sample, one_per_shape
 from omskills.convert.export import dynamic_dims_from_strategy
 from omskills.convert.export import export_onnx as _export
 from omskills.convert.optimize import optimize_variants, sample_arrays
-from omskills.errors import OmskillsError, StageError
+from omskills.errors import OmskillsError, StageError, one_line
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
 from omskills.records.export import ExporterName, ExportResult
@@ -30,6 +30,7 @@ from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
 from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from omskills.runtime.batch_split import batch_split_for, open_onnxruntime
+from omskills.runtime.memory_estimate import plan_probe, probe_budget_bytes
 from omskills.stages.model import open_model
 from omskills.stages.steps import (
     artifacts_of,
@@ -50,6 +51,13 @@ def _sample_paths(record: TaskRecord, workdir: Path, name: str) -> list[Path]:
     if not contract.samples:
         raise StageError(f"candidate {name!r} has no captured samples")
     return [workdir / p for p in contract.samples]
+
+
+def _probed_sample_paths(record: TaskRecord, workdir: Path, name: str) -> list[Path]:
+    """The samples a probe runs: one per distinct set of input shapes. A traced graph computes
+    every call of one shape with the same operators, so a second call adds only other values,
+    at the price of another run (a minute of CPU for a full-scale backbone on a 4-frame call)."""
+    return one_per_shape(_sample_paths(record, workdir, name))
 
 
 def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
@@ -133,12 +141,13 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     existing = record.toolchain_of(name).probes.get(variant)
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
-    sample_paths = _sample_paths(record, workdir, name)
+    sample_paths = _probed_sample_paths(record, workdir, name)
+    captured = len(record.contract(name).samples)
     # Probing needs no PyTorch model; at full scale the model next to a 2 GB backbone's ORT
     # session on 4-frame samples went past 24 GB. Big models are probed in a child process.
     model_cache.release()
     with running_step(task_path, step, inputs_hash) as handle:
-        reports, split = _probe_reports(record, name, path, sample_paths)
+        reports, split, predicted = _probe_reports(record, name, path, sample_paths)
         # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
         report = max(reports, key=lambda r: (verdict_rank(r.verdict), -r.worst_cosine))
         if split is not None:
@@ -149,12 +158,17 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             chain.probes[variant] = report
             chain.batch_split = split
             chunked = f"; batch in chunks of {split.max_batch}: {split.reason}" if split else ""
+            chunked += f"; {predicted}" if predicted else ""
             rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
-                       f"{len(sample_paths)} captured samples; worst cosine {report.worst_cosine:.6f}, "
+                       f"{_probed_count(len(sample_paths), captured)}; worst cosine {report.worst_cosine:.6f}, "
                        f"max abs {report.worst_max_abs:.2e}{chunked}")
 
         handle.update(store)
     return report
+
+
+def _probed_count(probed: int, captured: int) -> str:
+    return f"{captured} captured samples" if probed == captured else f"{probed} of {captured} captured samples (one per input shape)"
 
 
 def _model_steps(name: str, variant: str | None = None, samples: list[str] | None = None) -> dict[str, list[str] | None]:
@@ -187,24 +201,51 @@ def _relative_atc(result: AtcResult, workdir: Path) -> AtcResult:
 
 
 def _probe_reports(record: TaskRecord, name: str, path: Path,
-                   sample_paths: list[Path]) -> tuple[list[ParityReport], BatchSplit | None]:
-    """Probe reports, and the batch split they needed: a big model whose probe dies on the whole
-    batch (ORT on CPU materialises attention scores) is probed again in chunks of its smallest gear."""
+                   sample_paths: list[Path]) -> tuple[list[ParityReport], BatchSplit | None, str | None]:
+    """Probe reports, the batch split they needed, and what was predicted of the memory when no
+    split came of it. A big model is probed in a child, its batch in chunks when the peak predicted
+    from the graph does not fit the memory there is (ORT on CPU materialises attention scores); a
+    probe that dies anyway is probed again in chunks of its smallest gear."""
     split = record.batch_split_of(name)
     if model_bytes(path) < ISOLATE_MIN_BYTES:
-        return probe_samples(path, sample_paths, split), split
+        return probe_samples(path, sample_paths, split), split, None
+    recorded, predicted = split is not None, None
+    if not recorded:
+        split, predicted = _split_from_prediction(record, name, path, sample_paths)
     try:
-        return run_in_child(probe_samples, path, sample_paths, split), split
+        return run_in_child(probe_samples, path, sample_paths, split), split, predicted
     except ChildDied as err:
-        died = f"the process probing {path.name} died ({err})"
-        retry = None if split else _split_after_death(record, name)
-        if retry is None:
+        died = f"the process probing {path.name}{f' in batch chunks of {split.max_batch}' if split else ''} died ({err})"
+        retry = None if recorded else _split_after_death(record, name)
+        if retry is None or (split is not None and retry.max_batch >= split.max_batch):
             raise StageError(f"{name}: {died}") from err
+        if split is not None:  # the prediction was wrong: say so beside it
+            retry = retry.model_copy(update={"reason": f"{split.reason}; yet the process probing in chunks of "
+                                                       f"{split.max_batch} died, so chunks of the smallest gear"})
     logger.warning("%s: %s; probing again with the batch in chunks of %d", name, died, retry.max_batch)
     try:
-        return run_in_child(probe_samples, path, sample_paths, retry), retry
+        return run_in_child(probe_samples, path, sample_paths, retry), retry, predicted
     except ChildDied as err:
         raise StageError(f"{name}: {died}; in batch chunks of {retry.max_batch} it died too ({err})") from err
+
+
+def _split_from_prediction(record: TaskRecord, name: str, path: Path,
+                           sample_paths: list[Path]) -> tuple[BatchSplit | None, str | None]:
+    """The batch split the peak predicted for the largest sample asks for, or None with what was
+    predicted (the whole batch fits, cannot be split, or the prediction failed: the probe then
+    runs whole and a death stays the handled failure)."""
+    decision = record.boundaries.get(name)
+    try:
+        # In a child too: a graph under 2 GB keeps its weights inline, and reading it would leave
+        # this long-lived process that much bigger.
+        plan = run_in_child(plan_probe, path, sample_paths, record.contract(name),
+                            decision.shape_strategy if decision else None, probe_budget_bytes())
+    except Exception as err:  # the prediction only advises: whatever stops it, the probe runs whole
+        return None, f"peak not predicted ({one_line(err)})"
+    if plan.split is not None:
+        logger.warning("%s: %s", name, plan.note)
+        return plan.split, None
+    return None, plan.note
 
 
 def _split_after_death(record: TaskRecord, name: str) -> BatchSplit | None:
@@ -230,7 +271,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
     require_intact(record, workdir, _model_steps(name, "original", record.contract(name).samples), "export_onnx")
-    samples = _sample_paths(record, workdir, name)  # loaded one at a time, where they are run
+    samples = _probed_sample_paths(record, workdir, name)  # loaded one at a time, where they are run
     # At full scale the model (several GB) plus a 2 GB ONNX in three variants and their ORT
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
     model_cache.release()

@@ -216,7 +216,8 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
     steps_equal = [s.index for s in reference.steps] == [s.index for s in spliced.steps]
     main = MainPathParity(steps=len(per_step), steps_equal=steps_equal, checks=_summaries(checks, per_step),
                           fallbacks=fallbacks, torch_s_per_step=round(torch_s, 3), spliced_s_per_step=round(spliced_s, 3),
-                          latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0)
+                          latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0,
+                          torch_pass_s=round(reference.total_seconds, 3), spliced_pass_s=round(spliced.total_seconds, 3))
     out = workdir / "verify"
     out.mkdir(parents=True, exist_ok=True)
     stem = "report-emulated" if modes else "report"
