@@ -12,10 +12,11 @@ from omskills.records.results import OptimizeBatch
 @tool_hints(title="Optimise the ONNX graphs", read_only=False, idempotent=True, long_running=True)
 def optimize_onnx(task: TaskPath, candidate: CandidateName = None) -> OptimizeBatch:
     """Build the variants original, onnxslim and auto_optimizer (Huawei msit surgeon, through a
-    compatibility layer), check each and prefer auto_optimizer > onnxslim > original among those
-    that pass.
+    compatibility layer) on the graph with its weights detached, and prefer auto_optimizer >
+    onnxslim > original among those that pass; a variant that changes nothing is `unchanged`.
 
-    The checks: onnx checker, ONNX Runtime load, no dangling outputs, probe parity. Works on the
+    The checks: onnx checker, ONNX Runtime load, no dangling outputs, probe parity; most
+    optimised first, a variant under the chosen one is `not_checked`. Works on the
     plan's first batch, or on the one candidate named; a candidate that fails is recorded as failed
     with its error (its logs kept) and the others go on."""
     from omskills.stages.toolchain import for_each_candidate, optimize_candidate
