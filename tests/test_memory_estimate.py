@@ -16,7 +16,6 @@ from export_helpers import one_graph_task
 from omskills.errors import InputError, StageError
 from omskills.records.task import load_record
 from omskills.runtime.memory_estimate import (
-    FUSION_LOAD_FACTOR,
     GraphMemory,
     choose_batch_chunk,
     probe_need_bytes,
@@ -162,9 +161,7 @@ def test_the_probe_splits_the_batch_from_the_prediction_without_a_child_dying(at
     biggest = sample_sizes(max((tmp_path / p for p in record.contracts["attn"].samples),
                                key=lambda p: sample_sizes(p).input_bytes))
     # The budget a chunk of 2 (the smaller gear) needs: the whole batch of 5 is predicted over it.
-    # The backend parses and re-serialises this small model to fuse its attention: that counts too.
-    fusing = FUSION_LOAD_FACTOR * graph.path.stat().st_size
-    chunked = choose_batch_chunk(graph, biggest.inputs, {"x": 0}, [2], 0, biggest, fusing)
+    chunked = choose_batch_chunk(graph, biggest.inputs, {"x": 0}, [2], 0, biggest)
     assert chunked.batch == 5 and chunked.whole_bytes > chunked.chunk_bytes
     monkeypatch.setattr(toolchain, "ISOLATE_MIN_BYTES", 0)  # probe in a child, as for models over 512 MB
     monkeypatch.setattr(toolchain, "probe_samples", _probe_that_dies_on_a_whole_batch)

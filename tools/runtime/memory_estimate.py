@@ -462,10 +462,6 @@ WEIGHT_FACTOR = 1.25
 SESSION_BYTES = 96 * MIB
 # - the probe's child imports omskills.stages.toolchain (torch, onnx, onnxruntime): 610 MB RSS;
 CHILD_BYTES = 640 * MIB
-# - OnnxRuntimeBackend fuses attention in memory for an .onnx file up to its
-#   FUSE_IN_MEMORY_MAX_BYTES: it parses the file, infers its shapes and serialises it again,
-#   3.1x-3.7x the file's bytes more at load (weights inline: 55 and 64 MB models measured).
-FUSION_LOAD_FACTOR = 4
 # Memory left alone, as a share of the machine's RAM: other processes (a shared machine, the
 # parent waiting on its child) may grow while the probe runs, `available` counts page cache the
 # kernel cannot always drop at once, and the OOM killer acts before available reaches zero.
@@ -509,14 +505,13 @@ class ChunkChoice(Record):
 
 
 def choose_batch_chunk(graph: GraphMemory, input_shapes: Mapping[str, Sequence[int]], batch_axes: Mapping[str, int],
-                       sizes: Sequence[int], budget_bytes: int, sample: SampleSizes | None = None,
-                       extra_bytes: int = 0) -> ChunkChoice:
+                       sizes: Sequence[int], budget_bytes: int, sample: SampleSizes | None = None) -> ChunkChoice:
     """The largest of `sizes` (chunk sizes below the call's batch, e.g. a candidate's ATC gears)
     whose predicted need fits `budget_bytes`, or the smallest when none does (fits=False).
 
     Each size is estimated on its own shapes (weights do not scale with the batch). Beside ONNX
     Runtime the probe holds the sample's reference outputs; in chunks also the whole-batch feeds
-    and the chunks' outputs with their concatenation; `extra_bytes` is added to every size.
+    and the chunks' outputs with their concatenation.
     """
     batched = {name: axis for name, axis in batch_axes.items() if name in input_shapes}
     batches = {input_shapes[name][axis] for name, axis in batched.items()}
@@ -525,13 +520,13 @@ def choose_batch_chunk(graph: GraphMemory, input_shapes: Mapping[str, Sequence[i
     batch = batches.pop() if batches else None  # None: no input of the call is batched
     outputs = sample.output_bytes if sample else 0
     whole = graph.estimate(input_shapes)
-    whole_bytes = probe_need_bytes(whole, outputs + extra_bytes)
+    whole_bytes = probe_need_bytes(whole, outputs)
     choice = ChunkChoice(batch=batch, budget_bytes=budget_bytes, whole=whole, whole_bytes=whole_bytes,
                          fits=whole_bytes <= budget_bytes)
     candidates = sorted({size for size in sizes if batch is not None and 1 <= size < batch}, reverse=True)
     if choice.fits or not candidates:
         return choice
-    held = (sample.input_bytes if sample else 0) + 3 * outputs + extra_bytes
+    held = (sample.input_bytes if sample else 0) + 3 * outputs
     for size in candidates:
         shapes = {name: [size if name in batched and axis == batched[name] else dim for axis, dim in enumerate(shape)]
                   for name, shape in input_shapes.items()}
@@ -554,24 +549,19 @@ def plan_probe(path: str | Path, sample_paths: Sequence[Path], contract: Contrac
     """Whether the largest captured sample's call fits `budget_bytes` whole, else the batch split
     (chunks among the candidate's ATC batch gears) whose predicted peak fits.
 
-    The estimate is of the graph as exported even where the backend fuses attention: it goes back
-    to that graph when a fused block fails, and over-predicting costs only a chunked probe."""
+    The estimate is of the graph as exported, as the probe runs it (its session fuses nothing)."""
     from omskills.runtime.batch_split import batch_split_for
-    from omskills.runtime.onnxruntime_backend import FUSE_IN_MEMORY_MAX_BYTES
 
     graph = GraphMemory(path)
-    file_bytes = Path(path).stat().st_size
-    fusing = FUSION_LOAD_FACTOR * file_bytes if file_bytes <= FUSE_IN_MEMORY_MAX_BYTES else 0
     sample = max((sample_sizes(p) for p in sample_paths), key=lambda s: s.input_bytes)
     shapes = {name: shape for name, shape in sample.inputs.items() if name in graph.input_names}
     template = batch_split_for(contract, strategy, 1, "")
     gears = [gear[0] for gear in strategy.gears] if template and strategy else []
-    choice = choose_batch_chunk(graph, shapes, template.input_axes if template else {}, gears, budget_bytes, sample, fusing)
+    choice = choose_batch_chunk(graph, shapes, template.input_axes if template else {}, gears, budget_bytes, sample)
     call = f"on a batch of {choice.batch}" if choice.batch is not None else "for the call"
     whole = (f"predicted peak {choice.whole_bytes / GIB:.2f} GB {call} "
              f"{'<=' if choice.whole_bytes <= budget_bytes else '>'} budget {budget_bytes / GIB:.2f} GB")
-    fused = f"; {size_text(fusing)} to fuse attention in memory" if fusing >= MIB else ""
-    detail = f" ({choice.whole.describe()}{fused}; sample {Path(sample.path).name})"
+    detail = f" ({choice.whole.describe()}; sample {Path(sample.path).name})"
     probed = "the whole batch" if choice.batch is not None else "the call whole"
     if choice.whole_bytes <= budget_bytes:
         return ProbePlan(note=f"{whole}: probing {probed}{detail}")
