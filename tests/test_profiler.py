@@ -180,7 +180,8 @@ def test_small_deep_nodes_are_dropped_but_totals_stay_right():
     assert all(n.parent is None or report.node(n.parent) is not None for n in report.nodes)
 
 
-def test_seeds_of_a_fast_model_come_from_warm_passes_and_a_slow_model_is_profiled_once():
+def test_seeds_of_a_fast_model_come_from_warm_passes_and_a_slow_model_is_profiled_once(monkeypatch):
+    from omskills.profiling import discovery
     from omskills.profiling.discovery import MAX_PASSES, MIN_TIMED_SECONDS, discovery_profile
 
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -197,9 +198,10 @@ def test_seeds_of_a_fast_model_come_from_warm_passes_and_a_slow_model_is_profile
     assert (profile.total_seconds >= MIN_TIMED_SECONDS or profile.frames == MAX_PASSES) and "warm passes" in profile.notes[0]
 
     slow_passes = []
+    monkeypatch.setattr(discovery, "COLD_PASS_LIMIT_SECONDS", 0.5)  # a pass this slow is profiled once
 
     def slow(profiler):
-        time.sleep(MIN_TIMED_SECONDS)
+        time.sleep(0.5)
         slow_passes.append(net(torch.randn(1, 8)))
         profiler.mark_frame()
 
