@@ -83,6 +83,28 @@ def test_the_report_proposes_exactly_the_overflowing_node_and_atc_gets_exactly_i
     assert "--precision_mode=force_fp16" in command and f"--keep_dtype={keep_file}" in command
 
 
+def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothing_is_left_behind(tmp_path, monkeypatch):
+    from omskills.ascend import emulation
+
+    weight = numpy_helper.from_array(np.full((64, 64), 300.0, np.float32), "w")  # 16 KB: a weight, not a shape constant
+    path = _save(tmp_path, "inline", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                 [_vi("x", [2, 64])], [_vi("y", [2, 64])], [weight])
+    before = path.read_bytes()
+    graphs_run = []
+    run_beside = emulation.run_beside
+
+    def recording(original, model, feeds):
+        graphs_run.append(model.ByteSize())
+        return run_beside(original, model, feeds)
+
+    monkeypatch.setattr(emulation, "run_beside", recording)
+    report = precision_report(path, {"x": np.full((2, 64), 60.0, np.float32)}, sample="s0")
+    fp16 = report.mode("force_fp16")
+    assert fp16.result.overflow == 128 and report.chosen_keep == ["mm"] and fp16.with_keep.passed  # 60 x 300 x 64 > 65504
+    assert len(graphs_run) >= 3 and max(graphs_run) < weight.ByteSize()  # each graph reads the weight from a file
+    assert [p.name for p in tmp_path.iterdir()] == ["inline.onnx"] and path.read_bytes() == before
+
+
 def test_the_bisect_names_the_subtraction_that_loses_the_normalisation_and_says_it_is_local(layernorm_softmax):
     path, feeds = layernorm_softmax
     prepared = prepare(path)

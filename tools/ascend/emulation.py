@@ -16,6 +16,7 @@ gate is then emulated alone on the fp32 inputs ("local") in a graph cut after it
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
+from omskills.convert.detached_weights import move_inline_weights
 from omskills.records.precision import (
     EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
 )
@@ -57,9 +59,13 @@ class PreparedGraph:
         return {n.name: n for n in self.model.graph.node}
 
 
-def prepare(path: str | Path) -> PreparedGraph:
+def prepare(path: str | Path, weights_to: Path | None = None) -> PreparedGraph:
+    """`path` read without its external weights; with `weights_to`, the weights it holds inline
+    are moved to that file too (see `prepared_light`)."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
+    if weights_to is not None:
+        move_inline_weights(model, weights_to)
     for index, node in enumerate(model.graph.node):
         if not node.name:
             node.name = f"{node.op_type}_{index}"
@@ -73,6 +79,21 @@ def prepare(path: str | Path) -> PreparedGraph:
     float_tensors = {name for name, kind in elem_types.items() if kind == TensorProto.FLOAT}
     producers = {o: n for n in model.graph.node for o in n.output}
     return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers, elem_types=elem_types)
+
+
+@contextmanager
+def prepared_light(path: str | Path) -> Iterator[PreparedGraph]:
+    """`prepare(path)` with the weights a .onnx holds inline (a graph under protobuf's 2 GB is
+    saved that way) moved, while the block runs, to a hidden file beside it. Every graph the
+    emulation derives from it (emulated, side by side, cut after a node) is then a few MB to
+    copy, save and parse, instead of another copy of every weight in memory each time. Graphs
+    saved to keep (`save_emulated`) need `prepare`: this file goes when the block ends."""
+    path = Path(path)
+    data = path.with_name(f".{path.name}.{os.getpid()}.weights")
+    try:
+        yield prepare(path, weights_to=data)
+    finally:
+        data.unlink(missing_ok=True)
 
 
 def precisions_for(prepared: PreparedGraph, mode: str, keep: Iterable[str] = ()) -> dict[str, NodePrecision]:

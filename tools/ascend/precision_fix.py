@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from omskills.compare.parity import cosine_of
 from omskills.ascend.emulation import (
-    PreparedGraph, compare_layers, passes_output_gate, precisions_for, prepare, run_emulated_with_overflow,
+    PreparedGraph, compare_layers, passes_output_gate, precisions_for, prepared_light, run_emulated_with_overflow,
     run_reference,
 )
 from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
@@ -131,24 +131,32 @@ def precision_report(model: str | Path, feeds: Mapping[str, np.ndarray], sample:
     fails, until one passes: the slower ones would not be chosen. must_keep_origin_dtype, which
     runs nothing, is always listed."""
     gates = gates or PrecisionGates()
-    prepared = prepare(model)
-    # `outputs`: PyTorch's outputs for these feeds (the study captured them with the sample). The
-    # graph computes them within the probe's tolerance, far inside an fp16 gate: comparing with
-    # them spares a run of the graph in fp32 (minutes for a full-scale backbone).
-    given = outputs is not None and set(outputs) == {o.name for o in prepared.model.graph.output}
-    reference = dict(outputs) if given else run_reference(prepared, feeds)
-    results, skipped = [], []
-    for mode in _fastest_first(modes):
-        if any(_passes(r) for r in results) and mode != "must_keep_origin_dtype":
-            skipped.append(mode)
-            continue
-        results.append(_mode_precision(prepared, mode, feeds, gates, reference))
+    with prepared_light(model) as prepared:
+        # `outputs`: PyTorch's outputs for these feeds (the study captured them with the sample). The
+        # graph computes them within the probe's tolerance, far inside an fp16 gate: comparing with
+        # them spares a run of the graph in fp32 (minutes for a full-scale backbone).
+        given = outputs is not None and set(outputs) == {o.name for o in prepared.model.graph.output}
+        reference = dict(outputs) if given else run_reference(prepared, feeds)
+        results, skipped = _emulate_until_one_passes(prepared, modes, feeds, gates, reference)
     chosen, keep, why = _choose(results)
     if skipped:
         why += f"; not emulated, as slower: {', '.join(skipped)}"
     return PrecisionReport(model=str(model), sample=sample, gates=gates, modes=results, chosen_mode=chosen,
                            chosen_keep=keep, why=why, not_evaluated=skipped, assumptions=ASSUMPTIONS,
                            reference="PyTorch's outputs for the sample" if given else "the graph in fp32 on ONNX Runtime")
+
+
+def _emulate_until_one_passes(prepared: PreparedGraph, modes: Sequence[str], feeds: Mapping[str, np.ndarray],
+                              gates: PrecisionGates, reference: Mapping[str, np.ndarray],
+                              ) -> tuple[list[ModePrecision], list[str]]:
+    """The modes emulated fastest first; after one passes, the slower ones are skipped."""
+    results, skipped = [], []
+    for mode in _fastest_first(modes):
+        if any(_passes(r) for r in results) and mode != "must_keep_origin_dtype":
+            skipped.append(mode)
+            continue
+        results.append(_mode_precision(prepared, mode, feeds, gates, reference))
+    return results, skipped
 
 
 def _fastest_first(modes: Sequence[str]) -> list[str]:

@@ -52,16 +52,11 @@ def detach(source: Path, target: Path) -> tuple[onnx.ModelProto, dict[str, str]]
     if external_data_path(source).exists():
         shutil.copyfile(external_data_path(source), data)
     weights = [t for t in model.graph.initializer if _is_weight(t)]
-    with open(data, "ab") as handle:
-        for tensor in weights:
-            if tensor.data_location == TensorProto.EXTERNAL:
-                _set_location(tensor, data.name)
-            else:  # inline: appended to the data file, and let go of here
-                offset = handle.tell()
-                handle.write(tensor.raw_data)
-                _set_location(tensor, data.name, offset, len(tensor.raw_data))
-                tensor.ClearField("raw_data")
-    if not data.stat().st_size:
+    for tensor in weights:
+        if tensor.data_location == TensorProto.EXTERNAL:
+            _set_location(tensor, data.name)
+    move_inline_weights(model, data)
+    if data.exists() and not data.stat().st_size:
         data.unlink()
     detached = {t.name: t.SerializeToString() for t in weights}
     kept = [t for t in model.graph.initializer if t.name not in detached]
@@ -69,6 +64,24 @@ def detach(source: Path, target: Path) -> tuple[onnx.ModelProto, dict[str, str]]
     model.graph.initializer.extend(kept)
     model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in weights)
     return model, detached
+
+
+def move_inline_weights(model: onnx.ModelProto, data: Path) -> int:
+    """Inline weights (EXTERNAL_TENSOR_MIN_BYTES and more) appended to `data`, in place: each
+    initializer then reads its bytes there (a location relative to the model's folder, so the
+    model must be saved or run beside `data`). Returns the bytes moved."""
+    moved = 0
+    inline = [t for t in model.graph.initializer if t.data_location != TensorProto.EXTERNAL and _is_weight(t)]
+    if not inline:
+        return 0
+    with open(data, "ab") as handle:
+        for tensor in inline:
+            offset = handle.tell()
+            handle.write(tensor.raw_data)
+            _set_location(tensor, data.name, offset, len(tensor.raw_data))
+            moved += len(tensor.raw_data)
+            tensor.ClearField("raw_data")
+    return moved
 
 
 def attach(model: onnx.ModelProto, detached: dict[str, str]) -> onnx.ModelProto:

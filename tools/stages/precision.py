@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omskills.ascend.emulation import EMULATION_REVISION, compare_layers, precisions_for, prepare
+from omskills.ascend.emulation import EMULATION_REVISION, compare_layers, precisions_for, prepare, prepared_light
 from omskills.ascend.module_outputs import module_observations
 from omskills.ascend.npu_dumps import read_dump
 from omskills.ascend.observed import DEFAULT_BUDGET_BYTES, compare_observed
@@ -124,12 +124,12 @@ def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16
 
 
 def _compare_file(model: Path, mode: str, keep: list[str], feeds: dict[str, np.ndarray]) -> LayerComparison:
-    prepared = prepare(model)
-    unknown = sorted(set(keep) - {n.name for n in prepared.graph.node})
-    if unknown:
-        raise InputError(f"keep: no node named {unknown[:5]} in {model.name}")
-    suffix = f" keeping {len(keep)} node(s)" if keep else ""
-    return compare_layers(prepared, precisions_for(prepared, mode, keep), feeds, candidate=f"{mode} emulated{suffix}")
+    with prepared_light(model) as prepared:
+        unknown = sorted(set(keep) - {n.name for n in prepared.graph.node})
+        if unknown:
+            raise InputError(f"keep: no node named {unknown[:5]} in {model.name}")
+        suffix = f" keeping {len(keep)} node(s)" if keep else ""
+        return compare_layers(prepared, precisions_for(prepared, mode, keep), feeds, candidate=f"{mode} emulated{suffix}")
 
 
 def _compare_dump(model: Path, dump_dir: Path, om_json: Path | None, feeds: dict[str, np.ndarray]) -> LayerComparison:
