@@ -238,6 +238,27 @@ def test_a_changed_intake_keeps_its_comments_and_says_the_new_values(tmp_path):
     assert again.intake.model.scale == "tiny" and again.intake.inputs["frames"] == 2
 
 
+def test_a_record_another_writer_replaced_is_read_afresh_and_one_read_back_matches_a_fresh_parse(tmp_path):
+    from omskills.records.task import parse_record, save_record, updating
+
+    task = tmp_path / "task.yaml"
+    shutil.copy(TASK, task)
+    with updating(task) as record:
+        record.decide("test", "first", "written by this process")
+    # Another writer (a plain file write: no lock, no knowledge of this process) changes a value
+    # without changing the text's length.
+    text = task.read_text()
+    assert "written by this process" in text
+    task.write_text(text.replace("written by this process", "written by another writer"))
+    assert load_record(task).decisions[-1].why == "written by another writer"
+    # What this process saved and reads back is what a fresh parse of the file gives.
+    with updating(task) as record:
+        record.decide("test", "second", "again from this process")
+    assert load_record(task).model_dump() == parse_record(yaml.safe_load(task.read_text()), task).model_dump()
+    save_record(load_record(task), task)  # a save of what was read changes nothing
+    assert task.read_text() == render_record(parse_record(yaml.safe_load(task.read_text()), task), task.read_text())
+
+
 def test_the_adapted_run_kept_the_comments_of_the_users_record(tiny_adaptation):
     text = (tiny_adaptation / "task.yaml").read_text()
     assert "# The whole model goes to the device" in text
