@@ -89,11 +89,30 @@ def prepared_light(path: str | Path) -> Iterator[PreparedGraph]:
     copy, save and parse, instead of another copy of every weight in memory each time. Graphs
     saved to keep (`save_emulated`) need `prepare`: this file goes when the block ends."""
     path = Path(path)
+    _remove_orphaned_weights(path)
     data = path.with_name(f".{path.name}.{os.getpid()}.weights")
     try:
         yield prepare(path, weights_to=data)
     finally:
         data.unlink(missing_ok=True)
+
+
+def _remove_orphaned_weights(path: Path) -> None:
+    """The weight files of emulations whose process is gone (a child the OOM killer took)."""
+    for stale in path.parent.glob(f".{path.name}.*.weights"):
+        pid = stale.name[len(path.name) + 2:-len(".weights")]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def precisions_for(prepared: PreparedGraph, mode: str, keep: Iterable[str] = ()) -> dict[str, NodePrecision]:

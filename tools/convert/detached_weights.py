@@ -66,22 +66,19 @@ def detach(source: Path, target: Path) -> tuple[onnx.ModelProto, dict[str, str]]
     return model, detached
 
 
-def move_inline_weights(model: onnx.ModelProto, data: Path) -> int:
+def move_inline_weights(model: onnx.ModelProto, data: Path) -> None:
     """Inline weights (EXTERNAL_TENSOR_MIN_BYTES and more) appended to `data`, in place: each
     initializer then reads its bytes there (a location relative to the model's folder, so the
-    model must be saved or run beside `data`). Returns the bytes moved."""
-    moved = 0
+    model must be saved or run beside `data`)."""
     inline = [t for t in model.graph.initializer if t.data_location != TensorProto.EXTERNAL and _is_weight(t)]
     if not inline:
-        return 0
+        return
     with open(data, "ab") as handle:
         for tensor in inline:
             offset = handle.tell()
             handle.write(tensor.raw_data)
             _set_location(tensor, data.name, offset, len(tensor.raw_data))
-            moved += len(tensor.raw_data)
             tensor.ClearField("raw_data")
-    return moved
 
 
 def attach(model: onnx.ModelProto, detached: dict[str, str]) -> onnx.ModelProto:

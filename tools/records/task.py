@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -283,6 +284,8 @@ def load_record(path: str | Path) -> TaskRecord:
 # data of the last text read or written at each path is kept as JSON (5 ms to load), keyed by a
 # digest of that text: any other text at the path, whoever wrote it, is parsed afresh.
 _known_text: dict[Path, tuple[bytes, str]] = {}
+_known_lock = threading.Lock()  # tools of one server run in threads
+KNOWN_TEXTS_KEPT = 8  # a long-lived server touches many runs: keep the most recent records only
 
 
 def _digest(text: str) -> bytes:
@@ -290,7 +293,12 @@ def _digest(text: str) -> bytes:
 
 
 def _remember(path: Path, text: str, data: dict) -> None:
-    _known_text[path.resolve()] = (_digest(text), json.dumps(data))
+    key, entry = path.resolve(), (_digest(text), json.dumps(data))
+    with _known_lock:
+        _known_text.pop(key, None)
+        _known_text[key] = entry
+        while len(_known_text) > KNOWN_TEXTS_KEPT:
+            del _known_text[next(iter(_known_text))]
 
 
 def _parsed_data(path: Path, text: str) -> Any:
