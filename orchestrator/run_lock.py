@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from omskills.errors import InputError
+from omskills.files import process_alive
 from omskills.records.intake import INPUT_ROOTS_ENV
 
 LOCK_NAME = ".omskills-adapt.lock"
@@ -53,18 +54,6 @@ def _owner(text: str) -> dict:
     return owner if isinstance(owner, dict) else {}
 
 
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def claim_run_folder(folder: Path, inputs_from: tuple[str | Path | None, ...] = ()) -> RunLock:
     """Create the run folder if needed and own it for the life of this process; refuse when another
     process owns it. `inputs_from`: folders (or files, whose folder counts) outside the run the
@@ -85,7 +74,7 @@ def claim_run_folder(folder: Path, inputs_from: tuple[str | Path | None, ...] = 
     handle.seek(0)
     previous = _owner(handle.read())
     if previous.get("pid") is not None:
-        state = "still running, without the lock" if _alive(previous["pid"]) and previous.get("host") == socket.gethostname() \
+        state = "still running, without the lock" if process_alive(previous["pid"]) and previous.get("host") == socket.gethostname() \
             else "no longer running"
         print(f"omskills: taking over run folder {folder} from pid {previous['pid']} ({state}; since "
               f"{previous.get('since', '?')})", file=sys.stderr)

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.convert.detached_weights import move_inline_weights
+from omskills.files import process_alive
 from omskills.records.precision import (
     EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
 )
@@ -101,18 +102,8 @@ def _remove_orphaned_weights(path: Path) -> None:
     """The weight files of emulations whose process is gone (a child the OOM killer took)."""
     for stale in path.parent.glob(f".{path.name}.*.weights"):
         pid = stale.name[len(path.name) + 2:-len(".weights")]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             stale.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def precisions_for(prepared: PreparedGraph, mode: str, keep: Iterable[str] = ()) -> dict[str, NodePrecision]:

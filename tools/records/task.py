@@ -292,8 +292,8 @@ def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
-def _remember(path: Path, text: str, data: dict) -> None:
-    key, entry = path.resolve(), (_digest(text), json.dumps(data))
+def _remember(path: Path, text: str, data: dict, as_json: str | None = None) -> None:
+    key, entry = path.resolve(), (_digest(text), as_json if as_json is not None else json.dumps(data))
     with _known_lock:
         _known_text.pop(key, None)
         _known_text[key] = entry
@@ -309,17 +309,20 @@ def _parsed_data(path: Path, text: str) -> Any:
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as err:  # PyYAML's message spans lines: one line, as every error here
         raise TaskRecordError(f"task record {path}: not valid YAML ({' '.join(str(err).split())})") from None
-    if isinstance(data, dict) and _json_safe(data):
-        _remember(path, text, data)
+    as_json = _as_json(data) if isinstance(data, dict) else None
+    if as_json is not None:
+        _remember(path, text, data, as_json)
     return data
 
 
-def _json_safe(data: dict) -> bool:
-    """Whether JSON holds `data` as YAML gave it (not so for dates or non-string keys a user may write)."""
+def _as_json(data: dict) -> str | None:
+    """`data` as JSON, or None when JSON cannot hold it as YAML gave it (dates or non-string keys
+    a user may write)."""
     try:
-        return json.loads(json.dumps(data)) == data
+        as_json = json.dumps(data)
     except (TypeError, ValueError):
-        return False
+        return None
+    return as_json if json.loads(as_json) == data else None
 
 
 # A writer that waits longer than this for the record is stuck behind a hung one: say so.
