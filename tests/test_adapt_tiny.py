@@ -49,6 +49,24 @@ def test_candidates_named_in_the_intake_deploy_list_are_selected_whatever_their_
         omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, deploy=["text_encoderr"])
 
 
+def test_candidates_named_in_the_intake_defer_list_stay_in_pytorch_whatever_their_share(tiny_adaptation):
+    import omskills.stages.plan
+    from omskills.errors import TaskRecordError
+
+    record = load_record(tiny_adaptation / "task.yaml")
+    assert record.intake.target.defer == ["dot_prod_scoring"]  # the built-in task's, so its plan never moves
+    deferred = record.plan.candidate("dot_prod_scoring")
+    assert deferred.status == "deferred" and "named in intake.target.defer" in deferred.reason
+    seeds, top = record.study.seeds, max(record.plan.candidates, key=lambda c: c.share).name
+    plan = omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, defer=[top])
+    assert top not in plan.first_batch and plan.candidate(top).status == "deferred"
+    with pytest.raises(TaskRecordError, match=r"intake.target.defer: \['no_such'\] are not candidates"):
+        omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, defer=["no_such"])
+    with pytest.raises(TaskRecordError, match=r"intake.target.defer: \['text_encoder'\] are named in intake.target.deploy too"):
+        omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, deploy=["text_encoder"],
+                                             defer=["text_encoder"])
+
+
 def test_contract_provenance_matches_the_main_path(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
     kinds = lambda name: {s.provenance.kind for s in record.contracts[name].inputs if s.provenance}

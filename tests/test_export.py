@@ -279,3 +279,43 @@ def test_the_export_traces_with_a_sample_whose_dynamic_dims_are_not_1():
     assert _tracing_sample([sample(1), sample(2), sample(3)], dims).inputs["x"].shape[0] == 2
     assert _tracing_sample([sample(1)], dims).inputs["x"].shape[0] == 1  # nothing better to take
     assert _tracing_sample([sample(1), sample(2)], {}).inputs["x"].shape[0] == 1  # static: the first
+
+
+class _NormHost(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def test_exports_build_the_torchlib_registry_once_and_keep_their_custom_translations(tmp_path, monkeypatch):
+    from omskills.convert import export as export_module
+    from torch.onnx._internal.exporter import _registration
+
+    host = _NormHost().eval()
+    [contract] = capture_contracts(host, {"norm": "norm"}, lambda: host(torch.randn(1, 8, 6, 6)))
+    builds = []
+    build = _registration.ONNXRegistry.from_torchlib
+
+    def counted(opset_version):
+        builds.append(opset_version)
+        return build(opset_version=opset_version)
+
+    monkeypatch.setattr(export_module, "_TORCHLIB_REGISTRIES", {})
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", counted)
+    x = torch.randn(1, 8, 6, 6) + 2.0
+    paths = [export_onnx(host.norm, contract, [x], tmp_path / f"norm{k}.onnx").path for k in range(2)]
+
+    assert len(builds) == 1  # the second export reused the first one's registry
+    for path in paths:  # both with the two-pass group norm of omskills' own translation
+        ops = {node.op_type for node in onnx.load(path).graph.node}
+        assert "InstanceNormalization" not in ops and "ReduceMean" in ops
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        with torch.no_grad():
+            np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0],
+                                       host(x).numpy(), atol=1e-5)
+    [shared] = export_module._TORCHLIB_REGISTRIES.values()
+    assert not any(meta.is_custom for metas in shared.functions.values() for meta in metas)  # kept out of the shared one
+    assert _registration.ONNXRegistry.from_torchlib is counted  # put back after each export

@@ -117,6 +117,16 @@ def test_onnxruntime_backend_matches_torch_and_reports_provider_and_time(linear_
     np.testing.assert_array_equal(outputs["ids2"], ids2.numpy())
 
 
+def test_onnxruntime_worker_threads_sleep_between_runs_unless_asked_to_spin(linear_model):
+    # A spliced pipeline runs PyTorch between graph calls: spinning ORT threads would take its cores.
+    _, path = linear_model
+    spin_entry = "session.intra_op.allow_spinning"
+    for options, expected in (({}, "0"), ({"spin": True}, "1")):
+        with OnnxRuntimeBackend(path, **options) as backend:
+            assert backend._session.get_session_options().get_session_config_entry(spin_entry) == expected
+            assert backend.run(feeds_for(2))["y"].shape[0] == 2
+
+
 def test_onnxruntime_backend_exposes_io_metadata_with_symbolic_dims(linear_model):
     _, path = linear_model
     with open_backend(path, "onnxruntime") as backend:

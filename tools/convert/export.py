@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+from unittest import mock
 
 import onnx
 import onnx.version_converter
@@ -362,6 +363,32 @@ def model_compile_path() -> Iterator[None]:
         torch.compiler.is_dynamo_compiling = original
 
 
+# The registry of torchlib translations built once per opset (see _torchlib_registry_reused).
+_TORCHLIB_REGISTRIES: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _torchlib_registry_reused() -> Iterator[None]:
+    """torch builds its table of torchlib translations anew for every export (about 2 s of reading
+    onnxscript's function signatures); the table depends only on the opset, so each export gets a
+    copy of one built once, into which torch then registers the custom translations."""
+    from torch.onnx._internal.exporter import _registration
+
+    build = _registration.ONNXRegistry.from_torchlib
+
+    def from_torchlib(cls: type, opset_version: int = _registration._constants.TORCHLIB_OPSET) -> Any:
+        if opset_version not in _TORCHLIB_REGISTRIES:
+            _TORCHLIB_REGISTRIES[opset_version] = build(opset_version=opset_version)
+        built = _TORCHLIB_REGISTRIES[opset_version]
+        registry = cls()
+        registry._opset_version = built._opset_version
+        registry.functions = {target: list(metas) for target, metas in built.functions.items()}
+        return registry
+
+    with mock.patch.object(_registration.ONNXRegistry, "from_torchlib", classmethod(from_torchlib)):
+        yield
+
+
 def _run_exporter(
     wrapper: ContractWrapper,
     samples: tuple[torch.Tensor, ...],
@@ -378,19 +405,20 @@ def _run_exporter(
         if exporter == "dynamo":
             # The wrapper's forward takes *inputs: one dynamic-shape entry per tensor, in one tuple.
             shapes = tuple(axes.get(name) for name in input_names)
-            torch.onnx.export(
-                wrapper,
-                samples,
-                str(path),
-                dynamo=True,
-                opset_version=opset,
-                input_names=input_names,
-                output_names=output_names,
-                dynamic_shapes=(shapes,) if axes else None,
-                custom_translation_table=translation_table(),
-                external_data=True,
-                verbose=False,
-            )
+            with _torchlib_registry_reused():
+                torch.onnx.export(
+                    wrapper,
+                    samples,
+                    str(path),
+                    dynamo=True,
+                    opset_version=opset,
+                    input_names=input_names,
+                    output_names=output_names,
+                    dynamic_shapes=(shapes,) if axes else None,
+                    custom_translation_table=translation_table(),
+                    external_data=True,
+                    verbose=False,
+                )
         else:
             # torch enables the TorchScript exporter's C++ log on every export (it tests the function
             # object, not its result) and that log writes to C++ stdout: send it to stderr for good.

@@ -66,6 +66,9 @@ class TargetSpec(Record):
     device_id: int = Field(default=0, ge=0)
     # Candidates to deploy whatever their share of the main path (the plan defers small ones).
     deploy: list[str] = Field(default_factory=list)
+    # Candidates left in PyTorch whatever their share (a share near the plan's line moves with the
+    # machine's load; a module not worth a graph call of its own).
+    defer: list[str] = Field(default_factory=list)
 
 
 class Intake(Record):

@@ -43,7 +43,7 @@ class Plan(Record):
         "Every seed candidate, highest score (share x boundary clarity x state factor) first, with its status and the reason for it."))
     first_batch: list[str] = Field(description=(
         "The candidates to adapt first: exportable, at or above the minimum share of main-path time the rationale names "
-        "(or named in intake.target.deploy), and not inside another selected one."))
+        "(or named in intake.target.deploy), not named in intake.target.defer, and not inside another selected one."))
     rationale: str = Field(description="How the first batch was chosen, and the share of main-path wall time it covers.")
     report_path: str | None = Field(None, description="Run-folder path of the inventory report (plan/inventory_report.md).")
     chart_path: str | None = Field(None, description="Run-folder path of the compute-share chart (plan/compute_share.png); null when none was drawn.")

@@ -35,7 +35,7 @@ BACKENDS.register("om", OmBackend)
 def open_backend(path: str | Path, kind: BackendKind, **options: object) -> RuntimeBackend:
     """Load `path` with the backend `kind`; `options` go to that backend's constructor.
 
-    onnxruntime: providers, threads, provider_options, fuse_attention. om: device_id, mode, custom_sizes.
+    onnxruntime: providers, threads, provider_options, fuse_attention, spin. om: device_id, mode, custom_sizes.
     """
     try:
         backend_class = BACKENDS.get(kind)

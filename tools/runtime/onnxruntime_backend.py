@@ -68,13 +68,18 @@ class OnnxRuntimeBackend(RuntimeBackend):
         threads: int | None = None,
         provider_options: Mapping[str, Mapping[str, str]] | None = None,
         fuse_attention: bool = False,
+        spin: bool = False,
     ) -> None:
         """provider_options: provider name -> its options (the CANN provider's device_id and
         precision_mode, say); options of a provider not chosen are ignored. fuse_attention: on the
         CPU, run exported attention as ONNX Runtime's fused MultiHeadAttention (see
         omskills.runtime.attention_fusion); the file on disk is not changed. Off by default: the
         rewrite needs the `onnx` package, which a deployment does not import, and a deployment
-        must compute exactly what verify computed."""
+        must compute exactly what verify computed. spin: let ONNX Runtime's worker threads spin
+        waiting for work after a run (its default). Off here: a spliced pipeline runs PyTorch
+        between the graph calls, and on a machine with few cores spinning threads take the cores
+        PyTorch needs (a tiny video pipeline on 2 cores: spliced/eager 1.3-1.7 with spinning, 1.0-1.2
+        without)."""
         super().__init__(path)
         if threads is not None and threads < 1:
             raise BackendError(f"threads: must be >= 1, got {threads}")
@@ -82,6 +87,7 @@ class OnnxRuntimeBackend(RuntimeBackend):
         self.provider_options = {name: {k: str(v) for k, v in opts.items()} for name, opts in (provider_options or {}).items()}
         self.threads = threads
         self.fuse_attention = fuse_attention
+        self.spin = spin
         self.fused_attention_blocks = 0  # attention blocks the running session computes fused
         self._session = None
 
@@ -114,6 +120,7 @@ class OnnxRuntimeBackend(RuntimeBackend):
         options.enable_cpu_mem_arena = False
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if model is not None:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))
         try:

@@ -5,8 +5,9 @@ contracts (tensor-only I/O, constant non-tensor arguments, one call structure; a
 dispatched on a non-tensor argument is clear when each of its graphs is); candidates reading
 session state across steps keep their rank but carry the flag, since their inputs must be
 bridged from Python every step. The first batch is every candidate with a clear boundary and
-a share of at least MIN_SHARE; a candidate that runs inside another selected one is deferred
-(the outer graph holds it).
+a share of at least MIN_SHARE (or named in intake.target.deploy, unless named in
+intake.target.defer); a candidate that runs inside another selected one is deferred (the outer
+graph holds it).
 """
 
 from __future__ import annotations
@@ -66,13 +67,18 @@ def _candidate(seed: Seed, profile: ProfileReport, contracts: list[ContractSpec]
 
 
 def plan_from_study(seeds: list[Seed], profile: ProfileReport, contracts: dict[str, ContractSpec],
-                    deploy: list[str] | None = None) -> Plan:
-    """Rank the seeds; `deploy` (intake.target.deploy) names candidates selected whatever their share."""
-    deploy = deploy or []
-    unknown = sorted(set(deploy) - {seed.name for seed in seeds})
-    if unknown:
-        raise TaskRecordError(f"intake.target.deploy: {unknown} are not candidates of this model "
-                              f"({', '.join(seed.name for seed in seeds)})")
+                    deploy: list[str] | None = None, defer: list[str] | None = None) -> Plan:
+    """Rank the seeds; `deploy` (intake.target.deploy) names candidates selected whatever their
+    share, `defer` (intake.target.defer) candidates deferred whatever their share."""
+    deploy, defer = deploy or [], defer or []
+    for field, names in (("deploy", deploy), ("defer", defer)):
+        unknown = sorted(set(names) - {seed.name for seed in seeds})
+        if unknown:
+            raise TaskRecordError(f"intake.target.{field}: {unknown} are not candidates of this model "
+                                  f"({', '.join(seed.name for seed in seeds)})")
+    both = sorted(set(deploy) & set(defer))
+    if both:
+        raise TaskRecordError(f"intake.target.defer: {both} are named in intake.target.deploy too")
     by_seed = {seed.name: [c for c in contracts.values() if c.plan_candidate == seed.name] for seed in seeds}
     rows = [_candidate(seed, profile, by_seed[seed.name]) for seed in seeds]
     rows.sort(key=lambda r: r[0].score, reverse=True)
@@ -81,6 +87,8 @@ def plan_from_study(seeds: list[Seed], profile: ProfileReport, contracts: dict[s
         cand.rank = rank
         if not exportable:
             cand.status, cand.reason = "excluded", "boundary not exportable: " + "; ".join(reasons)
+        elif cand.name in defer:
+            cand.status, cand.reason = "deferred", f"named in intake.target.defer (share {cand.share:.2%})"
         elif cand.share < MIN_SHARE and cand.name not in deploy:
             cand.status, cand.reason = "deferred", f"share {cand.share:.2%} < {MIN_SHARE:.1%} of the main path"
         else:
@@ -124,14 +132,15 @@ def plan_candidates(task_path: Path) -> Plan:
     require_study(record)
     assert record.profile is not None and record.study is not None
     inputs_hash = fingerprint(record.stages["study"].inputs_hash if "study" in record.stages else None,
-                              record.intake.target.deploy)
+                              record.intake.target.deploy, record.intake.target.defer)
     workdir = TaskRecord.workdir(task_path)
     if is_done(record, "plan", inputs_hash, workdir):
         if record.plan is None:  # is_done checks the step's results; a record edited by hand may still lack them
             raise StageError(f"{task_path}: stage plan is marked done but the record has no plan: rerun plan_candidates")
         return record.plan
     with running_step(task_path, "plan", inputs_hash) as step:
-        plan = plan_from_study(record.study.seeds, record.profile, record.contracts, deploy=record.intake.target.deploy)
+        target = record.intake.target
+        plan = plan_from_study(record.study.seeds, record.profile, record.contracts, deploy=target.deploy, defer=target.defer)
         report = render_plan_report(plan, record.inventory, record.profile, workdir / "plan")
         plan.report_path = str(report.relative_to(workdir))
         chart = report.parent / "compute_share.png"

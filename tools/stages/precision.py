@@ -1,14 +1,17 @@
 """Ascend precision before an NPU (stage 3): every precision mode emulated on the preferred
 variant of each candidate, the keep lists proposed, and the mode ATC is to convert with.
 
-Emulation and comparison always run in a child process: an emulated graph holds fp16 copies of
-its activations and a comparison two runs side by side, so their memory follows the
-activations, not the file (a 38 MB attention graph at full scale takes gigabytes); in a child,
-the server stays small, every byte returns at exit, and a run out of memory fails that one step."""
+Emulation and comparison run in a child process unless the graph's predicted need is small: an
+emulated graph holds fp16 copies of its activations and a comparison two runs side by side, so
+their memory follows the activations, not the file (a 38 MB attention graph at full scale takes
+gigabytes); in a child, the server stays small, every byte returns at exit, and a run out of
+memory fails that one step. A small graph runs here: a child's start-up (about 2 s of imports)
+is more than its whole emulation."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -21,15 +24,45 @@ from omskills.ascend.precision_modes import DEFAULT_MODES, EMULATED_MODES
 from omskills.convert.export import ContractWrapper
 from omskills.convert.optimize import sample_arrays
 from omskills.errors import InputError, OmskillsError, StageError
-from omskills.isolation import run_in_child
+from omskills.isolation import model_bytes, run_in_child
 from omskills.models import cache as model_cache
 from omskills.records.choices import CompareAgainst
 from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.contracts import ContractSpec
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.toolchain import BatchSplit
+from omskills.runtime.memory_estimate import MIB, GraphMemory
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
+
+
+T = TypeVar("T")
+
+# Emulations predicted to need less than this run in this process (see the module doc).
+IN_PROCESS_MAX_BYTES = 256 * MIB
+# Activation bytes an emulation or a layer comparison holds per byte of one fp32 run: the fp16-rounded
+# copy beside each fp32 activation, and in a comparison the reference run's beside the emulated one.
+EMULATION_ACTIVATION_FACTOR = 4
+
+
+def emulation_runner(model: Path, feeds: dict[str, np.ndarray]) -> Callable[..., Any]:
+    """`run_in_child`, or a plain call when the graph is small and its emulation on `feeds` is
+    predicted (from the graph's shapes, `GraphMemory`) to need under IN_PROCESS_MAX_BYTES."""
+    if model_bytes(model) >= IN_PROCESS_MAX_BYTES:
+        return run_in_child
+    try:
+        graph = GraphMemory(model)
+        estimate = graph.estimate({k: feeds[k].shape for k in graph.input_names if k in feeds})
+    except Exception:  # noqa: BLE001 - the prediction only advises: without one, the safe place
+        return run_in_child
+    need = estimate.weights_bytes + estimate.folded_bytes + EMULATION_ACTIVATION_FACTOR * estimate.activation_bytes
+    if estimate.unknown_shapes or need >= IN_PROCESS_MAX_BYTES:
+        return run_in_child
+    return _call_here
+
+
+def _call_here(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
 
 
 def _checked_modes(modes: list[str] | None) -> list[str]:
@@ -81,7 +114,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
-            report = run_in_child(precision_report, model, feeds, sample, chosen, None, outputs)
+            report = emulation_runner(model, feeds)(precision_report, model, feeds, sample, chosen, None, outputs)
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types
@@ -119,7 +152,7 @@ def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16
     else:
         _checked_modes([mode])
         model_cache.release()
-        comparison = run_in_child(_compare_file, model, mode, list(keep or []), feeds)
+        comparison = emulation_runner(model, feeds)(_compare_file, model, mode, list(keep or []), feeds)
     return comparison.model_copy(update={"model": str(model.relative_to(workdir))})
 
 
