@@ -214,3 +214,23 @@ def test_the_modes_are_compared_with_the_pytorch_outputs_the_study_captured_when
     # Outputs that are not the graph's (another contract's names) are not used: the graph runs in fp32.
     other = precision_report(path, feeds, sample="s0", outputs={"logits": captured["y"]})
     assert other.reference == "the graph in fp32 on ONNX Runtime"
+
+
+def test_a_small_graph_is_emulated_in_process_and_a_big_or_unreadable_one_in_a_child(tmp_path, matmul_beyond_fp16):
+    from omskills.isolation import run_in_child
+    from omskills.stages.precision import emulation_runner
+
+    small, feeds = matmul_beyond_fp16
+    runner = emulation_runner(small, feeds)
+    assert runner is not run_in_child
+    assert runner(precision_report, small, feeds, "sample").chosen_mode  # a plain call here
+    # An attention-sized score matrix: 8 x 4096 x 4096 fp32 is 512 MB, and an emulation holds several.
+    scores = _save(tmp_path, "scores", [helper.make_node("MatMul", ["q", "k"], ["s"], name="qk"),
+                                        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1)],
+                   [_vi("q", [8, 4096, 16]), _vi("k", [8, 16, 4096])], [_vi("p", [8, 4096, 4096])])
+    big_feeds = {"q": np.zeros((8, 4096, 16), np.float32), "k": np.zeros((8, 16, 4096), np.float32)}
+    assert emulation_runner(scores, big_feeds) is run_in_child
+    # A node of a domain shape inference cannot read: sizes unknown, so the safe place.
+    custom = _save(tmp_path, "custom", [helper.make_node("Mystery", ["x"], ["y"], name="m", domain="vendor")],
+                   [_vi("x", [2, 4])], [_vi("y", None)])
+    assert emulation_runner(custom, {"x": np.zeros((2, 4), np.float32)}) is run_in_child

@@ -8,6 +8,7 @@ auto_optimizer) are imported in a child process.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 from omskills.records.environment import (
@@ -40,8 +42,14 @@ VERSION_LINE = re.compile(r"^\s*(?:version|Version|VERSION)\s*[=:]\s*(\S+)")
 NPU_SMI_ROW = re.compile(r"^\|\s*\d+\s+((?:910|310|710)[A-Za-z0-9]*)\s+\|")
 
 
+@functools.lru_cache(maxsize=1)
+def _distributions_by_package() -> dict[str, list[str]]:
+    # Reads every installed distribution's file list: a second or more in a big environment.
+    return importlib.metadata.packages_distributions()
+
+
 def _distribution_version(import_name: str) -> str | None:
-    dists = importlib.metadata.packages_distributions().get(import_name, [])
+    dists = _distributions_by_package().get(import_name, [])
     for dist in dists:
         try:
             return importlib.metadata.version(dist)
@@ -61,30 +69,48 @@ def _import_in_process(name: str) -> PackageProbe:
 
 def _import_in_child(name: str, statement: str | None = None) -> PackageProbe:
     """Import in a fresh interpreter; `statement` replaces the plain `import name` if given."""
+    return _start_import_in_child(name, statement)()
+
+
+def _start_import_in_child(name: str, statement: str | None = None) -> Callable[[], PackageProbe]:
+    """Start the import in a fresh interpreter now; the call returned waits for its verdict (so
+    the slow imports of the child probes overlap each other and this process's own)."""
     if statement is None and importlib.util.find_spec(name) is None:
-        return PackageProbe(name=name, importable=False, detail="not installed")
-    code = statement or f"import {name}"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return PackageProbe(name=name, importable=False, detail=f"import timed out after {SUBPROCESS_TIMEOUT_S} s")
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        return PackageProbe(name=name, importable=False, version=_distribution_version(name), detail=last[:300])
-    return PackageProbe(name=name, importable=True, version=_distribution_version(name))
+        return lambda: PackageProbe(name=name, importable=False, detail="not installed")
+    child = subprocess.Popen([sys.executable, "-c", statement or f"import {name}"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+    def verdict() -> PackageProbe:
+        try:
+            _, stderr = child.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            return PackageProbe(name=name, importable=False, detail=f"import timed out after {SUBPROCESS_TIMEOUT_S} s")
+        if child.returncode != 0:
+            last = (stderr.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
+            return PackageProbe(name=name, importable=False, version=_distribution_version(name), detail=last[:300])
+        return PackageProbe(name=name, importable=True, version=_distribution_version(name))
+
+    return verdict
 
 
-def _probe_auto_optimizer() -> PackageProbe:
+def _start_auto_optimizer_probe() -> Callable[[], PackageProbe]:
     # Huawei's auto_optimizer imports onnx.mapping (gone in onnx >= 1.19); when the project's
     # compatibility shim exists, probe through it, as the optimize stage will import it.
     if importlib.util.find_spec("auto_optimizer") is None:
-        return PackageProbe(name="auto_optimizer", importable=False, detail="not installed (msit surgeon / ait-surgeon)")
-    shim = importlib.util.find_spec("omskills.convert.auto_optimizer")
-    if shim is None:
-        return _import_in_child("auto_optimizer")
-    probe = _import_in_child("auto_optimizer", "from omskills.convert.auto_optimizer import load_auto_optimizer\nload_auto_optimizer()")
+        return lambda: PackageProbe(name="auto_optimizer", importable=False, detail="not installed (msit surgeon / ait-surgeon)")
+    if importlib.util.find_spec("omskills.convert.auto_optimizer") is None:
+        return _start_import_in_child("auto_optimizer")
+    started = _start_import_in_child("auto_optimizer", "from omskills.convert.auto_optimizer import load_auto_optimizer\n"
+                                                       "load_auto_optimizer()")
     via = "imported through omskills.convert.auto_optimizer (onnx.mapping rebuilt)"
-    return probe.model_copy(update={"detail": f"{probe.detail}; {via}" if probe.detail else via})
+
+    def verdict() -> PackageProbe:
+        probe = started()
+        return probe.model_copy(update={"detail": f"{probe.detail}; {via}" if probe.detail else via})
+
+    return verdict
 
 
 def _probe_torch() -> TorchProbe:
@@ -263,8 +289,9 @@ def probe_environment(intake: Intake | None = None, model_problem: str | None = 
     why the model source cannot be found (the caller asks the driver), None when it can."""
     from omskills.records.task import now_iso
 
+    in_children = [_start_auto_optimizer_probe()] + [_start_import_in_child(name) for name in IN_CHILD]
     packages = [_import_in_process(name) for name in IN_PROCESS]
-    packages += [_probe_auto_optimizer()] + [_import_in_child(name) for name in IN_CHILD]
+    packages += [verdict() for verdict in in_children]
     by_name = {p.name: p for p in packages}
     torch_probe = _probe_torch()
     facts = _Facts(
