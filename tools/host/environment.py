@@ -19,8 +19,8 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 from omskills.records.environment import (
     CannProbe,

@@ -4,9 +4,9 @@ Score = compute share x boundary clarity x state factor. Clarity comes from the 
 contracts (tensor-only I/O, constant non-tensor arguments, one call structure; a candidate
 dispatched on a non-tensor argument is clear when each of its graphs is); candidates reading
 session state across steps keep their rank but carry the flag, since their inputs must be
-bridged from Python every step. The first batch is every candidate with a clear boundary and
-a share of at least MIN_SHARE (or named in intake.target.deploy, unless named in
-intake.target.defer); a candidate that runs inside another selected one is deferred (the outer
+bridged from Python every step. The first batch is every candidate with a clear boundary, a
+share of at least MIN_SHARE or a name in intake.target.deploy, and no name in
+intake.target.defer; a candidate that runs inside another selected one is deferred (the outer
 graph holds it).
 """
 
