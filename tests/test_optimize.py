@@ -93,6 +93,27 @@ def test_a_variant_that_changes_nothing_is_neither_saved_nor_probed(exported, tm
     assert result.preferred == "onnxslim" and "auto_optimizer: unchanged" in result.why
 
 
+def test_on_a_big_graph_an_onnxslim_variant_changing_few_nodes_is_marginal_and_never_probed(exported, tmp_path, monkeypatch):
+    from omskills.convert import optimize
+
+    path, samples = exported
+    slim = optimize._build("onnxslim", path, tmp_path / "tiny.onnxslim.onnx", None)
+    assert slim.status == "ok"
+    original_nodes = len(onnx.load(str(path)).graph.node)
+    kept_nodes = len(onnx.load(slim.path).graph.node)
+    assert kept_nodes < original_nodes
+    # The same rewrite, with this graph counted as big and the bar set above what onnxslim changes here.
+    monkeypatch.setattr(optimize, "ISOLATE_MIN_BYTES", 0)
+    monkeypatch.setattr(optimize, "MARGINAL_SHARE", 5.0)
+    result = optimize_variants(path, tmp_path / "big", samples, variants=["original", "onnxslim"], isolate=False)
+
+    marginal = result.variants[1]
+    assert marginal.status == "marginal" and marginal.path is None and marginal.samples_probed == 0
+    assert "changed" in marginal.reason and "under the 500%" in marginal.reason
+    assert not list((tmp_path / "big").glob("*.onnxslim.onnx*"))
+    assert result.preferred == "original"
+
+
 def test_the_most_optimised_variant_is_probed_first_and_the_one_under_it_only_if_it_fails(exported, tmp_path):
     from omskills.convert import optimize
 

@@ -10,7 +10,9 @@ import numpy as np
 import onnx
 import pytest
 from omskills.ascend.atc import AtcOptions, build_atc_command
-from omskills.ascend.emulation import compare_layers, precisions_for, prepare, run_emulated, save_emulated
+from omskills.ascend.emulation import (
+    compare_layers, emulated_model, precisions_for, prepare, run_emulated, run_emulated_with_overflow, save_emulated,
+)
 from omskills.ascend.pitfalls import check_pitfalls, load_pitfalls
 from omskills.ascend.precision_fix import precision_report, write_keep_dtype
 from omskills.errors import InputError
@@ -178,6 +180,26 @@ def test_every_pitfall_is_cited_and_there_are_at_least_five():
 def test_nothing_emulated_is_called_an_npu_result(matmul_beyond_fp16):
     report = precision_report(*matmul_beyond_fp16, sample="s0")
     assert "not an NPU" in report.backend and "emulated" in report.backend.lower()
+
+
+def test_the_overflow_count_is_the_elements_fp16_rounding_made_infinite_and_no_others(tmp_path):
+    """x * 2: +-40000 -> +-80000 overflow; an inf already in x stays inf and is not counted, nor
+    are the infs the Relu passes on. On inputs within fp16's range no mask is built at all."""
+    nodes = [helper.make_node("Mul", ["x", "two"], ["doubled"], name="double"),
+             helper.make_node("Relu", ["doubled"], ["y"], name="relu")]
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    path = _save(tmp_path, "double", nodes, [_vi("x", [5])], [_vi("y", [5])], [two])
+    prepared = prepare(path)
+    precisions = precisions_for(prepared, "force_fp16")
+    x = np.array([40000.0, -40000.0, np.inf, 1.0, np.nan], np.float32)
+
+    outputs, overflow = run_emulated_with_overflow(prepared, precisions, {"x": x})
+    assert overflow == 2 and np.isinf(outputs["y"][:3]).tolist() == [True, False, True] and np.isnan(outputs["y"][4])
+    assert run_emulated_with_overflow(prepared, precisions, {"x": np.array([1, 2, 3, 4, 5], np.float32)})[1] == 0
+    # The masks sit in If branches, read only when a magnitude reaches fp16's range.
+    graph = emulated_model(prepared, precisions, count_overflow=True).graph
+    assert not any(n.op_type == "IsInf" for n in graph.node)
+    assert sum(n.op_type == "If" for n in graph.node) == 2 * sum(p == "fp16" for p in precisions.values())
 
 
 def test_keep_dtype_under_must_keep_origin_dtype_is_refused(tmp_path, matmul_beyond_fp16):

@@ -29,11 +29,12 @@ import numpy as np
 import onnx
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.convert.detached_weights import move_inline_weights
+from omskills.convert.onnx_io import released
 from omskills.files import process_alive
 from omskills.records.precision import (
     EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
 )
-from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 MAX_FLAGGED_LISTED = 50
 # Bumped when the emulation computes differently, so recorded results of an older one are redone.
@@ -50,6 +51,10 @@ class PreparedGraph:
     float_tensors: set[str]
     producers: dict[str, NodeProto] = field(default_factory=dict)
     elem_types: dict[str, int] = field(default_factory=dict)  # tensor -> TensorProto type, where known
+    # Set by `prepared_light`: a scratch file beside the graph for weights rounded to fp16 here
+    # (see `rounded_weight`); None where derived graphs must round their weights in-graph.
+    rounded_weights_file: Path | None = None
+    _rounded_weights: dict[str, TensorProto] = field(default_factory=dict)
 
     @property
     def graph(self) -> GraphProto:
@@ -59,6 +64,35 @@ class PreparedGraph:
     def node_named(self) -> dict[str, NodeProto]:
         return {n.name: n for n in self.model.graph.node}
 
+    @cached_property
+    def initializer_named(self) -> dict[str, TensorProto]:
+        return {t.name: t for t in self.model.graph.initializer}
+
+    def rounded_weight(self, name: str) -> TensorProto | None:
+        """Weight `name` clipped to fp16's range and rounded to fp16 (as fp32 values), written
+        once to `rounded_weights_file`; None without one. Rounded in the graph instead (Clip and
+        two Casts), ONNX Runtime folds them when the session loads, holding the original and the
+        rounded copy of every weight at once: for a 2 GB backbone, gigabytes more than the graph
+        needs to run."""
+        if self.rounded_weights_file is None:
+            return None
+        if name not in self._rounded_weights:
+            original = self.initializer_named[name]
+            values = numpy_helper.to_array(original, base_dir=str(self.path.parent))
+            # ATC clips fp32 weights to fp16's range before casting them (--is_weight_clip=1, its
+            # default): a weight beyond it becomes +-65504, not inf.
+            rounded = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+            tensor = TensorProto(name=f"{name}__fp16", data_type=TensorProto.FLOAT, dims=list(rounded.shape))
+            with open(self.rounded_weights_file, "ab") as handle:
+                offset = handle.tell()
+                handle.write(rounded.tobytes())
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", self.rounded_weights_file.name), ("offset", str(offset)),
+                               ("length", str(rounded.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+            self._rounded_weights[name] = tensor
+        return self._rounded_weights[name]
+
 
 def prepare(path: str | Path, weights_to: Path | None = None) -> PreparedGraph:
     """`path` read without its external weights; with `weights_to`, the weights it holds inline
@@ -67,6 +101,7 @@ def prepare(path: str | Path, weights_to: Path | None = None) -> PreparedGraph:
     model = onnx.load(str(path), load_external_data=False)
     if weights_to is not None:
         move_inline_weights(model, weights_to)
+        model = released(model)
     for index, node in enumerate(model.graph.node):
         if not node.name:
             node.name = f"{node.op_type}_{index}"
@@ -92,16 +127,20 @@ def prepared_light(path: str | Path) -> Iterator[PreparedGraph]:
     path = Path(path)
     _remove_orphaned_weights(path)
     data = path.with_name(f".{path.name}.{os.getpid()}.weights")
+    rounded = path.with_name(f".{path.name}.{os.getpid()}.fp16.weights")
     try:
-        yield prepare(path, weights_to=data)
+        prepared = prepare(path, weights_to=data)
+        prepared.rounded_weights_file = rounded
+        yield prepared
     finally:
         data.unlink(missing_ok=True)
+        rounded.unlink(missing_ok=True)
 
 
 def _remove_orphaned_weights(path: Path) -> None:
     """The weight files of emulations whose process is gone (a child the OOM killer took)."""
     for stale in path.parent.glob(f".{path.name}.*.weights"):
-        pid = stale.name[len(path.name) + 2:-len(".weights")]
+        pid = stale.name[len(path.name) + 2:].split(".")[0]
         if pid.isdigit() and not process_alive(int(pid)):
             stale.unlink(missing_ok=True)
 
@@ -123,6 +162,7 @@ class _Rewriter:
         self.shared = {i.name for i in prepared.graph.input} | {t.name for t in prepared.graph.initializer}
         self.weights = {t.name for t in prepared.graph.initializer}
         self.rounded: dict[str, str] = {}
+        self.rounded_weights: dict[str, TensorProto] = {}  # initializers this copy reads (`PreparedGraph.rounded_weight`)
         self._limits: tuple[str, str] | None = None
         self._outer: dict[str, str] | None = None
 
@@ -143,6 +183,11 @@ class _Rewriter:
         if tensor not in self.rounded:
             half, back = f"{tensor}__to_fp16{self.suffix}", f"{tensor}__fp16{self.suffix}"
             source = tensor
+            offline = self.prepared.rounded_weight(tensor) if tensor in self.weights else None
+            if offline is not None:
+                self.rounded_weights[offline.name] = offline
+                self.rounded[tensor] = offline.name
+                return offline.name
             if tensor in self.weights:
                 # ATC clips fp32 weights to fp16's range before casting them (--is_weight_clip=1,
                 # its default): a weight beyond it becomes +-65504, not inf.
@@ -172,12 +217,14 @@ class _Rewriter:
         self.nodes.append(copy)
         for produced, final in zip(raw, outputs):
             if produced != final:
+                checks = (_OverflowChecks(self.nodes, produced, final, limit=self._fp16_limits()[1])
+                          if self.count_overflow else None)
                 half = f"{final}__to_fp16"
                 self.nodes.append(helper.make_node("Cast", [produced], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"))
                 self.nodes.append(helper.make_node("Cast", [half], [final], to=TensorProto.FLOAT, name=f"{final}__cast"))
                 self.rounded[final] = final  # already fp16-valued: consumers need not round it again
-                if self.count_overflow:
-                    self.overflow_counts.append(_overflow_count(self.nodes, produced, final))
+                if checks is not None:
+                    self.overflow_counts.append(checks.new_infinities())
         return outputs
 
     def _mapping_for_subgraphs(self) -> dict[str, str]:
@@ -219,20 +266,53 @@ def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
         nodes.append(zero)
         nodes.append(helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum"))
         outputs.append(helper.make_tensor_value_info(OVERFLOW_OUTPUT, TensorProto.FLOAT, []))
-    return with_nodes(prepared.model, nodes, outputs)
+    return _derived(prepared, nodes, outputs, writer)
 
 
-def _overflow_count(nodes: list[NodeProto], raw: str, rounded: str) -> str:
-    """Elements finite before the rounding and infinite after it."""
-    name = f"{rounded}__overflow"
+class _OverflowChecks:
+    """How many elements of `raw` the fp16 rounding turns into inf, counted in nodes written
+    before and after the rounding's two Casts.
 
-    def add(op: str, inputs: list[str], out: str, **attrs) -> str:
-        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+    Counting needs full-size masks (and a float copy to sum them), several times the tensor
+    itself: on a full-scale attention score matrix that is gigabytes. So the graph first reads
+    the largest magnitude (ReduceMax and ReduceMin make no full-size copy) and only when it
+    reaches fp16's range does an `If` build the masks. Infinities are counted before the rounding
+    (on `raw`, which can then go at once) and after it (on the rounded copy); rounding keeps every
+    inf and makes no NaN an inf, so their difference is the count of new ones."""
+
+    def __init__(self, nodes: list[NodeProto], raw: str, rounded: str, limit: str) -> None:
+        self.nodes, self.rounded, self.name = nodes, rounded, f"{rounded}__overflow"
+        high = self._add("ReduceMax", [raw], "max", keepdims=0)
+        low = self._add("Neg", [self._add("ReduceMin", [raw], "min", keepdims=0)], "neg_min")
+        largest = self._add("Max", [high, low], "largest")
+        # Not(largest < limit) rather than (largest >= limit): a NaN maximum takes the exact branch too.
+        self.reaches = self._add("Not", [self._add("Less", [largest, limit], "below")], "reaches")
+        self.raw_infinities = self._infinities_if_reaching(raw, "raw_inf")
+
+    def new_infinities(self) -> str:
+        return self._add("Sub", [self._infinities_if_reaching(self.rounded, "inf"), self.raw_infinities], "new")
+
+    def _add(self, op: str, inputs: list[str], suffix: str, **attrs) -> str:
+        out = f"{self.name}__{suffix}"
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
 
-    was_finite = add("Not", [add("IsInf", [raw], f"{name}__raw_inf")], f"{name}__raw_ok")
-    new_inf = add("And", [add("IsInf", [rounded], f"{name}__inf"), was_finite], f"{name}__new")
-    return add("ReduceSum", [add("Cast", [new_inf], f"{name}__f", to=TensorProto.FLOAT)], name, keepdims=0)
+    def _infinities_if_reaching(self, tensor: str, suffix: str) -> str:
+        """The count of infinite elements of `tensor` (float), or 0 without counting when the
+        magnitude stays below fp16's range."""
+        out = f"{self.name}__{suffix}"
+        is_inf, as_float, count = f"{out}__is_inf", f"{out}__f", f"{out}__count"
+        counted = helper.make_graph(
+            [helper.make_node("IsInf", [tensor], [is_inf], name=is_inf),
+             helper.make_node("Cast", [is_inf], [as_float], to=TensorProto.FLOAT, name=as_float),
+             helper.make_node("ReduceSum", [as_float], [count], keepdims=0, name=count)],
+            f"{out}__counted", [], [helper.make_tensor_value_info(count, TensorProto.FLOAT, [])])
+        zero = f"{out}__zero"
+        skipped = helper.make_graph(
+            [helper.make_node("Constant", [], [zero], name=zero, value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))],
+            f"{out}__skipped", [], [helper.make_tensor_value_info(zero, TensorProto.FLOAT, [])])
+        self.nodes.append(helper.make_node("If", [self.reaches], [out], name=out, then_branch=counted, else_branch=skipped))
+        return out
 
 
 def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
@@ -249,6 +329,8 @@ def run_reference(prepared: PreparedGraph, feeds: Mapping[str, np.ndarray]) -> d
 
 def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], out: Path) -> Path:
     """Write the emulated graph beside the original (it reads the original's external weights)."""
+    if prepared.rounded_weights_file is not None:
+        raise ValueError(f"{prepared.path.name}: a graph to keep needs `prepare`: `prepared_light` deletes its weight files")
     if out.parent.resolve() != prepared.path.parent.resolve():
         raise ValueError(f"{out}: an emulated graph must sit beside {prepared.path.name} to find its weights")
     onnx.save_model(emulated_model(prepared, precisions), str(out))
@@ -298,7 +380,7 @@ def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision
     stats = [_stat_nodes(nodes, o, lo, f"stat__{name}:{k}__local")
              for k, (o, lo) in enumerate(zip(node.output, local_out)) if o in prepared.float_tensors]
     outputs = [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in stats]
-    values = run_beside(prepared.path, with_nodes(prepared.model, nodes, outputs), feeds)
+    values = run_beside(prepared.path, _derived(prepared, nodes, outputs, local), feeds)
     return min((tensor_error(s, values[s]) for s in stats), key=badness, default=None)
 
 
@@ -332,7 +414,7 @@ def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrec
             name = original if original in graph_outputs else f"{node.name}:{k}"
             entry.emulated[original] = _stat_nodes(nodes, original, emu_out[k], f"stat__{name}")
         outputs += [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in entry.emulated.values()]
-    return with_nodes(prepared.model, nodes, outputs), stats
+    return _derived(prepared, nodes, outputs, emulated), stats
 
 
 def _stat_nodes(nodes: list[NodeProto], ref: str, emu: str, out: str) -> str:
@@ -382,6 +464,13 @@ _STAT_FIELDS = ("dd", "aa", "bb", "max_abs", "ref_max_abs", "emu_inf", "emu_nan"
 
 def has_subgraph(node: NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _derived(prepared: PreparedGraph, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto],
+             writer: _Rewriter) -> ModelProto:
+    """A graph of `nodes` over `prepared`'s inputs and weights, and the rounded weights `writer` reads."""
+    return with_nodes(prepared.model, nodes, outputs,
+                      initializers=[*prepared.graph.initializer, *writer.rounded_weights.values()])
 
 
 def with_nodes(model: ModelProto, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto],

@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES
+from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.records.deploy import external_data_path
 
 
@@ -63,7 +63,7 @@ def detach(source: Path, target: Path) -> tuple[onnx.ModelProto, dict[str, str]]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in weights)
-    return model, detached
+    return released(model), detached
 
 
 def move_inline_weights(model: onnx.ModelProto, data: Path) -> None:

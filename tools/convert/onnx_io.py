@@ -37,3 +37,10 @@ def _saved(model: onnx.ModelProto, path: Path, external: Path) -> bool:
     if not path.exists():
         onnx.save_model(model, str(path))
     return external.is_file()  # no .data when every tensor is under the per-tensor threshold
+
+
+def released(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` parsed anew from its own bytes. Protobuf keeps a parsed message's bytes in one
+    arena that lives as long as any part of the message does: once its weights are moved out or
+    cleared, the old message still holds their bytes (gigabytes for a full-scale backbone)."""
+    return onnx.ModelProto.FromString(model.SerializeToString())

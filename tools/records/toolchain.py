@@ -70,9 +70,10 @@ class OnnxSummary(Record):
 # -- optimize_onnx --------------------------------------------------------------------------
 
 VariantName = Literal["original", "onnxslim", "auto_optimizer"]
-# unchanged: the optimiser left the graph as it was (nothing saved); not_checked: built, but a
-# more optimised variant built on it passed first, so it was never probed.
-VariantStatus = Literal["ok", "unchanged", "not_checked", "failed", "unavailable"]
+# unchanged: the optimiser left the graph as it was (nothing saved); marginal: on a big graph it
+# changed too few nodes to be worth a probe (nothing saved); not_checked: built, but a more
+# optimised variant built on it passed first, so it was never probed.
+VariantStatus = Literal["ok", "unchanged", "marginal", "not_checked", "failed", "unavailable"]
 CheckName = Literal["onnx_checker", "ort_load", "outputs_produced", "parity"]
 
 

@@ -124,6 +124,7 @@ class GraphMemory:
 
     def __init__(self, path: str | Path) -> None:
         import onnx
+        from omskills.convert.onnx_io import released
 
         self.path = Path(path)
         if not self.path.is_file():
@@ -139,6 +140,7 @@ class GraphMemory:
         self._constant_bytes = _constant_bytes(self._model)
         self.weights_bytes = sum(self._constant_bytes.values())
         _drop_weight_data(self._model)
+        self._model = released(self._model)
         self.input_names = [value.name for value in graph.input if value.name not in self._static]
 
     def estimate(self, input_shapes: Mapping[str, Sequence[int]]) -> MemoryEstimate:

@@ -37,6 +37,7 @@ from omskills.report.pictures import save_png, side_by_side
 from omskills.report.render import template_environment
 from omskills.report.stage_status import STAGES, stage_status
 from omskills.runtime import BACKENDS, open_backend
+from omskills.runtime.paged_weights import page_out
 from omskills.runtime.serving import SERVING_BACKENDS, open_graph
 from omskills.runtime.splice import SpliceBackend, SpliceHandle, splice
 from omskills.stages.model import open_model
@@ -132,7 +133,9 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     with running_step(task_path, "verify:emulated" if emulated else "verify", inputs_hash) as step:
         progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({driver.step_name}s)...")
         reference = model.run()
-        # The reference run's activations are freed; hand the pages back before the sessions load.
+        # From here the candidates' PyTorch weights only serve fallbacks: out of memory before the
+        # sessions load the same weights again. The reference run's activations go back too.
+        page_out([loaded.root.get_submodule(record.contracts[n].module_path) for n in names], workdir / "verify")
         return_freed_memory()
         replacements = [(record.contracts[n], _open(record, workdir, n, backend, emulated)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
