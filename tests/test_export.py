@@ -319,3 +319,20 @@ def test_exports_build_the_torchlib_registry_once_and_keep_their_custom_translat
     [shared] = export_module._TORCHLIB_REGISTRIES.values()
     assert not any(meta.is_custom for metas in shared.functions.values() for meta in metas)  # kept out of the shared one
     assert _registration.ONNXRegistry.from_torchlib is counted  # put back after each export
+
+
+def test_an_exported_module_is_freed_once_its_owner_lets_it_go(tmp_path):
+    """The exporter wraps the module's parameters, not copies; nothing it leaves behind (onnxscript's
+    rewrite rules remember their last match) may keep them alive after the export."""
+    import gc
+    import weakref
+
+    mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    host = nn.Sequential(mlp).eval()
+    x = torch.randn(2, 64)
+    [contract] = _capture_single(host, x)
+    weight = weakref.ref(mlp[0].weight)
+    export_onnx(mlp, contract, [x], tmp_path / "mlp.onnx")
+    del mlp, host
+    gc.collect()
+    assert weight() is None

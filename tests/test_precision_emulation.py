@@ -208,6 +208,29 @@ def test_keep_dtype_under_must_keep_origin_dtype_is_refused(tmp_path, matmul_bey
                            input_shapes={"x": [2, 4]}, precision_mode="must_keep_origin_dtype", keep_dtype="k.cfg")
 
 
+def test_the_layer_figures_of_finite_tensors_are_those_numpy_computes_from_the_two_runs(tmp_path):
+    """One Mul under force_fp16, emulated here in numpy: its inputs and output rounded to fp16,
+    the product in fp32. The graph's figures (taken on the light branch, as nothing is inf)
+    equal numpy's in float64."""
+    scale = numpy_helper.from_array(np.array(1.37, np.float32), "scale")
+    path = _save(tmp_path, "mul", [helper.make_node("Mul", ["x", "scale"], ["y"], name="mul")],
+                 [_vi("x", [3, 5, 7])], [_vi("y", [3, 5, 7])], [scale])
+    x = np.random.default_rng(3).standard_normal((3, 5, 7)).astype(np.float32) * 10
+    prepared = prepare(path)
+
+    result = compare_layers(prepared, precisions_for(prepared, "force_fp16"), {"x": x})
+
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    reference = (x * np.float32(1.37)).astype(np.float64)
+    emulated = half(half(x) * half(np.float32(1.37))).astype(np.float64)
+    cosine = reference.ravel() @ emulated.ravel() / np.linalg.norm(reference) / np.linalg.norm(emulated)
+    [output] = result.outputs
+    assert output.max_abs == pytest.approx(np.abs(emulated - reference).max(), rel=1e-6)
+    assert output.ref_max_abs == pytest.approx(np.abs(reference).max(), rel=1e-6)
+    assert output.cosine == pytest.approx(cosine, abs=1e-9) and output.cosine < 1.0
+    assert output.overflow == output.nan == 0
+
+
 def test_a_mask_that_is_minus_inf_in_fp32_too_is_compared_over_its_finite_elements(tmp_path):
     """An attention mask adds -inf in both runs: that is no overflow, and the rest is compared."""
     mask = numpy_helper.from_array(np.where(np.arange(8) % 2, -np.inf, 0.0).astype(np.float32).reshape(1, 8), "mask")

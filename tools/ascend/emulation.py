@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -51,6 +51,7 @@ class PreparedGraph:
     float_tensors: set[str]
     producers: dict[str, NodeProto] = field(default_factory=dict)
     elem_types: dict[str, int] = field(default_factory=dict)  # tensor -> TensorProto type, where known
+    ranks: dict[str, int] = field(default_factory=dict)  # tensor -> rank, where shape inference knows it
     # Set by `prepared_light`: a scratch file beside the graph for weights rounded to fp16 here
     # (see `rounded_weight`); None where derived graphs must round their weights in-graph.
     rounded_weights_file: Path | None = None
@@ -113,8 +114,11 @@ def prepare(path: str | Path, weights_to: Path | None = None) -> PreparedGraph:
     elem_types = {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
     elem_types.update({t.name: t.data_type for t in model.graph.initializer})
     float_tensors = {name for name, kind in elem_types.items() if kind == TensorProto.FLOAT}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+    ranks.update({t.name: len(t.dims) for t in model.graph.initializer})
     producers = {o: n for n in model.graph.node for o in n.output}
-    return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers, elem_types=elem_types)
+    return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers, elem_types=elem_types,
+                         ranks=ranks)
 
 
 @contextmanager
@@ -377,7 +381,7 @@ def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision
         if before.name == name:
             break
     local_out = local.emit(node, precision, list(node.input), tag="")
-    stats = [_stat_nodes(nodes, o, lo, f"stat__{name}:{k}__local")
+    stats = [_stat_nodes(prepared, nodes, o, lo, f"stat__{name}:{k}__local")
              for k, (o, lo) in enumerate(zip(node.output, local_out)) if o in prepared.float_tensors]
     outputs = [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in stats]
     values = run_beside(prepared.path, _derived(prepared, nodes, outputs, local), feeds)
@@ -393,7 +397,9 @@ class _Stats:
 
 def _stat_constants() -> list[NodeProto]:
     return [helper.make_node("Constant", [], [_ONE], name=f"{_ONE}__const", value=helper.make_tensor("v", TensorProto.INT64, [1], [1])),
-            helper.make_node("Constant", [], [_ZERO], name=f"{_ZERO}__const", value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))]
+            helper.make_node("Constant", [], [_ZERO], name=f"{_ZERO}__const", value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0])),
+            helper.make_node("Constant", [], [_LAST_AXIS], name=f"{_LAST_AXIS}__const", value=helper.make_tensor("v", TensorProto.INT64, [1], [-1])),
+            helper.make_node("Constant", [], [_NO_COUNTS], name=f"{_NO_COUNTS}__const", value=helper.make_tensor("v", TensorProto.DOUBLE, [4], [0.0] * 4))]
 
 
 def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]) -> tuple[ModelProto, dict[str, _Stats]]:
@@ -412,53 +418,109 @@ def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrec
             if not original or original not in prepared.float_tensors:
                 continue
             name = original if original in graph_outputs else f"{node.name}:{k}"
-            entry.emulated[original] = _stat_nodes(nodes, original, emu_out[k], f"stat__{name}")
+            entry.emulated[original] = _stat_nodes(prepared, nodes, original, emu_out[k], f"stat__{name}")
         outputs += [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in entry.emulated.values()]
     return _derived(prepared, nodes, outputs, emulated), stats
 
 
-def _stat_nodes(nodes: list[NodeProto], ref: str, emu: str, out: str) -> str:
-    """Nine numbers comparing `emu` with `ref`, reduced inside the graph: sums of squares in
-    float64 (the cosine comes from them without cancellation), maxima in float32 over finite
-    elements (the infinite ones are counted), inf and NaN counts."""
+def _stat_nodes(prepared: PreparedGraph, nodes: list[NodeProto], ref: str, emu: str, out: str) -> str:
+    """Nine numbers comparing `emu` with `ref` (the fp32 tensor `ref` of `prepared`), reduced
+    inside the graph: sums of squares of the error and of both tensors, max abs error, max
+    |reference|, inf and NaN counts of both (`_STAT_FIELDS`).
+
+    Exactly, with inf and NaN masked out and counted, that takes several copies of the tensor
+    at once (masks, masked copies, float64 casts): about eight for a full-scale attention score
+    matrix, tens of GB. So the graph first sums both tensors (no copy): when the sums are finite,
+    no element is inf or NaN and an `If` takes the light branch, which holds one copy, the error."""
 
     def add(op: str, inputs: list[str], suffix: str, **attrs) -> str:
         name = f"{out}__{suffix}"
         nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
         return name
 
-    def as64(x: str, suffix: str) -> str:
-        return add("Reshape", [add("Cast", [x], f"{suffix}_64", to=TensorProto.DOUBLE), _ONE], suffix)
+    total = add("Add", [add("ReduceSum", [ref], "ref_sum", keepdims=0), add("ReduceSum", [emu], "emu_sum", keepdims=0)], "sum")
+    finite = add("Not", [add("Or", [add("IsInf", [total], "sum_inf"), add("IsNaN", [total], "sum_nan")], "sum_bad")], "finite")
+    light = _branch(f"{out}__finite", lambda add: _finite_stats(add, ref, emu, prepared.ranks.get(ref), _opset(prepared.model)))
+    exact = _branch(f"{out}__masked", lambda add: _masked_stats(add, ref, emu))
+    nodes.append(helper.make_node("If", [finite], [out], name=out, then_branch=light, else_branch=exact))
+    return out
+
+
+def _branch(name: str, build: Callable[[Callable[..., str]], list[str]]) -> GraphProto:
+    """A subgraph whose nodes `build` adds; its one output, the nine stats, concatenated."""
+    nodes: list[NodeProto] = []
+
+    def add(op: str, inputs: list[str], suffix: str, **attrs) -> str:
+        out = f"{name}__{suffix}"
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    concat = add("Concat", build(add), "stats", axis=0)
+    return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(concat, TensorProto.DOUBLE, [len(_STAT_FIELDS)])])
+
+
+def _as64(add: Callable[..., str], x: str, suffix: str) -> str:
+    return add("Reshape", [add("Cast", [x], f"{suffix}_64", to=TensorProto.DOUBLE), _ONE], suffix)
+
+
+def _finite_stats(add: Callable[..., str], ref: str, emu: str, rank: int | None, opset: int) -> list[str]:
+    """The stats of two tensors without inf or NaN. Sums of squares are taken along the last
+    axis in float32 first (each row's sum is as exact as the elements, a few ulps), then over
+    the rows in float64; where the rank is unknown, the whole tensor is cast to float64."""
+
+    def sum_of_squares(x: str, suffix: str) -> str:
+        if not rank:
+            return _as64(add, add("ReduceSumSquare", [add("Cast", [x], f"{suffix}_full64", to=TensorProto.DOUBLE)],
+                                  f"{suffix}_s", keepdims=0), suffix)
+        axes = {"axes": [-1]} if opset < 18 else {}
+        rows = add("ReduceSumSquare", [x, *([_LAST_AXIS] if opset >= 18 else [])], f"{suffix}_rows", keepdims=1, **axes)
+        return add("Reshape", [add("ReduceSum", [add("Cast", [rows], f"{suffix}_rows64", to=TensorProto.DOUBLE)],
+                                   f"{suffix}_s", keepdims=0), _ONE], suffix)
+
+    def largest_magnitude(x: str, suffix: str) -> str:
+        high, low = add("ReduceMax", [x], f"{suffix}_hi", keepdims=0), add("ReduceMin", [x], f"{suffix}_lo", keepdims=0)
+        return _as64(add, add("Max", [high, add("Neg", [low], f"{suffix}_neg")], f"{suffix}_s"), suffix)
+
+    diff = add("Sub", [emu, ref], "d")
+    dd, max_abs = sum_of_squares(diff, "dd"), largest_magnitude(diff, "max_abs")  # the error's uses first: it can go
+    return [dd, sum_of_squares(ref, "aa"), sum_of_squares(emu, "bb"), max_abs, largest_magnitude(ref, "ref_max_abs"), _NO_COUNTS]
+
+
+def _masked_stats(add: Callable[..., str], ref: str, emu: str) -> list[str]:
+    """The stats over the elements finite in both tensors (attention masks hold -inf in fp32
+    too), sums of squares in float64; the infinite and NaN elements counted apart."""
 
     def count(mask: str, suffix: str) -> str:
-        return as64(add("ReduceSum", [add("Cast", [mask], f"{suffix}_f", to=TensorProto.FLOAT)], f"{suffix}_n", keepdims=0), suffix)
+        return _as64(add, add("ReduceSum", [add("Cast", [mask], f"{suffix}_f", to=TensorProto.FLOAT)], f"{suffix}_n", keepdims=0), suffix)
 
     def masks(x: str, suffix: str) -> tuple[str, str, str]:
         """Where `x` is infinite, NaN, finite."""
         inf, nan = add("IsInf", [x], f"{suffix}_inf"), add("IsNaN", [x], f"{suffix}_nan")
         return inf, nan, add("Not", [add("Or", [inf, nan], f"{suffix}_bad")], f"{suffix}_ok")
 
-    # Sums and maxima over the elements finite in both runs (attention masks hold -inf in fp32
-    # too); the infinite and NaN ones are counted apart.
     a_inf, a_nan, a_ok = masks(ref, "a")
     b_inf, b_nan, b_ok = masks(emu, "b")
     both = add("And", [a_ok, b_ok], "both")
     ref_f, emu_f = add("Where", [both, ref, _ZERO], "a_f"), add("Where", [both, emu, _ZERO], "b_f")
     diff = add("Sub", [emu_f, ref_f], "d")
-    parts = [
-        as64(add("ReduceSumSquare", [add("Cast", [diff], "d64", to=TensorProto.DOUBLE)], "dd_s", keepdims=0), "dd"),
-        as64(add("ReduceSumSquare", [add("Cast", [ref_f], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"),
-        as64(add("ReduceSumSquare", [add("Cast", [emu_f], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"),
-        as64(add("ReduceMax", [add("Abs", [diff], "ad")], "max_abs_s", keepdims=0), "max_abs"),
-        as64(add("ReduceMax", [add("Abs", [ref_f], "aabs")], "ref_max_s", keepdims=0), "ref_max_abs"),
+    return [
+        _as64(add, add("ReduceSumSquare", [add("Cast", [diff], "d64", to=TensorProto.DOUBLE)], "dd_s", keepdims=0), "dd"),
+        _as64(add, add("ReduceSumSquare", [add("Cast", [ref_f], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"),
+        _as64(add, add("ReduceSumSquare", [add("Cast", [emu_f], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"),
+        _as64(add, add("ReduceMax", [add("Abs", [diff], "ad")], "max_abs_s", keepdims=0), "max_abs"),
+        _as64(add, add("ReduceMax", [add("Abs", [ref_f], "aabs")], "ref_max_s", keepdims=0), "ref_max_abs"),
         count(b_inf, "b_inf_n"), count(b_nan, "b_nan_n"), count(a_inf, "a_inf_n"), count(a_nan, "a_nan_n"),
     ]
-    nodes.append(helper.make_node("Concat", parts, [out], name=f"{out}__concat", axis=0))
-    return out
+
+
+def _opset(model: ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 _ONE = "__shape_one"
 _ZERO = "__zero"
+_LAST_AXIS = "__last_axis"
+_NO_COUNTS = "__no_counts"  # the four inf and NaN counts of tensors with neither
 _STAT_FIELDS = ("dd", "aa", "bb", "max_abs", "ref_max_abs", "emu_inf", "emu_nan", "ref_inf", "ref_nan")
 
 

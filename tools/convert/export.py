@@ -389,6 +389,26 @@ def _torchlib_registry_reused() -> Iterator[None]:
         yield
 
 
+def _release_rewriter_matches() -> None:
+    """Drop what onnxscript's default rewrite rules remember of their last match.
+
+    Each rule's matcher keeps the graph it last matched in, and an exported graph's weights are
+    the module's own parameters (wrapped, not copied): so after every export the rules held the
+    model's weights alive, and a released full-scale model kept about 4 GB in the server."""
+    from onnxscript import rewriter
+    from onnxscript.rewriter import _basics
+
+    for rule in getattr(rewriter, "_DEFAULT_REWRITE_RULES", ()):
+        matcher = getattr(rule, "_matcher", None)
+        if matcher is None:
+            continue
+        for attribute in ("_graph", "_current_node"):
+            if hasattr(matcher, attribute):
+                setattr(matcher, attribute, None)
+        if hasattr(matcher, "_match"):
+            matcher._match = _basics.MatchResult()
+
+
 def _run_exporter(
     wrapper: ContractWrapper,
     samples: tuple[torch.Tensor, ...],
@@ -405,7 +425,8 @@ def _run_exporter(
         if exporter == "dynamo":
             # The wrapper's forward takes *inputs: one dynamic-shape entry per tensor, in one tuple.
             shapes = tuple(axes.get(name) for name in input_names)
-            with _torchlib_registry_reused():
+            with _torchlib_registry_reused(), contextlib.ExitStack() as cleanup:
+                cleanup.callback(_release_rewriter_matches)
                 torch.onnx.export(
                     wrapper,
                     samples,
