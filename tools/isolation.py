@@ -67,3 +67,20 @@ def _end_children(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     for child in list((getattr(pool, "_processes", None) or {}).values()):
         child.terminate()
 
+
+def return_freed_memory() -> None:
+    """Collect garbage, then give freed heap pages back to the system (glibc keeps them otherwise).
+
+    After a full-scale model is dropped the process still shows ~10 GB RSS: torch's and
+    protobuf's big buffers came from the heap, and glibc only returns its top. A child process
+    that needs that memory next (optimising the 2 GB backbone) would be OOM-killed.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only; elsewhere nothing to do
+        libc.malloc_trim(0)

@@ -4,12 +4,13 @@ Variants: `original` (the export as is), `onnxslim` (onnxslim's graph simplifica
 `auto_optimizer` (Huawei's msit surgeon knowledge bases, through `auto_optimizer_compat`).
 Both optimisers work on the graph with its weights detached (`convert.detached_weights`), so
 a 2 GB model is rewritten as a graph of a few MB. A variant that changes nothing is `unchanged`:
-not saved, not probed. On a big graph, an onnxslim variant that changes under MARGINAL_SHARE of
+not saved, not probed. On a big graph, a variant that adds or removes under MARGINAL_SHARE of
 its nodes is `marginal`, not saved either: its probe would be a full run of the graph (minutes
-for a full-scale backbone) for a rewrite ONNX Runtime and ATC make themselves when they load it. A variant is checked — onnx checker, ONNX Runtime loads it, every graph
-output is produced, parity against the PyTorch reference samples — most optimised first, and
-the preferred one is the first of auto_optimizer -> onnxslim -> original that passes and is no
-less accurate than the original; a variant under the chosen one is `not_checked`.
+for a full-scale backbone) for a rewrite ONNX Runtime and ATC make themselves when they load it.
+A variant is checked — onnx checker, ONNX Runtime loads it, every graph output is produced,
+parity against the PyTorch reference samples — most optimised first, and the preferred one is
+the first of auto_optimizer -> onnxslim -> original that passes and is no less accurate than
+the original; a variant under the chosen one is `not_checked`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_know
 from omskills.convert.detached_weights import attach, detach, discard
 from omskills.convert.inspect import load_model_proto
 from omskills.errors import InputError, OmskillsError
-from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
+from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, return_freed_memory, run_in_child
 from omskills.records.parity import OutputParity, ParityReport, Verdict, overall_verdict, verdict_rank
 from omskills.records.toolchain import (
     BatchSplit,
@@ -55,9 +56,9 @@ def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.n
     return sample
 
 VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
-# Share of a big graph's nodes (ISOLATE_MIN_BYTES and more) an onnxslim variant must change to be
-# kept and probed: onnxslim on the full-scale SAM 3 backbone changed 5 of 2149 nodes, and probing
-# that variant took 100 s.
+# Share of a big graph's nodes (ISOLATE_MIN_BYTES and more) a variant must add or remove to be
+# kept and probed: on the full-scale SAM 3 backbone onnxslim removed 5 of 2149 nodes and
+# auto_optimizer merged one pair of Slices, and probing either variant took 100 s.
 MARGINAL_SHARE = 0.01
 PREFERENCE: tuple[VariantName, ...] = ("auto_optimizer", "onnxslim", "original")
 
@@ -97,6 +98,10 @@ def optimize_variants(
             results.append(check_variant(name, original, samples, probed=original_probe) if original_probe is not None
                            else _run(isolate, _check, VariantResult(name=name, status="ok", path=str(original)),
                                      samples, batch_split))
+            if isolate:
+                # The checks read a big model here; glibc would keep its pages (GBs) while the
+                # variants are built and probed in children.
+                return_freed_memory()
         else:
             results.append(_run(isolate, _build, name, _source_for(name, original, results),
                                 out / f"{original.stem}.{name}.onnx", knowledges))
@@ -161,16 +166,16 @@ def _build(name: VariantName, source: Path, destination: Path, knowledges: list[
     try:
         if name == "onnxslim":
             share = make_onnxslim(source, destination, min_share)
-            changed = share is not None and share >= min_share
         else:
-            knowledge_outcomes, changed = make_auto_optimizer(source, destination, knowledges)
+            knowledge_outcomes, share = make_auto_optimizer(source, destination, knowledges, min_share)
     except AutoOptimizerUnavailable as err:
         return VariantResult(name=name, status="unavailable", built_from=str(source), reason=str(err))
     except Exception as err:  # one variant's failure must not stop the others
         return VariantResult(
             name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
         )
-    marginal = not changed and share is not None
+    changed = share is not None and share >= min_share
+    marginal = share is not None and not changed
     reason = None if changed else f"{name} left the graph as it was"
     if marginal:
         reason = (f"{name} added or removed {share:.2%} of the nodes, under the {min_share:.0%} worth a probe of a graph of "
@@ -218,8 +223,9 @@ def _signature(model: onnx.ModelProto) -> Counter[bytes]:
 
 def make_onnxslim(source: Path, target: Path, min_share: float = 0.0) -> float | None:
     """onnxslim on the graph with its weights detached (see convert.detached_weights). Returns
-    None when it changed nothing, else the share of the graph's nodes it removed or added (0 when
-    it only rewrote some); nothing is kept when it changed nothing or under `min_share`."""
+    None when it changed nothing, else the share of the graph's nodes it added or removed
+    (`_operator_share`, 0 when it only rewrote some); nothing is kept when it changed nothing or
+    under `min_share`."""
     import onnxslim
 
     model, weights = detach(source, target)
@@ -230,26 +236,32 @@ def make_onnxslim(source: Path, target: Path, min_share: float = 0.0) -> float |
     if not isinstance(slim, onnx.ModelProto):
         discard(target)
         raise OmskillsError(f"onnxslim returned {type(slim).__name__}, not a model, for {source}")
-    if _signature(slim) == before:
-        _keep(slim, weights, target, changed=False)
-        return None
-    # Nodes added or removed, per operator type: onnxslim renames tensors all over the graph,
-    # which no count of rewritten nodes should take for work done.
-    ops_before, ops_after = (Counter(n.op_type for n in m.graph.node) for m in (model, slim))
-    share = (sum((ops_before - ops_after).values()) + sum((ops_after - ops_before).values())) / max(len(model.graph.node), 1)
-    _keep(slim, weights, target, changed=share >= min_share)
+    share = _operator_share(model, slim) if _signature(slim) != before else None
+    _keep(slim, weights, target, changed=share is not None and share >= min_share)
     return share
 
 
-def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None) -> tuple[list[KnowledgeOutcome], bool]:
-    """auto_optimizer's knowledges on the graph with its weights detached; the outcomes, and
-    whether the graph changed (nothing is kept when it did not)."""
+def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None,
+                        min_share: float = 0.0) -> tuple[list[KnowledgeOutcome], float | None]:
+    """auto_optimizer's knowledges on the graph with its weights detached; the outcomes, and as
+    `make_onnxslim` the share of the nodes they added or removed (None when none applied)."""
     model, weights = detach(source, target)
     with stdout_to_stderr():
         api = load_auto_optimizer()
         optimised, outcomes = apply_knowledges(api, model, knowledges)
     # Its graph object rewrites every Constant as an initializer: what changed is what applied.
-    return outcomes, _keep(optimised, weights, target, changed=any(o.outcome == "applied" for o in outcomes))
+    share = _operator_share(model, optimised) if any(o.outcome == "applied" for o in outcomes) else None
+    _keep(optimised, weights, target, changed=share is not None and share >= min_share)
+    return outcomes, share
+
+
+def _operator_share(before: onnx.ModelProto, after: onnx.ModelProto) -> float:
+    """Nodes added or removed, counted per operator type, as a share of `before`'s nodes.
+    Constants aside (auto_optimizer turns them into initializers), and renamed tensors do not
+    count (onnxslim renames them all over the graph)."""
+    ops_before, ops_after = (Counter(n.op_type for n in m.graph.node if n.op_type != "Constant") for m in (before, after))
+    moved = sum((ops_before - ops_after).values()) + sum((ops_after - ops_before).values())
+    return moved / max(sum(ops_before.values()), 1)
 
 
 def _keep(model: onnx.ModelProto, weights: dict[str, str], target: Path, changed: bool) -> bool:
