@@ -1,10 +1,11 @@
 """The weights of modules a backend now serves, moved out of memory into a file mapping.
 
 Once a candidate is spliced its PyTorch weights only serve fallbacks, yet they stay in memory
-beside the session that holds the same weights again: for a full-scale SAM 3 the spliced pass
-held both copies, gigabytes above the eager pass. Paged out, the tensors keep their values and
-stay usable (a fallback reads them back from the page cache, page by page), but the pages are
-the file's, not the process's, and no page is resident until something reads it.
+beside the session that holds the same weights again: for a full-scale video model the
+spliced pass held both copies, gigabytes above the eager pass. Paged out, the tensors keep
+their values and stay usable (a fallback reads them back from the page cache, page by page),
+but the pages are the file's, not the process's, and no page is resident until something
+reads it.
 """
 
 from __future__ import annotations
