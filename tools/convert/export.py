@@ -393,8 +393,8 @@ def _release_rewriter_matches() -> None:
     """Drop what onnxscript's default rewrite rules remember of their last match.
 
     Each rule's matcher keeps the graph it last matched in, and an exported graph's weights are
-    the module's own parameters (wrapped, not copied): so after every export the rules held the
-    model's weights alive, and a released full-scale model kept about 4 GB in the server."""
+    the module's own parameters (wrapped, not copied): so after an export the rules kept some of
+    the model's weights alive, however long after the model itself was released."""
     from onnxscript import rewriter
     from onnxscript.rewriter import _basics
 
