@@ -425,21 +425,23 @@ def _run_exporter(
         if exporter == "dynamo":
             # The wrapper's forward takes *inputs: one dynamic-shape entry per tensor, in one tuple.
             shapes = tuple(axes.get(name) for name in input_names)
-            with _torchlib_registry_reused(), contextlib.ExitStack() as cleanup:
-                cleanup.callback(_release_rewriter_matches)
-                torch.onnx.export(
-                    wrapper,
-                    samples,
-                    str(path),
-                    dynamo=True,
-                    opset_version=opset,
-                    input_names=input_names,
-                    output_names=output_names,
-                    dynamic_shapes=(shapes,) if axes else None,
-                    custom_translation_table=translation_table(),
-                    external_data=True,
-                    verbose=False,
-                )
+            try:
+                with _torchlib_registry_reused():
+                    torch.onnx.export(
+                        wrapper,
+                        samples,
+                        str(path),
+                        dynamo=True,
+                        opset_version=opset,
+                        input_names=input_names,
+                        output_names=output_names,
+                        dynamic_shapes=(shapes,) if axes else None,
+                        custom_translation_table=translation_table(),
+                        external_data=True,
+                        verbose=False,
+                    )
+            finally:
+                _release_rewriter_matches()
         else:
             # torch enables the TorchScript exporter's C++ log on every export (it tests the function
             # object, not its result) and that log writes to C++ stdout: send it to stderr for good.

@@ -174,7 +174,7 @@ def _build(name: VariantName, source: Path, destination: Path, knowledges: list[
         return VariantResult(
             name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
         )
-    changed = share is not None and share >= min_share
+    changed = _worth_keeping(share, min_share)
     marginal = share is not None and not changed
     reason = None if changed else f"{name} left the graph as it was"
     if marginal:
@@ -237,7 +237,7 @@ def make_onnxslim(source: Path, target: Path, min_share: float = 0.0) -> float |
         discard(target)
         raise OmskillsError(f"onnxslim returned {type(slim).__name__}, not a model, for {source}")
     share = _operator_share(model, slim) if _signature(slim) != before else None
-    _keep(slim, weights, target, changed=share is not None and share >= min_share)
+    _keep(slim, weights, target, changed=_worth_keeping(share, min_share))
     return share
 
 
@@ -251,7 +251,7 @@ def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None
         optimised, outcomes = apply_knowledges(api, model, knowledges)
     # Its graph object rewrites every Constant as an initializer: what changed is what applied.
     share = _operator_share(model, optimised) if any(o.outcome == "applied" for o in outcomes) else None
-    _keep(optimised, weights, target, changed=share is not None and share >= min_share)
+    _keep(optimised, weights, target, changed=_worth_keeping(share, min_share))
     return outcomes, share
 
 
@@ -264,12 +264,16 @@ def _operator_share(before: onnx.ModelProto, after: onnx.ModelProto) -> float:
     return moved / max(sum(ops_before.values()), 1)
 
 
-def _keep(model: onnx.ModelProto, weights: dict[str, str], target: Path, changed: bool) -> bool:
+def _worth_keeping(share: float | None, min_share: float) -> bool:
+    """A variant is kept when its optimiser changed the graph (`share` not None) by at least `min_share`."""
+    return share is not None and share >= min_share
+
+
+def _keep(model: onnx.ModelProto, weights: dict[str, str], target: Path, changed: bool) -> None:
     if not changed:
         discard(target)
-        return False
+        return
     onnx.save_model(attach(model, weights), str(target))
-    return True
 
 
 def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None,
