@@ -336,3 +336,42 @@ def test_an_exported_module_is_freed_once_its_owner_lets_it_go(tmp_path):
     del mlp, host
     gc.collect()
     assert weight() is None
+
+
+def test_the_exporter_optimises_without_rules_quadratic_in_the_graph(tmp_path, monkeypatch):
+    """onnxscript matches a rewrite rule whose pattern ends in several nodes (two Slices of one
+    tensor -> one Split) by trying combinations of graph nodes, quadratic in the graph's size (a
+    minute on a full-scale backbone): the export's optimiser runs without such rules, and the
+    rules are put back afterwards."""
+    from onnxscript import rewriter
+
+    def several_ends(rules):
+        return [rule for rule in rules if hasattr(rule, "_target_pattern") and not rule._target_pattern.has_single_output_node]
+
+    seen: list[tuple] = []
+    original_init = rewriter.RewritePass.__init__
+
+    def recording_init(self, rules, *args, **kwargs):
+        seen.append(tuple(rules))
+        original_init(self, rules, *args, **kwargs)
+
+    monkeypatch.setattr(rewriter.RewritePass, "__init__", recording_init)
+    rules_before = rewriter._DEFAULT_REWRITE_RULES
+    assert several_ends(rules_before)  # onnxscript has such a rule: leaving it out is a real change
+
+    class RotateHalf(nn.Module):
+        def forward(self, x):
+            half = x.shape[-1] // 2
+            return torch.cat([-x[..., half:], x[..., :half]], dim=-1) * 2.0
+
+    rotate = RotateHalf().eval()
+    host = nn.Sequential(rotate).eval()
+    x = torch.randn(2, 3, 8)
+    [contract] = _capture_single(host, x)
+    path = export_onnx(rotate, contract, [x], tmp_path / "rotate.onnx").path
+
+    assert seen and not any(several_ends(rules) for rules in seen)
+    assert rewriter._DEFAULT_REWRITE_RULES is rules_before
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    [out] = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_array_equal(out, rotate(x).numpy())
