@@ -31,7 +31,6 @@ from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.convert.detached_weights import move_inline_weights
 from omskills.convert.onnx_io import released
 from omskills.files import process_alive
-from omskills.isolation import trim_heap
 from omskills.records.precision import (
     EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
 )
@@ -568,8 +567,6 @@ def run_beside(original: Path, model: ModelProto, feeds: Mapping[str, np.ndarray
         wanted = {i.name for i in session.get_inputs()}
         names = [o.name for o in session.get_outputs()]
         arrays = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
-    del session
-    trim_heap()  # the run's activations, freed to glibc: the next graph's session needs those pages
     return dict(zip(names, arrays))
 
 

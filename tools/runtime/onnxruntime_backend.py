@@ -7,7 +7,6 @@ same import name as `onnxruntime`; whichever wheel is installed decides what is 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -26,11 +25,6 @@ CPU_PROVIDER = "CPUExecutionProvider"
 # Attention is fused in memory for models up to this size: the rewrite holds the model twice
 # (parsed and serialised) next to the session's own copy; a bigger model opens as exported.
 FUSE_IN_MEMORY_MAX_BYTES = 1 << 30
-
-# After a run this long the heap is trimmed (`trim_heap`, tens of ms): without the arena the run's
-# activations were freed to glibc, which keeps the pages; the next session or the PyTorch code
-# between calls would otherwise see GBs (a full-scale backbone call: 3 GB) still taken.
-TRIM_AFTER_RUN_SECONDS = 1.0
 
 # ONNX Runtime reports element types as "tensor(<onnx name>)"; these are the names that
 # differ from numpy's spelling. Others ("int64", "bool", "float16", ...) are the same.
@@ -163,7 +157,6 @@ class OnnxRuntimeBackend(RuntimeBackend):
 
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         names = [spec.name for spec in self._outputs]
-        started = time.perf_counter()
         try:
             values = self._session.run(names, feeds)
         except Exception as exc:
@@ -176,8 +169,8 @@ class OnnxRuntimeBackend(RuntimeBackend):
             self.fused_attention_blocks = 0
             self._session = self._new_session(None)
             return self._infer_impl(feeds)
-        if time.perf_counter() - started >= TRIM_AFTER_RUN_SECONDS:
-            trim_heap()
+        # The heap is not trimmed after a run: the next run, or PyTorch between calls, reuses those
+        # pages, and trimming made it fault them in again (a memory-attention call: 14 % slower).
         return dict(zip(names, values))
 
     def _deactivate_impl(self) -> None:

@@ -73,6 +73,16 @@ def _checked_modes(modes: list[str] | None) -> list[str]:
     return chosen
 
 
+def _precision_on_sample(model: Path, feeds: dict[str, np.ndarray], sample_path: Path, sample: str, modes: list[str],
+                         split: BatchSplit | None) -> PrecisionReport:
+    """`precision_report` against the sample's PyTorch outputs, read here: in a child, rather than
+    held by the server and sent through the pipe for as long as the child runs (a full-scale
+    backbone's outputs are a GB, and both copies counted)."""
+    _, outputs = sample_arrays(sample_path)
+    outputs = _first_chunk(outputs, split.output_axes if split else None, split)
+    return precision_report(model, feeds, sample, modes, None, outputs)
+
+
 def _first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
     """The first captured sample's inputs, cut to the batch ONNX Runtime can hold here."""
     feeds, _, sample = _first_sample(record, workdir, name)
@@ -110,11 +120,12 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     existing = record.toolchain_of(name).precision
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
-    feeds, outputs, sample = _first_sample(record, workdir, name)
+    feeds, sample = _first_feeds(record, workdir, name)
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
-            report = emulation_runner(model, feeds)(precision_report, model, feeds, sample, chosen, None, outputs)
+            report = emulation_runner(model, feeds)(_precision_on_sample, model, feeds, workdir / sample, sample, chosen,
+                                                    record.batch_split_of(name))
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types
