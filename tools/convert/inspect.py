@@ -9,6 +9,7 @@ from pathlib import Path
 
 import onnx
 from google.protobuf.message import DecodeError
+from omskills.convert.onnx_io import all_tensors
 from omskills.errors import InputError
 from omskills.records.toolchain import ExternalDataInfo, OnnxSummary, OnnxTensorInfo
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
@@ -117,7 +118,7 @@ def external_data_info(model: ModelProto, folder: Path) -> ExternalDataInfo:
     """Files and bytes of tensors stored outside the .onnx file (weights were not loaded)."""
     lengths: Counter[str] = Counter()
     files: list[str] = []
-    for tensor in _all_tensors(model):
+    for tensor in all_tensors(model.graph):
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
         entries = {e.key: e.value for e in tensor.external_data}
@@ -135,18 +136,3 @@ def external_data_info(model: ModelProto, folder: Path) -> ExternalDataInfo:
         elif f not in missing:
             total += (folder / f).stat().st_size
     return ExternalDataInfo(files=files, bytes=total, missing=missing)
-
-
-def _all_tensors(model: ModelProto) -> Iterator[TensorProto]:
-    graphs = [model.graph]
-    while graphs:
-        graph = graphs.pop()
-        yield from graph.initializer
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
-                if attribute.HasField("g"):
-                    graphs.append(attribute.g)
-                graphs.extend(attribute.graphs)

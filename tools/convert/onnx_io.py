@@ -144,7 +144,7 @@ def _copy_weights(model: onnx.ModelProto, weights_dir: Path, data: Path) -> None
     """Every external tensor's bytes copied from `weights_dir` to `data`, in place: the model's
     references then point there (a location relative to the model's folder)."""
     with open(data, "wb") as handle:
-        for tensor in _all_tensors(model.graph):
+        for tensor in all_tensors(model.graph):
             if tensor.data_location != TensorProto.EXTERNAL:
                 continue
             value = _external_bytes(tensor, weights_dir)
@@ -157,7 +157,7 @@ def _copy_weights(model: onnx.ModelProto, weights_dir: Path, data: Path) -> None
         data.unlink()
 
 
-def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+def all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
     """The graph's initializers and the tensors in its nodes' attributes, subgraphs included."""
     yield from graph.initializer
     for node in graph.node:
@@ -166,7 +166,7 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
                 yield attribute.t
             yield from attribute.tensors
             for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _all_tensors(subgraph)
+                yield from all_tensors(subgraph)
 
 
 def _saved(model: onnx.ModelProto, path: Path, external: Path) -> bool:
