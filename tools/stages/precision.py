@@ -78,26 +78,24 @@ def _precision_on_sample(model: Path, feeds: dict[str, np.ndarray], sample_path:
     """`precision_report` against the sample's PyTorch outputs, read here: in a child, rather than
     held by the server for as long as the child runs, beside the child's own copy (the server
     grew by 0.9 GB for a full-scale backbone's sample)."""
-    _, outputs = sample_arrays(sample_path)
-    outputs = _first_chunk(outputs, split.output_axes if split else None, split)
+    _, outputs = _sample_chunks(sample_path, split)
     return precision_report(model, feeds, sample, modes, None, outputs)
 
 
 def _first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
     """The first captured sample's inputs, cut to the batch ONNX Runtime can hold here."""
-    feeds, _, sample = _first_sample(record, workdir, name)
-    return feeds, sample
-
-
-def _first_sample(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], str]:
-    """The first captured sample's inputs and PyTorch outputs, cut to the batch ONNX Runtime can hold here."""
     samples = record.contract(name).samples
     if not samples:
         raise StageError(f"candidate {name!r} has no captured samples")
-    feeds, outputs = sample_arrays(workdir / samples[0])
-    split = record.batch_split_of(name)
+    feeds, _ = _sample_chunks(workdir / samples[0], record.batch_split_of(name))
+    return feeds, samples[0]
+
+
+def _sample_chunks(path: Path, split: BatchSplit | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A sample's inputs and PyTorch outputs, cut to the first chunk of `split`'s batch."""
+    feeds, outputs = sample_arrays(path)
     return (_first_chunk(feeds, split.input_axes if split else None, split),
-            _first_chunk(outputs, split.output_axes if split else None, split), samples[0])
+            _first_chunk(outputs, split.output_axes if split else None, split))
 
 
 def _first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int] | None, split: BatchSplit | None) -> dict[str, np.ndarray]:

@@ -15,9 +15,9 @@ import numpy as np
 from omskills import progress
 from omskills.ascend.emulation import precisions_for, prepare, save_emulated
 from omskills.compare.outputs import compare_step, expand, worse
+from omskills.deploy.manifest import graph_from_record
 from omskills.errors import InputError, StageError
 from omskills.isolation import return_freed_memory
-from omskills.deploy.manifest import graph_from_record
 from omskills.models.api import MainPathRun, ModelDriver, save_run
 from omskills.records.export import SpliceStats
 from omskills.records.parity import ParityReport
