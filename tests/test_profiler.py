@@ -263,3 +263,36 @@ def test_a_model_too_fast_to_time_stops_at_the_pass_limit():
 
     profile, _ = discovery_profile(net, instant)
     assert len(passes) == 1 + MAX_PASSES and profile.node("").calls == 1
+
+
+def test_seeds_are_the_heaviest_subtrees_of_the_model_however_long_the_drivers_own_python_runs():
+    from omskills.profiling.auto_seeds import seeds_from_profile
+
+    # 55 ms in the model and 5 s in the driver's own Python (decoding, waiting for the CPU) per step.
+    profile = run_frames(Net(), frames=2, control_plane_s=5.0)
+    assert profile.node("block").share < 0.01  # of the main path
+    seeds = seeds_from_profile(profile)
+    assert [s.module_path for s in seeds] == ["block", "head", "block.a", "block.b"]  # shallow first, heaviest first
+    assert seeds[0].description.startswith("Block, 81.8% of the model's time (0.9% of the main path)")
+
+
+class Glue(nn.Module):
+    """A second of its own work around a weighted child that takes 1 ms."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = Sleeper(0.001)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        clock.sleep(1.0)
+        return self.small(x)
+
+
+def test_a_model_whose_time_is_in_no_weighted_subtree_gives_no_seed_and_says_what_it_measured():
+    from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
+
+    profile = run_frames(Glue(), frames=1)
+    assert seeds_from_profile(profile) == []
+    assert why_no_seeds(profile) == (
+        "a pass of the main path took 1001.00 ms, 1001.00 ms of it in the model's modules; the heaviest subtrees "
+        "with parameters within 3 levels of the root, as shares of the model's time (a seed needs 2%): small 0.1%")

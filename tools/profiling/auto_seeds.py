@@ -1,11 +1,16 @@
 """Seed candidates from a profile, for drivers that name none: the heaviest subtrees.
 
 A subtree is kept when it holds parameters (weights belong on the device), runs for at least
-AUTO_MIN_SHARE of the main path and lies at most AUTO_MAX_DEPTH levels below the root. Nested
-ones are kept too: when a subtree's contract is not tensor-only, its children are the cut; when it
-is, the plan deploys the outermost one and defers what runs inside it (deployed in its place if
-the outer one fails to export). Shallow subtrees come first, so one deep branch cannot take every
-place: the heaviest at depth 1, then at depth 2, and so on.
+AUTO_MIN_SHARE of the time spent in the model and lies at most AUTO_MAX_DEPTH levels below the
+root. The share is of the model's time (its top-level module calls), not of the whole step: the
+driver's own Python (decoding, pre- and post-processing, waiting for the CPU on a loaded
+machine) is never a candidate, and a step it dominates still has a heaviest part of the model.
+The plan then judges each candidate by its share of the whole main path.
+
+Nested ones are kept too: when a subtree's contract is not tensor-only, its children are the cut;
+when it is, the plan deploys the outermost one and defers what runs inside it (deployed in its
+place if the outer one fails to export). Shallow subtrees come first, so one deep branch cannot
+take every place: the heaviest at depth 1, then at depth 2, and so on.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import re
 
 from omskills.records.plan import Seed
-from omskills.records.profile import ProfileReport
+from omskills.records.profile import ModuleProfile, ProfileReport
 
 AUTO_MIN_SHARE = 0.02
 AUTO_MAX_DEPTH = 3
@@ -25,10 +30,28 @@ def seed_name(module_path: str) -> str:
     return re.sub(r"[^0-9A-Za-z_]+", "_", module_path).strip("_") or "root"
 
 
+def _model_share(node: ModuleProfile, profile: ProfileReport) -> float:
+    return node.inclusive_s / profile.module_seconds if profile.module_seconds > 0 else 0.0
+
+
+def _weighted_subtrees(profile: ProfileReport) -> list[ModuleProfile]:
+    return [n for n in profile.nodes if 1 <= n.depth <= AUTO_MAX_DEPTH and n.params_total > 0]
+
+
 def seeds_from_profile(profile: ProfileReport) -> list[Seed]:
-    nodes = [n for n in profile.nodes
-             if 1 <= n.depth <= AUTO_MAX_DEPTH and n.share >= AUTO_MIN_SHARE and n.params_total > 0]
-    nodes.sort(key=lambda n: (n.depth, -n.share))
+    nodes = [n for n in _weighted_subtrees(profile) if _model_share(n, profile) >= AUTO_MIN_SHARE]
+    nodes.sort(key=lambda n: (n.depth, -n.inclusive_s))
     return [Seed(name=seed_name(n.path), module_path=n.path, group=n.path.split(".")[0],
-                 description=f"{n.module_class}, {n.share:.1%} of the main path, {n.calls} calls (from the profile)")
+                 description=(f"{n.module_class}, {_model_share(n, profile):.1%} of the model's time "
+                              f"({n.share:.1%} of the main path), {n.calls} calls (from the profile)"))
             for n in nodes[:AUTO_MAX_SEEDS]]
+
+
+def why_no_seeds(profile: ProfileReport) -> str:
+    """What the profile showed, for the error when it yields no seed."""
+    heaviest = sorted(_weighted_subtrees(profile), key=lambda n: -n.inclusive_s)[:5]
+    shown = ", ".join(f"{n.path} {_model_share(n, profile):.1%}" for n in heaviest) or "none was called"
+    measured = f" ({'; '.join(profile.notes)})" if profile.notes else ""
+    return (f"a pass of the main path took {profile.total_seconds * 1000:.2f} ms{measured}, "
+            f"{profile.module_seconds * 1000:.2f} ms of it in the model's modules; the heaviest subtrees with parameters within {AUTO_MAX_DEPTH} levels of the root, "
+            f"as shares of the model's time (a seed needs {AUTO_MIN_SHARE:.0%}): {shown}")

@@ -17,7 +17,7 @@ from omskills.contracts.capture import capture_contracts
 from omskills.errors import OmskillsError
 from omskills.models.api import MainPathRun, RunHooks
 from omskills.models.registry import bind_intake
-from omskills.profiling.auto_seeds import seeds_from_profile
+from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
 from omskills.profiling.discovery import discovery_profile
 from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.profile import ProfileReport
@@ -88,7 +88,9 @@ def _check_candidates(report, driver, loaded, bound, data, profile: ProfileRepor
             report.problems.append(f"seed candidate {seed.name}: no module {seed.module_path!r} in {type(loaded.root).__name__}")
     seeds = [s for s in seeds if s not in missing]
     if not seeds:
-        report.problems.append("no candidate: name SEED_CANDIDATES, or check that the main path calls modules with parameters")
+        found = f" ({why_no_seeds(profile)})" if not declared else ""
+        report.problems.append("no candidate: name SEED_CANDIDATES, or check that the main path calls modules with "
+                               f"parameters{found}")
         return
 
     def run() -> None:

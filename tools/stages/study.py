@@ -23,7 +23,7 @@ from omskills.contracts.routing import route_forward_calls
 from omskills.errors import StageError
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
 from omskills.models.registry import BoundIntake, driver_for
-from omskills.profiling.auto_seeds import seeds_from_profile
+from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
 from omskills.profiling.discovery import discovery_profile
 from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.plan import Seed, StudyRun
@@ -66,7 +66,8 @@ def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[
     profile, _ = discovery_profile(loaded.root, run_pass)
     seeds = seeds_from_profile(profile)
     if not seeds:
-        raise StageError("the profile shows no subtree with parameters worth a graph: name seed candidates in the driver")
+        raise StageError("the profile shows no subtree with parameters worth a graph: name seed candidates in the "
+                         f"driver. {why_no_seeds(profile)}")
     return seeds
 
 
