@@ -53,5 +53,6 @@ def why_no_seeds(profile: ProfileReport) -> str:
     shown = ", ".join(f"{n.path} {_model_share(n, profile):.1%}" for n in heaviest) or "none was called"
     measured = f" ({'; '.join(profile.notes)})" if profile.notes else ""
     return (f"a pass of the main path took {profile.total_seconds * 1000:.2f} ms{measured}, "
-            f"{profile.module_seconds * 1000:.2f} ms of it in the model's modules; the heaviest subtrees with parameters within {AUTO_MAX_DEPTH} levels of the root, "
+            f"{profile.module_seconds * 1000:.2f} ms of it in the model's modules; the heaviest subtrees with "
+            f"parameters within {AUTO_MAX_DEPTH} levels of the root, "
             f"as shares of the model's time (a seed needs {AUTO_MIN_SHARE:.0%}): {shown}")
