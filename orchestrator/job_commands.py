@@ -175,6 +175,7 @@ def _adapt(ns: argparse.Namespace) -> int:
 
 def _print_summary(task: Path) -> None:
     from omskills.records.task import load_record
+    from omskills.report.stage_status import stage_status
 
     record = load_record(task)
     if record.plan is None:
@@ -187,12 +188,14 @@ def _print_summary(task: Path) -> None:
                 if verification else "-" for cand, graph in rows}
     width = max([31, *map(len, backends.values())])  # a label may say "(batch in chunks of 1)"
     name_width = max([22, *(len(graph) for _, graph in rows)])
-    print(f"\n{'candidate':{name_width}s} status       share   {'backend':{width}s} probe    cos        max abs", file=sys.stderr)
+    failed = {row.graph: [c.stage for c in row.cells if c.status == "failed"] for row in stage_status(record, verification)}
+    print(f"\n{'candidate':{name_width}s} status       share   {'backend':{width}s} probe    cos        max abs  "
+          "failed stages", file=sys.stderr)
     for cand, graph in rows:
         probe = record.toolchain_of(graph).probes.get("original")
         print(f"{graph:{name_width}s} {cand.status:12s} {cand.share:6.1%}  {backends[graph]:{width}s} "
               f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
-              f"{f'{probe.worst_max_abs:.1e}' if probe else '-'}", file=sys.stderr)
+              f"{f'{probe.worst_max_abs:.1e}' if probe else '-':8s} {', '.join(failed.get(graph, [])) or '-'}", file=sys.stderr)
     if verification:
         m, unit = verification.main_path, verification.step_name
         print(f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "

@@ -90,11 +90,21 @@ class ToolCallDisplay:
     def finish(self, outcome: ToolCallOutcome) -> None:
         if self.bar is not None:
             self.bar.close()
-        status = "FAILED" if outcome.is_error else "ok"
+        failed = failed_graphs(outcome)
+        status = "FAILED" if outcome.is_error else (f"ok, {len(failed)} graph(s) FAILED" if failed else "ok")
         line = f"{self.prefix}: {status} in {outcome.seconds:.1f}s"
         if outcome.is_error:
             line += f" — {outcome.text}"
         print(line, file=self.stream, flush=True)
+        for graph, error in failed:
+            print(f"{self.prefix}:   {graph} failed: {error}", file=self.stream, flush=True)
+
+
+def failed_graphs(outcome: ToolCallOutcome) -> list[tuple[str, str]]:
+    """The graphs a per-graph step reports as failed (its `failed` list), while the others went on."""
+    structured = outcome.structured if isinstance(outcome.structured, dict) else {}
+    failed = structured.get("failed")
+    return [(str(f.get("candidate")), str(f.get("error"))) for f in failed if isinstance(f, dict)] if isinstance(failed, list) else []
 
 
 async def _run_steps(steps: Sequence[PlanStep], client: OmskillsClient, stream: TextIO) -> PlanResult:

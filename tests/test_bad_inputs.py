@@ -54,6 +54,46 @@ NET_DRIVER = textwrap.dedent('''\
         import torch
         return model(torch.zeros(1, inputs.size))
     ''')
+GOOD_CHECKED = {
+    "id": "bad-inputs-checked",
+    "intake": {"model": {"driver": "checked.py:Checked"}, "inputs": {"size": 4}, "target": {"soc": "Ascend910B4"}},
+}
+# A class driver whose own checks raise ValueError and TypeError, as driver authors write them.
+CHECKED_DRIVER = textwrap.dedent('''\
+    from pathlib import Path
+    from pydantic import BaseModel, ConfigDict
+    from omskills.models.kit import ModelDriver
+
+    class Inputs(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        size: int = 4
+
+    class Checked(ModelDriver):
+        family = "checked"
+        inputs_model = Inputs
+
+        def source_root(self, spec):
+            return Path(__file__).parent
+
+        def check_inputs(self, inputs, base_dir):
+            if inputs.size % 2:
+                raise ValueError(f"intake.inputs.size: must be even, got {inputs.size}")
+            return []
+
+        def check_builder(self, spec):
+            if not isinstance(spec.builder_kwargs.get("width", 1), int):
+                raise TypeError("intake.model.builder_kwargs.width: must be an int")
+            return "builder: checked"
+
+        def load(self, spec):
+            raise AssertionError("the gate builds no model")
+
+        def load_inputs(self, inputs, base_dir):
+            return inputs
+
+        def run_main_path(self, loaded, data, inputs, verification, hooks):
+            raise AssertionError("the gate runs no model")
+    ''')
 
 
 def edit(path: str, value: object) -> Callable[[dict, Path], None]:
@@ -149,6 +189,15 @@ CASES = [
     Case("checkpoint-wrong-keys", ("intake.model.checkpoint", "wrong.pt", "missing key", "unexpected key"),
          (edit("intake.model.checkpoint", "wrong.pt"),), base=GOOD_NET),
     Case("inputs-beyond-driver-bound", ("intake.inputs.size",), (edit("intake.inputs.size", 1_000_000_000),), base=GOOD_NET),
+    Case("shape-inputs-bad-field", ("intake.shape_inputs[1].size",), (edit("intake.shape_inputs", [{"size": 2}, {"size": "x"}]),),
+         base=GOOD_NET),
+    # -- a class driver's own checks raising ValueError / TypeError
+    Case("driver-check-value-error", ("intake.inputs.size", "must be even", "checked driver"),
+         (edit("intake.inputs.size", 3),), base=GOOD_CHECKED),
+    Case("driver-check-type-error", ("intake.model.builder_kwargs.width", "must be an int"),
+         (edit("intake.model.builder_kwargs", {"width": "wide"}),), base=GOOD_CHECKED),
+    Case("driver-check-shape-inputs", ("intake.shape_inputs[0]", "must be even"),
+         (edit("intake.shape_inputs", [{"size": 5}]),), base=GOOD_CHECKED),
     # -- tool arguments
     Case("args-null", ("--args",), via="script:inspect_onnx", argv=("--args", "null")),
     Case("args-five-omskills-tool", ("--args",), via="omskills", argv=("tool", "check_environment", "--args", "5")),
@@ -211,6 +260,7 @@ def _write_files(folder: Path, shared: Path) -> None:
     (folder / "garbage.pt").write_bytes(b"\x80\x04not a checkpoint" * 64)
     (folder / "wrong.pt").write_bytes((shared / "wrong.pt").read_bytes())
     (folder / "net.py").write_text(NET_DRIVER)
+    (folder / "checked.py").write_text(CHECKED_DRIVER)
     (folder / "bad.onnx").write_bytes(os.urandom(1024))
     (folder / "afile").write_text("a file, not a folder\n")
     (folder / "link.gif").symlink_to(shared.parent / "outside" / "clip.gif")

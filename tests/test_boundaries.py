@@ -83,6 +83,22 @@ def test_only_h_and_w_of_an_image_varying_gives_dynamic_image_size():
     assert strategy.input_shapes == {"in_0": [1, 3, -1, -1]}
 
 
+def test_calls_from_several_input_sets_make_every_size_between_their_extremes_a_gear_or_a_range():
+    batches = _contract_for_calls([_shapes((b, 8), (b, 3, 4)) for b in (2, 6, 4)])
+    batches.input_sets = 3  # the task's inputs and two shape inputs
+    strategy = propose_shape_strategy(batches)
+    assert strategy.kind == "dynamic_batch_size" and strategy.gears == [[b] for b in range(2, 7)]
+    assert "between the sizes the 3 input sets showed" in strategy.rationale and "falls back" not in strategy.rationale
+    assert strategy.serves() == "in_0 -1x8; in_1 -1x3x4; batch in {2, 3, 4, 5, 6} (5 gears)"
+
+    images = _contract_for_calls([_shapes((1, 3, h, w), (1, 8, h // 8, w // 8)) for h, w in ((96, 128), (160, 160), (224, 320))])
+    images.input_sets = 3
+    strategy = propose_shape_strategy(images)
+    assert strategy.kind == "dynamic_shape"
+    assert strategy.ranges == {"in_0": [[1, 1], [3, 3], [96, 224], [128, 320]], "in_1": [[1, 1], [8, 8], [12, 28], [16, 40]]}
+    assert strategy.serves() == "in_0 1x3x[96..224]x[128..320]; in_1 1x8x[12..28]x[16..40]"
+
+
 def test_a_few_independent_dims_with_discrete_values_give_dynamic_dims_gears():
     calls = [_shapes((2, n), (m, 4)) for n, m in ((3, 1), (5, 1), (5, 2))]
     strategy = propose_shape_strategy(_contract_for_calls(calls))
@@ -358,3 +374,27 @@ def test_a_declared_quantity_is_never_guessed_onto_a_dim_from_a_single_call():
     strategy = propose_shape_strategy(_contract_for_calls([_shapes((2, 8))]), source_limits={"num_objects": [1, 16]})
     assert strategy.kind == "static"
     assert "only one call observed" in strategy.rationale and "bind them with DimRef" in strategy.rationale
+
+
+class CachedBlock(nn.Module):
+    """Reads and fills a cache dict keyed by its own submodule, as whisper's kv-cache hooks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.key = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None):
+        if cache is not None:
+            cache[self.key] = torch.cat([cache[self.key], self.key(x)], dim=0) if self.key in cache else self.key(x)
+            return cache[self.key].sum(0, keepdim=True)
+        return self.key(x)
+
+
+def test_a_cache_dict_keyed_by_modules_is_one_argument_a_graph_cannot_take():
+    cache: dict = {}  # empty on the first call (no leaves), then keyed by the module: one opaque leaf
+    contract = _contract_for_calls([(torch.ones(1, 4), cache)] * 3, CachedBlock())
+    [arg] = contract.non_tensor_args
+    assert arg.tree_path == "args[1]" and arg.holds_tensors and arg.value_repr == "a dict of 1 items"
+    decision = analyze_boundary(contract)
+    assert not decision.exportable
+    assert any("argument args[1] holds tensors inside a Python object" in r for r in decision.reasons), decision.reasons

@@ -157,3 +157,19 @@ def test_an_output_missing_from_the_candidate_fails():
     report = compare_outputs({"a": np.zeros(2), "b": np.zeros(2)}, {"a": np.zeros(2)})
     assert report.verdict == "fail"
     assert report.outputs[1].reason == "missing from candidate"
+
+
+def test_max_abs_gates_scale_with_the_largest_magnitude_of_the_reference():
+    """Box coordinates in pixels carry fp32 errors hundreds of times those of values near 1 for
+    the same relative precision: the max-abs gates scale with the reference's largest magnitude."""
+    rng = np.random.default_rng(0)
+    pixels = rng.uniform(0, 416, 5000)
+    noisy = pixels + rng.standard_normal(5000) * 6e-7 * pixels  # fp32-like relative noise
+    assert compare_arrays("boxes", pixels, noisy).verdict == "pass"
+    off = pixels.copy()
+    off[7] += 0.05  # 1.2e-4 of the largest value: beyond the pass gate scaled to 416
+    result = compare_arrays("boxes", pixels, off)
+    assert result.verdict == "review" and "max_abs 0.05 >= 0.0001 x 416" in result.reason
+    # Values within [-1, 1] keep the absolute gates.
+    small = compare_arrays("logits", pixels / 416, off / 416 + 2e-4)
+    assert small.verdict != "pass"

@@ -283,3 +283,33 @@ def test_a_checkpoint_that_is_not_a_state_dict_is_one_line_naming_the_path(tmp_p
     result = omskills("main-path", str(task), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"intake.model.checkpoint: {tmp_path / 'garbage.pt'} is not a loadable state dict" in result.stderr.strip().splitlines()[-1]
+
+
+def test_weights_the_builder_loads_and_a_scalar_output_are_reported_as_they_are(tmp_path):
+    """A two-function file whose `build_model` loads trained weights itself says so (`WEIGHTS`):
+    no report calls them random. A 0-d output (a count) is an output like any other."""
+    (tmp_path / "counter_driver.py").write_text(textwrap.dedent('''
+        import torch
+        WEIGHTS = "packaged: counter.pt in the model's wheel (trained)"
+
+        def build_model(spec):
+            net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.fill_(0.1)  # stands for the trained weights the builder reads
+            return net
+
+        def run_main_path(model, inputs):
+            scores = model(torch.ones(3, 4))
+            return {"scores": scores, "count": (scores[:, 0] > 0).sum()}
+    '''))
+    task = task_record(tmp_path, {"driver": "counter_driver.py"}, {})
+    checked = omskills("validate-driver", str(task))
+    assert checked.returncode == 0 and checked.stdout.strip() == "ok", checked.stderr[-2000:]
+    ran = omskills("main-path", str(task), "--out", str(tmp_path / "out"))
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    main = json.loads((tmp_path / "out" / "main_path.json").read_text())
+    assert main["weights"] == "packaged: counter.pt in the model's wheel (trained)"
+    [step] = main["steps"]
+    count = next(o for o in step["outputs"] if o["name"] == "count")
+    assert count["shape"] == [] and count["values"] == [3]

@@ -40,3 +40,27 @@ def test_paged_out_weights_compute_the_same_and_live_in_a_file_mapping(tmp_path)
 
 def test_nothing_to_page_out_writes_nothing(tmp_path):
     assert page_out([nn.ReLU()], tmp_path) == 0 and not list(tmp_path.iterdir())
+
+
+def test_tensors_sharing_a_storage_still_share_it_whatever_their_dtypes(tmp_path):
+    """A complex table and its real view, a slice of a buffer and a tied weight: one storage each
+    before and after, the same values, and the model computes the same."""
+    module = nn.Module()
+    module.freqs = nn.Parameter(torch.polar(torch.ones(6, 4), torch.randn(6, 4)), requires_grad=False)
+    module.register_buffer("freqs_real", torch.view_as_real(module.freqs.data))
+    module.register_buffer("table", torch.arange(40, dtype=torch.float32))
+    module.register_buffer("table_tail", module.table[10:30:2])
+    module.first = nn.Linear(3, 3)
+    module.second = nn.Linear(3, 3)
+    module.second.weight = module.first.weight
+    before = {name: value.clone() for name, value in module.state_dict().items()}
+
+    moved = page_out([module], tmp_path)
+
+    after = module.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert module.freqs_real.untyped_storage().data_ptr() == module.freqs.untyped_storage().data_ptr()
+    assert module.table_tail.untyped_storage().data_ptr() == module.table.untyped_storage().data_ptr()
+    assert module.second.weight is module.first.weight
+    assert ".paged-weights-" in _mapping_of(module.freqs.data_ptr())
+    assert moved == 6 * 4 * 8 + 40 * 4 + 9 * 4 + 2 * 3 * 4

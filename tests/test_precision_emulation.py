@@ -111,6 +111,23 @@ def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothin
     assert [p.name for p in tmp_path.iterdir()] == ["inline.onnx"] and path.read_bytes() == before
 
 
+def test_a_resize_keeps_its_scales_unrounded_and_readable_by_shape_inference(tmp_path):
+    """A Resize's scales are a parameter, not data: never rounded, so its output size stays; and
+    every small constant the emulation rounds stays inline, where ONNX Runtime's shape inference
+    reads it (a rounded copy in the scratch weights file made the session fail to load)."""
+    weight = numpy_helper.from_array(np.full((64, 64), 0.01, np.float32), "w")
+    bias = numpy_helper.from_array(np.full((64,), 0.3, np.float32), "b")  # 256 bytes: a small constant
+    scales = numpy_helper.from_array(np.array([1.0, 1.0, 1.0001, 3.0], np.float32), "scales")  # 1.0001 is 1.0 in fp16
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["h", "b"], ["hb"], name="add"),
+             helper.make_node("Resize", ["hb", "", "scales"], ["y"], name="resize", mode="nearest")]
+    path = _save(tmp_path, "resize", nodes, [_vi("x", [1, 1, 3, 64])], [_vi("y", [1, 1, 3, 192])],
+                 [weight, bias, scales])
+    report = precision_report(path, {"x": np.ones((1, 1, 3, 64), np.float32)}, sample="s0")
+    fp16 = report.mode("force_fp16")
+    assert fp16.result.passed and fp16.result.cosine > 0.9999, fp16.result
+
+
 def test_the_bisect_names_the_subtraction_that_loses_the_normalisation_and_says_it_is_local(layernorm_softmax):
     path, feeds = layernorm_softmax
     prepared = prepare(path)

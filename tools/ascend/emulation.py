@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.convert.detached_weights import move_inline_weights
-from omskills.convert.onnx_io import released
+from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.files import process_alive
 from omskills.records.precision import (
     EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
@@ -38,7 +38,11 @@ from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_h
 
 MAX_FLAGGED_LISTED = 50
 # Bumped when the emulation computes differently, so recorded results of an older one are redone.
-EMULATION_REVISION = 2
+EMULATION_REVISION = 3
+
+# Float inputs that say how an operator works rather than what it computes on (a Resize's region
+# and scales): ATC leaves them as they are, and rounded they could change an output's size.
+PARAMETER_INPUTS: dict[str, set[int]] = {"Resize": {1, 2}, "Upsample": {1}}
 
 
 @dataclass
@@ -84,6 +88,10 @@ class PreparedGraph:
             # default): a weight beyond it becomes +-65504, not inf.
             rounded = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
             tensor = TensorProto(name=f"{name}__fp16", data_type=TensorProto.FLOAT, dims=list(rounded.shape))
+            if rounded.nbytes < EXTERNAL_TENSOR_MIN_BYTES:  # a small constant stays readable by shape inference
+                tensor.raw_data = rounded.tobytes()
+                self._rounded_weights[name] = tensor
+                return tensor
             with open(self.rounded_weights_file, "ab") as handle:
                 offset = handle.tell()
                 handle.write(rounded.tobytes())
@@ -206,8 +214,9 @@ class _Rewriter:
         """Append a copy of `node` reading `inputs` (mapped names); returns its output names."""
         floats = self.prepared.float_tensors
         if precision != "fp32":
-            inputs = [self.round(mapped) if original in floats and mapped else mapped
-                      for original, mapped in zip(node.input, inputs)]
+            parameters = PARAMETER_INPUTS.get(node.op_type, set())
+            inputs = [self.round(mapped) if original in floats and mapped and k not in parameters else mapped
+                      for k, (original, mapped) in enumerate(zip(node.input, inputs))]
         outputs = [self.name(o) + tag if o else "" for o in node.output]
         raw = [f"{o}__raw" if precision == "fp16" and orig in floats else o for o, orig in zip(outputs, node.output)]
         copy = onnx.NodeProto()

@@ -54,7 +54,10 @@ def _exportability(contract: ContractSpec) -> tuple[bool, list[str]]:
     if not contract.outputs:
         blockers.append("no tensor outputs after flattening: nothing for a graph to return")
     for arg in contract.non_tensor_args:
-        if arg.derived is not None:
+        if arg.holds_tensors:
+            blockers.append(f"argument {arg.tree_path} holds tensors inside a Python object ({arg.value_repr}): "
+                            "state a graph cannot take; the parts inside that never see it can be graphs")
+        elif arg.derived is not None:
             notes.append(f"non-tensor argument {arg.tree_path} ({arg.value_repr}) = {arg.derived.formula()} on every "
                          f"call ({arg.derived.evidence or 'declared by the driver'}): the graph computes it from its "
                          "input shapes")

@@ -51,6 +51,7 @@ class _Symbol:
     """Dims that move together: bound to the same quantities, or equal in every observed call."""
 
     dims: list[_Dim]
+    spanned: bool = False  # bound to the range between the extremes several input sets showed
 
     @property
     def declared(self) -> bool:
@@ -69,6 +70,8 @@ class _Symbol:
         formula = " + ".join(f"{s} x {q.quantity}" if s != 1 else q.quantity for q, s in terms)
         ranges = ", ".join(f"{q.quantity} in [{q.low}, {q.high}]" + (f" ({q.evidence})" if q.evidence else "")
                            for q, _ in terms)
+        if self.spanned:
+            return f"{dims} take every size in [{terms[0][0].low}, {terms[0][0].high}] ({terms[0][0].evidence})"
         return f"{dims} follow {formula}; {ranges} from the source"
 
 
@@ -164,6 +167,22 @@ def _symbols(dims: list[_Dim]) -> list[_Symbol]:
         else:
             symbols.append(_Symbol([dim]))
     return symbols
+
+
+def _span_observed(symbols: list[_Symbol], input_sets: int) -> None:
+    """Each symbol seen only in calls bound to a quantity ranging from its smallest to its largest
+    value seen: the calls came from several input sets chosen to bound the sizes to serve, so every
+    size between theirs is one the deployment must take, not only those the sets happened to show."""
+    for symbol in symbols:
+        if symbol.declared:
+            continue
+        low, high = symbol.range()
+        head = symbol.dims[0]
+        limit = QuantityLimit(quantity=f"{head.input_name}[{head.dim}]", low=low, high=high,
+                              evidence=f"between the sizes the {input_sets} input sets showed")
+        for dim in symbol.dims:
+            dim.terms = [(limit, 1)]
+        symbol.spanned = True
 
 
 def _input_shapes(contract: ContractSpec, dims: list[_Dim]) -> dict[str, list[int]]:
@@ -289,6 +308,8 @@ def propose_shape_strategy(contract: ContractSpec, source_limits: SourceLimits |
     if not dims:
         return _static(contract, limits, input_shapes, notes)
     symbols = _symbols(dims)
+    if contract.input_sets > 1:
+        _span_observed(symbols, contract.input_sets)
     described = "; ".join(s.describe() for s in symbols)
     only_observed = not any(s.declared for s in symbols)
     caveat = (" Gears cover only values seen on the main path; a call outside them falls back to PyTorch — "

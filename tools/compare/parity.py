@@ -80,7 +80,8 @@ def _compare_float(base: dict, ref: np.ndarray, cand: np.ndarray, gates: ParityG
     max_abs = float(diff.max()) if diff.size else 0.0
     max_rel = float((diff / np.maximum(np.abs(ref64), gates.relative_floor)).max()) if diff.size else 0.0
     cosine = cosine_of(ref64, cand64)
-    verdict, reason = gates.verdict(cosine, max_abs)
+    magnitude = float(np.abs(ref64).max()) if ref64.size else 0.0
+    verdict, reason = gates.verdict(cosine, max_abs, magnitude)
     return OutputParity(**base, cosine=cosine, max_abs=max_abs, max_rel=max_rel, verdict=verdict, reason=reason)
 
 

@@ -55,6 +55,7 @@ class _LeafInfo:
     dtype: str = ""
     device: str = ""
     value: Any = None
+    holds_tensors: bool = False  # a non-tensor leaf with tensors inside (see `pytree.is_opaque`)
 
 
 def _describe(leaves: list[Any]) -> list[_LeafInfo]:
@@ -63,7 +64,7 @@ def _describe(leaves: list[Any]) -> list[_LeafInfo]:
         if isinstance(leaf, torch.Tensor):
             infos.append(_LeafInfo(True, tuple(leaf.shape), dtype_name(leaf.dtype), str(leaf.device)))
         else:
-            infos.append(_LeafInfo(False, value=leaf))
+            infos.append(_LeafInfo(False, value=leaf, holds_tensors=pytree.holds_tensors(leaf)))
     return infos
 
 
@@ -265,6 +266,15 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _shown(value: Any) -> str:
+    """A value as the record quotes it: scalars as they are, objects by their kind (the repr of a
+    cache holding tensors would be megabytes)."""
+    if isinstance(value, _SCALARS):
+        return repr(value)
+    size = f" of {len(value)} items" if isinstance(value, (dict, list, tuple)) else ""
+    return f"a {type(value).__name__}{size}"
+
+
 def _non_tensor_leaves(calls: list[_Call], outputs: bool) -> list[NonTensorArg]:
     first = calls[0]
     leaves = first.out_leaves if outputs else first.in_leaves
@@ -284,11 +294,13 @@ def _non_tensor_leaves(calls: list[_Call], outputs: bool) -> list[NonTensorArg]:
             # Objects (an image list, a session): their reprs are addresses, which say nothing.
             shown = f"a {kinds.pop().__name__} object, {len(distinct)} distinct in {len(values)} calls"
         else:
-            shown = repr(distinct[0]) if constant else ", ".join(repr(v) for v in distinct[:_QUOTED_VALUES])
+            shown = _shown(distinct[0]) if constant else ", ".join(_shown(v) for v in distinct[:_QUOTED_VALUES])
             if len(distinct) > _QUOTED_VALUES:
                 shown += f", ... ({len(distinct)} distinct)"
         result.append(NonTensorArg(tree_path=path, value_repr=shown, constant=constant,
-                                   value=_json_scalar(info.value), flat_index=index))
+                                   value=_json_scalar(info.value), flat_index=index,
+                                   holds_tensors=any((c.out_leaves if outputs else c.in_leaves)[index].holds_tensors
+                                                     for c in calls)))
     return result
 
 
@@ -473,6 +485,7 @@ def capture_contracts(
     frame_counter: Callable[[], int] | None = None,
     relative_to: Path | None = None,
     derived_args: dict[str, dict[str, ShapeDerivedArg]] | None = None,
+    input_sets: int = 1,
 ) -> list[ContractSpec]:
     """Run `run()` once with hooks on the candidates (name -> module path) and return their contracts.
 
@@ -485,6 +498,7 @@ def capture_contracts(
     source computes from input shapes; each is bound where every observed call agrees with it.
     A candidate whose calls differ in other scalar non-tensor arguments gets one contract per
     combination of their values (`ContractSpec.dispatch`), each with samples of its own.
+    `input_sets`: how many input sets `run` takes the main path through (`ContractSpec.input_sets`).
     """
     if max_samples < 0:
         raise OmskillsError(f"max_samples must be >= 0, got {max_samples}")
@@ -512,5 +526,8 @@ def capture_contracts(
         verb = "was" if len(never_called) == 1 else "were"
         raise OmskillsError(f"candidate {named} {verb} never called on the main path")
     frames = frame_counter() if frame_counter else None
-    return [contract for r in recorders
-            for contract in _contracts(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {}))]
+    contracts = [contract for r in recorders
+                 for contract in _contracts(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {}))]
+    for contract in contracts:
+        contract.input_sets = input_sets
+    return contracts

@@ -118,8 +118,8 @@ def ensure_registered(tree: Any) -> None:
     """Register every dataclass, and every class registered without keys, found in `tree`
     (repeats until nested ones are found too)."""
     while True:
-        found = {type(leaf) for leaf in pt.tree_leaves(tree) if _needs_registration(leaf)}
-        found |= {t for t in _node_types(pt.tree_structure(tree)) if t is not None and not is_registered(t)}
+        found = {type(leaf) for leaf in pt.tree_leaves(tree, is_leaf=is_opaque) if _needs_registration(leaf)}
+        found |= {t for t in _node_types(pt.tree_structure(tree, is_leaf=is_opaque)) if t is not None and not is_registered(t)}
         if not found:
             return
         for cls in found:
@@ -153,10 +153,21 @@ def _key_str(key: pt.KeyEntry) -> str:
     return str(key)  # SequenceKey -> "[0]", MappingKey -> "['k']", GetAttrKey -> ".name"
 
 
+def is_opaque(node: Any) -> bool:
+    """A container kept whole, as one Python leaf: a dict keyed by objects (a cache keyed by
+    modules) has no description a record or a graph signature can hold."""
+    return isinstance(node, dict) and not all(isinstance(key, (str, int)) for key in node)
+
+
+def holds_tensors(node: Any) -> bool:
+    """An opaque container with tensors inside (state a graph cannot take as an argument)."""
+    return is_opaque(node) and any(isinstance(v, torch.Tensor) for v in pt.tree_leaves(list(node.values())))
+
+
 def flatten(tree: Any, root: str = OUTPUT_ROOT) -> FlatTree:
     """Flatten any structure; paths are prefixed with `root` (e.g. "out[0]")."""
     ensure_registered(tree)
-    with_paths, spec = pt.tree_flatten_with_path(tree)
+    with_paths, spec = pt.tree_flatten_with_path(tree, is_leaf=is_opaque)
     paths = [root + "".join(_key_str(k) for k in path) for path, _ in with_paths]
     return FlatTree(leaves=[leaf for _, leaf in with_paths], paths=paths, spec=spec)
 
@@ -165,7 +176,7 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatTree:
     """Flatten a call's (args, kwargs); paths start with "args[i]" or "kwargs['name']"."""
     tree = (tuple(args), dict(kwargs))
     ensure_registered(tree)
-    with_paths, spec = pt.tree_flatten_with_path(tree)
+    with_paths, spec = pt.tree_flatten_with_path(tree, is_leaf=is_opaque)
     paths = []
     for path, _ in with_paths:
         head = CALL_ROOTS[path[0].idx]  # type: ignore[attr-defined]

@@ -197,9 +197,10 @@ def export_onnx(
                 # No model from an earlier export may stand at out_path as if this one had made it.
                 out_path.unlink(missing_ok=True)
                 data_path(out_path).unlink(missing_ok=True)
+                cause = _cause_line(exc)
                 raise ExportError(
                     f"export of {contract.candidate} with the {exporter} exporter failed: "
-                    f"{_cause_line(exc)} (log: {log_path})"
+                    f"{export_limit(cause)}: {cause} (log: {log_path})"
                 ) from exc
             log.write(f"# saved {out_path} (external data: {external})\n")
     seconds = time.perf_counter() - started
@@ -533,6 +534,21 @@ _BOILERPLATE = (
     "⬆",
     "- ",
 )
+
+
+# What an exporter's error says, in a few words a user acts on (first match wins).
+EXPORT_LIMITS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(pattern, re.I), limit) for pattern, limit in (
+    (r"data.dependent|GuardOnDataDependent|unbacked", "data-dependent shape or control flow: kept in Python"),
+    (r"UnsupportedOperator|no (onnx )?(function|decomposition|translation|symbolic)|not supported|unsupported", "an operator with no ONNX translation"),
+    (r"Constraints violated|specializ|Dim\.|dynamic_shapes", "a dim the strategy makes dynamic is fixed by the model's code"),
+    (r"complex", "complex tensors, which ONNX has not"),
+    (r"out of memory|Cannot allocate|MemoryError", "out of memory"),
+))
+
+
+def export_limit(cause: str) -> str:
+    """The kind of exporter limit `cause` (an error's one line) shows, or "export error"."""
+    return next((limit for pattern, limit in EXPORT_LIMITS if pattern.search(cause)), "export error")
 
 
 def _cause_line(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, ContextManager
 
 import numpy as np
-from omskills.errors import InputError
+from omskills.errors import InputError, OmskillsError, one_line
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
@@ -146,6 +146,19 @@ class ProvenanceSource:
     attribute: str
     kind: str
     source: str  # what they are, in words ("video frames", "text prompt tokens")
+
+
+@contextlib.contextmanager
+def driver_checks(driver: "ModelDriver", method: str) -> Iterator[None]:
+    """Around a call into a driver that checks what the user gave (inputs, builder, weights): a
+    `ValueError` or `TypeError` it raises is the user's error, said in one line (`InputError`,
+    which drivers may raise themselves), not a traceback."""
+    try:
+        yield
+    except OmskillsError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise InputError(f"{one_line(str(err)) or type(err).__name__} ({driver.family} driver, {method})") from err
 
 
 def as_arrays(outputs: Any, prefix: str = "out") -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omskills.contracts.pytree import register_struct
 from omskills.isolation import return_freed_memory
-from omskills.models.api import LoadedModel, ModelDriver
+from omskills.models.api import LoadedModel, ModelDriver, driver_checks
 from omskills.models.registry import driver_for, resolved_spec
 from omskills.records.intake import ModelSpec
 
@@ -33,7 +33,8 @@ def load_model(spec: ModelSpec, base_dir: Path | None = None) -> tuple[ModelDriv
             return driver, _cached[1], _cached[2]
         _cached = None  # free the previous model before building the next
         start = time.perf_counter()
-        loaded = driver.load(spec)
+        with driver_checks(driver, "load"):
+            loaded = driver.load(spec)
         for cls in driver.pytree_types(loaded):
             register_struct(cls)
         _cached = (key, loaded, time.perf_counter() - start)

@@ -14,7 +14,9 @@ generator is seeded with 0, so random inputs are the same in the reference and s
 
 Optional names in the same file: `Inputs` (a pydantic model validating intake.inputs),
 `COMPARISON` (a list of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
-`FAMILY` and `STEP_NAME`. Without seed candidates the study ranks the module tree.
+`FAMILY`, `STEP_NAME`, and `WEIGHTS`: when `build_model` loads trained weights itself (files
+shipped in the model's wheel), what they are, said in every report instead of "random". Without
+seed candidates the study ranks the module tree.
 
 When the record names a checkpoint, the gate (check_environment) runs `build_model(spec)` once
 with every parameter on the meta device to list the model's keys and compare them with the
@@ -84,14 +86,16 @@ class FunctionDriver(ModelDriver):
             raise InputError(f"{self.path}: {BUILD} returned {type(root).__name__}; return the nn.Module users call, "
                              "or (entry, root_module)")
         root.eval()
-        notes = []
-        if spec.checkpoint is None:
-            notes.append(f"random weights (seed {spec.seed})")
-        else:
+        own_weights = getattr(self.module, "WEIGHTS", None)
+        if spec.checkpoint is not None:
             load_state_dict(root, Path(spec.checkpoint), spec.device)
+            weights, notes = spec.checkpoint, []
+        elif own_weights:
+            weights, notes = str(own_weights), [f"weights loaded by {BUILD}: {own_weights}"]
+        else:
+            weights, notes = "random", [f"random weights (seed {spec.seed})"]
         root.to(spec.device)
-        return LoadedModel(entry=entry, root=root, source_root=self.path.parent,
-                           weights=spec.checkpoint or "random", notes=notes)
+        return LoadedModel(entry=entry, root=root, source_root=self.path.parent, weights=weights, notes=notes)
 
     def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
         """The root's state-dict keys, for the gate (check_environment) to hold a checkpoint against

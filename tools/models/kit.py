@@ -9,6 +9,7 @@ and images, drawing instances, the device-portability layer for CUDA-minded code
 records that describe comparisons, shape ranges and shape-derived arguments.
 """
 
+from omskills.errors import InputError
 from omskills.models.api import (
     InputPath,
     LoadedModel,
@@ -32,7 +33,7 @@ from omskills.source.packages import package_root
 from omskills.source.portability import DevicePortability, FunctionFix, WatchedImport
 
 __all__ = [
-    "DevicePortability", "DimRef", "FunctionFix", "InputPath", "LoadedModel", "MainPathRun", "ModelDriver",
+    "DevicePortability", "DimRef", "FunctionFix", "InputError", "InputPath", "LoadedModel", "MainPathRun", "ModelDriver",
     "ModelSpec", "NoSettings", "OutputCheck", "ParityGates", "ProvenanceSource", "QuantityLimit", "QuantitySchedule",
     "RunHooks", "SeedCandidate", "ShapeDerivedArg", "StepOutput", "WatchedImport", "as_arrays", "draw_instances",
     "load_state_dict", "load_video", "package_root", "side_by_side", "titled",

@@ -15,7 +15,7 @@ import hashlib
 import importlib.util
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -140,8 +140,8 @@ def resolved_spec(spec: ModelSpec, base_dir: Path | None) -> ModelSpec:
     return spec.model_copy(update=update) if update else spec
 
 
-def _is_input_path(field: FieldInfo) -> bool:
-    return any(isinstance(m, InputPathMarker) for m in field.metadata)
+def _is_input_path(info: FieldInfo) -> bool:
+    return any(isinstance(m, InputPathMarker) for m in info.metadata)
 
 
 def localised_intake(intake: Intake, base_dir: Path) -> Intake:
@@ -150,12 +150,17 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
     (a run folder) still finds them. Values with a scheme ("builtin:shapes") are left as they are."""
     model = resolved_spec(intake.model, base_dir)
     driver = driver_for(model, base_dir)
-    inputs = dict(intake.inputs)
-    for name, field in driver.inputs_model.model_fields.items():
-        value = inputs.get(name)
-        if _is_input_path(field) and isinstance(value, str) and ":" not in value and not Path(value).expanduser().is_absolute():
-            inputs[name] = str((base_dir / value).resolve())
-    return intake.model_copy(update={"model": model, "inputs": inputs})
+
+    def localised(given: dict) -> dict:
+        inputs = dict(given)
+        for name, info in driver.inputs_model.model_fields.items():
+            value = inputs.get(name)
+            if _is_input_path(info) and isinstance(value, str) and ":" not in value and not Path(value).expanduser().is_absolute():
+                inputs[name] = str((base_dir / value).resolve())
+        return inputs
+
+    return intake.model_copy(update={"model": model, "inputs": localised(intake.inputs),
+                                     "shape_inputs": [localised(s) for s in intake.shape_inputs]})
 
 
 def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
@@ -167,10 +172,12 @@ def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
         named.append(("intake.model.source", intake.model.source))
     if intake.model.checkpoint:
         named.append(("intake.model.checkpoint", intake.model.checkpoint))
-    for name, field in driver.inputs_model.model_fields.items():
-        value = intake.inputs.get(name)
-        if _is_input_path(field) and isinstance(value, str) and ":" not in value:
-            named.append((f"intake.inputs.{name}", value))
+    given = [("intake.inputs", intake.inputs)] + [(f"intake.shape_inputs[{k}]", s) for k, s in enumerate(intake.shape_inputs)]
+    for where, inputs in given:
+        for name, info in driver.inputs_model.model_fields.items():
+            value = inputs.get(name)
+            if _is_input_path(info) and isinstance(value, str) and ":" not in value:
+                named.append((f"{where}.{name}", value))
     return named
 
 
@@ -178,8 +185,8 @@ def confine_intake(intake: Intake, base_dir: Path, roots: list[Path]) -> None:
     """Every path the intake names must resolve (symlinks followed) inside one of `roots`; the
     first that does not is an InputError naming its field."""
     driver = driver_for(intake.model, base_dir)
-    for field, value in intake_paths(intake, driver):
-        confined_path(value, field, base_dir, roots)
+    for where, value in intake_paths(intake, driver):
+        confined_path(value, where, base_dir, roots)
 
 
 @dataclass
@@ -189,6 +196,8 @@ class BoundIntake:
     driver: ModelDriver
     inputs: BaseModel
     verification: BaseModel
+    # intake.shape_inputs, each merged over intake.inputs and validated like them.
+    shape_inputs: list[BaseModel] = field(default_factory=list)
 
 
 def bind_intake(intake: Intake, base_dir: Path | None = None) -> BoundIntake:
@@ -202,7 +211,14 @@ def bind_intake(intake: Intake, base_dir: Path | None = None) -> BoundIntake:
         verification = driver.parse_verification(intake.verification)
     except ValidationError as err:
         raise TaskRecordError(f"{validation_problems(err, 'intake.verification')} ({driver.family} driver)") from None
-    return BoundIntake(driver=driver, inputs=inputs, verification=verification)
+    shape_inputs = []
+    for index, overrides in enumerate(intake.shape_inputs):
+        try:
+            shape_inputs.append(driver.parse_inputs({**intake.inputs, **overrides}))
+        except ValidationError as err:
+            where = f"intake.shape_inputs[{index}]"
+            raise TaskRecordError(f"{validation_problems(err, where)} ({driver.family} driver)") from None
+    return BoundIntake(driver=driver, inputs=inputs, verification=verification, shape_inputs=shape_inputs)
 
 
 def installed_drivers() -> list[DriverListing]:

@@ -79,7 +79,7 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max}
 
 class ShapeExpression:
     """An integer formula over input shapes: `memory.shape[0] - memory_image.shape[0]`,
-    `prompt.shape[0] % src_0.shape[0]`. Names are contract inputs; allowed are `.shape[k]`,
+    `tokens.shape[1] // 16`. Names are contract inputs; allowed are `.shape[k]`,
     integers, + - * // %, min() and max(). Evaluated on ints, or on SymInts under torch.export."""
 
     def __init__(self, text: str) -> None:
@@ -179,6 +179,8 @@ class NonTensorArg(Record):
     flat_index: int | None = None
     # Set when the driver declares it a function of input shapes and every observed call agrees.
     derived: ShapeDerivedArg | None = None
+    # A Python object holding tensors (a cache dict keyed by modules): state a graph cannot take.
+    holds_tensors: bool = False
 
 
 class CallShape(Record):
@@ -222,6 +224,9 @@ class ContractSpec(Record):
     call_shapes: list[CallShape] = Field(default_factory=list)  # distinct per-call shapes, first-seen order
     samples: list[str] = Field(default_factory=list)  # npz paths, relative to the task workdir
     dispatch: Dispatch | None = None
+    # How many input sets its calls came from: the task's inputs and each of intake.shape_inputs.
+    # With more than one, a dim that varies takes every size between the extremes seen.
+    input_sets: int = Field(1, ge=1)
 
     @property
     def plan_candidate(self) -> str:
@@ -288,6 +293,21 @@ class ShapeStrategy(Record):
     # dynamic_shape: input name -> per-dim [min, max] ranges ("1~16" in ATC syntax)
     ranges: dict[str, list[list[int]]] = Field(default_factory=dict)
     rationale: str
+
+    def serves(self) -> str:
+        """The input sizes a graph built with this strategy takes, in a line: `x 1x3x[96..320]x[96..320]`."""
+        def dims_of(name: str, shape: list[int]) -> str:
+            ranges = self.ranges.get(name)
+            sizes = [f"[{ranges[k][0]}..{ranges[k][1]}]" if size == -1 and ranges and ranges[k][0] != ranges[k][1]
+                     else str(ranges[k][0] if size == -1 and ranges else size) for k, size in enumerate(shape)]
+            return f"{name} {'x'.join(sizes) or 'scalar'}"
+
+        shapes = "; ".join(dims_of(name, shape) for name, shape in self.input_shapes.items())
+        if self.kind in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims"):
+            values = ", ".join("x".join(map(str, gear)) for gear in self.gears[:12]) + (" ..." if len(self.gears) > 12 else "")
+            unit = {"dynamic_batch_size": "batch", "dynamic_image_size": "HxW", "dynamic_dims": "-1 dims"}[self.kind]
+            return f"{shapes}; {unit} in {{{values}}} ({len(self.gears)} gears)"
+        return shapes
 
 
 class BoundaryDecision(Record):

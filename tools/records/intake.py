@@ -74,6 +74,10 @@ class TargetSpec(Record):
 class Intake(Record):
     model: ModelSpec
     inputs: dict[str, Any] = Field(default_factory=dict)  # the driver's inputs_model validates it
+    # Other inputs the deployment must serve (other image sizes, batch sizes, lengths): each entry
+    # overrides fields of `inputs`. The study captures every candidate on them too, and a dim that
+    # varies across them takes every size between the smallest and the largest seen.
+    shape_inputs: list[dict[str, Any]] = Field(default_factory=list)
     target: TargetSpec = Field(default_factory=TargetSpec)
     verification: dict[str, Any] = Field(default_factory=dict)  # the driver's verification_model validates it
 

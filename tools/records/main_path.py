@@ -16,7 +16,7 @@ class OutputSummary(Record):
     name: str
     shape: list[int]
     dtype: str
-    values: list[Any] | None = None  # the values, rounded, when the output is small
+    values: list[Any] | None = None  # the values, rounded, when the output is small (a 0-d output: one)
     minimum: float | None = None
     maximum: float | None = None
     mean: float | None = None

@@ -26,9 +26,13 @@ def verdict_rank(verdict: str) -> int:
 class ParityGates(Record):
     """Tiered gates for float outputs; defaults are the fp32 gates of the onnx-atc-pipeline issue.
 
-    pass:   cosine >= pass_min_cosine   and max_abs < pass_max_abs
-    review: cosine >= review_min_cosine and max_abs < review_max_abs
+    pass:   cosine >= pass_min_cosine   and max_abs < pass_max_abs x scale
+    review: cosine >= review_min_cosine and max_abs < review_max_abs x scale
     fail:   anything else
+
+    scale is the reference's largest magnitude, or 1 when smaller: fp32 rounding grows with the
+    values, so box coordinates in pixels (hundreds) carry errors hundreds of times those of
+    logits near 1 for the same relative precision.
     """
 
     pass_min_cosine: float = 0.9999
@@ -45,22 +49,25 @@ class ParityGates(Record):
             raise ValueError("review gates must be looser than pass gates")
         return self
 
-    def verdict(self, cosine: float, max_abs: float) -> tuple[Verdict, str | None]:
-        """The tier these metrics reach, and which conditions of the next tier up they miss."""
-        if cosine >= self.pass_min_cosine and max_abs < self.pass_max_abs:
+    def verdict(self, cosine: float, max_abs: float, magnitude: float = 1.0) -> tuple[Verdict, str | None]:
+        """The tier these metrics reach, and which conditions of the next tier up they miss;
+        `magnitude`: the reference's largest absolute value (scales the max-abs gates above 1)."""
+        scale = max(1.0, magnitude)
+        if cosine >= self.pass_min_cosine and max_abs < self.pass_max_abs * scale:
             return "pass", None
-        missed_pass = _missed(cosine, max_abs, self.pass_min_cosine, self.pass_max_abs, "pass")
-        if cosine >= self.review_min_cosine and max_abs < self.review_max_abs:
+        missed_pass = _missed(cosine, max_abs, self.pass_min_cosine, self.pass_max_abs, scale, "pass")
+        if cosine >= self.review_min_cosine and max_abs < self.review_max_abs * scale:
             return "review", missed_pass
-        return "fail", _missed(cosine, max_abs, self.review_min_cosine, self.review_max_abs, "review")
+        return "fail", _missed(cosine, max_abs, self.review_min_cosine, self.review_max_abs, scale, "review")
 
 
-def _missed(cosine: float, max_abs: float, min_cosine: float, max_abs_below: float, tier: str) -> str:
+def _missed(cosine: float, max_abs: float, min_cosine: float, max_abs_below: float, scale: float, tier: str) -> str:
     misses = []
     if cosine < min_cosine:
         misses.append(f"cosine {cosine:.6g} < {min_cosine:g}")
-    if max_abs >= max_abs_below:
-        misses.append(f"max_abs {max_abs:.3g} >= {max_abs_below:g}")
+    if max_abs >= max_abs_below * scale:
+        scaled = f" x {scale:.3g} (the reference's largest magnitude)" if scale > 1.0 else ""
+        misses.append(f"max_abs {max_abs:.3g} >= {max_abs_below:g}{scaled}")
     return f"{' and '.join(misses)} ({tier} gate)"
 
 

@@ -76,3 +76,6 @@ class StudyRun(Record):
     seconds: float
     # Per candidate, the ranges the driver read from the built model (for the shape strategy).
     source_limits: dict[str, list[QuantityLimit | QuantitySchedule]] = Field(default_factory=dict)
+    # The weights the model ran with, as its driver said: "random", a checkpoint, or weights the
+    # builder loads itself (None in records written before it was kept).
+    weights: str | None = None

@@ -113,6 +113,13 @@ class TaskRecord(Record):
             raise StageError(f"no contract for candidate {graph!r}: run capture_contracts first")
         return self.contracts[graph]
 
+    def weights(self) -> str:
+        """The weights the model ran with: what its driver said at the study, else the intake's
+        checkpoint, else "random" (seeded random initialisation)."""
+        if self.study is not None and self.study.weights:
+            return self.study.weights
+        return self.intake.model.checkpoint or "random"
+
     def toolchain_of(self, graph: str) -> CandidateToolchain:
         """The graph's stage-3 results (empty when there are none yet); see `chain` to write them."""
         return self.toolchain.get(graph) or CandidateToolchain()

@@ -172,5 +172,7 @@ class VerifyReport(Record):
         "Per item of every keyed check (e.g. each object, matched by id) and step: its figure and whether it passed."))
     figures: list[str] = Field(default_factory=list, description=(
         "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); the HTML embeds them too."))
+    notes: list[str] = Field(default_factory=list, description=(
+        "What the run did not do as planned without changing its figures (a memory optimisation that could not apply)."))
     verdict: str = Field(description=(
         "'pass' when both runs have the same steps, every gating check held on all of them and no call fell back; else 'fail'."))

@@ -57,7 +57,7 @@ def _cells(record: TaskRecord, graph: str, candidate: str, verification: VerifyR
     chain = record.toolchain_of(graph)
     found = [
         _step_cell(record, "export", f"export:{graph}", _export_detail(record, graph)),
-        _step_cell(record, "probe", f"probe:{graph}:original", _probe_detail(chain)),
+        _probe_cell(record, graph, chain),
         _step_cell(record, "optimise", f"optimize:{graph}", _optimise_detail(chain)),
         _step_cell(record, "precision emulation", f"precision:{graph}", _precision_detail(chain)),
         _precheck_cell(chain),
@@ -99,6 +99,15 @@ def _export_detail(record: TaskRecord, graph: str) -> str | None:
     if export is None:
         return None
     return f"{export.exporter} exporter, opset {export.opset}, {export.bytes / 1e6:.1f} MB"
+
+
+def _probe_cell(record: TaskRecord, graph: str, chain: CandidateToolchain) -> StageCell:
+    """The probe ran, but a graph whose outputs fail the gates is not one to deploy: failed."""
+    cell = _step_cell(record, "probe", f"probe:{graph}:original", _probe_detail(chain))
+    probe = chain.probes.get("original")
+    if cell.status == "done" and probe is not None and probe.verdict == "fail":
+        return cell.model_copy(update={"status": "failed", "detail": f"outputs differ from PyTorch: {cell.detail}"})
+    return cell
 
 
 def _probe_detail(chain: CandidateToolchain) -> str | None:

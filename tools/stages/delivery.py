@@ -23,7 +23,7 @@ def _io(specs: list[TensorSpec]) -> str:
 
 def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
     limits = []
-    if record.intake.model.checkpoint is None:
+    if record.weights() == "random":
         limits.append("random weights: the figures prove parity of the spliced pipeline, not the model's quality")
     if any(tc.atc and tc.atc.status != "converted" for tc in record.toolchain.values()):
         limits.append("no OM was built here (ATC not available); the ATC commands above are ready to run where CANN is installed")
@@ -35,6 +35,7 @@ def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
             limits.append(f"{name} ran on ONNX Runtime with the batch in chunks of {tc.batch_split.max_batch} "
                           f"({tc.batch_split.reason}); the OM keeps its batch gears")
     limits += [f"verification setting {line}" for line in settings]
+    limits += record.verification.notes if record.verification else []
     return limits
 
 
@@ -110,10 +111,11 @@ def write_delivery_doc(task_path: Path) -> Path:
     model = model.model_copy(update={"source": _seen_from(model.source, workdir), "checkpoint": _seen_from(model.checkpoint, workdir)})
     inputs = {key: _seen_from(value, workdir) for key, value in bound.inputs.model_dump(mode="json").items()}
     text = template_environment().get_template("delivery.md.j2").render(
-        r=record, m=model, family=bound.driver.family, inputs=inputs,
+        r=record, m=model, family=bound.driver.family, inputs=inputs, weights=_seen_from(record.weights(), workdir),
         plan=record.plan, env=record.environment, v=record.verification, ve=record.verification_emulated, toolchain=record.toolchain,
         task_name=task_name,
         strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},
+        serves={n: b.shape_strategy.serves() for n, b in record.boundaries.items() if b.shape_strategy},
         ios={n: (_io(c.inputs), _io(c.outputs)) for n, c in record.contracts.items()},
         graphs={c.name: [g.candidate for g in record.contracts_of(c.name)] for c in record.plan.candidates},
         control_plane=sorted({line for b in record.boundaries.values() for line in b.control_plane})[:8],

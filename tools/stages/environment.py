@@ -19,7 +19,7 @@ from typing import NamedTuple
 from omskills.ascend.atc import check_soc, soc_of_command
 from omskills.errors import InputError, OmskillsError
 from omskills.host.environment import probe_environment
-from omskills.models.api import ModelDriver
+from omskills.models.api import ModelDriver, driver_checks
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
 from omskills.records.environment import EnvironmentReport
 from omskills.records.intake import ModelSpec, allowed_input_roots, confined_path
@@ -84,14 +84,21 @@ def check_task_inputs(bound: BoundIntake, spec: ModelSpec, workdir: Path, model_
     from omskills.models.checkpoints import key_mismatch, read_state_dict
 
     driver = bound.driver
-    checked = driver.check_inputs(bound.inputs, workdir)
+    with driver_checks(driver, "check_inputs"):
+        checked = driver.check_inputs(bound.inputs, workdir)
+    for index, shape_inputs in enumerate(bound.shape_inputs):
+        where = f"intake.shape_inputs[{index}]"
+        with driver_checks(driver, f"check_inputs of {where}"):
+            checked += [f"{where}: {line}" for line in driver.check_inputs(shape_inputs, workdir)]
     found = read_state_dict(Path(spec.checkpoint)) if spec.checkpoint else None
     if not model_found:  # the probe reports the missing source; the builder and the keys need it
         return checked
-    checked.append(driver.check_builder(spec))
+    with driver_checks(driver, "check_builder"):
+        checked.append(driver.check_builder(spec))
     if found is None:
         return checked + ["intake.model.checkpoint: none (seeded random weights)"]
-    expected = driver.expected_state_keys(spec)
+    with driver_checks(driver, "expected_state_keys"):
+        expected = driver.expected_state_keys(spec)
     mismatch = key_mismatch(expected, found) if expected is not None else None
     if mismatch:
         raise InputError(f"intake.model.checkpoint: {spec.checkpoint} does not fit the {spec.scale} "

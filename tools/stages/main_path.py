@@ -33,7 +33,8 @@ def summarise(name: str, value: np.ndarray) -> OutputSummary:
         summary.minimum, summary.maximum = round(float(value.min()), 6), round(float(value.max()), 6)
         summary.mean = round(float(value.mean()), 6)
     if value.size <= VALUES_KEPT and value.dtype.kind in "biuf":
-        summary.values = np.round(value, 6).tolist() if value.dtype.kind == "f" else value.tolist()
+        values = np.round(value, 6) if value.dtype.kind == "f" else value
+        summary.values = values.reshape(-1).tolist() if value.ndim == 0 else values.tolist()  # a scalar: one value
     return summary
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from omskills import progress
-from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
+from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, driver_checks
 from omskills.models.cache import load_model
 from omskills.models.registry import BoundIntake, bind_intake
 from omskills.records.intake import ModelSpec
@@ -35,7 +35,8 @@ def open_model(record: TaskRecord, workdir: Path, spec: ModelSpec | None = None)
     """Load (or reuse) the task's model (or the one `spec` describes) with its inputs, prepared."""
     bound = bind_intake(record.intake, workdir)
     progress.report(0, None, f"reading the inputs of the {bound.driver.family} driver...")
-    data = bound.driver.load_inputs(bound.inputs, workdir)
+    with driver_checks(bound.driver, "load_inputs"):
+        data = bound.driver.load_inputs(bound.inputs, workdir)
     progress.report(0, None, f"building the {(spec or record.intake.model).scale} model (or reusing the loaded one)...")
     _, loaded, seconds = load_model(spec or record.intake.model, workdir)
     progress.report(0, None, f"model ready ({seconds:.1f} s); preparing it for the inputs...")

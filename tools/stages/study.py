@@ -21,7 +21,7 @@ from omskills.contracts.capture import capture_contracts
 from omskills.contracts.provenance import ProvenanceTracker
 from omskills.contracts.routing import route_forward_calls
 from omskills.errors import StageError
-from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
+from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, driver_checks
 from omskills.models.registry import BoundIntake, driver_for
 from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
 from omskills.profiling.discovery import discovery_profile
@@ -39,7 +39,9 @@ MAX_SAMPLES = 2
 
 def study_inputs_hash(record: TaskRecord, driver: ModelDriver) -> str:
     """The intake and the driver's code: either changing means another main path."""
-    return fingerprint(record.intake.model, record.intake.inputs, record.intake.verification, driver.code_fingerprint())
+    intake = record.intake
+    return fingerprint(intake.model, intake.inputs, intake.verification, driver.code_fingerprint(),
+                       *([intake.shape_inputs] if intake.shape_inputs else []))
 
 
 def _counting_hooks(profiler: ModuleProfiler, done: list[int], what: str) -> RunHooks:
@@ -71,6 +73,21 @@ def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[
     return seeds
 
 
+def _run_shape_inputs(bound: BoundIntake, loaded: LoadedModel, workdir: Path, steps_done: list[int]) -> None:
+    """The main path on each of intake.shape_inputs, for the contracts alone (not profiled): the
+    candidates' calls then show the sizes the deployment must serve."""
+    driver = bound.driver
+
+    def on_step(_index: int) -> None:
+        steps_done[0] += 1
+
+    for index, inputs in enumerate(bound.shape_inputs):
+        progress.report(steps_done[0], None, f"study run: shape inputs {index + 1} of {len(bound.shape_inputs)}...")
+        with driver_checks(driver, f"load_inputs of intake.shape_inputs[{index}]"):
+            data = driver.load_inputs(inputs, workdir)
+        driver.run_main_path(loaded, data, inputs, bound.verification, RunHooks(on_step=on_step))
+
+
 def ensure_study(task_path: Path) -> TaskRecord:
     """Run the study unless a finished one with the same intake is in the record."""
     record = load_record(task_path)
@@ -95,16 +112,17 @@ def ensure_study(task_path: Path) -> TaskRecord:
                 for src in driver.provenance_sources(loaded):
                     stack.enter_context(tracker.wrap_callable(src.owner, src.attribute, src.kind, src.source))
                 stack.enter_context(route_forward_calls([loaded.root.get_submodule(s.module_path) for s in seeds]))
-                stack.enter_context(profiler)
-                outcome.append(driver.run_main_path(loaded, data, bound.inputs, bound.verification,
-                                                    _counting_hooks(profiler, steps_done, "study run")))
+                with profiler:
+                    outcome.append(driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+                                                        _counting_hooks(profiler, steps_done, "study run")))
+                _run_shape_inputs(bound, loaded, workdir, steps_done)
 
         start = time.perf_counter()
         progress.report(0, None, f"study run: setup and {driver.step_name} 1 under the profiler and contract capture...")
         contracts = capture_contracts(loaded.root, {s.name: s.module_path for s in seeds}, run, tracker,
-                                      samples_dir=workdir / "samples", max_samples=MAX_SAMPLES,
+                                      samples_dir=workdir / "samples", max_samples=MAX_SAMPLES + len(bound.shape_inputs),
                                       frame_counter=lambda: steps_done[0], relative_to=workdir,
-                                      derived_args=driver.derived_args())
+                                      derived_args=driver.derived_args(), input_sets=1 + len(bound.shape_inputs))
         seconds = time.perf_counter() - start
         progress.report(steps_done[0], None, f"study run done ({seconds:.1f} s); writing the profile, contracts and outputs...")
         profile = profiler.report(notes=[f"instrumented run (profiler + contract capture); weights: {loaded.weights}"])
@@ -112,7 +130,7 @@ def ensure_study(task_path: Path) -> TaskRecord:
         study = StudyRun(inputs_hash=inputs_hash, main_path_json=str(Path("study") / "main_path.json"),
                          seeds=seeds, seeds_from="driver" if declared else "profile",
                          contracts_captured=[c.candidate for c in contracts], seconds=round(seconds, 3),
-                         source_limits=driver.source_limits(loaded))
+                         source_limits=driver.source_limits(loaded), weights=loaded.weights)
 
         def store(rec: TaskRecord) -> None:
             rec.study, rec.profile = study, profile
@@ -142,7 +160,7 @@ def profile_main_path(task_path: Path, top: int = 12) -> ProfileSummary:
     assert profile is not None and study is not None
     nodes = sorted((n for n in profile.nodes if n.depth >= 1), key=lambda n: n.inclusive_s, reverse=True)[:top]
     return ProfileSummary(
-        weights=record.intake.model.checkpoint or "random", scale=record.intake.model.scale, frames=profile.frames,
+        weights=record.weights(), scale=record.intake.model.scale, frames=profile.frames,
         total_seconds=profile.total_seconds, control_plane_seconds=round(profile.control_plane_seconds, 3),
         top_modules=[ModuleShare(path=n.path, module_class=n.module_class, share=round(n.share, 5), calls=n.calls,
                                  calls_per_frame=n.calls_per_frame) for n in nodes],

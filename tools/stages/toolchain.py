@@ -361,20 +361,25 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
                     cand.om_path = result.om_path
             decide_unless_repeated(rec, "convert_atc", name, f"{name}: ATC {result.status}",
                                    result.reason or "ATC exited 0 and wrote the OM")
+            if precision_mode is None and rec.toolchain_of(name).precision is None:
+                failed = rec.stages.get(f"precision:{name}")
+                why = f"its emulation failed ({failed.error})" if failed and failed.error else "no mode was emulated"
+                decide_unless_repeated(rec, "convert_atc", name, f"{name}: --precision_mode={UNCHECKED_PRECISION_MODE}",
+                                       f"{why}: every op stays in its original dtype, slower but safe; "
+                                       "emulate_precision again to choose a faster mode")
 
         handle.update(store)
     return result
 
 
 def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir: Path) -> dict[str, str]:
-    """The precision options for ATC: the mode asked for, else the one emulate_precision chose;
-    the nodes its emulation proposed to keep and those a known pitfall of that mode names go
-    into a --keep_dtype file."""
+    """The precision options for ATC: the mode asked for, else the one emulate_precision chose,
+    else (no emulation result) the mode that keeps every fp32 op in fp32: ATC's own default
+    (force_fp16) is then a mode nothing here checked. The nodes its emulation proposed to keep and
+    those a known pitfall of that mode names go into a --keep_dtype file."""
     chain = record.toolchain_of(name)
     report = chain.precision
-    mode = asked or (report.chosen_mode if report else None)
-    if mode is None:
-        return {}
+    mode = asked or (report.chosen_mode if report else None) or UNCHECKED_PRECISION_MODE
     emulated = report.mode(mode) if report else None
     keep = list(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else []
     for hit in (chain.precheck.pitfalls if chain.precheck else []):
@@ -385,6 +390,10 @@ def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir
     if path is not None:
         options["keep_dtype"] = str(path)
     return options
+
+
+# The ATC precision mode of a graph whose modes were never emulated (its emulation failed or did not run).
+UNCHECKED_PRECISION_MODE = "must_keep_origin_dtype"
 
 
 def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],

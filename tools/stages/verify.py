@@ -16,7 +16,7 @@ from omskills import progress
 from omskills.ascend.emulation import precisions_for, prepare, save_emulated
 from omskills.compare.outputs import compare_step, expand, worse
 from omskills.deploy.manifest import graph_from_record
-from omskills.errors import InputError, StageError
+from omskills.errors import InputError, StageError, one_line
 from omskills.isolation import return_freed_memory
 from omskills.models.api import MainPathRun, ModelDriver, save_run
 from omskills.records.export import SpliceStats
@@ -135,7 +135,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         reference = model.run()
         # From here the candidates' PyTorch weights only serve fallbacks: out of memory before the
         # sessions load the same weights again. The reference run's activations go back too.
-        page_out([loaded.root.get_submodule(record.contracts[n].module_path) for n in names], workdir / "verify")
+        notes = _paged_out(loaded.root, [record.contracts[n].module_path for n in names], workdir / "verify")
         return_freed_memory()
         replacements = [(record.contracts[n], _open(record, workdir, n, backend, emulated)) for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
@@ -144,10 +144,21 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
             spliced = model.run()
         progress.report(2, 3, "verify: comparing outputs, writing the report and pictures...")
         report = _report(record, driver, driver.comparison(bound.verification), driver.settings_notes(bound.verification),
-                         workdir, backend, names, skipped, reference, spliced, handle, modes)
+                         workdir, backend, names, skipped, reference, spliced, handle, modes, loaded.weights)
+        report.notes += notes
         report = _write_reports(report, record, driver, reference, spliced, model.data, workdir)
         step.update(_stored(report))
     return report
+
+
+def _paged_out(root: Any, module_paths: list[str], folder: Path) -> list[str]:
+    """The spliced modules' weights paged out (`page_out`): a memory optimisation, so when it
+    cannot apply the run goes on with the weights in memory, and the report says why."""
+    try:
+        page_out([root.get_submodule(path) for path in module_paths], folder)
+    except Exception as err:  # noqa: BLE001 - best effort: any failure leaves the weights where they were
+        return [f"the spliced candidates' PyTorch weights stayed in memory (paging them out failed: {one_line(err, 300)})"]
+    return []
 
 
 def _stored(report: VerifyReport):
@@ -205,7 +216,7 @@ def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[Ch
 
 def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck], settings: list[str], workdir: Path,
             backend: str, names: list[str], skipped: dict[str, str], reference: MainPathRun, spliced: MainPathRun,
-            handle: SpliceHandle, modes: dict[str, str] | None = None) -> VerifyReport:
+            handle: SpliceHandle, modes: dict[str, str] | None = None, weights: str = "random") -> VerifyReport:
     checks = expand(declared, reference.steps[0].outputs) if reference.steps else declared
     per_step = [StepParity(index=r.index, checks=compare_step(checks, r.outputs, s.outputs),
                            torch_seconds=round(r.seconds, 3), spliced_seconds=round(s.seconds, 3))
@@ -231,7 +242,7 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
         candidates = [c.model_copy(update={"backend": f"{c.backend} (Ascend {modes.get(c.name, 'fp32')} emulated, not an NPU)"})
                       for c in candidates]
     report = VerifyReport(
-        task_id=record.id, weights=record.intake.model.checkpoint or "random", scale=record.intake.model.scale,
+        task_id=record.id, weights=weights, scale=record.intake.model.scale,
         backend=backend, step_name=driver.step_name,
         backend_per_candidate={c.name: c.backend for c in candidates} | {n: "pytorch (not spliced)" for n in skipped},
         not_spliced=skipped, candidates=candidates, comparison=checks, main_path=main, per_step=per_step,
