@@ -295,4 +295,39 @@ def test_a_model_whose_time_is_in_no_weighted_subtree_gives_no_seed_and_says_wha
     assert seeds_from_profile(profile) == []
     assert why_no_seeds(profile) == (
         "a pass of the main path took 1001.00 ms, 1001.00 ms of it in the model's modules; the heaviest subtrees "
-        "with parameters within 3 levels of the root, as shares of the model's time (a seed needs 2%): small 0.1%")
+        "with parameters within 3 calls of the root, as shares of the model's time (a seed needs 2%): small 0.1%")
+
+
+class Stack(nn.Module):
+    """A decoder as transformers writes one: blocks in a ModuleList (never called itself), each
+    block's feed-forward inside a layer list of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Module() for _ in range(2)])
+        for block in self.blocks:
+            block.layer = nn.ModuleList([Sleeper(0.01), Sleeper(0.03)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            for layer in block.layer:
+                x = layer(x)
+        return x
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = Stack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)
+
+
+def test_seed_depth_counts_calls_not_the_dots_of_containers_never_called():
+    from omskills.profiling.auto_seeds import call_depths, seeds_from_profile
+
+    profile = run_frames(Outer(), frames=1)
+    assert call_depths(profile)["decoder.blocks.1.layer.1"] == 2  # five dots, two calls below the root
+    assert {s.module_path for s in seeds_from_profile(profile)} == {
+        "decoder", "decoder.blocks.0.layer.0", "decoder.blocks.0.layer.1", "decoder.blocks.1.layer.0", "decoder.blocks.1.layer.1"}
