@@ -91,7 +91,10 @@ class ToolCallDisplay:
         if self.bar is not None:
             self.bar.close()
         failed = failed_graphs(outcome)
+        skipped = outcome.structured.get("skipped") if isinstance(outcome.structured, dict) else None
         status = "FAILED" if outcome.is_error else (f"ok, {len(failed)} graph(s) FAILED" if failed else "ok")
+        if skipped and not outcome.is_error:
+            status += f" ({len(skipped)} graph(s) skipped: an earlier step of theirs failed)"
         line = f"{self.prefix}: {status} in {outcome.seconds:.1f}s"
         if outcome.is_error:
             line += f" — {outcome.text}"

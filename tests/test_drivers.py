@@ -9,6 +9,7 @@ import shutil
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import omskills
@@ -313,3 +314,29 @@ def test_weights_the_builder_loads_and_a_scalar_output_are_reported_as_they_are(
     [step] = main["steps"]
     count = next(o for o in step["outputs"] if o["name"] == "count")
     assert count["shape"] == [] and count["values"] == [3]
+
+
+def test_every_run_of_the_main_path_draws_the_same_noise_from_every_generator(tmp_path):
+    """A model that dithers with numpy or Python's `random` (a pitch tracker, a sampler) gives the
+    same outputs on every run: the engine seeds all three generators, not torch's alone."""
+    from omskills.models.api import run_seeded
+    from omskills.models.registry import bind_intake
+    from omskills.records.intake import Intake
+
+    (tmp_path / "noisy_driver.py").write_text(textwrap.dedent('''
+        import random
+        import numpy as np
+        import torch
+
+        def build_model(spec):
+            return torch.nn.Linear(2, 2)
+
+        def run_main_path(model, inputs):
+            return {"dither": np.random.rand(3), "jitter": np.array(random.random()), "noise": torch.rand(2)}
+    '''))
+    intake = Intake.model_validate({"model": {"driver": "noisy_driver.py"}})
+    bound = bind_intake(intake, tmp_path)
+    loaded = bound.driver.load(intake.model)
+    first, second = (run_seeded(bound.driver, loaded, {}, bound.inputs, bound.verification).steps[0].outputs
+                     for _ in range(2))
+    assert all(np.array_equal(first[name], second[name]) for name in ("dither", "jitter", "noise"))

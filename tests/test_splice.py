@@ -257,3 +257,31 @@ def test_graphs_of_different_candidates_cannot_share_a_replacement_point(host, c
     other = contract.model_copy(update={"candidate": "head-copy"})
     with pytest.raises(SpliceError, match="already spliced"):
         splice(host, [(contract, double), (other, double)])
+
+
+class Timestep(torch.nn.Module):
+    """A denoiser's call: a latent and a 0-d timestep."""
+
+    def forward(self, latent: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return latent * t
+
+
+class Host(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.step = Timestep()
+
+
+def test_a_0_d_input_reaches_the_backend_0_d_and_a_backend_error_falls_back_with_its_reason():
+    host = Host()
+    latent, t = torch.ones(2, 3), torch.tensor(0.5)
+    [contract] = capture_contracts(host, {"step": "step"}, lambda: host.step(latent, t))
+    double = TorchBackendDouble(host.step, contract)
+    with splice(host, [(contract, double)]) as handle:
+        torch.testing.assert_close(host.step(latent, t), latent * 0.5)
+        assert double.feeds[0]["t"].shape == ()
+        double.run = lambda feeds: (_ for _ in ()).throw(RuntimeError("device lost\nmore detail"))
+        torch.testing.assert_close(host.step(latent, t), latent * 0.5)  # PyTorch answered
+    [event] = handle.fallbacks()
+    assert (event.kind, event.call) == ("backend", 2)
+    assert event.reason == "the torch-double backend failed: RuntimeError: device lost"

@@ -44,15 +44,6 @@ def _ranks_changing(contract: ContractSpec) -> list[str]:
 def _exportability(contract: ContractSpec) -> tuple[bool, list[str]]:
     blockers: list[str] = []
     notes: list[str] = []
-    if contract.structure_variants > 1:
-        blockers.append(
-            f"calls have {contract.structure_variants} different structures (tree spec or which leaves are "
-            "tensors): one graph cannot serve them all; re-cut the candidate or split the calls"
-        )
-    if not contract.inputs:
-        blockers.append("no tensor inputs after flattening: its outputs depend only on Python values")
-    if not contract.outputs:
-        blockers.append("no tensor outputs after flattening: nothing for a graph to return")
     for arg in contract.non_tensor_args:
         if arg.holds_tensors:
             blockers.append(f"argument {arg.tree_path} holds tensors inside a Python object ({arg.value_repr}): "
@@ -66,6 +57,15 @@ def _exportability(contract: ContractSpec) -> tuple[bool, list[str]]:
                 f"non-tensor argument {arg.tree_path} changes between calls ({arg.value_repr}): "
                 "a graph would freeze it to one value"
             )
+    if contract.structure_variants > 1:
+        blockers.append(
+            f"calls have {contract.structure_variants} different structures (tree spec or which leaves are "
+            "tensors): one graph cannot serve them all; re-cut the candidate or split the calls"
+        )
+    if not contract.inputs:
+        blockers.append("no tensor inputs after flattening: its outputs depend only on Python values")
+    if not contract.outputs:
+        blockers.append("no tensor outputs after flattening: nothing for a graph to return")
     for leaf in contract.non_tensor_outputs:
         if not leaf.constant:
             blockers.append(f"non-tensor output {leaf.tree_path} changes between calls ({leaf.value_repr})")

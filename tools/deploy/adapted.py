@@ -23,7 +23,7 @@ from typing import Any
 
 from omskills.contracts.pytree import register_struct
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record, read_bundle
-from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks
+from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, run_seeded
 from omskills.models.registry import BoundIntake, bind_intake, driver_for, resolved_spec
 from omskills.records.deploy import DeployManifest
 from omskills.records.intake import Intake
@@ -82,7 +82,7 @@ class AdaptedModel:
             parsed = self.driver.parse_inputs(self.manifest.intake.inputs | dict(inputs))
             data = self.driver.load_inputs(parsed, self.root)
             bound = BoundIntake(driver=self.driver, inputs=parsed, verification=bound.verification)
-        return self.driver.run_main_path(self.loaded, data, bound.inputs, bound.verification, RunHooks())
+        return run_seeded(self.driver, self.loaded, data, bound.inputs, bound.verification)
 
     def stats(self) -> list[SpliceStats]:
         return self.handle.stats()

@@ -91,6 +91,26 @@ class MainPathRun:
     notes: list[str] = field(default_factory=list)
 
 
+def seed_generators(seed: int = 0) -> None:
+    """torch's, numpy's and Python's random generators, seeded."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_seeded(driver: "ModelDriver", loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel,
+               hooks: "RunHooks | None" = None) -> MainPathRun:
+    """The driver's main path with every random generator seeded first: a model that draws noise
+    (a sampler's latents, a pitch tracker's dither) draws the same in every run, so two runs
+    differ only by what the graphs change."""
+    seed_generators(0)
+    return driver.run_main_path(loaded, data, inputs, verification, hooks or RunHooks())
+
+
 def save_run(run: MainPathRun, path: Path) -> Path:
     """The outputs of every step in one npz ("<step index>/<output name>" keys), for comparing runs
     made in other processes bit for bit."""
@@ -233,6 +253,11 @@ class ModelDriver(ABC):
         """The function that builds the model (the inventory scans from its module); by default
         intake.model.builder. None: the whole package is scanned from its __init__."""
         return spec.builder
+
+    def builder_weights(self, spec: ModelSpec) -> str | None:
+        """What the builder loads when no checkpoint is given, when it loads trained weights itself
+        (files in the model's wheel), as `LoadedModel.weights` will say; None: seeded random."""
+        return None
 
     @abstractmethod
     def load(self, spec: ModelSpec) -> LoadedModel:

@@ -9,8 +9,8 @@
 tree to cut, it returns `(entry, root_module)`. Weights are seeded random (torch's generator is
 seeded with `intake.model.seed` before building) unless `intake.model.checkpoint` names a state
 dict, which is loaded into the root. `run_main_path` returns one step's outputs (a tensor, a
-tuple or a dict of tensors); a generator yields one step per item. Before each run torch's
-generator is seeded with 0, so random inputs are the same in the reference and spliced runs.
+tuple or a dict of tensors); a generator yields one step per item. Before each run the engine seeds
+torch's, numpy's and Python's generators with 0, so random inputs are the same in every run.
 
 Optional names in the same file: `Inputs` (a pydantic model validating intake.inputs),
 `COMPARISON` (a list of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
@@ -86,7 +86,7 @@ class FunctionDriver(ModelDriver):
             raise InputError(f"{self.path}: {BUILD} returned {type(root).__name__}; return the nn.Module users call, "
                              "or (entry, root_module)")
         root.eval()
-        own_weights = getattr(self.module, "WEIGHTS", None)
+        own_weights = self.builder_weights(spec)
         if spec.checkpoint is not None:
             load_state_dict(root, Path(spec.checkpoint), spec.device)
             weights, notes = spec.checkpoint, []
@@ -96,6 +96,10 @@ class FunctionDriver(ModelDriver):
             weights, notes = "random", [f"random weights (seed {spec.seed})"]
         root.to(spec.device)
         return LoadedModel(entry=entry, root=root, source_root=self.path.parent, weights=weights, notes=notes)
+
+    def builder_weights(self, spec: ModelSpec) -> str | None:
+        weights = getattr(self.module, "WEIGHTS", None)
+        return str(weights) if weights else None
 
     def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
         """The root's state-dict keys, for the gate (check_environment) to hold a checkpoint against
@@ -122,7 +126,6 @@ class FunctionDriver(ModelDriver):
                       hooks: RunHooks) -> MainPathRun:
         import torch
 
-        torch.manual_seed(0)
         steps: list[StepOutput] = []
         start = last = time.perf_counter()
         with torch.no_grad():

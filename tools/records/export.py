@@ -38,7 +38,8 @@ class ExportResult(Record):
     fact_source: str  # where the opset limit we target comes from
 
 
-FallbackKind = Literal["structure", "constant", "dtype", "shape", "autograd", "method"]
+# "backend": the call was within the contract but the backend raised (its one line is the reason).
+FallbackKind = Literal["structure", "constant", "dtype", "shape", "autograd", "method", "backend"]
 
 
 class FallbackEvent(Record):

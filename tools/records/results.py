@@ -73,6 +73,8 @@ class CandidateBatch(Record, Generic[ResultT]):
 
     results: dict[str, ResultT] = Field(default_factory=dict, description="Candidate (graph) name -> the step's result for it.")
     failed: list[CandidateFailure] = Field(default_factory=list, description="Candidates whose step failed; the others went on.")
+    skipped: dict[str, str] = Field(default_factory=dict, description=(
+        "Candidates the step did not run for -> why (an earlier step of theirs failed: nothing to work on)."))
 
 
 ExportBatch = CandidateBatch[ExportResult]

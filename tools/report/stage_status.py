@@ -62,7 +62,7 @@ def _cells(record: TaskRecord, graph: str, candidate: str, verification: VerifyR
         _step_cell(record, "precision emulation", f"precision:{graph}", _precision_detail(chain)),
         _precheck_cell(chain),
         _step_cell(record, "ATC", f"atc:{graph}", _atc_detail(chain)),
-        _verify_cell(graph, candidate, verification),
+        _verify_cell(record, graph, candidate, verification),
     ]
     return _after_failures(found)
 
@@ -151,8 +151,11 @@ def _atc_detail(chain: CandidateToolchain) -> str | None:
     return f"{atc.status}" + (f": {atc.reason}" if atc.reason else "") + (f", OM {atc.om_path}" if atc.om_path else "")
 
 
-def _verify_cell(graph: str, candidate: str, verification: VerifyReport | None) -> StageCell:
+def _verify_cell(record: TaskRecord, graph: str, candidate: str, verification: VerifyReport | None) -> StageCell:
     if verification is None:
+        step = record.stages.get("verify")
+        if step is not None and step.status == "failed":  # the whole spliced run stopped
+            return StageCell(stage="verify", status="failed", detail=step.error or "failed")
         return StageCell(stage="verify", status="not_run", detail="not reached")
     if candidate in verification.not_spliced:
         return StageCell(stage="verify", status="not_run",

@@ -200,7 +200,7 @@ class OmBackend(RuntimeBackend):
 
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         # InferSession takes feeds by position, in get_inputs() order, and reads raw buffers.
-        ordered = [np.ascontiguousarray(feeds[spec.name]) for spec in self._inputs]
+        ordered = [np.require(feeds[spec.name], requirements="C") for spec in self._inputs]  # 0-d stays 0-d
         options: dict[str, object] = {"mode": self.mode}
         if self.custom_sizes is not None:
             options["custom_sizes"] = self.custom_sizes

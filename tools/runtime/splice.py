@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
 from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
-from omskills.errors import OmskillsError
+from omskills.errors import OmskillsError, one_line
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
 from torch import nn
@@ -273,7 +273,8 @@ class _Route:
         tensors = self.call_layout.tensors_of(flat.leaves)
         started = time.perf_counter()
         by_name = {spec.name: tensor for spec, tensor in zip(self.contract.inputs, tensors)}
-        feeds = {name: np.ascontiguousarray(by_name[name].detach().cpu().numpy()) for name in self.feed_names}
+        # np.require, not np.ascontiguousarray: that one makes a 0-d value (a timestep) 1-d.
+        feeds = {name: np.require(by_name[name].detach().cpu().numpy(), requirements="C") for name in self.feed_names}
         produced = self.backend.run(feeds)
         # Outputs go where the caller's tensors are (the contract's device is the capture's).
         device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
@@ -284,7 +285,7 @@ class _Route:
     def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
         if spec.name not in produced:
             raise SpliceError(f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}")
-        array = np.ascontiguousarray(produced[spec.name])
+        array = np.require(produced[spec.name], requirements="C")
         return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
 
     def stats(self) -> SpliceStats:
@@ -367,7 +368,11 @@ class SplicedModule(nn.Module):
         violations = [(route, route.violation(flat)) for route in self.routes]
         served = next((route for route, violation in violations if violation is None), None)
         if served is not None:
-            return served.run(flat)
+            try:
+                return served.run(flat)
+            except Exception as err:  # noqa: BLE001 - whatever the runtime raises, PyTorch still answers
+                self._fall_back(served, Violation("backend", f"the {served.backend.kind} backend failed: {one_line(err, 300)}"))
+                return self._original_call()(*args, **kwargs)
         # The route whose dispatch values the call has explains best why none could serve it.
         route, violation = next(((r, v) for r, v in violations if v.kind != "constant"), violations[0])
         route.calls += 1

@@ -15,7 +15,7 @@ from omskills.boundary.analysis import analyze_boundary
 from omskills.compare.outputs import expand
 from omskills.contracts.capture import capture_contracts
 from omskills.errors import OmskillsError
-from omskills.models.api import MainPathRun, RunHooks
+from omskills.models.api import MainPathRun, RunHooks, run_seeded
 from omskills.models.registry import bind_intake
 from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
 from omskills.profiling.discovery import discovery_profile
@@ -53,7 +53,7 @@ def _check(task_path: Path, report: DriverCheck) -> None:
     report.parameters = sum(p.numel() for p in loaded.root.parameters())
     report.notes += list(loaded.notes)
     def run_pass(profiler: ModuleProfiler) -> MainPathRun:
-        return driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+        return run_seeded(driver, loaded, data, bound.inputs, bound.verification,
                                     RunHooks(on_step=lambda _i: profiler.mark_frame()))
 
     profile, run = discovery_profile(loaded.root, run_pass)
@@ -94,7 +94,7 @@ def _check_candidates(report, driver, loaded, bound, data, profile: ProfileRepor
         return
 
     def run() -> None:
-        driver.run_main_path(loaded, data, bound.inputs, bound.verification, RunHooks())
+        run_seeded(driver, loaded, data, bound.inputs, bound.verification)
 
     try:
         contracts = capture_contracts(loaded.root, {s.name: s.module_path for s in seeds}, run,

@@ -96,7 +96,8 @@ def check_task_inputs(bound: BoundIntake, spec: ModelSpec, workdir: Path, model_
     with driver_checks(driver, "check_builder"):
         checked.append(driver.check_builder(spec))
     if found is None:
-        return checked + ["intake.model.checkpoint: none (seeded random weights)"]
+        weights = driver.builder_weights(spec)
+        return checked + [f"intake.model.checkpoint: none ({f'the builder loads {weights}' if weights else 'seeded random weights'})"]
     with driver_checks(driver, "expected_state_keys"):
         expected = driver.expected_state_keys(spec)
     mismatch = key_mismatch(expected, found) if expected is not None else None

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from omskills import progress
-from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, driver_checks
+from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, driver_checks, run_seeded
 from omskills.models.cache import load_model
 from omskills.models.registry import BoundIntake, bind_intake
 from omskills.records.intake import ModelSpec
@@ -27,7 +27,7 @@ class TaskModel:
         return self.bound.driver
 
     def run(self, hooks: RunHooks | None = None) -> MainPathRun:
-        return self.driver.run_main_path(self.loaded, self.data, self.bound.inputs, self.bound.verification,
+        return run_seeded(self.driver, self.loaded, self.data, self.bound.inputs, self.bound.verification,
                                          hooks or RunHooks())
 
 

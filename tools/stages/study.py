@@ -20,8 +20,8 @@ from omskills import progress
 from omskills.contracts.capture import capture_contracts
 from omskills.contracts.provenance import ProvenanceTracker
 from omskills.contracts.routing import route_forward_calls
-from omskills.errors import StageError
-from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, driver_checks
+from omskills.errors import InputError, StageError
+from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, driver_checks, run_seeded
 from omskills.models.registry import BoundIntake, driver_for
 from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
 from omskills.profiling.discovery import discovery_profile
@@ -53,16 +53,25 @@ def _counting_hooks(profiler: ModuleProfiler, done: list[int], what: str) -> Run
     return RunHooks(on_step=on_step, on_prompt=profiler.mark_prompt)
 
 
+ROOT_SEED = ("names the model's root module: a graph takes the place of a module inside its parent, "
+             "and the root has none; seed its children, or have the builder return (entry, holder) with the "
+             "network as an attribute of a holder module")
+
+
 def declared_seeds(driver: ModelDriver) -> list[Seed]:
     """The driver's seed candidates, as the record stores them (empty: the profile will say)."""
-    return [Seed(name=s.name, module_path=s.module_path, description=s.description, group=s.group)
-            for s in driver.seed_candidates()]
+    seeds = [Seed(name=s.name, module_path=s.module_path, description=s.description, group=s.group)
+             for s in driver.seed_candidates()]
+    root = next((s for s in seeds if not s.module_path), None)
+    if root is not None:
+        raise InputError(f"seed candidate {root.name} {ROOT_SEED} ({driver.family} driver)")
+    return seeds
 
 
 def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[Seed]:
     """The main path under the profiler alone (warm passes for a fast model); its heaviest subtrees become the seeds."""
     def run_pass(profiler: ModuleProfiler) -> None:
-        bound.driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+        run_seeded(bound.driver, loaded, data, bound.inputs, bound.verification,
                                    _counting_hooks(profiler, [0], "discovery run"))
 
     profile, _ = discovery_profile(loaded.root, run_pass)
@@ -85,7 +94,7 @@ def _run_shape_inputs(bound: BoundIntake, loaded: LoadedModel, workdir: Path, st
         progress.report(steps_done[0], None, f"study run: shape inputs {index + 1} of {len(bound.shape_inputs)}...")
         with driver_checks(driver, f"load_inputs of intake.shape_inputs[{index}]"):
             data = driver.load_inputs(inputs, workdir)
-        driver.run_main_path(loaded, data, inputs, bound.verification, RunHooks(on_step=on_step))
+        run_seeded(driver, loaded, data, inputs, bound.verification, RunHooks(on_step=on_step))
 
 
 def ensure_study(task_path: Path) -> TaskRecord:
@@ -113,7 +122,7 @@ def ensure_study(task_path: Path) -> TaskRecord:
                     stack.enter_context(tracker.wrap_callable(src.owner, src.attribute, src.kind, src.source))
                 stack.enter_context(route_forward_calls([loaded.root.get_submodule(s.module_path) for s in seeds]))
                 with profiler:
-                    outcome.append(driver.run_main_path(loaded, data, bound.inputs, bound.verification,
+                    outcome.append(run_seeded(driver, loaded, data, bound.inputs, bound.verification,
                                                         _counting_hooks(profiler, steps_done, "study run")))
                 _run_shape_inputs(bound, loaded, workdir, steps_done)
 

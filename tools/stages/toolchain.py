@@ -398,19 +398,26 @@ UNCHECKED_PRECISION_MODE = "must_keep_origin_dtype"
 
 def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],
                        run: Callable[[str], ResultT], desc: str, promote_inner: bool = False,
-                       advisory: bool = False) -> CandidateBatch[ResultT]:
+                       advisory: bool = False, needs_export: bool = True) -> CandidateBatch[ResultT]:
     """Run one step per graph; a failing one is recorded (status failed) and the rest go on. With
     `promote_inner`, the candidates deferred inside a failed one join the batch and take the step.
     An `advisory` step (its result informs, the graph does not depend on it) records its failure
-    as a decision and leaves the graph's status alone.
+    as a decision and leaves the graph's status alone. A step that `needs_export` skips the graphs
+    whose export failed (listed in `skipped` with why), rather than failing on each of them again.
 
     Asked for one candidate, its error is raised instead, so a caller sees the message.
     """
-    names = load_record(task_path).graphs(candidate)
+    record = load_record(task_path)
+    names = record.graphs(candidate)
     done = 0
     while done < len(names):
         name = names[done]
         progress.report(done, len(names), f"{desc}: {name}")
+        blocked = _export_failed(record, name) if needs_export and candidate is None else None
+        if blocked is not None:
+            batch.skipped[name] = blocked
+            done += 1
+            continue
         try:
             batch.results[name] = run(name)
         except OmskillsError as err:
@@ -421,6 +428,14 @@ def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateB
         done += 1
     progress.report(done, len(names), f"{desc}: done")
     return batch
+
+
+def _export_failed(record: TaskRecord, name: str) -> str | None:
+    """Why a graph has no export to work on, when its export step failed."""
+    step = record.stages.get(f"export:{name}")
+    if name in record.exports or step is None or step.status != "failed":
+        return None
+    return f"its export failed ({one_line(step.error or 'failed', 300)})"
 
 
 def _record_failure(task_path: Path, name: str, desc: str, err: Exception, promote_inner: bool, advisory: bool) -> list[str]:

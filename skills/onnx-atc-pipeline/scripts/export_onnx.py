@@ -32,7 +32,7 @@ def export_onnx(
 
     path = Path(task)
     return for_each_candidate(path, candidate, ExportBatch(), lambda name: export_candidate(path, name, exporter), "export_onnx",
-                              promote_inner=True)
+                              promote_inner=True, needs_export=False)
 
 
 if __name__ == "__main__":
