@@ -45,3 +45,36 @@ def copy_run(run: Path, dest: Path) -> Path:
     test that changes a run, so the shared `tiny_adaptation` stays as adapt left it."""
     shutil.copytree(run, dest, copy_function=shutil.copy, ignore=shutil.ignore_patterns(".*.lock"))
     return dest
+
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+def zoo_benchmark():
+    """benchmarks/zoo.py, the zoo's runner, imported as a module."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import zoo
+
+    return zoo
+
+
+@pytest.fixture(scope="session")
+def zoo_adaptation(tmp_path_factory, worker_id: str):
+    """`zoo_adaptation(name)`: the zoo model adapted as benchmarks/zoo.py does it (adapt, then its
+    held-out inputs through load_adapted): (its row, its run folder). Made once per test run, like
+    `tiny_adaptation`: the first worker to ask adapts while another waits for the folder."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base if worker_id == "master" else base.parent) / "zoo"
+    shared.mkdir(exist_ok=True)
+    zoo = zoo_benchmark()
+    models = {m.name: m for m in zoo.zoo_models()}
+
+    def adapted(name: str):
+        out, row_file = shared / name, shared / f"{name}.row.json"
+        with FileLock(str(shared / f"{name}.lock")):
+            if not row_file.exists():
+                row_file.write_text(zoo.run_model(models[name], out).model_dump_json())
+        return zoo.ZooRow.model_validate_json(row_file.read_text()), out
+
+    return adapted

@@ -5,8 +5,8 @@ once per batch, then the greedy loop calls the text decoder once per token with 
 that forward hooks on every attention's `key` and `value` projections fill (installed per call by
 `model.install_kv_cache_hooks`). The decoder and its blocks take that cache (a dict keyed by
 modules) as an argument, so they are not tensor-only; the seeds are the encoder and the decoder
-blocks' MLPs, which never see the cache. (Left to the profile, the study would pick the decoder and
-its blocks, and contract capture fails on the cache dict: see the group's notes.)
+blocks' MLPs, which never see the cache (left to the profile, the study would find only the encoder:
+the MLPs lie deeper than it looks).
 
 The model is `whisper.model.Whisper` with tiny dims (a 2 s window: 200 mel frames, 100 audio
 positions; 2+2 layers of width 64) and the multilingual tokenizer's vocabulary, which whisper reads

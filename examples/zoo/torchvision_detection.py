@@ -42,12 +42,15 @@ DEFAULT_BUILDER = "fasterrcnn_mobilenet_v3_large_320_fpn"
 
 
 class ImageInputs(BaseModel):
-    """Images to detect in: the frames of a video, a folder of images, or a built-in clip."""
+    """Images to detect in: the frames of a video, a folder of images, or a built-in clip, each
+    resized to width x height when given (the model's transform then scales them to its min_size)."""
 
     model_config = ConfigDict(extra="forbid")
 
     images: InputPath = "builtin:shapes"
     count: int = Field(2, ge=1)  # how many of them
+    width: int | None = Field(None, ge=32, le=4096)
+    height: int | None = Field(None, ge=32, le=4096)
 
 
 class DetectionVerification(BaseModel):
@@ -97,7 +100,11 @@ class FasterRcnnDriver(ModelDriver):
                            weights=spec.checkpoint or "random", notes=notes)
 
     def load_inputs(self, inputs: ImageInputs, base_dir: Path) -> list[Image.Image]:
-        return load_video(inputs.images, inputs.count, base_dir=base_dir)
+        images = load_video(inputs.images, inputs.count, base_dir=base_dir)
+        if inputs.width is None and inputs.height is None:
+            return images
+        return [image.resize((inputs.width or image.width, inputs.height or image.height), Image.BILINEAR)
+                for image in images]
 
     def prepare(self, loaded: LoadedModel, data: list[Image.Image], inputs: ImageInputs,
                 verification: DetectionVerification) -> list[str]:
