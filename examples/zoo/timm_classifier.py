@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import timm
 import torch
-from omskills.models.kit import InputPath, OutputCheck, load_video
+from omskills.models.kit import InputPath, OutputCheck, calibrate_batch_norm, load_video
 from pydantic import BaseModel, ConfigDict, Field
 from timm.data import create_transform, resolve_data_config
 
@@ -48,19 +48,9 @@ def _transform(model: torch.nn.Module, size: int):
 
 def _calibrate_batch_norm(model: torch.nn.Module, size: int) -> None:
     """BatchNorm statistics as a cumulative average over a few frames of the built-in clip."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    if not norms:
-        return
     transform = _transform(model, size)
     batch = torch.stack([transform(image) for image in load_video("builtin:shapes", CALIBRATION_FRAMES)])
-    for norm in norms:
-        norm.reset_running_stats()
-        norm.momentum = None
-        norm.train()
-    with torch.no_grad():
-        model(batch)
-    for norm in norms:
-        norm.eval()
+    calibrate_batch_norm(model, lambda: model(batch))
 
 
 def build_model(spec):

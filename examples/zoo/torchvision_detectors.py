@@ -36,6 +36,7 @@ from omskills.models.kit import (
     OutputCheck,
     RunHooks,
     StepOutput,
+    calibrate_batch_norm,
     draw_instances,
     load_state_dict,
     load_video,
@@ -120,16 +121,8 @@ class TorchvisionDetector(ModelDriver):
                 verification: DetectionVerification) -> list[str]:
         if not verification.calibrate_batch_norm:
             return []
-        norms = [m for m in loaded.root.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        for norm in norms:  # a cumulative average over the images, the rest of the model in eval mode
-            norm.reset_running_stats()
-            norm.momentum = None
-            norm.train()
-        with torch.no_grad():
-            loaded.entry([_tensor(image) for image in data])
-        for norm in norms:
-            norm.eval()
-        return [f"BatchNorm statistics of {len(norms)} layers estimated from the {len(data)} task images"]
+        layers = calibrate_batch_norm(loaded.root, lambda: loaded.entry([_tensor(image) for image in data]))
+        return [f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images"]
 
     def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: DetectionInputs,
                       verification: DetectionVerification, hooks: RunHooks) -> MainPathRun:

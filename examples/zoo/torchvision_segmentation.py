@@ -29,6 +29,7 @@ from omskills.models.kit import (
     OutputCheck,
     RunHooks,
     StepOutput,
+    calibrate_batch_norm,
     load_state_dict,
     load_video,
     package_root,
@@ -111,16 +112,8 @@ class TorchvisionSegmenter(ModelDriver):
                 verification: SegmentationVerification) -> list[str]:
         if not verification.calibrate_batch_norm:
             return []
-        norms = [m for m in loaded.root.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        for norm in norms:  # a cumulative average over the images, the rest of the model in eval mode
-            norm.reset_running_stats()
-            norm.momentum = None
-            norm.train()
-        with torch.no_grad():
-            loaded.entry(data, inputs.size)
-        for norm in norms:
-            norm.eval()
-        return [f"BatchNorm statistics of {len(norms)} layers estimated from the {len(data)} task images"]
+        layers = calibrate_batch_norm(loaded.root, lambda: loaded.entry(data, inputs.size))
+        return [f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images"]
 
     def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: SegmentationInputs,
                       verification: SegmentationVerification, hooks: RunHooks) -> MainPathRun:

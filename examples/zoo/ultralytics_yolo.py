@@ -40,6 +40,7 @@ from omskills.models.kit import (  # noqa: E402
     RunHooks,
     SeedCandidate,
     StepOutput,
+    calibrate_batch_norm,
     draw_instances,
     load_state_dict,
     load_video,
@@ -121,20 +122,12 @@ class YoloDriver(ModelDriver):
         letterbox = LetterBox((inputs.imgsz, inputs.imgsz), auto=True, stride=32)
         batch = torch.stack([torch.from_numpy(letterbox(image=_bgr(image))[..., ::-1].copy()).permute(2, 0, 1)
                              for image in data]).float() / 255.0
-        norms = [m for m in yolo.model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-        for norm in norms:  # a cumulative average over the images
-            norm.reset_running_stats()
-            norm.momentum = None
-            norm.train()
-        with torch.no_grad():
-            yolo.model(batch.to(next(yolo.model.parameters()).device))
-        for norm in norms:
-            norm.eval()
+        layers = calibrate_batch_norm(yolo.model, lambda: yolo.model(batch.to(next(yolo.model.parameters()).device)))
         fused = copy.deepcopy(yolo.model).fuse(verbose=False)
         network = yolo.predictor.model.backend.model
         network = network.network if isinstance(network, _Holder) else network
         network.load_state_dict(fused.state_dict())  # same structure: the predictor's copy was fused alike
-        return [f"BatchNorm statistics of {len(norms)} layers estimated from the {len(data)} task images, "
+        return [f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images, "
                 "then fused into the predictor's model"]
 
     def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: YoloInputs,

@@ -282,9 +282,9 @@ class ModelDriver(ABC):
         within what they hold (frames of a video). Raises InputError naming the field; returns what
         was found, for the report. By default every `InputPath` field must exist."""
         found = []
-        for name, field in type(inputs).model_fields.items():
+        for name, info in type(inputs).model_fields.items():
             value = getattr(inputs, name, None)
-            if not (isinstance(value, str) and any(isinstance(m, InputPathMarker) for m in field.metadata)):
+            if not (isinstance(value, str) and any(isinstance(m, InputPathMarker) for m in info.metadata)):
                 continue
             if ":" not in value and not (base_dir / Path(value).expanduser()).exists():
                 raise InputError(f"intake.inputs.{name}: not found: {base_dir / Path(value).expanduser()}")

@@ -24,6 +24,7 @@ from omskills.models.api import (
 )
 from omskills.models.checkpoints import load_state_dict
 from omskills.models.media import load_video
+from omskills.models.random_weights import calibrate_batch_norm
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.parity import ParityGates
@@ -35,6 +36,7 @@ from omskills.source.portability import DevicePortability, FunctionFix, WatchedI
 __all__ = [
     "DevicePortability", "DimRef", "FunctionFix", "InputError", "InputPath", "LoadedModel", "MainPathRun", "ModelDriver",
     "ModelSpec", "NoSettings", "OutputCheck", "ParityGates", "ProvenanceSource", "QuantityLimit", "QuantitySchedule",
-    "RunHooks", "SeedCandidate", "ShapeDerivedArg", "StepOutput", "WatchedImport", "as_arrays", "draw_instances",
+    "RunHooks", "SeedCandidate", "ShapeDerivedArg", "StepOutput", "WatchedImport", "as_arrays", "calibrate_batch_norm",
+    "draw_instances",
     "load_state_dict", "load_video", "package_root", "side_by_side", "titled",
 ]
