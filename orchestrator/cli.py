@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Callable
 
-from omskills.errors import OmskillsError
+from omskills.errors import OmskillsError, one_line
 from omskills.orchestrator.version import installed_version
 
 Handler = Callable[[argparse.Namespace], int]
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return ns.handler(ns)
     except OmskillsError as err:
         print(f"omskills: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a path the system refuses (too long, a full disk, a port in use): the user's to act on
+        print(f"omskills: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("omskills: interrupted", file=sys.stderr)

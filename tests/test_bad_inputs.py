@@ -145,6 +145,23 @@ class Case:
 EXPORT = {"exporter": "dynamo", "opset": 18, "seconds": 1.0, "bytes": 1, "sha256": "0", "external_data": False,
           "log_path": "onnx/g.log", "input_names": [], "output_names": [], "fact_source": "test"}
 
+
+def _record_text(**changes: str) -> bytes:
+    """GOOD_SAM3 as YAML text, with lines replaced (`old line` -> `new lines`)."""
+    text = yaml.safe_dump(GOOD_SAM3, sort_keys=False)
+    for old, new in changes.items():
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    return text.encode()
+
+
+# 500 bytes that expand to 9^9 strings when read naively.
+ALIAS_BOMB = ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+    + "id: bomb\nintake: {model: {family: sam3}}\n").encode()
+DUPLICATE_SEED = _record_text(**{"    scale: tiny\n": "    scale: tiny\n    seed: 1\n    seed: 2\n"})
+DUPLICATE_KWARG = _record_text(**{"    scale: tiny\n": "    scale: tiny\n    builder_kwargs:\n      compile: false\n      compile: true\n"})
+
 CASES = [
     # -- the target and the inputs of a SAM 3 record
     Case("soc-unknown", ("intake.target.soc", "Ascend999X", "did you mean"), (edit("intake.target.soc", "Ascend999X"),)),
@@ -208,6 +225,30 @@ CASES = [
     Case("onnx-missing", ("missing.onnx",), via="script:inspect_onnx", argv=("--path", "{case}/missing.onnx")),
     Case("new-driver-out-dir-a-file", ("afile",), via="script:new_driver",
          argv=("--name", "net", "--entry", "torchvision.models:resnet18", "--out-dir", "{case}/afile")),
+    # -- hostile records: names that would be paths, paths that would leave, bombs, versions
+    Case("deploy-name-climbs", ("intake.target.deploy[0]", "not a safe name"),
+         (edit("intake.target.deploy", ["../../../outside/esc"]),)),
+    Case("graph-name-climbs", ("exports.../x", "not a safe name"), (edit("exports", {"../x": {"path": "onnx/g.onnx", **EXPORT}}),)),
+    Case("stored-path-climbs", ("exports.g.path", "not a path inside the run folder"),
+         (edit("exports", {"g": {"path": "../../etc/passwd", **EXPORT}}),)),
+    Case("video-colon-outside", ("intake.inputs.video", "outside"), (edit("intake.inputs.video", "{outside}/a:b.gif"),)),
+    Case("yaml-alias-bomb", ("task.yaml", "YAML aliases expand"), raw=ALIAS_BOMB),
+    Case("yaml-duplicate-key", ("task.yaml", "duplicate key 'seed'", "lines"), raw=DUPLICATE_SEED),
+    Case("yaml-duplicate-builder-kwarg", ("duplicate key 'compile'",), raw=DUPLICATE_KWARG),
+    Case("schema-version-text", ("schema_version", "'two'", "reads 2"), (edit("schema_version", "two"),)),
+    Case("schema-version-future", ("schema_version", "99", "newer than this release"), (edit("schema_version", 99),)),
+    Case("seed-36-digits", ("intake.model.seed",), (edit("intake.model.seed", 10**35),)),
+    Case("device-shell-command", ("intake.model.device",), (edit("intake.model.device", "rm -rf /"),)),
+    Case("device-cuda-absent", ("intake.model.device", "no CUDA device"), (edit("intake.model.device", "cuda"),)),
+    Case("builder-kwargs-unknown", ("intake.model.builder_kwargs", "colour"), (edit("intake.model.builder_kwargs", {"colour": 1}),)),
+    Case("video-truncated", ("intake.inputs.video", "truncated.mp4", "decode"),
+         (edit("intake.inputs.video", "truncated.mp4"), edit("intake.inputs.frames", 6))),
+    Case("task-name-too-long", ("File name too long",), argv=("--task", "{case}/" + "x" * 300 + ".yaml")),
+    Case("args-nested-50000-deep", ("--args", "nested too deeply"), argv=("--args", "[" * 50_000 + "]" * 50_000)),
+    Case("flag-value-a-number", ("123", "not found"), via="script:inspect_onnx", argv=("--path", "{case}/123")),
+    Case("serve-port-beyond-65535", ("--http", "70000", "not a TCP port"), via="omskills", argv=("serve", "--http", "127.0.0.1:70000")),
+    Case("candidate-argument-climbs", ("candidate", "not a safe name"), via="script:export_onnx",
+         argv=("--task", "{case}/task.yaml", "--candidate", "../../outside/esc")),
     # -- in their own process
     Case("record-not-utf8", ("task.yaml",), raw=b"id: caf\xe9\nintake: {}\n", process=True),
     Case("record-not-yaml", ("task.yaml",), raw=b"id: [unclosed\nintake:\n  model: {\n", process=True),
@@ -264,6 +305,7 @@ def _write_files(folder: Path, shared: Path) -> None:
     (folder / "bad.onnx").write_bytes(os.urandom(1024))
     (folder / "afile").write_text("a file, not a folder\n")
     (folder / "link.gif").symlink_to(shared.parent / "outside" / "clip.gif")
+    (folder / "truncated.mp4").write_bytes((shared / "truncated.mp4").read_bytes())
 
 
 def _record_bytes(case: Case, folder: Path) -> bytes:
@@ -290,9 +332,29 @@ def _shared_files(root: Path) -> Path:
     frames = [Image.fromarray(np.full((32, 32, 3), 40 * i, dtype=np.uint8)) for i in range(3)]
     frames[0].save(shared / "short.gif", save_all=True, append_images=frames[1:])
     frames[0].save(outside / "clip.gif", save_all=True, append_images=frames[1:])
+    _truncated_mp4(shared / "truncated.mp4")
     torch.save({"fc.weight": torch.zeros(2, 4), "fc.bias": torch.zeros(2)}, shared / "wrong.pt")
     torch.save({}, outside / "net.pt")
     return shared
+
+
+def _truncated_mp4(path: Path) -> None:
+    """An mp4 whose header (moov first) still says 12 frames, cut a quarter into its frames' data,
+    as a download that stopped would be: the gate must decode the frames asked, not trust the header."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with av.open(str(path), mode="w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for _ in range(12):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data = path.read_bytes()
+    frames_data = data.find(b"mdat")
+    path.write_bytes(data[:frames_data + (len(data) - frames_data) // 4])
 
 
 def _process_command(case: Case, folder: Path) -> list[str]:

@@ -86,7 +86,7 @@ def test_a_tiny_profile_run_completes_by_polling_and_a_cancelled_run_reruns(tmp_
     cancelled = seen["cancelled"]
     assert cancelled["state"] == "cancelled" and "cancelled" in cancelled["error"], cancelled
     interrupted = seen["record after cancel"]
-    assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith("Cancelled")
+    assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith("cancelled (Cancelled")
     assert interrupted.profile is None and not interrupted.contracts
 
     rerun = seen["rerun"]

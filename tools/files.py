@@ -24,6 +24,25 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# The bytes `quick_digest` reads at each end of a file.
+QUICK_SPAN = 1 << 20
+
+
+def quick_digest(path: Path) -> str:
+    """A cheap content check: the size and the first and last MiB, hashed (2 MiB read whatever
+    the size). Files whose size and mtime were kept through a change (a restored timestamp) are
+    still caught where the change touches either end, as a header or a truncation does."""
+    digest = hashlib.blake2b(digest_size=16)
+    with Path(path).open("rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        digest.update(size.to_bytes(8, "little"))
+        digest.update(handle.read(QUICK_SPAN))
+        if size > QUICK_SPAN:
+            handle.seek(max(QUICK_SPAN, size - QUICK_SPAN))
+            digest.update(handle.read(QUICK_SPAN))
+    return digest.hexdigest()
+
+
 def file_state(path: Path) -> tuple[int, int]:
     """(size in bytes, mtime in ns): the fast check that a file is the one hashed before."""
     stat = Path(path).stat()
@@ -86,3 +105,18 @@ def process_alive(pid: object) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def inside_without_links(root: Path, relative: str) -> Path:
+    """`root / relative` when `relative` stays inside `root` through no symbolic link, checked
+    part by part (a link anywhere on the way, to a file or to a folder, could lead outside);
+    ValueError saying why not. The folder `root` itself may be reached through links."""
+    parts = Path(relative).parts
+    if "\x00" in relative or Path(relative).is_absolute() or ".." in parts or not parts:
+        raise ValueError("not a path inside the folder (relative, without '..')")
+    path = Path(root)
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            raise ValueError(f"{path} is a symbolic link: refused, it could lead outside {root}")
+    return path

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import hashlib
 import logging
+import os
 import re
+import shutil
 import tempfile
 import time
 import traceback
@@ -34,6 +37,7 @@ from omskills.contracts.pytree import flatten, spec_from_str, unflatten_call
 from omskills.convert.onnx_io import data_path, save_onnx_streamed
 from omskills.convert.translations import translated_ops, translation_table
 from omskills.errors import InputError, OmskillsError
+from omskills.files import process_alive
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy
 from omskills.records.export import ExporterName, ExportResult
 from torch import nn
@@ -178,7 +182,8 @@ def export_onnx(
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f".{out_path.stem}-export-", dir=out_path.parent) as tmp:
+    _remove_dead_scratch(out_path)
+    with tempfile.TemporaryDirectory(prefix=f".{out_path.stem}-export-{os.getpid()}-", dir=out_path.parent) as tmp:
         raw_path = Path(tmp) / "model.onnx"
         with log_path.open("w", encoding="utf-8") as log, _exporter_output_to(log):
             log.write(f"# export of {contract.candidate} ({contract.module_path}) with the {exporter} exporter\n")
@@ -311,6 +316,16 @@ def _warnings_to(log: TextIO) -> Iterator[None]:
 
         warnings.showwarning = show
         yield
+
+
+def _remove_dead_scratch(out_path: Path) -> None:
+    """The scratch folders of exports whose process is gone (killed mid-export: its own cleanup
+    never ran), beside `out_path`; a live process's are left alone."""
+    prefix = f".{out_path.stem}-export-"
+    for folder in out_path.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = folder.name[len(prefix):].split("-")[0]
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _capture(run_exporter: Callable[[], None], exporter: ExporterName, log: TextIO) -> tuple[str | None, str | None]:

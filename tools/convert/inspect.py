@@ -11,8 +11,10 @@ import onnx
 from google.protobuf.message import DecodeError
 from omskills.convert.onnx_io import all_tensors
 from omskills.errors import InputError
+from omskills.files import inside_without_links
 from omskills.records.toolchain import ExternalDataInfo, OnnxSummary, OnnxTensorInfo
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+from onnx.external_data_helper import load_external_data_for_model
 
 DEFAULT_DOMAIN = "ai.onnx"
 UNDECLARED_DIM = "?"
@@ -24,14 +26,39 @@ def load_model_proto(path: str | Path, load_weights: bool = False) -> ModelProto
     if not path.is_file():
         raise InputError(f"ONNX file not found: {path}")
     try:
-        model = onnx.load(str(path), load_external_data=load_weights)
+        model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError) as err:
         raise InputError(f"not a readable ONNX model: {path} ({type(err).__name__}: {err})") from None
     # Protobuf accepts many byte strings as an (almost empty) message; a real model has an IR
     # version and a graph.
     if model.ir_version <= 0 or not model.HasField("graph"):
         raise InputError(f"not a valid ONNX model: {path} (no IR version or no graph)")
+    external_locations(model, path)
+    if load_weights:
+        try:
+            load_external_data_for_model(model, str(path.parent))
+        except (ValueError, RuntimeError, OSError) as err:
+            raise InputError(f"{path}: its external weights cannot be read ({type(err).__name__}: {err})") from None
     return model
+
+
+def external_locations(model: ModelProto, path: Path) -> list[str]:
+    """The external-data files `model` (stored at `path`) names, each checked to lie in the
+    model's folder through no symbolic link: a location like `../../etc/shadow` would have a
+    tool read, or report the size of, a file outside the workspace."""
+    locations: list[str] = []
+    for tensor in all_tensors(model.graph):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if location in locations:
+            continue
+        try:
+            inside_without_links(path.parent, location)
+        except ValueError as err:
+            raise InputError(f"{path}: tensor {tensor.name!r} names external data {location!r}: {err}") from None
+        locations.append(location)
+    return locations
 
 
 def inspect_onnx(path: str | Path) -> OnnxSummary:
@@ -115,7 +142,8 @@ def _initializer_names(graph: GraphProto) -> set[str]:
 
 
 def external_data_info(model: ModelProto, folder: Path) -> ExternalDataInfo:
-    """Files and bytes of tensors stored outside the .onnx file (weights were not loaded)."""
+    """Files and bytes of tensors stored outside the .onnx file (weights were not loaded); the
+    locations are checked by `external_locations`."""
     lengths: Counter[str] = Counter()
     files: list[str] = []
     for tensor in all_tensors(model.graph):

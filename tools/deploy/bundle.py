@@ -11,11 +11,17 @@
 
 Every path inside is relative, so the folder can be moved or copied to the Ascend host. Files are
 hard-linked from the run folder where the file system allows it (a full-scale bundle would
-otherwise copy gigabytes), else copied.
+otherwise copy gigabytes), else copied; each one's bytes are hashed as placed and checked against
+the hash the run recorded for it.
+
+The bundle is written beside `--out` and renamed into place: a folder is replaced only when it is
+a bundle this command wrote (its `.omskills-bundle` marker lists every file it wrote) and holds
+nothing else, so no file of the user's is ever removed.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from pathlib import Path
@@ -23,7 +29,7 @@ from typing import get_args
 
 from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
-from omskills.files import sha256_file
+from omskills.files import process_alive, sha256_file
 from omskills.models.api import InputPathMarker
 from omskills.models.registry import driver_for, localised_intake
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployManifest
@@ -50,40 +56,101 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
         raise DeployError(f"artifact 'om': no OM was built for {missing_om}; run their ATC scripts where CANN is "
                           "installed (convert_atc), or bundle the ONNX files (--artifact onnx)")
     out = Path(out) if out else workdir / "bundle"
-    if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
-        raise DeployError(f"out: {out} exists and is not a bundle; choose an empty or new folder")
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    _check_replaceable(out)
     record = load_record(task_path)
-    writer = _Writer(workdir, out)
-    graphs = [writer.graph(graph, artifact, record) for graph in manifest.graphs]
-    intake, required = writer.intake(record, weights)
-    bundled = manifest.model_copy(update={"graphs": graphs, "intake": intake, "required": required})
-    (out / MANIFEST_NAME).write_text(bundled.model_dump_json(indent=2))
-    _write_docs(out, bundled)
+    _remove_dead_staging(out)
+    staging = out.parent / f".{out.name}.writing-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)  # left by an earlier write of this very process
+    staging.mkdir(parents=True)
+    try:
+        writer = _Writer(workdir, staging, _recorded_hashes(record))
+        graphs = [writer.graph(graph, artifact, record) for graph in manifest.graphs]
+        intake, required = writer.intake(record, weights)
+        bundled = manifest.model_copy(update={"graphs": graphs, "intake": intake, "required": required})
+        (staging / MANIFEST_NAME).write_text(bundled.model_dump_json(indent=2))
+        _write_docs(staging, bundled)
+        files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        (staging / MARKER).write_text("\n".join(files) + "\n")
+        _replace(out, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     files = [p for p in out.rglob("*") if p.is_file()]
     return BundleSummary(path=str(out), graphs=[g.name for g in graphs], files=len(files),
                          bytes=sum(p.stat().st_size for p in files), om_graphs=[g.name for g in graphs if g.om],
                          not_deployed=bundled.not_deployed, required=required)
 
 
+# The file a bundle folder carries to say this command wrote it, and which files.
+MARKER = ".omskills-bundle"
+
+
+def _check_replaceable(out: Path) -> None:
+    """`out` may be written: it does not exist, is an empty folder, or is a bundle this command
+    wrote holding only what it wrote."""
+    if out.is_symlink():
+        raise DeployError(f"out: {out} is a symbolic link; give the folder itself")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DeployError(f"out: {out} is a file, not a folder")
+    present = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() or p.is_symlink()}
+    if not present:
+        return
+    written = set((out / MARKER).read_text().split()) | {MARKER} if (out / MARKER).is_file() else set()
+    if not written:
+        raise DeployError(f"out: {out} holds files omskills did not write; choose a new or empty folder")
+    foreign = sorted(present - written)
+    if foreign:
+        raise DeployError(f"out: {out} holds {len(foreign)} file(s) the bundle did not write ({foreign[0]}, ...); "
+                          "move them or choose another folder: nothing of yours is removed")
+
+
+def _remove_dead_staging(out: Path) -> None:
+    """Half-written bundles beside `out` whose writer was killed before it could clean up."""
+    for prefix in (f".{out.name}.writing-", f".{out.name}.replaced-"):
+        for folder in out.parent.glob(f"{glob.escape(prefix)}*"):
+            pid = folder.name[len(prefix):]
+            if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _replace(out: Path, staging: Path) -> None:
+    """`staging` renamed to `out`; an earlier bundle there (checked by _check_replaceable) goes."""
+    previous = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    if out.exists():
+        out.rename(previous)
+    staging.rename(out)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _recorded_hashes(record: TaskRecord) -> dict[str, str]:
+    """Run-folder path -> the sha256 a step recorded for the file it wrote there."""
+    return {a.path: a.sha256 for step in record.stages.values() for a in step.artifacts if a.sha256}
+
+
 class _Writer:
-    def __init__(self, workdir: Path, out: Path) -> None:
+    def __init__(self, workdir: Path, out: Path, recorded: dict[str, str]) -> None:
         self.workdir = workdir
         self.out = out
+        self.recorded = recorded
 
     def place(self, source: Path, target: str) -> ArtifactFile:
-        """`source` at `target` (relative to the bundle), hard-linked or copied, with its hash."""
-        if not source.is_file():
-            raise DeployError(f"artifact missing: {source}")
+        """`source` at `target` (relative to the bundle), hard-linked or copied, with the hash of
+        the bytes placed, which must be those the run recorded for it."""
+        if source.is_symlink() or not source.is_file():
+            raise DeployError(f"artifact missing or not a regular file: {source}")
         dest = self.out / target
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(source, dest)
         except OSError:  # another file system, or links not allowed
             shutil.copy2(source, dest)
-        return ArtifactFile(path=target, bytes=dest.stat().st_size, sha256=sha256_file(dest))
+        digest = sha256_file(dest)
+        expected = self.recorded.get(_run_relative(self.workdir, source))
+        if expected is not None and digest != expected:
+            raise DeployError(f"artifact {source} changed after the run wrote it (sha256 {digest[:12]}…, recorded "
+                              f"{expected[:12]}…); rerun the adaptation to redo that step")
+        return ArtifactFile(path=target, bytes=dest.stat().st_size, sha256=digest)
 
     def artifact(self, artifact: Artifact, folder: str) -> Artifact:
         return Artifact(files=[self.place(self.workdir / f.path, f"{folder}/{Path(f.path).name}") for f in artifact.files])
@@ -142,6 +209,10 @@ class _Writer:
             if any(isinstance(m, InputPathMarker) for m in field.metadata) and isinstance(value, str) and Path(value).is_file():
                 inputs[field_name] = self.place(Path(value), f"inputs/{Path(value).name}").path
         return intake.model_copy(update={"model": model.model_copy(update=update), "inputs": inputs}), required
+
+
+def _run_relative(workdir: Path, path: Path) -> str:
+    return os.path.relpath(path.absolute(), workdir.absolute()).replace(os.sep, "/")
 
 
 def _write_docs(out: Path, manifest: DeployManifest) -> None:

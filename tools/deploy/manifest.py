@@ -8,6 +8,7 @@ from pathlib import Path
 import omskills
 from omskills.errors import OmskillsError
 from omskills.files import sha256_file
+from omskills.files import inside_without_links
 from omskills.records.deploy import BUNDLE_FORMAT, Artifact, ArtifactFile, DeployedGraph, DeployManifest, onnx_files
 from omskills.records.task import SCHEMA_VERSION, TaskRecord, load_record, now_iso, validation_problems
 from pydantic import ValidationError
@@ -95,15 +96,32 @@ def read_bundle(root: Path, check_hashes: bool = True) -> DeployManifest:
         for artifact in (graph.onnx, graph.om):
             for file in artifact.files if artifact else []:
                 check_file(root, file, graph.name, check_hashes)
+    _check_model_files(root, manifest)
     return manifest
 
 
+def _check_model_files(root: Path, manifest: DeployManifest) -> None:
+    """The driver file and checkpoint a bundle names lie inside it, through no symbolic link."""
+    model = manifest.intake.model
+    driver_file = (model.driver or "").partition(":")[0]
+    named = [("intake.model.driver", driver_file)] * driver_file.endswith(".py")
+    named += [("intake.model.checkpoint", model.checkpoint)] * bool(model.checkpoint)
+    for where, value in named:
+        try:
+            inside_without_links(root, value)
+        except ValueError as err:
+            raise DeployError(f"{root / MANIFEST_NAME}: {where} {value!r}: {err}") from None
+
+
 def check_file(root: Path, file: ArtifactFile, graph: str, check_hash: bool) -> None:
-    path = root / file.path
-    if Path(file.path).is_absolute() or ".." in Path(file.path).parts:
-        raise DeployError(f"{graph}: artifact path {file.path!r} is not inside the bundle")
+    try:
+        path = inside_without_links(root, file.path)
+    except ValueError as err:
+        raise DeployError(f"{graph}: artifact {file.path!r}: {err}") from None
     if not path.is_file():
         raise DeployError(f"{graph}: artifact missing: {path}")
+    if check_hash and not file.sha256:
+        raise DeployError(f"{graph}: {path}: the bundle records no sha256 for it; write the bundle again")
     if path.stat().st_size != file.bytes:
         raise DeployError(f"{graph}: {path} has changed: {path.stat().st_size} bytes, the bundle recorded {file.bytes}")
     if check_hash and file.sha256 and sha256_file(path) != file.sha256:

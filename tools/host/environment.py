@@ -222,13 +222,19 @@ def _needs(facts: _Facts, *names: str) -> str:
     return f"not importable: {', '.join(missing)}" if missing else ""
 
 
-def _device_problem(facts: _Facts) -> str:
-    kind = facts.device.split(":")[0]
-    if kind == "cuda" and not facts.torch.cuda_available:
-        return "intake.model.device is cuda but torch sees no CUDA device"
-    if kind == "npu" and not facts.torch.torch_npu_importable:
-        return f"intake.model.device is npu but torch_npu is not importable ({facts.torch.torch_npu_detail})"
+def device_problem(torch_probe: TorchProbe, device: str) -> str:
+    """Why the PyTorch reference cannot run on `device` here ("" when it can)."""
+    kind = device.split(":")[0]
+    if kind == "cuda" and not torch_probe.cuda_available:
+        return f"{device}, but torch sees no CUDA device here"
+    if kind == "npu" and not torch_probe.torch_npu_importable:
+        return f"{device}, but torch_npu is not importable here ({torch_probe.torch_npu_detail})"
     return ""
+
+
+def _device_problem(facts: _Facts) -> str:
+    problem = device_problem(facts.torch, facts.device)
+    return f"intake.model.device is {problem}" if problem else ""
 
 
 def _atc_stage(facts: _Facts) -> StageCapability:

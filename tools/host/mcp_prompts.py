@@ -17,9 +17,11 @@ from typing import Annotated
 import anyio.to_thread
 import yaml
 from mcp.server.mcpserver import MCPServer
-from mcp_types import Completion, CompletionArgument, CompletionContext, PromptReference, ResourceTemplateReference
-from omskills.errors import InputError
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS, Completion, CompletionArgument, CompletionContext, PromptReference, ResourceTemplateReference
+from omskills.errors import InputError, one_line
 from omskills.host import mcp_resources
+from omskills.records.task import load_yaml
 from pydantic import Field
 
 ADAPT_PROMPT = "adapt_task"
@@ -33,7 +35,7 @@ CandidateArgument = Annotated[str, Field(description="A plan candidate or graph 
 def _stage_lines(record: Path, candidate: str) -> list[str]:
     """The record's steps about `candidate` ("export:vision_backbone", ...) with status and error."""
     try:
-        data = yaml.load(record.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        data = load_yaml(record.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         return [f"(the record could not be read: {type(err).__name__})"]
     stages = data.get("stages") if isinstance(data, dict) else None
@@ -52,10 +54,12 @@ def _stage_lines(record: Path, candidate: str) -> list[str]:
 
 def register_prompts(server: MCPServer, workspace: Path) -> None:
     def record_of(task: str) -> Path:
+        # An MCPError reaches the client with its message; the SDK hides any other error's behind
+        # "Error rendering prompt".
         try:
             return mcp_resources.task_record_path(task, workspace)
-        except InputError as err:
-            raise ValueError(f"argument 'task': {err}") from None
+        except (InputError, ValueError, OSError) as err:
+            raise MCPError(INVALID_PARAMS, f"argument 'task': {one_line(err)}") from None
 
     @server.prompt(name=ADAPT_PROMPT, title="Adapt this task record",
                    description="Take a task record through every stage to a verified delivery, with the right tool at each step.")
@@ -85,7 +89,8 @@ delivery note and the verification report of the run (listed as run:// resources
         rel = record.relative_to(workspace).as_posix()
         known = mcp_resources.candidate_names(record)
         if known and candidate not in known:
-            raise ValueError(f"argument 'candidate': {candidate!r} is not in the record (known: {', '.join(known)})")
+            raise MCPError(INVALID_PARAMS, f"argument 'candidate': {candidate!r} is not in the record "
+                                           f"(known: {', '.join(known)})")
         steps = "\n".join(_stage_lines(record, candidate))
         run = record.parent.relative_to(workspace).as_posix()
         prefix = "" if run == "." else f"{run}/"

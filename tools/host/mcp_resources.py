@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 from omskills.errors import InputError
 from omskills.records.intake import confined_path
+from omskills.records.task import load_yaml
 
 # Folders never searched for task records (big, or not the user's records).
 SKIPPED_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "site-packages", ".claude"}
@@ -322,7 +323,7 @@ def listed_workspace(workspace: Path) -> list[Listed]:
 def candidate_names(record: Path) -> list[str]:
     """Plan candidates and graphs named in a task record (raw YAML: an older or partial record still answers)."""
     try:
-        data = yaml.load(record.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        data = load_yaml(record.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return []
     if not isinstance(data, dict):

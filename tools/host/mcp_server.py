@@ -36,6 +36,7 @@ import inspect
 import ipaddress
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -49,8 +50,9 @@ import mcp_types
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp.server.mcpserver.resources import FileResource
+from mcp.server.transport_security import TransportSecuritySettings
 from omskills import __version__, progress
-from omskills.errors import InputError, OmskillsError
+from omskills.errors import InputError, OmskillsError, one_line
 from omskills.host import mcp_resources
 from omskills.host.jobs import Job, JobList, JobRegistry, JobStatus
 from omskills.host.mcp_prompts import register_prompts
@@ -271,8 +273,8 @@ def make_handler(info: ToolInfo, workspace: Path) -> Callable[..., Any]:
         ctx: Context = kwargs.pop(CONTEXT_PARAM)
         try:
             job = start_tool_job(_registry_of(ctx), info, kwargs, workspace, "call")
-        except OmskillsError as err:
-            raise ToolError(str(err)) from None
+        except (OmskillsError, ValueError, OSError) as err:  # any other error would reach the client without its reason
+            raise ToolError(one_line(err)) from None
         await run_followed(job, ctx)
         if job.state == "succeeded":
             return job.result
@@ -596,7 +598,32 @@ def parse_http_address(text: str) -> tuple[str, int]:
     if not loopback:
         # The server runs code on this machine and has no authentication: loopback only.
         raise InputError(f"--http {text!r}: only a loopback address is allowed (127.0.0.1, ::1, localhost)")
+    if not 1 <= int(port) <= 65535:
+        raise InputError(f"--http {text!r}: port {port} is not a TCP port (1-65535)")
     return host, int(port)
+
+
+def http_security(host: str, port: int) -> TransportSecuritySettings:
+    """DNS-rebinding protection for the bound loopback address, however it was spelled: only
+    requests whose Host (and Origin, when sent) name this address and port are served. A page
+    on another site that rebinds its name to 127.0.0.1 sends its own name, and is refused."""
+    names = {host, "localhost", "127.0.0.1", "::1"}
+    if host != "localhost":
+        names.add(str(ipaddress.ip_address(host)))  # 0:0:0:0:0:0:0:1 is also ::1
+    hosts = sorted(f"[{name}]:{port}" if ":" in name else f"{name}:{port}" for name in names)
+    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
+                                     allowed_origins=[f"http://{h}" for h in hosts])
+
+
+def _port_free(host: str, port: int) -> None:
+    """One line now, rather than a traceback from the web server once it has started."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise InputError(f"--http {host}:{port}: cannot listen there ({err.strerror or err})") from None
 
 
 def log_level() -> str:
@@ -640,8 +667,11 @@ def serve(options: ServeOptions) -> None:
             # stdin closed or stdout broken: the client is gone.
             _stop_jobs(server, 3.0)
         return
+    port = options.http_port or 8765
+    _port_free(options.http_host, port)
     server = build_server(options.workspace, options.skills_dir, log_level=level)
     try:
-        server.run("streamable-http", host=options.http_host, port=options.http_port or 8765)
+        server.run("streamable-http", host=options.http_host, port=port,
+                   transport_security=http_security(options.http_host, port))
     finally:
         _stop_jobs(server, 3.0)

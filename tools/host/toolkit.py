@@ -21,12 +21,13 @@ import re
 import shutil
 import sys
 import textwrap
+import types
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from collections.abc import Iterable
-from typing import Annotated, Any, Callable, get_args, get_origin
+from typing import Annotated, Any, Callable, Literal, Union, get_args, get_origin
 
-from omskills.errors import InputError, OmskillsError
+from omskills.errors import InputError, OmskillsError, one_line
 from omskills.registry import Registry
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -260,6 +261,19 @@ def to_jsonable(result: Any) -> Any:
     return TypeAdapter(type(result)).dump_python(result, mode="json") if result is not None else None
 
 
+def takes_text(hint: Any) -> bool:
+    """Whether a parameter takes text only (a name, a path, a choice of words): its flag's value
+    is then the string given, never decoded as JSON."""
+    origin = get_origin(hint)
+    if origin is Annotated:
+        return takes_text(get_args(hint)[0])
+    if origin in (Union, types.UnionType):
+        return all(takes_text(arg) for arg in get_args(hint) if arg is not type(None))
+    if origin is Literal:
+        return all(isinstance(arg, str) for arg in get_args(hint))
+    return isinstance(hint, type) and issubclass(hint, (str, PurePath))
+
+
 def run_cli(func: Callable[..., Any], argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a tool function as a CLI: one flag per parameter, or --args JSON; the result is printed
     as JSON on stdout; a refused input is reported on stderr, one line per problem (exit 2)."""
@@ -278,21 +292,31 @@ def run_cli(func: Callable[..., Any], argv: list[str] | None = None, prog: str |
     except json.JSONDecodeError as err:
         print(f"error: --args is not valid JSON: {err}", file=sys.stderr)
         return 2
+    except RecursionError:
+        print("error: --args is nested too deeply to be a tool's arguments", file=sys.stderr)
+        return 2
     if not isinstance(args, dict):
         print(f"error: --args must be a JSON object, not {type(args).__name__}", file=sys.stderr)
         return 2
     for pname in sig.parameters:
         value = getattr(ns, pname)
-        if value is not None:
-            try:
-                args[pname] = json.loads(value)
-            except json.JSONDecodeError:
-                args[pname] = value
+        if value is None:
+            continue
+        if takes_text(hints.get(pname)):
+            args[pname] = value  # a name like 123, true or null is a name
+            continue
+        try:
+            args[pname] = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            args[pname] = value
     try:
         result = call_tool(func, args)
     except OmskillsError as err:
         for line in str(err).splitlines():
             print(f"error: {line}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a path the system refuses (too long, a full disk): the user's to act on
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     try:
         print(json.dumps(to_jsonable(result), indent=2), flush=True)

@@ -49,6 +49,14 @@ class InputPathMarker:
 
 InputPath = Annotated[str, InputPathMarker()]
 
+# The one scheme an input value may name instead of a file: one of the clips that ship with omskills.
+BUILTIN_SCHEME = "builtin:"
+
+
+def names_a_file(value: str) -> bool:
+    """An `InputPath` value that is a path (every value but `builtin:<clip>`, colons or not)."""
+    return not value.startswith(BUILTIN_SCHEME)
+
 
 class NoSettings(BaseModel):
     """The verification settings of a driver that has none (unknown fields are errors)."""
@@ -166,6 +174,22 @@ class ProvenanceSource:
     attribute: str
     kind: str
     source: str  # what they are, in words ("video frames", "text prompt tokens")
+
+
+def check_builder_kwargs(builder: Callable[..., Any], kwargs: Mapping[str, Any], set_by_driver: tuple[str, ...] = ()) -> None:
+    """`intake.model.builder_kwargs` bind to `builder`'s parameters, and name none the driver
+    passes itself; an InputError naming the field otherwise (before any model is built)."""
+    import inspect
+
+    taken = sorted(set(set_by_driver) & set(kwargs))
+    if taken:
+        raise InputError(f"intake.model.builder_kwargs: {', '.join(taken)} set by the driver itself; leave them out")
+    signature = inspect.signature(builder)
+    try:
+        signature.bind_partial(**kwargs)
+    except TypeError as err:
+        raise InputError(f"intake.model.builder_kwargs: {err} ({getattr(builder, '__name__', 'the builder')} takes "
+                         f"{', '.join(signature.parameters)})") from None
 
 
 @contextlib.contextmanager
@@ -286,7 +310,7 @@ class ModelDriver(ABC):
             value = getattr(inputs, name, None)
             if not (isinstance(value, str) and any(isinstance(m, InputPathMarker) for m in info.metadata)):
                 continue
-            if ":" not in value and not (base_dir / Path(value).expanduser()).exists():
+            if names_a_file(value) and not (base_dir / Path(value).expanduser()).exists():
                 raise InputError(f"intake.inputs.{name}: not found: {base_dir / Path(value).expanduser()}")
             found.append(f"intake.inputs.{name}: {value}")
         return found

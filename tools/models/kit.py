@@ -21,6 +21,7 @@ from omskills.models.api import (
     SeedCandidate,
     StepOutput,
     as_arrays,
+    check_builder_kwargs,
 )
 from omskills.models.checkpoints import load_state_dict
 from omskills.models.media import load_video
@@ -37,6 +38,7 @@ __all__ = [
     "DevicePortability", "DimRef", "FunctionFix", "InputError", "InputPath", "LoadedModel", "MainPathRun", "ModelDriver",
     "ModelSpec", "NoSettings", "OutputCheck", "ParityGates", "ProvenanceSource", "QuantityLimit", "QuantitySchedule",
     "RunHooks", "SeedCandidate", "ShapeDerivedArg", "StepOutput", "WatchedImport", "as_arrays", "calibrate_batch_norm",
+    "check_builder_kwargs",
     "draw_instances",
     "load_state_dict", "load_video", "package_root", "side_by_side", "titled",
 ]

@@ -81,6 +81,8 @@ class VideoFacts:
     frames: int  # its length in frames, or (when `whole` is False) a lower bound
     # False when counting stopped early: the video has at least `frames` frames, maybe more.
     whole: bool = True
+    # Frames decoded to count them (0 when the length came from metadata): these are known to decode.
+    decoded: int = 0
 
 
 def _frame_paths(folder: Path, field: str) -> list[Path]:
@@ -120,27 +122,28 @@ def _read_file(path: Path, frames: int, field: str) -> list[Image.Image]:
     return images
 
 
-def _count_file_frames(path: Path, field: str, enough: int | None) -> tuple[int, bool]:
-    """Frames of a video file and whether that is its whole length: from the container's metadata
-    when it records the length, else by decoding, stopping once more than `enough` frames are seen
-    (the caller only needs to know there are enough; decoding a long clip to the end costs minutes)."""
+def _count_file_frames(path: Path, field: str, enough: int | None) -> tuple[int, bool, int]:
+    """Frames of a video file, whether that is its whole length, and how many were decoded to
+    tell: from the container's metadata when it records the length (none decoded), else by
+    decoding, stopping once more than `enough` frames are seen (the caller only needs to know
+    there are enough; decoding a long clip to the end costs minutes)."""
     import imageio.v3 as iio
 
     try:
         shape = iio.improps(path).shape
         count = int(shape[0]) if len(shape) == 4 else 1
         if count > 0:
-            return count, True
+            return count, True, 0
         # The container does not record its length (improps says 0): count the frames it holds.
         for _ in iio.imiter(path):
             count += 1
             if enough is not None and count > enough:
-                return count, False
+                return count, False, count
     except Exception as err:  # imageio raises many types for unreadable files
         raise InputError(f"{field}: cannot read video {path}: {one_line(err, 200)}") from None
     if count <= 0:
         raise InputError(f"{field}: video {path} has no frames")
-    return count, True
+    return count, True, count
 
 
 def _video_path(spec: str, base_dir: Path | None, field: str) -> Path:
@@ -169,8 +172,41 @@ def probe_video(spec: str, base_dir: Path | None = None, field: str = "video", e
     path = _video_path(spec, base_dir, field)
     if path.is_dir():
         return VideoFacts(where=str(path), frames=len(_frame_paths(path, field)))
-    frames, whole = _count_file_frames(path, field, enough)
-    return VideoFacts(where=str(path), frames=frames, whole=whole)
+    frames, whole, decoded = _count_file_frames(path, field, enough)
+    return VideoFacts(where=str(path), frames=frames, whole=whole, decoded=decoded)
+
+
+def check_frames_decode(spec: str, frames: int, base_dir: Path | None = None, field: str = "video") -> None:
+    """The first and the last of the `frames` asked really decode (one line naming `field` if not):
+    a container's header can promise frames a truncated file no longer holds."""
+    if spec.startswith("builtin:"):
+        return
+    path = _video_path(spec, base_dir, field)
+    if path.is_dir():
+        for frame in {0, frames - 1}:
+            _read_folder_frame(_frame_paths(path, field), frame, field)
+        return
+    import imageio.v3 as iio
+
+    decoded = 0
+    try:
+        for decoded, _ in enumerate(iio.imiter(path), start=1):
+            if decoded >= frames:
+                return
+    except Exception as err:  # imageio raises many types for unreadable files
+        raise InputError(f"{field}: video {path}: frame {decoded + 1} of the {frames} asked does not decode "
+                         f"({one_line(err, 200)})") from None
+    raise InputError(f"{field}: video {path}: only {decoded} frame(s) decode, {frames} asked (is the file truncated?)")
+
+
+def _read_folder_frame(paths: list[Path], index: int, field: str) -> None:
+    if index >= len(paths):
+        raise InputError(f"{field}: the folder holds {len(paths)} frame(s), frame {index + 1} asked")
+    try:
+        with Image.open(paths[index]) as image:
+            image.load()
+    except OSError as err:
+        raise InputError(f"{field}: cannot read frame {paths[index]}: {one_line(err, 200)}") from None
 
 
 def load_video(spec: str, frames: int, base_dir: Path | None = None, field: str = "video") -> list[Image.Image]:

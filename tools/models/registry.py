@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 from omskills.errors import TaskRecordError
-from omskills.models.api import InputPathMarker, ModelDriver
+from omskills.models.api import InputPathMarker, ModelDriver, names_a_file
 from omskills.records.intake import Intake, ModelSpec, confined_path
 from omskills.records.results import DriverListing
 from omskills.records.task import validation_problems
@@ -147,7 +147,7 @@ def _is_input_path(info: FieldInfo) -> bool:
 def localised_intake(intake: Intake, base_dir: Path) -> Intake:
     """The intake with every relative path (model source, checkpoint and driver file, and the inputs
     the driver marks `InputPath`) made absolute from `base_dir`, so a copy of the record elsewhere
-    (a run folder) still finds them. Values with a scheme ("builtin:shapes") are left as they are."""
+    (a run folder) still finds them. A built-in clip ("builtin:shapes") is left as it is."""
     model = resolved_spec(intake.model, base_dir)
     driver = driver_for(model, base_dir)
 
@@ -155,7 +155,7 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
         inputs = dict(given)
         for name, info in driver.inputs_model.model_fields.items():
             value = inputs.get(name)
-            if _is_input_path(info) and isinstance(value, str) and ":" not in value and not Path(value).expanduser().is_absolute():
+            if _is_input_path(info) and isinstance(value, str) and names_a_file(value) and not Path(value).expanduser().is_absolute():
                 inputs[name] = str((base_dir / value).resolve())
         return inputs
 
@@ -165,8 +165,8 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
 
 def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
     """Every file or folder the intake names, as (field, value): the source checkout, the
-    checkpoint and the inputs the driver marks `InputPath` (values with a scheme, such as
-    "builtin:shapes", name no file). The driver file is code the user chose to run, not data read."""
+    checkpoint and the inputs the driver marks `InputPath` (all but a built-in clip, "builtin:shapes",
+    whatever colons a path holds). The driver file is code the user chose to run, not data read."""
     named: list[tuple[str, str]] = []
     if intake.model.source != "package":
         named.append(("intake.model.source", intake.model.source))
@@ -176,7 +176,7 @@ def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
     for where, inputs in given:
         for name, info in driver.inputs_model.model_fields.items():
             value = inputs.get(name)
-            if _is_input_path(info) and isinstance(value, str) and ":" not in value:
+            if _is_input_path(info) and isinstance(value, str) and names_a_file(value):
                 named.append((f"{where}.{name}", value))
     return named
 

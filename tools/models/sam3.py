@@ -14,7 +14,7 @@ import importlib.util
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 from unittest import mock
 
 import numpy as np
@@ -29,9 +29,10 @@ from omskills.models.api import (
     RunHooks,
     SeedCandidate,
     StepOutput,
+    check_builder_kwargs,
 )
 from omskills.models.checkpoints import CHECKPOINT_FIELD, load_state_dict, parameters_on_meta, read_state_dict
-from omskills.models.media import load_video, probe_video
+from omskills.models.media import check_frames_decode, load_video, probe_video
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
@@ -333,6 +334,8 @@ class SamVideoDriver(ModelDriver):
     verification_model = SamVerification
     step_name = "frame"
     entry_methods = ("handle_request", "handle_stream_request")
+    # The builder's arguments the driver passes itself: builder_kwargs may not name them.
+    builder_args_set_here: ClassVar[tuple[str, ...]] = ("checkpoint_path", "load_from_HF", "bpe_path", "device")
 
     def source_package(self, spec: ModelSpec) -> str:
         return "sam3"
@@ -344,6 +347,8 @@ class SamVideoDriver(ModelDriver):
         video = probe_video(inputs.video, base_dir, field="intake.inputs.video", enough=inputs.frames)
         if inputs.frames > video.frames:
             raise InputError(f"intake.inputs.frames: {inputs.frames} frames asked, but the video {video.where} has {video.frames}")
+        if video.decoded < inputs.frames:  # the length came from a header, which a truncated file keeps
+            check_frames_decode(inputs.video, inputs.frames, base_dir, field="intake.inputs.video")
         length = f"{video.frames}" if video.whole else f"more than {video.frames - 1}"
         return [f"intake.inputs.video: {video.where}, {length} frames, the first {inputs.frames} used"]
 
@@ -439,8 +444,8 @@ class Sam3Driver(SamVideoDriver):
         # sam3's modules warn on import (no CUDA, torch.jit.script deprecated): the gate's answer is its line.
         with DevicePortability(spec.device, self.source_root(spec) / "sam3"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._builder(spec)
-        return f"intake.model.builder: sam3.model_builder.{self.builder_name(spec)} imports"
+            check_builder_kwargs(self._builder(spec), spec.builder_kwargs, self.builder_args_set_here)
+        return f"intake.model.builder: sam3.model_builder.{self.builder_name(spec)} imports and takes the builder_kwargs"
 
     def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
         """The model built on the meta device at the scale asked: its keys, no weights allocated."""

@@ -251,6 +251,7 @@ class Sam31Driver(SamVideoDriver):
     family = "sam3.1"
     description = "SAM 3.1 (Object Multiplex) from a checkout of Meta's sam3 repository: text-prompted video segmentation"
     source_env = SOURCE_ENV
+    builder_args_set_here = ("checkpoint_path", "bpe_path")
 
     def builder_name(self, spec: ModelSpec) -> str:
         return spec.builder or BUILDER

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, get_args
 from omskills.records.export import ExporterName
 from omskills.records.intake import KNOWN_SOCS
 from omskills.records.literals import BundleArtifact
+from omskills.records.names import SafeName
 from omskills.records.toolchain import VariantName
 from pydantic import Field
 
@@ -42,8 +43,8 @@ VerifyPrecision = Literal["fp32", "emulated"]
 
 # The `candidate` argument of the per-candidate tools (export_onnx ... convert_atc): a free name, since
 # the plan decides which exist (the MCP server completes it from the task record).
-CandidateName = Annotated[str | None, Field(description="One candidate (graph) to work on, as plan_candidates names it; "
-                                                        "default: the plan's first batch.")]
+CandidateName = Annotated[SafeName | None, Field(description="One candidate (graph) to work on, as plan_candidates names "
+                                                             "it; default: the plan's first batch.")]
 
 __all__ = [
     "PRECISION_MODES", "BundleArtifact", "CandidateName", "CompareAgainst", "EmulatedMode", "ExporterName", "PrecisionMode", "Soc",

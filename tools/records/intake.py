@@ -48,9 +48,10 @@ class ModelSpec(Record):
     scale: Literal["full", "tiny"] = "full"
     # None = random initialisation with `seed` (labelled "random" in every report).
     checkpoint: str | None = None
-    seed: int = 0
+    # numpy's generator takes seeds below 2**32; the engine seeds it (and torch's) with this.
+    seed: int = Field(0, ge=0, lt=2**32)
     # Device of the PyTorch reference: cpu here, cuda where a GPU exists, npu with torch_npu.
-    device: str = "cpu"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda|npu)(:[0-9]{1,3})?$")
 
     @model_validator(mode="after")
     def _names_a_driver(self) -> "ModelSpec":
@@ -102,8 +103,13 @@ def confined_path(value: str, field: str, base_dir: Path, roots: list[Path], *,
     The one confinement check of omskills: the MCP server calls it too, for tool arguments and
     resources (`root_name="the workspace"`, `widened_by_env=False`: no variable widens the workspace).
     """
+    if "\x00" in value:
+        raise InputError(f"{field}: a path holds a NUL byte")
     path = Path(value).expanduser()
-    resolved = (path if path.is_absolute() else Path(base_dir) / path).resolve()
+    try:
+        resolved = (path if path.is_absolute() else Path(base_dir) / path).resolve()
+    except (OSError, RuntimeError) as err:  # a name too long for the system, a symlink loop
+        raise InputError(f"{field}: {value[:80]!r}: {err}") from None
     if not any(resolved.is_relative_to(root) for root in roots):
         via = f" (through a symlink to {resolved})" if resolved != Path(os.path.abspath(Path(base_dir) / path)) else ""
         others = f" or the allowed input roots ({', '.join(map(str, roots[1:]))})" if roots[1:] else ""

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from omskills.files import file_state, sha256_cached
+from omskills.files import file_state, quick_digest, sha256_cached
 from omskills.records.base import Record
 from pydantic import Field
 
@@ -23,6 +23,9 @@ class Artifact(Record):
     # With the size, the fast check that the file is untouched; the sha256 decides when either moved
     # (a copied run folder has new mtimes). None in records written before artefacts were checked.
     mtime_ns: int | None = None
+    # Size and the first and last MiB, hashed (`files.quick_digest`): checked even when size and
+    # mtime agree, which a tool that restores timestamps keeps. None in older records.
+    quick: str | None = None
 
     @classmethod
     def of(cls, path: Path, root: Path) -> Artifact:
@@ -32,7 +35,8 @@ class Artifact(Record):
         relative = os.path.relpath(Path(path).absolute(), Path(root).absolute())
         if relative.startswith(".."):
             relative = os.path.relpath(Path(path).resolve(), Path(root).resolve())
-        return cls(path=Path(relative).as_posix(), sha256=sha256_cached(path), bytes=size, mtime_ns=mtime)
+        return cls(path=Path(relative).as_posix(), sha256=sha256_cached(path), bytes=size, mtime_ns=mtime,
+                   quick=quick_digest(path))
 
     def problem(self, root: Path) -> str | None:
         """Why the file is not the one the step wrote (None: it is, or nothing was recorded to tell)."""
@@ -43,6 +47,8 @@ class Artifact(Record):
             return None
         size, mtime = file_state(path)
         if (size, mtime) == (self.bytes, self.mtime_ns):
+            if self.quick is not None and quick_digest(path) != self.quick:
+                return f"{self.path} changed on disk (same size and time, other bytes)"
             return None
         if size != self.bytes:
             return f"{self.path} changed on disk ({self.bytes} bytes recorded, {size} now)"
@@ -62,6 +68,9 @@ class StageResult(Record):
     logs: list[str] = Field(default_factory=list)
     error: str | None = None
     note: str | None = None
+    # The process running the step (while it is `running`): a rerun tells a step whose process is
+    # gone, killed or out of disk before it could record the end, from one still at work.
+    pid: int | None = None
 
 
 class Decision(Record):

@@ -33,13 +33,14 @@ from omskills.records.environment import EnvironmentReport
 from omskills.records.export import ExportResult
 from omskills.records.intake import Intake
 from omskills.records.inventory import Inventory
+from omskills.records.names import run_relative, safe_name
 from omskills.records.plan import Candidate, Plan, StudyRun
 from omskills.records.profile import ProfileReport
 from omskills.records.stages import Decision, StageResult
 from omskills.records.toolchain import BatchSplit
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
-from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError
+from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 # 2: verification is judged by the driver's output checks (per step), not by frames and masks.
 SCHEMA_VERSION = 2
@@ -48,6 +49,72 @@ SCHEMA_VERSION = 2
 # which the pure-Python ones take a second to read.
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+BOM = "\ufeff"
+# Nodes that YAML aliases may add to a record beyond those written out: a record has no use for
+# aliases, and a few hundred bytes of nested ones expand to billions of nodes ("billion laughs").
+MAX_ALIAS_NODES = 1000
+
+
+class _RecordLoader(_Loader):  # type: ignore[misc, valid-type]
+    """The safe loader, refusing a mapping that gives one key twice (YAML keeps the last silently:
+    a user's edit above would be lost without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (lines {seen[key]} and {line}): keep one", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """A task record's YAML: the safe loader, no duplicate key, aliases bounded (`_check_aliases`)."""
+    loader = _RecordLoader(text.removeprefix(BOM))
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_aliases(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_aliases(root: yaml.Node) -> None:
+    """The document expanded (an alias copies what its anchor holds) is at most MAX_ALIAS_NODES
+    nodes more than written, and no alias refers to a node that holds it. Counted without
+    expanding anything: each distinct node's expanded size once, iteratively (a deep document
+    must not exhaust Python's stack)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # being sized: an alias back to one of them is a cycle
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, closing = stack.pop()
+        key = id(node)
+        if closing:
+            open_nodes.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+        elif key in open_nodes:
+            raise yaml.YAMLError("a YAML alias refers to a node that contains it: a task record cannot be recursive")
+        elif key not in sizes:
+            open_nodes.add(key)
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node))
+    if sizes[id(root)] - len(sizes) > MAX_ALIAS_NODES:
+        raise yaml.YAMLError(f"YAML aliases expand the document by {sizes[id(root)] - len(sizes)} nodes, more than "
+                             f"the {MAX_ALIAS_NODES} a task record may hold (it needs none)")
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 class TaskRecord(Record):
@@ -74,6 +141,22 @@ class TaskRecord(Record):
     # The text the record was read from when it carries comments: a save keeps the user's comments
     # even into a new file (`omskills adapt` copies the intake into the run folder).
     _source_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _names_and_paths_stay_in_the_run_folder(self) -> "TaskRecord":
+        """Every name that becomes a file name and every stored path that is joined to the run
+        folder, checked here, once, whoever wrote the record."""
+        for where, value in _names(self):
+            try:
+                safe_name(value)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+        for where, value in _stored_paths(self):
+            try:
+                run_relative(value)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+        return self
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))
@@ -231,6 +314,63 @@ class TaskRecord(Record):
         return Path(path).resolve().parent
 
 
+def _names(record: TaskRecord) -> Iterator[tuple[str, str]]:
+    """(field, value) of every record value that names a graph or a candidate."""
+    for section in ("contracts", "boundaries", "exports", "toolchain"):
+        for key in getattr(record, section):
+            yield f"{section}.{key}", key
+    for key, contract in record.contracts.items():
+        yield f"contracts.{key}.candidate", contract.candidate
+        if contract.dispatch is not None:
+            yield f"contracts.{key}.dispatch.candidate", contract.dispatch.candidate
+    target = record.intake.target
+    yield from ((f"intake.target.deploy[{i}]", name) for i, name in enumerate(target.deploy))
+    yield from ((f"intake.target.defer[{i}]", name) for i, name in enumerate(target.defer))
+    if record.plan is not None:
+        yield from ((f"plan.candidates[{i}].name", c.name) for i, c in enumerate(record.plan.candidates))
+        yield from ((f"plan.first_batch[{i}]", name) for i, name in enumerate(record.plan.first_batch))
+    if record.study is not None:
+        yield from ((f"study.seeds[{i}].name", s.name) for i, s in enumerate(record.study.seeds))
+
+
+def _stored_paths(record: TaskRecord) -> Iterator[tuple[str, str]]:
+    """(field, value) of every path the record stores, relative to the run folder."""
+    for key, contract in record.contracts.items():
+        yield from ((f"contracts.{key}.samples[{i}]", p) for i, p in enumerate(contract.samples))
+    for key, export in record.exports.items():
+        yield from ((f"exports.{key}.{f}", getattr(export, f)) for f in ("path", "log_path"))
+    for key, chain in record.toolchain.items():
+        yield from _chain_paths(f"toolchain.{key}", chain)
+    for key, step in record.stages.items():
+        yield from ((f"stages.{key}.artifacts[{i}].path", a.path) for i, a in enumerate(step.artifacts))
+        yield from ((f"stages.{key}.logs[{i}]", log) for i, log in enumerate(step.logs))
+    for name in ("verification", "verification_emulated"):
+        report = getattr(record, name)
+        if report is not None:
+            yield from ((f"{name}.{f}", v) for f in ("report_json", "report_html", "outputs_pytorch", "outputs_spliced")
+                        if (v := getattr(report, f)) is not None)
+            yield from ((f"{name}.figures[{i}]", p) for i, p in enumerate(report.figures))
+    if record.plan is not None:
+        yield from ((f"plan.{f}", v) for f in ("report_path", "chart_path") if (v := getattr(record.plan, f)))
+        yield from ((f"plan.candidates[{i}].{f}", v) for i, c in enumerate(record.plan.candidates)
+                    for f in ("onnx_path", "om_path") if (v := getattr(c, f)))
+    if record.study is not None:
+        yield "study.main_path_json", record.study.main_path_json
+
+
+def _chain_paths(where: str, chain: CandidateToolchain) -> Iterator[tuple[str, str]]:
+    if chain.optimize is not None:
+        yield from ((f"{where}.optimize.variants[{i}].path", v.path) for i, v in enumerate(chain.optimize.variants) if v.path)
+        if chain.optimize.preferred_path:
+            yield f"{where}.optimize.preferred_path", chain.optimize.preferred_path
+    for step in ("precheck", "precision"):
+        result = getattr(chain, step)
+        if result is not None and result.model:
+            yield f"{where}.{step}.model", result.model
+    if chain.atc is not None:
+        yield from ((f"{where}.atc.{f}", v) for f in ("script", "log", "om_path") if (v := getattr(chain.atc, f)))
+
+
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -263,6 +403,13 @@ def parse_record(data: object, path: Path) -> TaskRecord:
         raise TaskRecordError(f"task record {path}: expected a mapping at the top level")
     if "intake" not in data:
         raise TaskRecordError(f"task record {path}: intake: field required (model, inputs, target)")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if type(version) is not int:
+        raise TaskRecordError(f"task record {path}: schema_version: {version!r} is not a version number "
+                              f"(this release reads {SCHEMA_VERSION})")
+    if version > SCHEMA_VERSION:
+        raise TaskRecordError(f"task record {path}: schema_version: {version} is newer than this release reads "
+                              f"({SCHEMA_VERSION}); update omskills to read it")
     data = _upgraded(data)
     try:
         return TaskRecord.model_validate(data)
@@ -276,7 +423,7 @@ def load_record(path: str | Path) -> TaskRecord:
     if not path.is_file():
         raise TaskRecordError(f"task record not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8").removeprefix(BOM)  # an editor's byte-order mark says nothing
     except UnicodeDecodeError as err:
         raise TaskRecordError(f"task record {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
     data = _parsed_data(path, text)
@@ -313,7 +460,7 @@ def _parsed_data(path: Path, text: str) -> Any:
     if known is not None and known[0] == _digest(text):
         return json.loads(known[1])
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = load_yaml(text)
     except yaml.YAMLError as err:  # PyYAML's message spans lines: one line, as every error here
         raise TaskRecordError(f"task record {path}: not valid YAML ({' '.join(str(err).split())})") from None
     as_json = _as_json(data) if isinstance(data, dict) else None
@@ -359,7 +506,7 @@ def save_record(record: TaskRecord, path: str | Path) -> None:
     Prefer `updating`, which also holds the lock while the record is read and changed."""
     path = Path(path)
     with _locked(path):
-        previous = path.read_text(encoding="utf-8") if path.is_file() else None
+        previous = path.read_text(encoding="utf-8").removeprefix(BOM) if path.is_file() else None
         template = previous if previous is not None and "#" in previous else record._source_text
         data = _record_data(record)
         text = _render(data, template)
@@ -467,7 +614,7 @@ def _authored_section(key: str, value: Any, text: str) -> str:
     (as validated), else the old text's comments and layout with the new values (ruamel.yaml's
     round trip; only these small sections pay for it)."""
     try:
-        old = yaml.load(text, Loader=_Loader)
+        old = load_yaml(text)
     except yaml.YAMLError:
         return _dump({key: value})
     if not isinstance(old, dict) or list(old) != [key]:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from omskills.ascend.atc import check_soc, soc_of_command
 from omskills.errors import InputError, OmskillsError
-from omskills.host.environment import probe_environment
+from omskills.host.environment import device_problem, probe_environment
 from omskills.models.api import ModelDriver, driver_checks
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
 from omskills.records.environment import EnvironmentReport
@@ -45,6 +45,9 @@ def check_environment(task_path: Path) -> EnvironmentReport:
     checked = check_task_inputs(bound, spec, workdir, model_found=model_problem is None)
     report = probe_environment(record.intake, model_problem)
     report.checked = checked
+    device = device_problem(report.torch, record.intake.model.device)
+    if device:
+        raise InputError(f"intake.model.device: {device}")
     with updating(task_path) as rec:
         rec.environment = report
         dropped = drop_results_for_other_soc(rec)

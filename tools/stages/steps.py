@@ -25,6 +25,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, Callable, Iterator
 
 from omskills.errors import StageError
+from omskills.files import process_alive
 from omskills.records.stages import Artifact, StageResult
 from omskills.records.task import TaskRecord, now_iso, updating
 from pydantic import BaseModel
@@ -130,25 +131,60 @@ class Step:
             change(record)
 
 
+# (record path, step) of the steps this process is running now.
+_ACTIVE: set[tuple[str, str]] = set()
+
+
 @contextlib.contextmanager
 def running_step(task_path: Path, step: str, inputs_hash: str) -> Iterator[Step]:
     """Mark `step` running; on success apply the step's record changes and mark it done in one
-    locked, atomic save; on error mark it failed with the error (earlier results stay as they were).
-    The step's changes are applied to the record as it is then, so other writers keep theirs."""
+    locked, atomic save; on error, cancel or interrupt mark it failed with why (earlier results stay
+    as they were). The step's changes are applied to the record as it is then, so other writers keep
+    theirs. Steps left `running` by a process that is gone are marked failed first."""
+    key = (str(Path(task_path).resolve()), step)
     with updating(task_path) as record:
-        record.stages[step] = StageResult(status="running", inputs_hash=inputs_hash, started=now_iso())
+        reap_interrupted(record, key[0])
+        record.stages[step] = StageResult(status="running", inputs_hash=inputs_hash, started=now_iso(), pid=os.getpid())
         handle = Step(record.stages[step].model_copy())
+    _ACTIVE.add(key)
     start = time.perf_counter()
     try:
         yield handle
     except BaseException as err:
         handle.result.status = "failed"
-        handle.result.error = f"{type(err).__name__}: {err}"[:2000]
+        handle.result.error = _why_stopped(err)
         _close(task_path, step, handle.result, start, None)
         raise
+    finally:
+        _ACTIVE.discard(key)
     if handle.result.status == "running":
         handle.result.status = "done"
     _close(task_path, step, handle.result, start, handle)
+
+
+def _why_stopped(err: BaseException) -> str:
+    if isinstance(err, (KeyboardInterrupt, SystemExit)) or type(err).__name__ == "Cancelled":
+        return f"cancelled ({type(err).__name__}{f': {err}' if str(err) else ''}); rerun to redo it"
+    return f"{type(err).__name__}: {err}"[:2000]
+
+
+def reap_interrupted(record: TaskRecord, record_path: str) -> list[str]:
+    """Steps the record says are `running` that nothing runs any more (their process is gone, or
+    is this one and not running them: it lost the disk or was cancelled before it could record
+    the end) marked failed, with why; their names."""
+    reaped = []
+    for name, result in record.stages.items():
+        if result.status != "running":
+            continue
+        here = result.pid == os.getpid()
+        if result.pid is not None and ((here and (record_path, name) in _ACTIVE) or (not here and process_alive(result.pid))):
+            continue
+        owner = f"pid {result.pid}" if result.pid is not None else "an earlier omskills"
+        result.status = "failed"
+        result.error = (f"interrupted: the process that ran it ({owner}) stopped before it finished "
+                        "(killed, cancelled, or out of disk); rerun to redo it")
+        reaped.append(name)
+    return reaped
 
 
 def _close(task_path: Path, step: str, result: StageResult, start: float, handle: Step | None) -> None:

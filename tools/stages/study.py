@@ -26,6 +26,7 @@ from omskills.models.registry import BoundIntake, driver_for
 from omskills.profiling.auto_seeds import seeds_from_profile, why_no_seeds
 from omskills.profiling.discovery import discovery_profile
 from omskills.profiling.profiler import ModuleProfiler
+from omskills.records.names import safe_name
 from omskills.records.plan import Seed, StudyRun
 from omskills.records.results import ModuleShare, ProfileSummary
 from omskills.records.task import TaskRecord, load_record
@@ -65,6 +66,11 @@ def declared_seeds(driver: ModelDriver) -> list[Seed]:
     root = next((s for s in seeds if not s.module_path), None)
     if root is not None:
         raise InputError(f"seed candidate {root.name} {ROOT_SEED} ({driver.family} driver)")
+    for seed in seeds:
+        try:
+            safe_name(seed.name)
+        except ValueError as err:
+            raise InputError(f"seed candidate name: {err} ({driver.family} driver)") from None
     return seeds
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from omskills.host.toolkit import TaskPath, WorkspacePath, tool_hints
 from omskills.records.choices import CompareAgainst, EmulatedMode
+from omskills.records.names import SafeName
 from omskills.records.precision import LayerComparison
 from pydantic import Field
 
@@ -14,7 +15,7 @@ from pydantic import Field
 @tool_hints(title="Compare a graph layer by layer", read_only=False, idempotent=True, long_running=True)
 def compare_layers(
     task: TaskPath,
-    candidate: Annotated[str, Field(description="The candidate (graph) to compare, as plan_candidates and the batch "
+    candidate: Annotated[SafeName, Field(description="The candidate (graph) to compare, as plan_candidates and the batch "
                                                 "results name it.")],
     mode: Annotated[EmulatedMode, Field(description='ATC precision mode to emulate (against="emulated").')] = "force_fp16",
     keep: Annotated[list[str] | None, Field(description='Node names kept at their original dtype in the emulation '

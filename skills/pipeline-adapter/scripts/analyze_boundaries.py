@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 from omskills.host.toolkit import TaskPath, tool_hints
+from omskills.records.names import SafeName
 from omskills.records.results import BoundariesResult
 from pydantic import Field
 
@@ -13,7 +14,7 @@ from pydantic import Field
 @tool_hints(title="Analyse the boundaries", read_only=False, idempotent=True, long_running=True)
 def analyze_boundaries(
     task: TaskPath,
-    candidate: Annotated[str | None, Field(description="One candidate (graph) to analyse, as capture_contracts names "
+    candidate: Annotated[SafeName | None, Field(description="One candidate (graph) to analyse, as capture_contracts names "
                                                        "it; default: the plan's first batch and the candidates "
                                                        "deferred inside it.")] = None,
     trial_export: Annotated[bool, Field(description="Also try torch.export on each candidate and replay it on the "

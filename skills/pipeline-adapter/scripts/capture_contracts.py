@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 from omskills.host.toolkit import TaskPath, tool_hints
+from omskills.records.names import SafeName
 from omskills.records.results import ContractsResult
 from pydantic import Field
 
@@ -13,7 +14,7 @@ from pydantic import Field
 @tool_hints(title="Capture the I/O contracts", read_only=False, idempotent=True, long_running=True)
 def capture_contracts(
     task: TaskPath,
-    candidate: Annotated[str | None, Field(description="One candidate to report, as plan_candidates names it; "
+    candidate: Annotated[SafeName | None, Field(description="One candidate to report, as plan_candidates names it; "
                                                        "default: the plan's first batch.")] = None,
 ) -> ContractsResult:
     """The real I/O contracts of each selected candidate (or the one named), with npz samples of real

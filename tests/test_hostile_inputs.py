@@ -1,0 +1,344 @@
+"""Hostile input is normal input: nothing escapes the workspace, nothing of the user's is deleted,
+an interrupted step never stays `running`. The cases a record and a CLI line can carry are rows of
+the table in test_bad_inputs.py (one line, exit 2, the record untouched); these are the others:
+the HTTP transport, bundles, MCP errors, artefacts changed behind the record's back, leftovers of
+killed processes, and names of any shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mcp_helpers import write_toy_skill
+from omskills.errors import InputError
+from omskills.records.names import safe_name
+
+CLI = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+# -- names of any shape never lead outside the run folder ---------------------------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.text(min_size=1, max_size=300),
+                 st.lists(st.sampled_from(["..", ".", "/", ":", "\x00", "a", "é", "-", "_", "~", "\\"]),
+                          min_size=1, max_size=12).map("".join)))
+def test_a_name_the_record_accepts_is_a_file_name_inside_the_run_folder(name):
+    run = Path("/work/run")
+    try:
+        safe_name(name)
+    except ValueError:
+        return  # refused when the record loads, with the field's name
+    for path in (run / "onnx" / name / f"{name}.onnx", run / "om" / name / f"convert_{name}.sh",
+                 run / "samples" / f"{name}_0.npz"):
+        assert Path(os.path.normpath(path)).is_relative_to(run) and path.name.encode().__len__() <= 255
+
+
+# -- the HTTP transport ----------------------------------------------------------------------
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "probe", "version": "1"}}}
+
+
+async def _post(url: str, host_header: str, origin: str | None, deadline: float) -> int:
+    headers = {"Host": host_header, "Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    if origin:
+        headers["Origin"] = origin
+    while True:
+        try:
+            async with httpx.AsyncClient(timeout=10) as client:
+                return (await client.post(url, json=INITIALIZE, headers=headers)).status_code
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            await anyio.sleep(0.3)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.2", "0:0:0:0:0:0:0:1"])
+def test_any_loopback_spelling_refuses_a_rebound_host_and_serves_its_own(tmp_path, host):
+    write_toy_skill(tmp_path / "skills")
+    port = _free_port(host)
+    bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    server = subprocess.Popen([sys.executable, "-c", CLI, "serve", "--http", bound, "--workspace", str(tmp_path),
+                               "--skills-dir", str(tmp_path / "skills")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://{bound}/mcp"
+        rebound = anyio.run(_post, url, f"evil.example:{port}", "http://evil.example", time.monotonic() + 60)
+        foreign_origin = anyio.run(_post, url, bound, "http://evil.example", time.monotonic() + 60)
+        own = anyio.run(_post, url, bound, f"http://{bound}", time.monotonic() + 60)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert (rebound, foreign_origin, own) == (421, 403, 200)
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-c", CLI, "serve", "--http", f"127.0.0.1:{port}", "--workspace", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"omskills: error: --http 127.0.0.1:{port}: cannot listen there (Address already in use)"]
+
+
+# -- bundles -----------------------------------------------------------------------------------
+
+
+def test_bundle_out_never_removes_a_users_folder_and_refuses_a_symlink(tmp_path):
+    from omskills.deploy.bundle import _check_replaceable
+
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "bundle.json").write_text("{}")  # looks like a bundle
+    (users / "thesis.tex").write_text("years of work")
+    with pytest.raises(Exception, match="holds files omskills did not write"):
+        _check_replaceable(users)
+    assert (users / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "link").symlink_to(users)
+    with pytest.raises(Exception, match="is a symbolic link"):
+        _check_replaceable(tmp_path / "link")
+    # A folder the bundle wrote, with a file a user added since: refused, the file kept.
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / ".omskills-bundle").write_text("bundle.json\n")
+    (ours / "bundle.json").write_text("{}")
+    _check_replaceable(ours)  # only what it wrote: may be replaced
+    (ours / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="holds 1 file.s. the bundle did not write .notes.txt"):
+        _check_replaceable(ours)
+
+
+@pytest.fixture()
+def bundle(tmp_path) -> Path:
+    from omskills.files import sha256_file
+    from omskills.records.deploy import BUNDLE_FORMAT
+    from omskills.records.task import SCHEMA_VERSION
+
+    root = tmp_path / "bundle"
+    (root / "graphs" / "g").mkdir(parents=True)
+    onnx = root / "graphs" / "g" / "g.onnx"
+    onnx.write_bytes(b"graph bytes")
+    spec = {"name": "x", "tree_path": "args[0]", "shape": [1], "dtype": "float32", "dynamic_dims": {}, "device": "cpu"}
+    contract = {"candidate": "g", "module_path": "g", "module_class": "M", "parent_path": "", "attribute": "g", "calls": 1,
+                "in_spec": "", "out_spec": "", "inputs": [spec], "outputs": [{**spec, "name": "y", "tree_path": "out"}]}
+    manifest = {
+        "format": BUNDLE_FORMAT, "contract_schema": SCHEMA_VERSION, "omskills_version": "0", "task_id": "t", "created": "now",
+        "intake": {"model": {"family": "sam3"}}, "weights": "random", "verified": "pass",
+        "graphs": [{"name": "g", "plan_candidate": "g", "module_path": "g", "contract": contract,
+                    "onnx": {"files": [{"path": "graphs/g/g.onnx", "bytes": onnx.stat().st_size, "sha256": sha256_file(onnx)}]}}],
+    }
+    (root / "bundle.json").write_text(json.dumps(manifest))
+    return root
+
+
+def _manifest(root: Path) -> dict:
+    return json.loads((root / "bundle.json").read_text())
+
+
+def test_a_bundle_reads_when_intact(bundle):
+    from omskills.deploy.manifest import read_bundle
+
+    assert [g.name for g in read_bundle(bundle).graphs] == ["g"]
+
+
+@pytest.mark.parametrize("tamper, refused", [
+    ("artefact-symlink", "is a symbolic link"),
+    ("graphs-folder-symlink", "is a symbolic link"),
+    ("path-through-symlinked-folder", "is a symbolic link"),
+    ("null-hash", "records no sha256"),
+    ("path-climbs", "not a path inside the folder"),
+])
+def test_a_tampered_bundle_is_refused(bundle, tmp_path, tamper, refused):
+    from omskills.deploy.manifest import DeployError, read_bundle
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "g.onnx").write_bytes(b"graph bytes")  # same size, same bytes: only the links are wrong
+    manifest = _manifest(bundle)
+    files = manifest["graphs"][0]["onnx"]["files"]
+    if tamper == "artefact-symlink":
+        (bundle / "graphs" / "g" / "g.onnx").unlink()
+        (bundle / "graphs" / "g" / "g.onnx").symlink_to(outside / "g.onnx")
+    elif tamper == "graphs-folder-symlink":
+        shutil.rmtree(bundle / "graphs")
+        (outside / "g").mkdir()
+        shutil.copy(outside / "g.onnx", outside / "g" / "g.onnx")
+        (bundle / "graphs").symlink_to(outside)
+    elif tamper == "path-through-symlinked-folder":
+        (bundle / "elsewhere").symlink_to(outside)
+        files[0]["path"] = "elsewhere/g.onnx"
+    elif tamper == "null-hash":
+        (bundle / "graphs" / "g" / "g.onnx").write_bytes(b"other bytes")  # same size
+        files[0]["sha256"] = None
+    else:
+        files[0]["path"] = "../outside/g.onnx"
+    (bundle / "bundle.json").write_text(json.dumps(manifest))
+    with pytest.raises(DeployError, match=refused):
+        read_bundle(bundle)
+
+
+# -- ONNX external data -----------------------------------------------------------------------
+
+
+def test_external_data_outside_the_models_folder_is_refused_not_measured(tmp_path):
+    import numpy as np
+    import onnx
+    from omskills.convert.inspect import inspect_onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    weight.data_location = TensorProto.EXTERNAL
+    weight.ClearField("raw_data")
+    for key, value in (("location", "../../../../etc/passwd"), ("offset", "0"), ("length", "64")):
+        weight.external_data.add(key=key, value=value)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    with pytest.raises(InputError, match="names external data '../../../../etc/passwd': not a path inside the folder"):
+        inspect_onnx(path)
+
+
+# -- MCP errors keep their reason ----------------------------------------------------------------
+
+
+def test_mcp_errors_of_prompts_and_tools_carry_their_reason(tmp_path):
+    from mcp.shared.exceptions import MCPError
+    from omskills.orchestrator.mcp_client import connect
+
+    async def ask() -> tuple[str, str]:
+        async with connect(tmp_path) as client:
+            try:
+                await client.session.get_prompt("adapt_task", {"task": "nowhere/task.yaml"})
+                prompt = "no error"
+            except MCPError as err:
+                prompt = err.message
+            outcome = await client.call("check_environment", {"task": "a\x00b.yaml"})
+            return prompt, outcome.text
+
+    prompt, tool = anyio.run(ask)
+    assert prompt.startswith("argument 'task':") and "nowhere/task.yaml" in prompt
+    assert "NUL byte" in tool
+
+
+# -- artefacts changed behind the record's back ----------------------------------------------------
+
+
+def test_same_size_corruption_with_the_time_restored_is_caught(tmp_path):
+    from omskills.records.stages import Artifact
+
+    path = tmp_path / "g.onnx"
+    path.write_bytes(b"\x08\x07" + bytes(range(256)) * 100)
+    recorded = Artifact.of(path, tmp_path)
+    stat = path.stat()
+    with path.open("r+b") as handle:
+        handle.write(b"\x09")  # one byte of the header, same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert recorded.problem(tmp_path) == "g.onnx changed on disk (same size and time, other bytes)"
+
+
+# -- what killed processes leave behind ------------------------------------------------------------
+
+
+def test_a_step_left_running_by_a_gone_process_is_marked_interrupted_by_the_next_step(tmp_path):
+    from omskills.records.stages import StageResult
+    from omskills.records.task import load_record, save_record
+    from omskills.stages.steps import running_step
+
+    task = tmp_path / "task.yaml"
+    task.write_text(yaml.safe_dump({"id": "t", "intake": {"model": {"family": "sam3"}}}))
+    record = load_record(task)
+    record.stages["study"] = StageResult(status="running", started="earlier", pid=_dead_pid())
+    save_record(record, task)
+    with running_step(task, "plan", "h"):
+        pass
+    study = load_record(task).stages["study"]
+    assert study.status == "failed" and study.error.startswith("interrupted: the process that ran it (pid ")
+
+
+def test_a_cancelled_or_interrupted_step_is_failed_with_why_never_left_running(tmp_path):
+    from omskills.records.task import load_record
+    from omskills.stages.steps import running_step
+
+    task = tmp_path / "task.yaml"
+    task.write_text(yaml.safe_dump({"id": "t", "intake": {"model": {"family": "sam3"}}}))
+    with pytest.raises(KeyboardInterrupt):
+        with running_step(task, "study", "h"):
+            raise KeyboardInterrupt
+    study = load_record(task).stages["study"]
+    assert study.status == "failed" and study.error == "cancelled (KeyboardInterrupt); rerun to redo it"
+
+
+def test_an_export_killed_midway_leaves_no_scratch_folder_after_the_next_export(tmp_path):
+    from omskills.convert.export import _remove_dead_scratch
+
+    out = tmp_path / "onnx" / "g" / "g.onnx"
+    out.parent.mkdir(parents=True)
+    dead = out.parent / f".g-export-{_dead_pid()}-abcd"
+    alive = out.parent / f".g-export-{os.getpid()}-efgh"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(b"partial")
+    _remove_dead_scratch(out)
+    assert not dead.exists() and alive.exists()
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+
+def test_a_record_with_a_byte_order_mark_reads_and_keeps_its_comments(tmp_path):
+    from omskills.records.task import load_record, updating
+
+    task = tmp_path / "task.yaml"
+    task.write_text("\ufeff# my model, tried on Tuesday\nid: t\nintake:\n  model:\n    family: sam3  # the flagship\n",
+                    encoding="utf-8")
+    assert load_record(task).id == "t"
+    with updating(task) as record:
+        record.decide("test", "a decision", "to make the record save")
+    text = task.read_text(encoding="utf-8")
+    assert "# my model, tried on Tuesday" in text and "# the flagship" in text
+
+
+def test_a_full_disk_on_save_is_one_line_and_the_record_stays_as_it_was(tmp_path):
+    task = tmp_path / "task.yaml"
+    task.write_text(yaml.safe_dump({"id": "t", "intake": {"model": {"family": "sam3", "scale": "tiny"},
+                                                         "inputs": {"video": "builtin:shapes", "prompt": "x", "frames": 1}}}))
+    before = task.read_bytes()
+    full_disk = ("import errno, sys\n"
+                 "import omskills.files, omskills.records.task as task\n"
+                 "def full(path, text): raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
+                 "task.atomic_write_text = full\n"
+                 "from omskills.orchestrator.cli import main\n"
+                 "sys.exit(main(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", full_disk, "tool", "check_environment", "--task", str(task)],
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "No space left on device" in lines[0], done.stderr[-2000:]
+    assert task.read_bytes() == before
