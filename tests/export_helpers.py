@@ -79,6 +79,9 @@ def one_graph_task(folder: Path, host: nn.Module, name: str, run: Callable[[], N
     strategy = propose_shape_strategy(contract)
     exported = export_onnx(getattr(host, name), contract, export_inputs, folder / "onnx" / f"{name}.onnx",
                            dynamic_dims=dynamic_dims)
+    # a record holds run-relative paths only, as the export stage writes them
+    exported.path = str(Path(exported.path).resolve().relative_to(folder.resolve()))
+    exported.log_path = str(Path(exported.log_path).resolve().relative_to(folder.resolve())) if exported.log_path else None
     record = TaskRecord.model_validate({
         "id": task_id,
         "intake": {"model": {"family": "sam3", "builder": "build_sam3_video_model", "scale": "tiny"},

