@@ -58,6 +58,7 @@ TOOL_STEPS: dict[str, tuple[tuple[str, ...], FloorRule]] = {
     "probe_onnx": (("probe",), "pass"),
     "optimize_onnx": (("optimize",), "optional"),
     "emulate_precision": (("precision",), "optional"),
+    "check_precision_plan": (("precision_plan",), "optional"),
     "precheck_ops": ((), "itself"),
     "convert_atc": (("atc",), "itself"),
     "verify_main_path": (("verify",), "pass"),

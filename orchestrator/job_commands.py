@@ -115,6 +115,7 @@ def adaptation_plan(task: str) -> list:
         step("probe_onnx", "3 ONNX -> OM", "probe ONNX Runtime against PyTorch"),
         step("optimize_onnx", "3 ONNX -> OM", "onnxslim / auto_optimizer variants"),
         step("emulate_precision", "3 ONNX -> OM", "ATC precision modes emulated on CPU, keep lists"),
+        step("check_precision_plan", "3 ONNX -> OM", "precision plan checked end to end (emulated), fixed if it fails"),
         step("precheck_ops", "3 ONNX -> OM", "operator precheck and known precision pitfalls"),
         step("convert_atc", "3 ONNX -> OM", "ATC command (run where CANN exists)"),
         step("verify_main_path", "4 splice & verify", "spliced vs PyTorch main path"),
@@ -192,15 +193,23 @@ def _print_summary(task: Path) -> None:
     width = max([31, *map(len, backends.values())])  # a label may say "(batch in chunks of 1)"
     name_width = max([22, *(len(graph) for _, graph in rows)])
     failed = {row.graph: [c.stage for c in row.cells if c.status == "failed"] for row in stage_status(record, verification)}
+    modes = {graph: p.chosen_mode for graph, chain in record.toolchain.items() if (p := chain.precision)}
+    mode_width = max([22, *map(len, modes.values())])
     print(f"\n{'candidate':{name_width}s} status       share   {'backend':{width}s} probe    cos        max abs  "
-          "failed stages", file=sys.stderr)
+          f"{'ATC precision mode':{mode_width}s} failed stages", file=sys.stderr)
     for cand, graph in rows:
         probe = record.toolchain_of(graph).probes.get("original")
         print(f"{graph:{name_width}s} {cand.status:12s} {cand.share:6.1%}  {backends[graph]:{width}s} "
               f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
-              f"{f'{probe.worst_max_abs:.1e}' if probe else '-':8s} {', '.join(failed.get(graph, [])) or '-'}", file=sys.stderr)
+              f"{f'{probe.worst_max_abs:.1e}' if probe else '-':8s} {modes.get(graph, '-'):{mode_width}s} "
+              f"{', '.join(failed.get(graph, [])) or '-'}", file=sys.stderr)
     if verification:
         m, unit = verification.main_path, verification.step_name
         print(f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "
               f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, spliced {m.spliced_s_per_step:.2f} s/{unit} "
               f"(ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}", file=sys.stderr)
+    plan, emulated = record.precision_plan, record.verification_emulated
+    if plan is not None:
+        figures = f" | {emulated.main_path.summary()}" if emulated is not None else ""
+        print(f"precision plan end to end (Ascend modes emulated on CPU, not an NPU): {plan.verdict}{figures} | {plan.why}",
+              file=sys.stderr)

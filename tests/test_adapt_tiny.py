@@ -6,7 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import copy_run
 from omskills.records.task import load_record
 
 
@@ -359,3 +361,62 @@ def test_a_bundle_checks_its_files_format_and_contract_schema_on_load(tiny_adapt
             read_bundle(bundle, check_hashes=False)
     with pytest.raises(DeployError, match="is not an omskills bundle"):
         read_bundle(tmp_path)
+
+
+def test_adapt_checks_the_precision_plan_end_to_end_and_reports_it_beside_the_fp32_verdict(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    plan = record.precision_plan
+    assert plan is not None and plan.attempts and plan.attempts[0].purpose.startswith("every graph in the mode")
+    assert set(plan.modes) == {c.name for c in record.verification.candidates}
+    emulated = record.verification_emulated
+    assert emulated is not None and emulated.precision == "emulated" and emulated.verdict == plan.attempts[-1].verdict
+    text = (tiny_adaptation / "DELIVERY.md").read_text()
+    assert f"### The plan, checked end to end: {plan.verdict}" in text and "Expected on Ascend from fp16 numerics" in text
+    for graph, mode in plan.modes.items():  # the ATC commands carry the plan the check left
+        assert f"--precision_mode={mode.split(' ')[0]}" in record.toolchain[graph].atc.command
+
+
+class Overflowing:
+    """A graph made fp16-fragile: its emulated force_fp16 run overflows (every output inf)."""
+
+    def __init__(self, opened):
+        self.opened = opened
+
+    def __getattr__(self, name):
+        return getattr(self.opened, name)
+
+    def run(self, feeds):
+        return {k: (np.full_like(v, np.inf) if v.dtype.kind == "f" else v) for k, v in self.opened.run(feeds).items()}
+
+
+def test_a_graph_that_breaks_the_main_path_in_fp16_is_found_moved_and_the_plan_then_passes(tiny_adaptation, tmp_path,
+                                                                                           monkeypatch):
+    """Every graph passed alone, yet one graph's force_fp16 breaks the main path: the end-to-end
+    check fails, bisection names that graph, it moves one step safer, and the plan passes."""
+    import omskills.stages.precision_plan as precision_plan
+    from omskills.records.task import updating
+    from omskills.stages.toolchain import convert_candidate
+
+    run = copy_run(tiny_adaptation, tmp_path / "run")
+    fragile = "grounding_decoder"
+    with updating(run / "task.yaml") as rec:
+        rec.precision_plan = None
+        rec.stages.pop("precision_plan", None)
+        report = rec.chain(fragile).precision
+        report.chosen_mode, report.chosen_keep = "force_fp16", []
+    opened = precision_plan.open_spliced
+
+    def fragile_in_fp16(record, workdir, name, backend, emulation=None):
+        backend_ = opened(record, workdir, name, backend, emulation)
+        return Overflowing(backend_) if name == fragile and emulation and emulation.mode == "force_fp16" else backend_
+
+    monkeypatch.setattr(precision_plan, "open_spliced", fragile_in_fp16)
+    plan = precision_plan.check_precision_plan(run / "task.yaml", budget=12)
+
+    assert plan.attempts[0].verdict == "fail" and plan.attempts[-1].verdict == "pass" and plan.verdict == "pass"
+    assert plan.at_fault == [fragile]
+    assert plan.moved[fragile].startswith("force_fp16 -> allow_mix_precision")
+    assert any(a.purpose.startswith("finding the graphs at fault") for a in plan.attempts)
+    record = load_record(run / "task.yaml")
+    assert record.toolchain[fragile].precision.chosen_mode == "allow_mix_precision"
+    assert "--precision_mode=allow_mix_precision" in convert_candidate(run / "task.yaml", fragile).command

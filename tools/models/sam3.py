@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import time
 import warnings
 from pathlib import Path
@@ -322,6 +323,58 @@ def _visible_objects(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
     return masks, ious, tokens, object_score_logits.abs()
 
 
+class TrackerMaskLogits:
+    """Each propagated frame's mask logits per object, before the `> 0` that makes the binary
+    masks: read where the model builds a frame's outputs (`build_outputs`: the tracker's low-res
+    logits of the objects it carries, the detector's of the new ones). Keyed by frame where the
+    model passes it, else in the order frames are built."""
+
+    def __init__(self) -> None:
+        self.by_frame: dict[int, dict[int, np.ndarray]] = {}
+        self.in_order: list[dict[int, np.ndarray]] = []
+
+    @classmethod
+    @contextlib.contextmanager
+    def watching(cls, model: Any) -> Iterator["TrackerMaskLogits"]:
+        watched = cls()
+        original = getattr(model, "build_outputs", None)
+        if original is None:
+            yield watched
+            return
+        signature = inspect.signature(original)
+
+        def build_outputs(*args: Any, **kwargs: Any) -> Any:
+            watched._keep(signature.bind(*args, **kwargs).arguments)
+            return original(*args, **kwargs)
+
+        with mock.patch.object(model, "build_outputs", build_outputs):
+            yield watched
+
+    def _keep(self, arguments: dict[str, Any]) -> None:
+        plan = arguments.get("tracker_update_plan", arguments.get("sam2_update_plan")) or {}
+        logits = {int(i): m for i, m in zip(arguments["tracker_metadata_prev"]["obj_ids_all_gpu"],
+                                             arguments["tracker_low_res_masks_global"])}
+        masks = arguments["det_out"]["mask"]
+        logits |= {int(i): masks[int(k)] for i, k in zip(plan.get("new_det_obj_ids", []), plan.get("new_det_fa_inds", []))}
+        kept = {i: m.detach().float().cpu().numpy().reshape(m.shape[-2:]) for i, m in logits.items()}
+        frame = arguments.get("frame_idx")
+        if frame is None:
+            self.in_order.append(kept)
+        else:
+            self.by_frame[int(frame)] = kept
+
+    def clear(self) -> None:
+        self.by_frame.clear()
+        self.in_order.clear()
+
+    def of_frame(self, frame: int, obj_ids: list[int]) -> np.ndarray | None:
+        """(objects, h, w) in the order of `obj_ids`; None when not every object's logits were seen."""
+        logits = self.by_frame.pop(frame, None) if frame in self.by_frame else (self.in_order.pop(0) if self.in_order else None)
+        if logits is None or not all(i in logits for i in obj_ids) or len({logits[i].shape for i in obj_ids}) > 1:
+            return None
+        return np.stack([logits[i] for i in obj_ids]) if obj_ids else np.zeros((0, 1, 1), np.float32)
+
+
 class SamVideoDriver(ModelDriver):
     """What SAM 3 and SAM 3.1 share: the video predictor's request API on a video and a text prompt.
 
@@ -357,14 +410,15 @@ class SamVideoDriver(ModelDriver):
         predictor = loaded.entry
         notes: list[str] = []
         with loaded.portability, self._verification(loaded.root, verification) as forced, \
-                self._session_patches(loaded, notes):
+                self._session_patches(loaded, notes), TrackerMaskLogits.watching(loaded.root) as logits:
             start = time.perf_counter()
             session_id = predictor.handle_request({"type": "start_session", "resource_path": list(data)})["session_id"]
             try:
                 hooks.prompt()
                 predictor.handle_request({"type": "add_prompt", "session_id": session_id, "frame_index": 0, "text": inputs.prompt})
                 setup = time.perf_counter() - start
-                steps = list(self._propagate(predictor, session_id, hooks))
+                logits.clear()  # what the prompt's own pass built is not a propagated frame
+                steps = list(self._propagate(predictor, session_id, hooks, logits))
             finally:
                 predictor.handle_request({"type": "close_session", "session_id": session_id})
             total = time.perf_counter() - start
@@ -378,7 +432,7 @@ class SamVideoDriver(ModelDriver):
         yield
 
     @staticmethod
-    def _propagate(predictor: Any, session_id: str, hooks: RunHooks) -> Iterator[StepOutput]:
+    def _propagate(predictor: Any, session_id: str, hooks: RunHooks, logits: "TrackerMaskLogits") -> Iterator[StepOutput]:
         """Frames may arrive in post-processing batches (SAM 3.1): each one's `seconds` is its
         share of the wait since the previous one."""
         request = {"type": "propagate_in_video", "session_id": session_id, "propagation_direction": "forward", "start_frame_index": 0}
@@ -387,12 +441,17 @@ class SamVideoDriver(ModelDriver):
             outputs = response["outputs"]
             now = time.perf_counter()
             frame = int(response["frame_index"])
-            yield StepOutput(index=frame, seconds=now - t0, outputs={
-                "obj_ids": np.asarray([int(i) for i in outputs["out_obj_ids"]], dtype=np.int64),
+            obj_ids = np.asarray([int(i) for i in outputs["out_obj_ids"]], dtype=np.int64)
+            step = {
+                "obj_ids": obj_ids,
                 "scores": np.asarray([float(s) for s in outputs["out_probs"]], dtype=np.float64),
                 "boxes_xywh": np.asarray(outputs["out_boxes_xywh"], dtype=np.float64).reshape(-1, 4),
                 "masks": np.asarray(outputs["out_binary_masks"]).astype(bool),
-            })
+            }
+            mask_logits = logits.of_frame(frame, obj_ids.tolist())
+            if mask_logits is not None:
+                step["mask_logits"] = mask_logits
+            yield StepOutput(index=frame, seconds=now - t0, outputs=step)
             t0 = time.perf_counter()
             hooks.step(frame)
 
@@ -403,6 +462,9 @@ class SamVideoDriver(ModelDriver):
             OutputCheck(output="scores", metric="max_abs", key="obj_ids", threshold=1e-3, gating=False, label="scores"),
             OutputCheck(output="boxes_xywh", metric="max_abs", key="obj_ids", threshold=1e-3, gating=False,
                         label="boxes (normalised xywh)"),
+            # Continuous, so a mask IoU below its gate tells a pixel flipping at the threshold from a divergence.
+            OutputCheck(output="mask_logits", metric="tensor", key="obj_ids", gating=False,
+                        label="mask logits (low-res, before > 0)"),
         ]
 
     def settings_notes(self, verification: SamVerification) -> list[str]:

@@ -134,3 +134,31 @@ class PrecisionReport(Record):
 
     def mode(self, name: str) -> ModePrecision | None:
         return next((m for m in self.modes if m.mode == name), None)
+
+
+class PlanAttempt(Record):
+    """One spliced run of the main path with some graphs emulated, judged by the driver's checks."""
+
+    purpose: str = Field(description="Why this run: the chosen modes, finding the graphs at fault, or a fixed plan.")
+    emulated: dict[str, str] = Field(description="Graph -> the mode it was emulated in; the others ran in fp32.")
+    verdict: Literal["pass", "fail"]
+    summary: str = Field(description="The checks' worst figures over the main path.")
+    seconds: float
+
+
+class PrecisionPlan(Record):
+    """The ATC precision plan of every deployed graph, checked end to end on the main path with
+    every graph in its mode (emulated on CPU, not an NPU result): what passed, what moved, why."""
+
+    verdict: Literal["pass", "fail"] = Field(description=(
+        "pass: the main path, every graph emulated in `modes`, passes the driver's checks; fail: no plan did within "
+        "the budget of runs (the graphs at fault then convert with must_keep_origin_dtype)."))
+    modes: dict[str, str] = Field(description="Graph -> the ATC precision mode it converts with (and nodes kept).")
+    moved: dict[str, str] = Field(default_factory=dict, description=(
+        "Graph -> how and why the end-to-end check moved it from the mode its own emulation chose."))
+    at_fault: list[str] = Field(default_factory=list, description="Graphs whose emulation alone broke the main path.")
+    attempts: list[PlanAttempt] = Field(default_factory=list)
+    runs: int = Field(description="Spliced main-path runs made (the budget's unit).")
+    budget: int
+    seconds: float = Field(description="The whole check: the reference run, every attempt, the report.")
+    why: str

@@ -35,6 +35,7 @@ from omskills.records.intake import Intake
 from omskills.records.inventory import Inventory
 from omskills.records.names import run_relative, safe_name
 from omskills.records.plan import Candidate, Plan, StudyRun
+from omskills.records.precision import PrecisionPlan
 from omskills.records.profile import ProfileReport
 from omskills.records.stages import Decision, StageResult
 from omskills.records.toolchain import BatchSplit
@@ -138,6 +139,8 @@ class TaskRecord(Record):
     verification: VerifyReport | None = None
     # The same main path with every spliced graph in its chosen ATC precision mode, emulated on CPU.
     verification_emulated: VerifyReport | None = None
+    # That check as a plan: the modes that passed end to end, and what was moved to get there.
+    precision_plan: PrecisionPlan | None = None
     # The text the record was read from when it carries comments: a save keeps the user's comments
     # even into a new file (`omskills adapt` copies the intake into the run folder).
     _source_text: str | None = PrivateAttr(default=None)
@@ -282,7 +285,8 @@ class TaskRecord(Record):
         kind, _, rest = step.partition(":")
         graph, _, variant = rest.partition(":")
         chain = self.toolchain_of(graph) if graph else None
-        singles = {"environment": self.environment, "plan": self.plan, "verify": self.verification}
+        singles = {"environment": self.environment, "plan": self.plan, "verify": self.verification,
+                   "precision_plan": self.precision_plan}
         if kind in singles and not rest:
             return [] if singles[kind] is not None else [kind]
         if step == "verify:emulated":

@@ -36,6 +36,8 @@ def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
                           f"({tc.batch_split.reason}); the OM keeps its batch gears")
     limits += [f"verification setting {line}" for line in settings]
     limits += record.verification.notes if record.verification else []
+    if record.precision_plan is not None and record.precision_plan.verdict != "pass":
+        limits.append(f"no precision plan passed end to end (emulated): {record.precision_plan.why}")
     return limits
 
 
@@ -113,6 +115,7 @@ def write_delivery_doc(task_path: Path) -> Path:
     text = template_environment().get_template("delivery.md.j2").render(
         r=record, m=model, family=bound.driver.family, inputs=inputs, weights=_seen_from(record.weights(), workdir),
         plan=record.plan, env=record.environment, v=record.verification, ve=record.verification_emulated, toolchain=record.toolchain,
+        pp=record.precision_plan,
         task_name=task_name,
         strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},
         serves={n: b.shape_strategy.serves() for n, b in record.boundaries.items() if b.shape_strategy},

@@ -40,11 +40,11 @@ from omskills.runtime import BACKENDS, open_backend
 from omskills.runtime.paged_weights import page_out
 from omskills.runtime.serving import SERVING_BACKENDS, open_graph
 from omskills.runtime.splice import SpliceBackend, SpliceHandle, splice
-from omskills.stages.model import open_model
+from omskills.stages.model import TaskModel, open_model
 from omskills.stages.steps import fingerprint, require_intact, running_step
 
 
-def _spliceable(record: TaskRecord) -> tuple[list[str], dict[str, str]]:
+def spliceable(record: TaskRecord) -> tuple[list[str], dict[str, str]]:
     """Graphs with an export whose probe did not fail; the others stay in PyTorch, with why. A
     dispatched candidate is spliced whole or not at all (a call to a graph left out would fall back)."""
     if record.plan is None:
@@ -78,36 +78,46 @@ def _probe_summary(report: ParityReport | None) -> dict[str, float | str | None]
     return {"verdict": report.verdict, "cosine": round(report.worst_cosine, 7), "max_abs": float(f"{report.worst_max_abs:.3e}")}
 
 
-def _open(record: TaskRecord, workdir: Path, name: str, backend: str, emulated: bool = False) -> SpliceBackend:
+class Emulation(NamedTuple):
+    """An ATC precision mode to emulate a graph in, and the nodes kept in fp32."""
+
+    mode: str
+    keep: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return self.mode + (f" keeping {len(self.keep)} node(s)" if self.keep else "")
+
+
+def chosen_emulation(record: TaskRecord, name: str) -> Emulation:
+    report = record.toolchain_of(name).precision
+    if report is None:
+        raise StageError(f"{name}: no precision emulation recorded: run emulate_precision first")
+    return Emulation(report.chosen_mode, tuple(report.chosen_keep))
+
+
+def open_spliced(record: TaskRecord, workdir: Path, name: str, backend: str,
+                 emulation: Emulation | None = None) -> SpliceBackend:
     """The graph's backend, opened as a deployment opens it (runtime.serving): on ONNX Runtime's CPU
     the batch in chunks where probe_onnx found it must be; an OM in the mode of its shape strategy,
-    its batch gears serving other sizes. `emulated`: the graph rewritten to compute as its chosen
-    ATC precision mode would, on ONNX Runtime CPU."""
+    its batch gears serving other sizes. `emulation`: the graph rewritten to compute as that ATC
+    precision mode would, on ONNX Runtime CPU."""
     if backend not in SERVING_BACKENDS:  # a third party's backend: opened on the preferred model as it is
         return open_backend(record.preferred_model(workdir, name), backend)
-    model = _emulated_model(record, workdir, name) if emulated else None
+    model = _emulated_model(record, workdir, name, emulation) if emulation is not None else None
     return open_graph(graph_from_record(record, workdir, name), workdir, backend,
                       device_id=record.intake.target.device_id, model=model)
 
 
-def _emulated_model(record: TaskRecord, workdir: Path, name: str) -> Path:
-    report = record.toolchain_of(name).precision
-    if report is None:
-        raise StageError(f"{name}: no precision emulation recorded: run emulate_precision first")
+def _emulated_model(record: TaskRecord, workdir: Path, name: str, emulation: Emulation) -> Path:
     source = record.preferred_model(workdir, name)
+    kept = f"-keep{fingerprint(sorted(emulation.keep))[:8]}" if emulation.keep else ""
+    out = source.with_name(f"{source.stem}.emulated-{emulation.mode}{kept}.onnx")
     prepared = prepare(source)
-    out = source.with_name(f"{source.stem}.emulated-{report.chosen_mode}.onnx")
-    return save_emulated(prepared, precisions_for(prepared, report.chosen_mode, report.chosen_keep), out)
+    return save_emulated(prepared, precisions_for(prepared, emulation.mode, list(emulation.keep)), out)
 
 
 def _modes(record: TaskRecord, names: list[str]) -> dict[str, str]:
-    modes = {}
-    for name in names:
-        report = record.toolchain_of(name).precision
-        if report is not None:
-            keep = f" keeping {len(report.chosen_keep)} node(s)" if report.chosen_keep else ""
-            modes[name] = report.chosen_mode + keep
-    return modes
+    return {name: chosen_emulation(record, name).describe() for name in names if record.toolchain_of(name).precision}
 
 
 def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: str = "fp32") -> VerifyReport:
@@ -123,39 +133,55 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         raise InputError(f"precision 'emulated' runs on onnxruntime (CPU), not on {backend!r}")
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    names, skipped = _spliceable(record)
+    names, skipped = spliceable(record)
     require_intact(record, workdir, {f"{kind}:{n}": None for n in names for kind in ("export", "optimize")},
                    "export_onnx / optimize_onnx")
     modes = _modes(record, names) if emulated else {}
     model = open_model(record, workdir)
-    driver, bound, loaded = model.driver, model.bound, model.loaded
+    driver, loaded = model.driver, model.loaded
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
     with running_step(task_path, "verify:emulated" if emulated else "verify", inputs_hash) as step:
         progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({driver.step_name}s)...")
         reference = model.run()
-        # From here the candidates' PyTorch weights only serve fallbacks: out of memory before the
-        # sessions load the same weights again. The reference run's activations go back too.
-        notes = _paged_out(loaded.root, [record.contracts[n].module_path for n in names], workdir / "verify")
-        return_freed_memory()
-        replacements = [(record.contracts[n], _open(record, workdir, n, backend, emulated)) for n in names]
+        notes = page_out_spliced(loaded.root, record, names, workdir)
+        return_freed_memory()  # the reference run's activations go back too
+        replacements = [(record.contracts[n], open_spliced(record, workdir, n, backend,
+                                                           chosen_emulation(record, n) if emulated else None))
+                        for n in names]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         progress.report(1, 3, f"verify: spliced run, {len(names)} graph(s) on {backend}...")
         with splice(loaded.root, replacements, strategies=strategies) as handle:
             spliced = model.run()
         progress.report(2, 3, "verify: comparing outputs, writing the report and pictures...")
-        report = _report(record, driver, driver.comparison(bound.verification), driver.settings_notes(bound.verification),
-                         workdir, backend, names, skipped, reference, spliced, handle, modes, loaded.weights)
+        report = verification_report(record, workdir, model, reference, spliced, handle, names, modes, backend)
         report.notes += notes
-        report = _write_reports(report, record, driver, reference, spliced, model.data, workdir)
+        report = write_verification_report(report, record, model, reference, spliced, workdir)
         step.update(_stored(report))
     return report
 
 
-def _paged_out(root: Any, module_paths: list[str], folder: Path) -> list[str]:
-    """The spliced modules' weights paged out (`page_out`): a memory optimisation, so when it
-    cannot apply the run goes on with the weights in memory, and the report says why."""
+def verification_report(record: TaskRecord, workdir: Path, model: TaskModel, reference: MainPathRun,
+                        spliced: MainPathRun, handle: SpliceHandle, names: list[str], modes: dict[str, str] | None = None,
+                        backend: str = "onnxruntime") -> VerifyReport:
+    """The report of one spliced run of the main path against the reference (`modes`: the ATC
+    precision mode each graph was emulated in; empty for the graphs as exported)."""
+    driver, verification = model.driver, model.bound.verification
+    return _report(record, driver, driver.comparison(verification), driver.settings_notes(verification), workdir,
+                   backend, names, spliceable(record)[1], reference, spliced, handle, modes, model.loaded.weights)
+
+
+def write_verification_report(report: VerifyReport, record: TaskRecord, model: TaskModel, reference: MainPathRun,
+                              spliced: MainPathRun, workdir: Path) -> VerifyReport:
+    """The report's JSON, its HTML and its pictures written; the report with its figures listed."""
+    return _write_reports(report, record, model.driver, reference, spliced, model.data, workdir)
+
+
+def page_out_spliced(root: Any, record: TaskRecord, names: list[str], workdir: Path) -> list[str]:
+    """From here the spliced candidates' PyTorch weights only serve fallbacks: out of memory
+    (`page_out`) before the sessions load the same weights again. A memory optimisation, so when
+    it cannot apply the run goes on with the weights in memory, and the report says why."""
     try:
-        page_out([root.get_submodule(path) for path in module_paths], folder)
+        page_out([root.get_submodule(record.contracts[n].module_path) for n in names], workdir / "verify")
     except Exception as err:  # noqa: BLE001 - best effort: any failure leaves the weights where they were
         return [f"the spliced candidates' PyTorch weights stayed in memory (paging them out failed: {one_line(err, 300)})"]
     return []
@@ -214,24 +240,30 @@ def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[Ch
     return summaries
 
 
-def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck], settings: list[str], workdir: Path,
-            backend: str, names: list[str], skipped: dict[str, str], reference: MainPathRun, spliced: MainPathRun,
-            handle: SpliceHandle, modes: dict[str, str] | None = None, weights: str = "random") -> VerifyReport:
-    checks = expand(declared, reference.steps[0].outputs) if reference.steps else declared
+def main_path_parity(checks: list[OutputCheck], reference: MainPathRun, spliced: MainPathRun,
+                     fallbacks: int) -> tuple[MainPathParity, list[StepParity]]:
+    """Two runs of the main path judged by the (expanded) checks, step by step and as a whole."""
     per_step = [StepParity(index=r.index, checks=compare_step(checks, r.outputs, s.outputs),
                            torch_seconds=round(r.seconds, 3), spliced_seconds=round(s.seconds, 3))
                 for r, s in zip(reference.steps, spliced.steps)]
-    stats = {s.candidate: s for s in handle.stats()}
-    candidates = _candidates(record, names, stats)
     n = max(len(per_step), 1)
     torch_s = sum(s.torch_seconds for s in per_step) / n
     spliced_s = sum(s.spliced_seconds for s in per_step) / n
-    fallbacks = sum(s.fallbacks for s in stats.values())
     steps_equal = [s.index for s in reference.steps] == [s.index for s in spliced.steps]
     main = MainPathParity(steps=len(per_step), steps_equal=steps_equal, checks=_summaries(checks, per_step),
                           fallbacks=fallbacks, torch_s_per_step=round(torch_s, 3), spliced_s_per_step=round(spliced_s, 3),
                           latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0,
                           torch_pass_s=round(reference.total_seconds, 3), spliced_pass_s=round(spliced.total_seconds, 3))
+    return main, per_step
+
+
+def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck], settings: list[str], workdir: Path,
+            backend: str, names: list[str], skipped: dict[str, str], reference: MainPathRun, spliced: MainPathRun,
+            handle: SpliceHandle, modes: dict[str, str] | None = None, weights: str = "random") -> VerifyReport:
+    checks = expand(declared, reference.steps[0].outputs) if reference.steps else declared
+    stats = {s.candidate: s for s in handle.stats()}
+    candidates = _candidates(record, names, stats)
+    main, per_step = main_path_parity(checks, reference, spliced, sum(s.fallbacks for s in stats.values()))
     out = workdir / "verify"
     out.mkdir(parents=True, exist_ok=True)
     stem = "report-emulated" if modes else "report"
