@@ -119,13 +119,15 @@ def main() -> int:
     parser.add_argument("--task", default=str(REPO / "task_records" / "sam3-video-text.yaml"))
     parser.add_argument("--scale", default="full", choices=["tiny", "full"])
     parser.add_argument("--frames", type=int)
+    parser.add_argument("--precision-budget", type=int, help="passed to omskills adapt")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark-adapt"))
     ns = parser.parse_args()
     out = Path(ns.out)
     if (out / "task.yaml").exists():
         sys.exit(f"{out} holds an earlier run; a rerun would resume instead of measuring. Pick another --out.")
     cmd = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-           "adapt", ns.task, "--scale", ns.scale, "--out", str(out)] + (["--frames", str(ns.frames)] if ns.frames else [])
+           "adapt", ns.task, "--scale", ns.scale, "--out", str(out)] + (["--frames", str(ns.frames)] if ns.frames else []) \
+        + (["--precision-budget", str(ns.precision_budget)] if ns.precision_budget else [])
     tracker, sampler, exit_code, wall = _run_watched(cmd)
     bench = out / "benchmark"
     bench.mkdir(parents=True, exist_ok=True)

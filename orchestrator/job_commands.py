@@ -97,8 +97,9 @@ def _main_path(ns: argparse.Namespace) -> int:
     return 0
 
 
-def adaptation_plan(task: str) -> list:
-    """The built-in deterministic plan: stages 1 -> 4, each a skill tool called through MCP."""
+def adaptation_plan(task: str, precision_budget: int | None = None) -> list:
+    """The built-in deterministic plan: stages 1 -> 4, each a skill tool called through MCP.
+    `precision_budget`: spliced runs the end-to-end precision check may make (the tool's default if None)."""
     from .plan_runner import PlanStep
 
     def step(tool: str, stage: str, label: str, **extra: object) -> PlanStep:
@@ -115,12 +116,19 @@ def adaptation_plan(task: str) -> list:
         step("probe_onnx", "3 ONNX -> OM", "probe ONNX Runtime against PyTorch"),
         step("optimize_onnx", "3 ONNX -> OM", "onnxslim / auto_optimizer variants"),
         step("emulate_precision", "3 ONNX -> OM", "ATC precision modes emulated on CPU, keep lists"),
-        step("check_precision_plan", "3 ONNX -> OM", "precision plan checked end to end (emulated), fixed if it fails"),
+        step("check_precision_plan", "3 ONNX -> OM", "precision plan checked end to end (emulated), fixed if it fails",
+             **({"budget": precision_budget} if precision_budget is not None else {})),
         step("precheck_ops", "3 ONNX -> OM", "operator precheck and known precision pitfalls"),
         step("convert_atc", "3 ONNX -> OM", "ATC command (run where CANN exists)"),
         step("verify_main_path", "4 splice & verify", "spliced vs PyTorch main path"),
         step("write_delivery_doc", "4 splice & verify", "delivery document"),
     ]
+
+
+def _precision_budget(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"a whole number of runs from 1 to 64, got {text!r}")
+    return int(text)
 
 
 def _adapt_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +138,9 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
     _override_args(p)
     p.add_argument("--out", help="run folder (default: runs/<task id>-<scale>); a rerun resumes there")
     p.add_argument("--agent", choices=["plan", "claude"], default="plan", help="built-in deterministic plan, or Claude")
+    p.add_argument("--precision-budget", type=_precision_budget, default=None, metavar="N",
+                   help="spliced main-path runs the end-to-end precision check may make, attribution and fixes "
+                        "included (default 8; each is one full pass of the main path)")
     _agent_limits(p)
 
 
@@ -169,7 +180,7 @@ def _adapt(ns: argparse.Namespace) -> int:
         return 0 if result.stop == "end_turn" else 1
     from .plan_runner import run_plan
 
-    result = asyncio.run(run_plan(adaptation_plan("task.yaml"), workspace=out))
+    result = asyncio.run(run_plan(adaptation_plan("task.yaml", ns.precision_budget), workspace=out))
     _print_summary(task)
     if not result.ok:
         print(f"omskills: error: {result.error}", file=sys.stderr)

@@ -582,6 +582,30 @@ def test_routed_modules_are_recorded_once_per_call_however_they_are_called(tmp_p
     assert "forward" not in model.called.__dict__ and not model.called._forward_pre_hooks
 
 
+def test_sample_copies_wait_on_disk_during_the_run_and_only_the_samples_remain_after_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left_by_a_killed_capture = tmp_path / f".capture-{dead.stdout.strip()}"
+    left_by_a_killed_capture.mkdir()
+    model = InPlaceModel()
+    during: list[list[str]] = []
+
+    def run() -> None:
+        for size in (2, 2, 3, 3):
+            model(torch.ones(size, 2))
+            during.append(sorted(p.name for p in (tmp_path / f".capture-{os.getpid()}").iterdir()))
+
+    [contract] = capture_contracts(model, {"step": "step"}, run, samples_dir=tmp_path, max_samples=2)
+
+    # each kept call's inputs and outputs are one file each; a call evicted for a new shape loses its files
+    assert [len(names) for names in during] == [2, 4, 4, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0.npz", "step_1.npz"]
+    assert [load_sample(tmp_path / p).inputs["x"].shape[0] for p in contract.samples] == [2, 3]
+
+
 def test_samples_are_kept_one_per_distinct_input_shape_read_from_their_headers(tmp_path):
     from omskills.contracts.samples import input_shapes, one_per_shape, save_sample
 

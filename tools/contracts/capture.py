@@ -4,13 +4,18 @@ One run of the driver's `run()` with forward pre-hooks and forward hooks on each
 call we flatten (args, kwargs) and the output, and keep only what the contract needs: the tree
 specs, each leaf's shape/dtype/device or non-tensor value, the provenance of each input tensor,
 and handles to the output storages so their consumers can be read after the run. Inputs are
-cloned only for the bounded set of calls kept as samples (a module may modify them in place).
+copied only for the bounded set of calls kept as samples (a module may modify them in place), and
+each copy goes to a scratch file at once: a large model's samples are gigabytes, which held in
+memory to the end of the run would sit on top of the run's own peak.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ from omskills.contracts.provenance import ProvenanceTracker, StorageHistory
 from omskills.contracts.layout import dtype_name
 from omskills.contracts.samples import save_sample
 from omskills.errors import OmskillsError
+from omskills.files import process_alive
 from omskills.records.contracts import (
     CallShape,
     ContractSpec,
@@ -73,6 +79,45 @@ def _structure_key(spec: str, infos: list[_LeafInfo]) -> str:
     return spec + "|" + "".join("T" if info.is_tensor else "c" for info in infos)
 
 
+class _Spilled:
+    """Copies of one call's tensors, written to a scratch file as soon as they are taken."""
+
+    def __init__(self, path: Path, tensors: list[torch.Tensor]) -> None:
+        self.path = path
+        torch.save([t.detach().clone() for t in tensors], path)
+
+    def load(self) -> list[torch.Tensor]:
+        # mapped, not read: the pages come from the file as the sample writer copies them out
+        return torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+
+    def drop(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class _SpillFolder:
+    """The scratch folder of one capture (`.capture-<pid>` in the samples folder); those of
+    captures whose process died are removed when the next one starts."""
+
+    PREFIX = ".capture-"
+
+    def __init__(self, samples_dir: Path) -> None:
+        for folder in samples_dir.glob(f"{glob.escape(self.PREFIX)}*"):
+            pid = folder.name[len(self.PREFIX):]
+            if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+        self.path = samples_dir / f"{self.PREFIX}{os.getpid()}"
+        shutil.rmtree(self.path, ignore_errors=True)  # this process's own, from a capture that raised
+        self.path.mkdir(parents=True)
+        self._count = 0
+
+    def spill(self, tensors: list[torch.Tensor]) -> _Spilled:
+        self._count += 1
+        return _Spilled(self.path / f"{self._count}.pt", tensors)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 @dataclass
 class _Call:
     index: int
@@ -80,13 +125,13 @@ class _Call:
     in_paths: list[str]
     in_leaves: list[_LeafInfo]
     provenance: list[Provenance]  # one per input tensor, flat order
-    sample_inputs: list[torch.Tensor] | None = None
+    sample_inputs: _Spilled | None = None
     out_spec: str = ""
     out_paths: list[str] = field(default_factory=list)
     out_leaves: list[_LeafInfo] = field(default_factory=list)
     out_histories: list[StorageHistory | None] = field(default_factory=list)
     out_seq: int = 0
-    sample_outputs: list[torch.Tensor] | None = None
+    sample_outputs: _Spilled | None = None
 
     dispatch_key: str = ""  # the scalar non-tensor values of the call (those not derived from shapes)
 
@@ -146,14 +191,18 @@ class _SampleSelector:
         is_new_shape = call.input_signature() not in {c.input_signature() for c in kept}
         return is_new_shape and self._evictable(kept) is not None
 
-    def add(self, call: _Call) -> None:
+    def add(self, call: _Call) -> _Call | None:
+        """Keep `call`; returns the call whose sample is no longer kept (`call` itself when it
+        does not fit, an evicted one when it does at its cost), or None."""
         kept = self.kept.setdefault(call.sample_key, [])
+        victim = None
         if len(kept) >= self.limit:
             victim = self._evictable(kept)
             if victim is None:
-                return
+                return call
             kept.remove(victim)
         kept.append(call)
+        return victim
 
     def among(self, calls: list[_Call]) -> list[_Call]:
         """The sampled calls among `calls`, in call order."""
@@ -166,8 +215,9 @@ class _SampleSelector:
 
 class _CandidateRecorder:
     def __init__(self, name: str, path: str, module: nn.Module, tracker: ProvenanceTracker, max_samples: int,
-                 derived_paths: set[str]):
+                 derived_paths: set[str], spill: _SpillFolder | None):
         self.name = name
+        self.spill = spill
         self.path = path
         self.module = module
         self.tracker = tracker
@@ -196,8 +246,8 @@ class _CandidateRecorder:
         )
         call.dispatch_key = repr([(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)
                                   if isinstance(leaf, _SCALARS) and path not in self.derived_paths])
-        if self.selector.wants(call):
-            call.sample_inputs = [t.detach().clone() for t in flat.tensors()]
+        if self.spill is not None and self.selector.wants(call):
+            call.sample_inputs = self.spill.spill(flat.tensors())
         self._in_flight.append(call)
 
     def _after(self, _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any) -> None:
@@ -208,9 +258,14 @@ class _CandidateRecorder:
         call.out_leaves = _describe(flat.leaves)
         call.out_histories = [self.tracker.history(t) for t in flat.tensors()]
         call.out_seq = self.tracker.seq
-        if call.sample_inputs is not None:
-            call.sample_outputs = [t.detach().clone() for t in flat.tensors()]
-            self.selector.add(call)
+        if call.sample_inputs is not None and self.spill is not None:
+            call.sample_outputs = self.spill.spill(flat.tensors())
+            dropped = self.selector.add(call)
+            if dropped is not None:
+                for spilled in (dropped.sample_inputs, dropped.sample_outputs):
+                    if spilled is not None:
+                        spilled.drop()
+                dropped.sample_inputs = dropped.sample_outputs = None
         self.calls.append(call)
 
 
@@ -356,8 +411,8 @@ def _save_samples(recorder: _CandidateRecorder, name: str, calls: list[_Call], i
         assert call.sample_inputs is not None and call.sample_outputs is not None
         path = save_sample(
             samples_dir / f"{name}_{n}.npz", name, call.index,
-            inputs={spec.name: t for spec, t in zip(inputs, call.sample_inputs)},
-            outputs={spec.name: t for spec, t in zip(outputs, call.sample_outputs)},
+            inputs={spec.name: t for spec, t in zip(inputs, call.sample_inputs.load())},
+            outputs={spec.name: t for spec, t in zip(outputs, call.sample_outputs.load())},
         )
         paths.append(str(path.relative_to(relative_to)) if relative_to else str(path))
     return paths
@@ -504,9 +559,22 @@ def capture_contracts(
         raise OmskillsError(f"max_samples must be >= 0, got {max_samples}")
     tracker = tracker or ProvenanceTracker()
     derived_args = derived_args or {}
+    spill = _SpillFolder(samples_dir) if samples_dir is not None and max_samples > 0 else None
+    try:
+        return _capture(root, candidates, run, tracker, samples_dir, max_samples, frame_counter, relative_to,
+                        derived_args, input_sets, spill)
+    finally:
+        if spill is not None:
+            spill.remove()
+
+
+def _capture(root: nn.Module, candidates: dict[str, str], run: Callable[[], Any], tracker: ProvenanceTracker,
+             samples_dir: Path | None, max_samples: int, frame_counter: Callable[[], int] | None,
+             relative_to: Path | None, derived_args: dict[str, dict[str, ShapeDerivedArg]], input_sets: int,
+             spill: _SpillFolder | None) -> list[ContractSpec]:
     recorders = [
-        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples if samples_dir else 0,
-                           set(derived_args.get(name, {})))
+        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples, set(derived_args.get(name, {})),
+                           spill)
         for name, path in candidates.items()
     ]
     tracker.preferred = set(candidates.values())

@@ -45,7 +45,7 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype in _BITS_AS:
         tensor = tensor.view(_BITS_AS[tensor.dtype])
-    return tensor.numpy().copy()
+    return tensor.numpy()
 
 
 def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -60,19 +60,24 @@ def save_sample(
     inputs: dict[str, torch.Tensor],
     outputs: dict[str, torch.Tensor],
 ) -> Path:
-    """Write one call's tensors (already copied by the caller) to `path` (.npz)."""
-    arrays: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs)):
-        for name, tensor in tensors.items():
-            arrays[prefix + name] = _to_numpy(tensor)
-            dtypes[prefix + name] = dtype_name(tensor.dtype)
+    """Write one call's tensors (already copied by the caller) to `path` (.npz), one array at a time:
+    a sample of a large graph is gigabytes, and a second copy of all of it at once would be too."""
+    dtypes = {prefix + name: dtype_name(tensor.dtype)
+              for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs)) for name, tensor in tensors.items()}
     meta = {"candidate": candidate, "call_index": call_index, "dtypes": dtypes}
-    arrays[META_KEY] = np.array(json.dumps(meta))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as handle:  # np.savez on a path would append ".npz" to other suffixes
-        np.savez(handle, **arrays)
+    # the layout np.savez writes (stored .npy entries), so np.load reads it
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs)):
+            for name, tensor in tensors.items():
+                _write_array(archive, prefix + name, _to_numpy(tensor))
+        _write_array(archive, META_KEY, np.array(json.dumps(meta)))
     return path
+
+
+def _write_array(archive: zipfile.ZipFile, key: str, array: np.ndarray) -> None:
+    with archive.open(key + ".npy", "w", force_zip64=True) as entry:
+        np.lib.format.write_array(entry, array, allow_pickle=False)
 
 
 def load_sample(path: Path) -> Sample:
