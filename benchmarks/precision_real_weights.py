@@ -113,7 +113,7 @@ def end_to_end(task: Path) -> tuple[str, str]:
     from omskills.runtime.serving import open_graph
     from omskills.runtime.splice import splice
     from omskills.stages.model import open_model
-    from omskills.stages.verify import main_path_parity, spliceable
+    from omskills.stages.spliced_runs import main_path_parity, spliceable
     from omskills.compare.outputs import expand
     from omskills.deploy.manifest import graph_from_record
 

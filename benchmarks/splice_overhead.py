@@ -36,7 +36,7 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.runtime import open_backend, serving
 from omskills.runtime.splice import SplicedModule, splice
 from omskills.stages.model import open_model
-from omskills.stages.verify import _open, _spliceable
+from omskills.stages.spliced_runs import open_spliced, spliceable
 
 
 def _step_seconds(run: Any) -> float:
@@ -103,7 +103,7 @@ def _open_all(record: TaskRecord, workdir: Path, names: list[str], fuse: bool) -
     ONNX Runtime backend that verify does not take today)."""
     opener = functools.partial(open_backend, fuse_attention=True) if fuse else open_backend
     with mock.patch.object(serving, "open_backend", opener):
-        return [(record.contracts[n], _open(record, workdir, n, "onnxruntime")) for n in names]
+        return [(record.contracts[n], open_spliced(record, workdir, n, "onnxruntime")) for n in names]
 
 
 def main() -> None:
@@ -115,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     record = load_record(args.task)
     workdir = TaskRecord.workdir(args.task)
-    names, _ = _spliceable(record)
+    names, _ = spliceable(record)
     model = open_model(record, workdir)
     strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
     variants = {"spliced": _open_all(record, workdir, names, fuse=False),

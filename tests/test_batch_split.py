@@ -132,7 +132,7 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
 
     import omskills.stages.toolchain as toolchain
     from omskills.stages.delivery import known_limits
-    from omskills.stages.verify import _open
+    from omskills.stages.spliced_runs import open_spliced
 
     task = tmp_path / "task.yaml"
     shutil.copytree(head_task[0].parent, tmp_path, dirs_exist_ok=True)
@@ -146,7 +146,7 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
     split = record.toolchain["head"].batch_split
     assert split.max_batch == 2 and "died" in split.reason  # the smallest gear
     assert "batch in chunks of 2" in record.decisions[-1].why
-    spliced_backend = _open(record, tmp_path, "head", "onnxruntime")
+    spliced_backend = open_spliced(record, tmp_path, "head", "onnxruntime")
     assert isinstance(spliced_backend, SplitBatchBackend) and spliced_backend.split == split
     assert any(limit.startswith("head ran on ONNX Runtime with the batch in chunks of 2") for limit in known_limits(record, []))
 

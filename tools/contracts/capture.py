@@ -246,7 +246,8 @@ class _CandidateRecorder:
         )
         call.dispatch_key = repr([(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)
                                   if isinstance(leaf, _SCALARS) and path not in self.derived_paths])
-        if self.spill is not None and self.selector.wants(call):
+        # asked even when no sample is kept: it counts the dispatch values a graph is made for
+        if self.selector.wants(call) and self.spill is not None:
             call.sample_inputs = self.spill.spill(flat.tensors())
         self._in_flight.append(call)
 
@@ -573,8 +574,8 @@ def _capture(root: nn.Module, candidates: dict[str, str], run: Callable[[], Any]
              relative_to: Path | None, derived_args: dict[str, dict[str, ShapeDerivedArg]], input_sets: int,
              spill: _SpillFolder | None) -> list[ContractSpec]:
     recorders = [
-        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples, set(derived_args.get(name, {})),
-                           spill)
+        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples if spill else 0,
+                           set(derived_args.get(name, {})), spill)
         for name, path in candidates.items()
     ]
     tracker.preferred = set(candidates.values())

@@ -191,7 +191,9 @@ def tool_listing(tools: list[ToolInfo], width: int | None = None) -> str:
     for info in tools:
         title = f" - {info.hints.title}" if info.hints else ""
         head = f"{info.name}  [{info.skill}]{title}"
-        body = textwrap.fill(info.summary, width=width, initial_indent="    ", subsequent_indent="    ")
+        # file names such as verify/report-emulated.json are not split at their hyphens
+        body = textwrap.fill(info.summary, width=width, initial_indent="    ", subsequent_indent="    ",
+                             break_on_hyphens=False, break_long_words=False)
         blocks.append(f"{head}\n{body}" if body else head)
     return "\n\n".join(blocks)
 

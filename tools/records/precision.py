@@ -157,8 +157,9 @@ class PrecisionPlan(Record):
     moved: dict[str, str] = Field(default_factory=dict, description=(
         "Graph -> how and why the end-to-end check moved it from the mode its own emulation chose."))
     at_fault: list[str] = Field(default_factory=list, description="Graphs whose emulation alone broke the main path.")
-    attempts: list[PlanAttempt] = Field(default_factory=list)
+    attempts: list[PlanAttempt] = Field(default_factory=list, description=(
+        "Every spliced run the check made, in order: the chosen modes, the halves of a bisection, each fixed plan."))
     runs: int = Field(description="Spliced main-path runs made (the budget's unit).")
-    budget: int
+    budget: int = Field(description="The most spliced runs the check was allowed.")
     seconds: float = Field(description="The whole check: the reference run, every attempt, the report.")
-    why: str
+    why: str = Field(description="The outcome in one sentence: which plan passed, or why none did.")

@@ -31,16 +31,15 @@ from omskills.records.verify import MainPathParity, VerifyReport
 from omskills.runtime.splice import SpliceHandle, splice
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
-from omskills.stages.verify import (
+from omskills.stages.spliced_runs import (
     Emulation,
     chosen_emulation,
     main_path_parity,
     open_spliced,
     page_out_spliced,
     spliceable,
-    verification_report,
-    write_verification_report,
 )
+from omskills.stages.verify_report import verification_report, write_verification_report
 
 STEP = "precision_plan"
 # Spliced runs of the main path the check may make, attribution included (a full-scale video
