@@ -140,7 +140,7 @@ def _install_skills(ns: argparse.Namespace) -> int:
 def _install_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("client", choices=get_args(Client), help="the MCP client to configure")
     p.add_argument("--workspace", help="root folder the server's path arguments must stay inside (default: the "
-                                       "current folder; claude-code --scope user: each session's folder)")
+                                       "current folder, written as an absolute path)")
     p.add_argument("--scope", choices=get_args(Scope),
                    help="claude-code only: WORKSPACE/.mcp.json (project, default) or ~/.claude.json (user)")
     p.add_argument("--force", action="store_true", help="replace a different omskills entry already there")
@@ -162,6 +162,8 @@ def _install_client(ns: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"{result.status}: {where}")
+    print(f"workspace: {result.entry['args'][result.entry['args'].index('--workspace') + 1]} (the server reads and "
+          "writes only inside it; --workspace DIR to choose another)")
     if result.status != "unchanged":
         then = "restart Claude Desktop" if ns.client == "claude-desktop" else "in Claude Code, run /mcp to connect it"
         print(f"next: {then}; the server starts with: {result.entry['command']} {' '.join(result.entry['args'])}")

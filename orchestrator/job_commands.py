@@ -176,7 +176,8 @@ def _adapt(ns: argparse.Namespace) -> int:
 
         settings = agent_settings(ns.model, ns.max_turns, ns.max_tokens, ns.retry_seconds)
         result = asyncio.run(run_agent(str(task), settings=settings, workspace=out))
-        print(f"agent stopped: {result.stop}; transcript {result.transcript_path}", file=sys.stderr)
+        why = f" ({result.error})" if result.error else ""
+        print(f"agent stopped: {result.stop}{why}; transcript {result.transcript_path}", file=sys.stderr)
         return 0 if result.stop == "end_turn" else 1
     from .plan_runner import run_plan
 

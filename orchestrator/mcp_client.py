@@ -95,8 +95,9 @@ class OmskillsClient:
         result = await self.session.call_tool(name, arguments, progress_callback=on_progress)
         text = "\n".join(block.text for block in result.content if isinstance(block, types.TextContent))
         structured = result.structured_content
-        if not text and structured is not None:
-            text = json.dumps(structured)
+        if structured is not None and (not text or _same_document(text, structured)):
+            # the server's text is the same document indented: the model reads it compact (fewer tokens)
+            text = json.dumps(structured, ensure_ascii=False, separators=(",", ":"))
         return ToolCallOutcome(
             name=name,
             arguments=arguments,
@@ -245,3 +246,10 @@ async def connect_http(url: str) -> AsyncIterator[OmskillsClient]:
         if (err := _only_omskills_error(group)) is not None:
             raise err from None
         raise
+
+
+def _same_document(text: str, structured: Any) -> bool:
+    try:
+        return json.loads(text) == structured
+    except ValueError:
+        return False

@@ -462,9 +462,9 @@ def _client_target(client: Client, workspace: Path | None, scope: Scope | None) 
         return desktop_config_path(), str(folder), {}
     if (scope or "project") == "project":
         return folder / ".mcp.json", str(folder), {"type": "stdio"}
-    # User scope serves every project: without --workspace, each session's own folder (the
-    # server's cwd is the folder `claude` was started in).
-    return Path.home() / ".claude.json", str(folder) if workspace else ".", {"type": "stdio"}
+    # User scope: the folder given, or the one install-client ran in, absolute (a relative one
+    # would mean wherever a client happens to start the server).
+    return Path.home() / ".claude.json", str(folder), {"type": "stdio"}
 
 
 def _load_config(path: Path) -> dict[str, Any]:

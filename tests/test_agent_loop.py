@@ -516,3 +516,19 @@ def test_a_long_text_result_is_paged_back_whole_and_a_wrong_path_is_named():
     assert missing.is_error and "/entries has no '200'; it has a list of 200 items (0..199)" in missing.text
     assert pager.read({"call_id": "toolu_nope"}).is_error
     assert json.loads(pager.read({"call_id": "toolu_json", "path": "/entries/7"}).text)["value"] == {"name": "e7"}
+
+
+def test_adapt_with_claude_prints_why_the_api_refused_in_the_line_it_stops_on(tmp_path):
+    task = tmp_path / "task.yaml"
+    task.write_text(json.dumps({"id": "refused", "intake": {
+        "model": {"family": "sam3", "scale": "tiny"}, "inputs": {"video": "builtin:shapes", "prompt": "objects", "frames": 2},
+        "target": {"soc": "Ascend910B4"}}}))
+    with fake_anthropic([HttpError(400, "invalid_request_error", "prompt is too long: 250000 tokens > 200000")]) as api:
+        env = {**os.environ, "ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": api.base_url}
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+             "adapt", str(task), "--agent", "claude", "--out", str(tmp_path / "run")],
+            env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("agent stopped:")]
+    assert "api_error_400" in line and "prompt is too long: 250000 tokens > 200000" in line, line

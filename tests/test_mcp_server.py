@@ -78,10 +78,11 @@ def test_every_toy_tool_is_listed_with_its_skill_and_typed_schemas(served):
     assert add.output_schema["properties"]["total"]["type"] == "integer"
 
 
-def test_a_call_returns_structured_content(served):
+def test_a_call_returns_structured_content_and_the_model_reads_it_as_compact_json(served):
     outcome = served.call("toy_add", {"a": 2, "b": 3})
     assert not outcome.is_error
     assert outcome.structured == {"total": 5}
+    assert outcome.text == '{"total":5}'  # the server's text is indented; tokens for nothing
 
 
 def test_bad_arguments_come_back_as_one_readable_line_per_argument(served):

@@ -4,6 +4,7 @@ and after the install; `install-client` for Claude Code and Claude Desktop; `--v
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -91,6 +92,15 @@ def test_before_the_install_the_launcher_says_what_to_do(tmp_path):
     assert f"omskills is not installed: run `make install` in {clone}" in result.stderr, result.stderr
 
 
+def test_the_project_mcp_json_copied_outside_a_checkout_says_what_to_run(tmp_path):
+    server = _mcp_json_server()
+    result = subprocess.run([server["command"], *server["args"]], cwd=tmp_path, capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert f"{tmp_path} is not inside one" in line and "omskills install-client claude-code" in line
+
+
 # --------------------------------------------------------------------------- install-client
 
 
@@ -135,13 +145,16 @@ def test_install_client_claude_code_user_and_project_scopes(home, tmp_path):
     user_config = home / ".claude.json"
     user_config.write_text(json.dumps({"numStartups": 3, "projects": {"/p": {"allowedTools": []}}, "mcpServers": {}}))
     user_config.chmod(0o600)
-    install_client("claude-code", scope="user")
+    here = tmp_path / "installed-from"
+    here.mkdir()
+    with contextlib.chdir(here):
+        install_client("claude-code", scope="user")
     data = json.loads(user_config.read_text())
     assert data["numStartups"] == 3 and data["projects"] == {"/p": {"allowedTools": []}}
     assert stat.S_IMODE(user_config.stat().st_mode) == 0o600  # it holds the user's session data
     entry = data["mcpServers"]["omskills"]
     assert entry["type"] == "stdio" and Path(entry["command"]).is_absolute() and Path(entry["command"]).is_file()
-    assert entry["args"][-2:] == ["--workspace", "."]  # each session's own folder
+    assert entry["args"][-2:] == ["--workspace", str(here.resolve())]  # absolute: the folder it was installed from
 
     project = tmp_path / "my-project"
     project.mkdir()
