@@ -21,12 +21,16 @@ Anthropic SDK as usual; the model is `--model`, else `$OMSKILLS_MODEL`, else DEF
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as _dt
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -380,6 +384,11 @@ class AgentSession:
 
     def _append_user_text(self, text: str) -> None:
         messages = self.transcript.messages
+        unanswered = _unanswered_tool_uses(messages)
+        if unanswered:  # the last exchange was cancelled while its tools ran: the API needs their results
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": use_id, "is_error": True, "content": "cancelled by the user (Ctrl-C)"}
+                for use_id in unanswered]})
         if messages and messages[-1]["role"] == "user":
             # The last exchange stopped after tool results or a refused request: keep user/assistant alternation.
             content = messages[-1]["content"]
@@ -673,6 +682,57 @@ async def run_agent(
     return result
 
 
+def _unanswered_tool_uses(messages: list[dict[str, Any]]) -> list[str]:
+    """The ids of the last assistant message's tool uses when no tool results follow it."""
+    if not messages or messages[-1]["role"] != "assistant" or isinstance(messages[-1]["content"], str):
+        return []
+    return [block["id"] for block in messages[-1]["content"] if block.get("type") == "tool_use"]
+
+
+@contextlib.contextmanager
+def _on_ctrl_c(handler: Callable[[], None]) -> Iterator[None]:
+    """`handler` runs on SIGINT while inside (the terminal's Ctrl-C); elsewhere than the main
+    thread (a test's event loop) nothing is installed."""
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop.add_signal_handler(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _quit_now(session: AgentSession, stdout: TextIO) -> None:
+    session.save()
+    print(f"\n(quit; transcript {session.transcript_path})", file=stdout, flush=True)
+    os._exit(130)  # the read of the prompt sits in a thread nothing can interrupt; the server ends with us
+
+
+async def _send_cancellable(session: AgentSession, line: str, stdout: TextIO) -> AgentResult | None:
+    """`session.send(line)`, which a first Ctrl-C cancels (the running tool is cancelled on the
+    server and its step recorded so) and a second quits; None when it was cancelled."""
+    sending = asyncio.ensure_future(session.send(line))
+    presses = 0
+
+    def on_ctrl_c() -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            _quit_now(session, stdout)
+        print("\n(cancelling: the running tool stops at its next progress point; Ctrl-C again quits)", file=stdout, flush=True)
+        sending.cancel()
+
+    with _on_ctrl_c(on_ctrl_c):
+        try:
+            return await sending
+        except asyncio.CancelledError:
+            if presses and not asyncio.current_task().cancelling():
+                return None
+            raise
+
+
 async def _read_line(stream: TextIO) -> str | None:
     line = await anyio.to_thread.run_sync(stream.readline)
     return None if line == "" else line.strip()
@@ -710,23 +770,29 @@ async def chat(
     def show(text: str) -> None:
         print(f"\nclaude> {text}\n", file=stdout, flush=True)
 
-    async def converse(mcp: OmskillsClient) -> Path:
+    async def converse(mcp: OmskillsClient, server_log: Path | None = None) -> Path:
         session = await AgentSession.open(mcp, llm, settings, task, root, folder, show, progress_stream)
-        print(f"omskills chat ({settings.model}, {len(session.mcp_tools)} tools); `exit` to quit", file=stdout, flush=True)
+        logged = f"; the server's messages go to {server_log}" if server_log else ""
+        print(f"omskills chat ({settings.model}, {len(session.mcp_tools)} tools); `exit` to quit, Ctrl-C cancels a "
+              f"running tool{logged}", file=stdout, flush=True)
         while True:
             print("you> ", end="", file=stdout, flush=True)
-            line = await _read_line(stdin)
+            with _on_ctrl_c(lambda: _quit_now(session, stdout)):
+                line = await _read_line(stdin)
             if line is None or line.lower() in {"exit", "quit"}:
                 break
             if not line:
                 continue
             started, clock = now_iso(), time.perf_counter()
             try:
-                last = await session.send(line)
-                if task is not None:
+                last = await _send_cancellable(session, line, stdout)
+                if last is not None and task is not None:
                     file_run_in_record(task, last, settings, started, time.perf_counter() - clock)
             except OmskillsError as err:  # e.g. the task record became unreadable: say so, keep the conversation
                 print(f"(error: {err}; type again to go on)", file=stdout, flush=True)
+                continue
+            if last is None:
+                print("(cancelled; type again to go on)", file=stdout, flush=True)
                 continue
             if last.stop != "end_turn":
                 print(_stopped_line(last), file=stdout, flush=True)
@@ -734,5 +800,13 @@ async def chat(
 
     if client is not None:
         return await converse(client)
-    async with connect(root, skills_dir) as mcp:
-        return await converse(mcp)
+    # The server's own messages (warnings, library logs, progress bars) would land in the terminal
+    # line the chat draws on: they go to a file in the chat's folder.
+    folder.mkdir(parents=True, exist_ok=True)
+    server_log = folder / "server.log"
+    with server_log.open("a", encoding="utf-8") as errlog:
+        try:
+            async with connect(root, skills_dir, errlog=errlog) as mcp:
+                return await converse(mcp, server_log)
+        except OmskillsError as err:
+            raise OmskillsError(f"{err} (the server's messages: {server_log})") from None

@@ -532,3 +532,61 @@ def test_adapt_with_claude_prints_why_the_api_refused_in_the_line_it_stops_on(tm
     assert proc.returncode == 1, proc.stderr[-2000:]
     [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("agent stopped:")]
     assert "api_error_400" in line and "prompt is too long: 250000 tokens > 200000" in line, line
+
+
+def _wait_for(predicate, seconds: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_chat_ctrl_c_cancels_the_running_tool_and_returns_to_the_prompt_and_at_the_prompt_quits(tmp_path):
+    """`omskills chat` in a terminal: Ctrl-C while a tool runs cancels that tool (its step recorded
+    as cancelled) and the chat goes on; the next question carries the cancelled call's result; Ctrl-C
+    at the prompt quits at once. The server's messages go to a log file, not the terminal."""
+    import signal
+    import time
+
+    skills, workspace = tmp_path / "skills", tmp_path / "ws"
+    write_toy_skill(skills)
+    task = write_task_record(workspace / "toy" / "task.yaml").resolve()
+    script = [calls(tool_use("toy_stage", {"task": str(task), "seconds": 120})), done("fine, stopped.")]
+    with fake_anthropic(script) as api:
+        env = {**os.environ, "ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": api.base_url,
+               "OMSKILLS_SKILLS_DIR": str(skills)}
+        out, err = (tmp_path / "stdout.txt").open("w+"), (tmp_path / "stderr.txt").open("w+")
+        chat_process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+             "chat", "--task", str(task), "--workspace", str(workspace)],
+            env=env, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, cwd=tmp_path)
+        try:
+            chat_process.stdin.write("stage it\n")
+            chat_process.stdin.flush()
+            _wait_for(lambda: load_record(task).stages.get("toy_stage") is not None
+                      and load_record(task).stages["toy_stage"].status == "running")
+            chat_process.send_signal(signal.SIGINT)
+            _wait_for(lambda: "(cancelled; type again to go on)" in Path(out.name).read_text())
+            chat_process.stdin.write("why?\n")
+            chat_process.stdin.flush()
+            _wait_for(lambda: "claude> fine, stopped." in Path(out.name).read_text())
+            time.sleep(0.5)  # at the prompt again
+            started = time.monotonic()
+            chat_process.send_signal(signal.SIGINT)
+            code = chat_process.wait(timeout=30)
+            quit_seconds = time.monotonic() - started
+        finally:
+            if chat_process.poll() is None:
+                chat_process.kill()
+        shown = Path(out.name).read_text()
+
+    assert code == 130 and quit_seconds < 10, shown
+    stage = load_record(task).stages["toy_stage"]
+    assert stage.status == "failed" and "cancelled" in (stage.error or ""), stage
+    [answered] = _tool_results(api.requests[1])
+    assert answered["is_error"] and "cancelled by the user" in answered["content"]
+    assert "(quit; transcript" in shown
+    [log] = list((workspace / "toy").glob("agent_runs/*-chat/server.log"))
+    assert "server.log" in shown and log.stat().st_size > 0  # the server's messages are there, not in the terminal

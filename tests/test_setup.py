@@ -189,7 +189,9 @@ def test_install_client_cli_exits_non_zero_naming_force(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
     env.pop("XDG_CONFIG_HOME", None)
     first = omskills("install-client", "claude-desktop", "--workspace", str(tmp_path), env=env)
-    assert first.returncode == 0 and first.stdout.splitlines()[-2].startswith("added: mcpServers.omskills in "), first.stderr
+    lines = first.stdout.splitlines()
+    assert first.returncode == 0 and lines[-3].startswith("added: mcpServers.omskills in "), first.stderr
+    assert lines[-2].startswith(f"workspace: {tmp_path.resolve()} ")  # said, absolute
     again = omskills("install-client", "claude-desktop", "--workspace", str(REPO), env=env)
     assert again.returncode == 1 and "rerun with --force" in again.stderr and f'+    "{REPO}"' in again.stdout
 
