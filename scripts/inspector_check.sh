@@ -9,8 +9,9 @@
 #   3. resources/list, resources/templates/list and prompts/list (with descriptions),
 #      prompts/get of adapt_task;
 #   4. tools/call of a tool scaffolded by `omskills new-skill` in a temporary skills folder
-#      (so the call does not depend on which stage tools exist today), directly and as a job
-#      (start_job: a quick tool has ended by the time the job id comes back);
+#      (so the call does not depend on which stage tools exist today), directly, then as a job
+#      started in one Inspector invocation and read with job_status in the next (each
+#      invocation starts and ends a server of its own: the job outlives the first);
 #   5. the same tool with a task record outside the workspace: the server must refuse it,
 #      which the Inspector reports with exit status 5 (tool error).
 #
@@ -135,10 +136,14 @@ serve=("$omskills" serve --workspace "$scratch/ws" --skills-dir "$scratch/skills
   | tee "$scratch/call.json"
 grep -q '"task_id": "inspector"' "$scratch/call.json"
 
-echo "== tools/call start_job (the same tool as a job)"
+echo "== a job across two Inspector invocations (each starts a server of its own, which ends with it)"
 "${inspector[@]}" "${serve[@]}" --method tools/call --tool-name start_job \
   --tool-args-json '{"tool": "inspector_demo_task_summary", "arguments": {"task": "task.yaml"}}' | tee "$scratch/job.json"
-grep -q '"state": "succeeded"' "$scratch/job.json"
+job_id="$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["structuredContent"]["job_id"])' "$scratch/job.json")"
+"${inspector[@]}" "${serve[@]}" --method tools/call --tool-name job_status \
+  --tool-args-json "{\"job_id\": \"$job_id\", \"wait_seconds\": 30}" | tee "$scratch/status.json"
+grep -q '"state": "succeeded"' "$scratch/status.json"
+grep -q '"task_id": "inspector"' "$scratch/status.json"
 
 echo "== tools/call with a path outside the workspace (must be refused)"
 set +e
@@ -155,4 +160,4 @@ if [[ $connect_status -ne 0 ]]; then
   echo "FAILED: connect time over ${connect_limit} s (see above)" >&2
   exit 1
 fi
-echo "== ok: the Inspector listed tools, resources and prompts, called a tool directly and as a job, and saw the refusal"
+echo "== ok: the Inspector listed tools, resources and prompts, called a tool directly and as a job across two servers, and saw the refusal"

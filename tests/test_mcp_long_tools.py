@@ -1,8 +1,9 @@
 """Long tools seen from clients that cut requests off, and a server that ends with its client.
 
-Real processes throughout: the SDK's stdio client against `omskills serve`, one tiny SAM 3
-profile run (cancelled mid-way, then rerun in the same server, whose loaded model the rerun
-reuses), and `kill -9` of the process that started the server.
+Real processes throughout: the SDK's stdio client against `omskills serve`, tiny SAM 3 profile
+runs started as jobs that outlive their server (one followed to its end from another server, one
+cancelled from a third), a job whose process is killed, and `kill -9` of the process that started
+the server.
 """
 
 from __future__ import annotations
@@ -57,46 +58,88 @@ async def _until_ended(client: OmskillsClient, job: dict[str, Any], messages: li
     return job
 
 
-def test_a_tiny_profile_run_completes_by_polling_and_a_cancelled_run_reruns(tmp_path):
+def test_a_job_outlives_the_server_that_started_it_and_any_server_follows_or_cancels_it(tmp_path):
+    """As the Inspector's CLI or a restarted Claude Desktop does it: every connection a server of its
+    own. A tiny profile run started in the first server finishes after that server is gone and its
+    result is read from the second; a run the second starts is cancelled from a third, and its step
+    is recorded cancelled."""
     # Two frames: SAM 3's tracker (memory attention) first runs on frame 2.
     task = _tiny_task(tmp_path / "ws", frames=2)
+    other = _tiny_task(tmp_path / "ws" / "other", frames=2)
     messages: list[str] = []
     seen: dict[str, Any] = {}
 
-    async def scenario() -> None:
+    async def first() -> None:
         async with connect(task.parent, read_timeout_seconds=REQUEST_TIMEOUT) as client:
             env = await _call(client, "start_job", {"tool": "check_environment", "arguments": {"task": "task.yaml"}}, messages)
             seen["environment"] = await _until_ended(client, env, messages)
+            seen["job"] = await _call(client, "start_job", {"tool": "profile_main_path", "arguments": {"task": "task.yaml"}}, messages)
+            seen["servers"] = {p.pid for p in psutil.Process().children(recursive=True)}
 
-            job = await _call(client, "start_job", {"tool": "profile_main_path", "arguments": {"task": "task.yaml"}}, messages)
-            # Cancel once the study step runs (the model is built; frame 1 is under way): any of its
-            # messages will do, a poll may miss the first.
+    async def second() -> None:
+        async with connect(task.parent, read_timeout_seconds=REQUEST_TIMEOUT) as client:
+            seen["listed"] = (await _call(client, "list_jobs", {}, messages))["jobs"]
+            seen["ended"] = await _until_ended(client, seen["job"], messages)
+            seen["to cancel"] = await _call(client, "start_job", {"tool": "profile_main_path",
+                                                                  "arguments": {"task": "other/task.yaml"}}, messages)
+
+    async def third() -> None:
+        async with connect(task.parent, read_timeout_seconds=REQUEST_TIMEOUT) as client:
+            job = seen["to cancel"]
+            # Cancel once the study step runs (the model is built; frame 1 is under way).
             while job["state"] == "running" and "study run" not in job["progress"]["message"]:
                 job = await _call(client, "job_status", {"job_id": job["job_id"], "wait_seconds": 0.5}, messages)
             assert job["state"] == "running", job
             job = await _call(client, "cancel_job", {"job_id": job["job_id"], "wait_seconds": 5}, messages)
             seen["cancelled"] = await _until_ended(client, job, messages)
-            seen["record after cancel"] = load_record(task)  # loads: every save was atomic
 
-            rerun = await _call(client, "start_job", {"tool": "profile_main_path", "arguments": {"task": "task.yaml"}}, messages)
-            seen["rerun"] = await _until_ended(client, rerun, messages)
+    anyio.run(first)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   and "serve" in " ".join(psutil.Process(pid).cmdline()) for pid in seen["servers"])  # the first server is gone
+    anyio.run(second)
+    anyio.run(third)
 
-    anyio.run(scenario)
     assert seen["environment"]["state"] == "succeeded", seen["environment"]
-    cancelled = seen["cancelled"]
-    assert cancelled["state"] == "cancelled" and "cancelled" in cancelled["error"], cancelled
-    interrupted = seen["record after cancel"]
-    assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith("cancelled (Cancelled")
-    assert interrupted.profile is None and not interrupted.contracts
-
-    rerun = seen["rerun"]
-    assert rerun["state"] == "succeeded", rerun["error"]
-    assert rerun["result"]["frames"] == 2 and rerun["result"]["top_modules"]
+    assert seen["job"]["job_id"] in {j["job_id"] for j in seen["listed"]}  # a new server lists it
+    ended = seen["ended"]
+    assert ended["state"] == "succeeded", ended["error"]
+    assert ended["result"]["frames"] == 2 and ended["result"]["top_modules"]
     record = load_record(task)
     assert record.stages["study"].status == "done" and record.profile is not None and record.contracts
-    # Progress reached the client while it polled: the tool's phases and heartbeats.
+
+    cancelled = seen["cancelled"]
+    assert cancelled["state"] == "cancelled" and "cancelled" in cancelled["error"], cancelled
+    interrupted = load_record(other)  # loads: every save was atomic
+    assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith("cancelled (Cancelled")
+    assert interrupted.profile is None and not interrupted.contracts
+    # Progress reached the clients while they polled: the tool's phases and heartbeats.
     assert any("profile_main_path: study run" in m for m in messages), messages[-20:]
     assert any(m.startswith("profile_main_path: running for ") for m in messages), messages[-20:]
+
+
+def test_a_job_whose_process_died_is_failed_with_why_and_its_step_is_not_left_running(tmp_path):
+    from mcp_helpers import write_task_record
+
+    skills, workspace = tmp_path / "skills", tmp_path / "ws"
+    write_toy_skill(skills)
+    record = write_task_record(workspace / "rec" / "task.yaml")
+    messages: list[str] = []
+
+    async def scenario() -> dict[str, Any]:
+        async with connect(workspace, skills, read_timeout_seconds=REQUEST_TIMEOUT) as client:
+            job = await _call(client, "start_job", {"tool": "toy_stage", "arguments": {"task": "rec/task.yaml", "seconds": 120}},
+                              messages)
+            while job["progress"]["message"] != "toy work":
+                job = await _call(client, "job_status", {"job_id": job["job_id"], "wait_seconds": 0.5}, messages)
+            runner = next(p for p in psutil.process_iter(["cmdline"]) if job["job_id"] in " ".join(p.info["cmdline"] or []))
+            runner.kill()  # kill -9: it writes nothing
+            runner.wait(10)
+            return await _call(client, "job_status", {"job_id": job["job_id"], "wait_seconds": 0}, messages)
+
+    dead = anyio.run(scenario)
+    assert dead["state"] == "failed" and "ended without a result" in dead["error"], dead
+    step = load_record(record).stages["toy_stage"]
+    assert step.status == "failed" and step.error, step
 
 
 # --------------------------------------------------------------------------- the server ends with its parent

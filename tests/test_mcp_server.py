@@ -319,6 +319,15 @@ def test_a_failing_job_reports_its_one_line_error(served):
     assert missing.is_error and "argument 'job_id': no job 'job-999'" in missing.text
 
 
+def _until_message(served, job: dict, message: str) -> dict:
+    """The job's status once its progress says `message` (a started job's process takes a moment to start)."""
+    deadline = time.monotonic() + 30
+    while job["progress"]["message"] != message:
+        assert job["state"] == "running" and time.monotonic() < deadline, job
+        job = _status(served, "job_status", {"job_id": job["job_id"], "wait_seconds": 0.3})
+    return job
+
+
 def test_cancel_job_stops_the_work_and_a_rerun_finishes_it(served):
     record = served.workspace / "rec" / "cancelled.yaml"
     write_task_record(record)
@@ -327,6 +336,7 @@ def test_cancel_job_stops_the_work_and_a_rerun_finishes_it(served):
     # One job per task record: a second start says which job holds it.
     second = served.call("start_job", {"tool": "toy_stage", "arguments": {"task": "rec/cancelled.yaml"}})
     assert second.is_error and f"held by job {started['job_id']} (toy_stage" in second.text
+    _until_message(served, started, "toy work")  # its process is at work inside its step (it starts in a second or two)
     cancelled = _status(served, "cancel_job", {"job_id": started["job_id"], "wait_seconds": 10})
     assert cancelled["state"] == "cancelled" and cancelled["cancel_requested"]
     assert cancelled["elapsed_seconds"] < 30
@@ -365,9 +375,10 @@ def test_exclusive_jobs_take_turns_first_come_first_served_and_others_do_not_wai
 def test_a_writing_tool_waits_for_the_running_writer_and_says_for_whom(served):
     write_task_record(served.workspace / "rec" / "turns.yaml")
     holder = _status(served, "start_job", {"tool": "toy_stage", "arguments": {"task": "rec/turns.yaml", "seconds": 60}})
+    _until_message(served, holder, "toy work")  # at work in its own process
     waiting = _status(served, "start_job", {"tool": "toy_write", "arguments": {"out": "turns.txt", "text": "x"}})
+    waiting = _until_message(served, waiting, f"waiting for toy_stage (job {holder['job_id']}) to finish")
     assert waiting["state"] == "running"
-    assert waiting["progress"]["message"] == f"waiting for toy_stage (job {holder['job_id']}) to finish"
     assert served.call("toy_add", {"a": 1}).structured == {"total": 2}  # a quick read-only tool does not wait
     cancelled = _status(served, "cancel_job", {"job_id": waiting["job_id"], "wait_seconds": 5})
     assert cancelled["state"] == "cancelled" and cancelled["elapsed_seconds"] < 5

@@ -19,8 +19,14 @@ This module knows nothing of MCP: the server maps its snapshots onto the protoco
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -31,12 +37,13 @@ from typing import Any, Literal
 
 from omskills import progress
 from omskills.errors import InputError, OmskillsError, one_line
+from omskills.host.job_runner import is_runner
+from omskills.host.job_store import ExclusiveLock, JobState, JobStore, StoredJob
 from omskills.records.base import Record
 from pydantic import Field
 
 log = logging.getLogger("omskills.host.jobs")
 
-JobState = Literal["running", "succeeded", "failed", "cancelled"]
 JobOrigin = Literal["start_job", "call"]
 # Finished jobs kept for job_status/list_jobs; the oldest go first.
 _KEPT_FINISHED = 100
@@ -76,11 +83,15 @@ class JobList(Record):
 
 
 class Turns:
-    """Exclusive jobs take turns, in the order they were started (a FIFO queue of jobs)."""
+    """Exclusive jobs take turns, in the order they were started (a FIFO queue of jobs); with a
+    `lock`, the one whose turn it is also takes the workspace's turn among processes (the runners
+    of started jobs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lock: ExclusiveLock | None = None) -> None:
         self._changed = threading.Condition()
         self._queue: deque[Job] = deque()
+        self._lock = lock
+        self._lock_holder: Job | None = None
 
     def join(self, job: Job) -> None:
         with self._changed:
@@ -100,10 +111,19 @@ class Turns:
                     shown = holder
                     job.record_progress(None, None, f"waiting for {holder.tool} (job {holder.id}) to finish")
                 self._changed.wait(_TURN_POLL_SECONDS)
-            return shown is not None
+        if self._lock is not None:
+            if not self._lock.acquire(job.id, job.tool, job.cancel_flag.is_set,
+                                      lambda message: job.record_progress(None, None, message)):
+                self.leave(job)
+                raise progress.Cancelled("cancelled while waiting for its turn")
+            self._lock_holder = job
+        return shown is not None
 
     def leave(self, job: Job) -> None:
         with self._changed:
+            if self._lock is not None and self._lock_holder is job:
+                self._lock.release()
+                self._lock_holder = None
             self._leave_locked(job)
 
     def _leave_locked(self, job: Job) -> None:
@@ -191,15 +211,162 @@ class Job:
         return value if isinstance(value, dict) else {"value": value}
 
 
+class _Finished:
+    """`Job.finished`'s interface over a stored job's state."""
+
+    def __init__(self, job: DetachedJob) -> None:
+        self._job = job
+
+    def is_set(self) -> bool:
+        return self._job.refresh().finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(_TURN_POLL_SECONDS)
+        return True
+
+
+class DetachedJob:
+    """A started job as a server sees it: its runner is a process of its own, its state a file in
+    the workspace (host.job_store), so any server on the workspace follows it."""
+
+    origin: JobOrigin = "start_job"
+
+    def __init__(self, store: JobStore, stored: StoredJob) -> None:
+        self.store, self._stored = store, stored
+        self.id, self.tool = stored.job_id, stored.tool
+        self.finished = _Finished(self)
+        self._read_at = -1.0  # the first look checks the runner is alive
+
+    def refresh(self) -> StoredJob:
+        """The job's file, read again (at most every poll period); a runner that died without
+        writing its end is recorded failed, and the step it left running is marked so."""
+        if self._stored.finished or time.monotonic() - self._read_at < _TURN_POLL_SECONDS / 2:
+            return self._stored
+        self._read_at = time.monotonic()
+        self._stored = self.store.read(self.id) or self._stored
+        if not self._stored.finished and self._stored.pid is not None and not is_runner(self._stored.pid):
+            self._stored = self.store.update(self.id, _runner_died) or self._stored
+            _reap_steps(self._stored)
+        return self._stored
+
+    @property
+    def state(self) -> JobState:
+        return self.refresh().state
+
+    @property
+    def progress(self) -> JobProgress:
+        stored = self.refresh().progress
+        return JobProgress(done=stored.done, total=stored.total, message=stored.message)
+
+    @property
+    def reports(self) -> int:
+        return self.refresh().reports
+
+    @property
+    def elapsed(self) -> float:
+        return self.refresh().elapsed
+
+    @property
+    def started(self) -> float:  # for ordering beside in-process jobs (monotonic there, wall here)
+        return time.monotonic() - self.elapsed
+
+    def cancel(self) -> None:
+        def ask(job: StoredJob) -> None:
+            job.cancel_requested = True
+
+        stored = self.store.update(self.id, ask)
+        # Before it is ready the runner reads the request from its file when it starts.
+        if stored is not None and stored.ready and not stored.finished and stored.pid is not None and is_runner(stored.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stored.pid, signal.SIGTERM)
+
+    def status(self, *, with_result: bool = True) -> JobStatus:
+        stored = self.refresh()
+        return JobStatus(
+            job_id=self.id, tool=self.tool, origin="start_job", task=stored.task_label, state=stored.state,
+            cancel_requested=stored.cancel_requested, progress=self.progress, elapsed_seconds=round(stored.elapsed, 1),
+            result=stored.result if with_result and stored.state == "succeeded" else None, error=stored.error)
+
+
+def _runner_died(job: StoredJob) -> None:
+    if not job.finished:
+        job.state, job.ended_at = "failed", time.time()
+        job.error = f"the job's process (pid {job.pid}) ended without a result (killed?); a rerun of {job.tool} redoes it"
+
+
+def _reap_steps(job: StoredJob) -> None:
+    """The step a dead runner left `running` in its task record is marked failed with why."""
+    if job.task is None or not Path(job.task).is_file():
+        return
+    from omskills.records.task import updating
+    from omskills.stages.steps import reap_interrupted
+
+    with contextlib.suppress(OmskillsError, OSError):
+        with updating(Path(job.task)) as record:
+            reap_interrupted(record, job.task)
+
+
+def _jsonable_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The validated arguments as the job's file stores them (paths as text); the runner validates them again."""
+    return json.loads(json.dumps(arguments, default=str))
+
+
+# Starts the runner and exits at once: the runner's parent is then init, not the server, so a
+# client that ends the server's whole process tree (the SDK's stdio client does) leaves it running.
+_DETACH = ("import subprocess, sys; "
+           "log = open(sys.argv[1], 'ab'); "
+           "runner = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True); "
+           "print(runner.pid)")
+
+
+def spawn_runner(store: JobStore, job_id: str) -> int:
+    """Start the job's runner detached from this process (its own session, and not this process's
+    child: the server's exit or a client's Ctrl-C does not reach it); its output goes to the job's log."""
+    workspace = store.folder.parent.parent
+    started = subprocess.run([sys.executable, "-c", _DETACH, str(store.log_path(job_id)),
+                              sys.executable, "-m", "omskills.host.job_runner", str(workspace), job_id],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=workspace, timeout=60)
+    if started.returncode != 0 or not started.stdout.strip().isdigit():
+        raise OmskillsError(f"job {job_id}: its process did not start ({one_line(started.stderr or started.stdout, 300)})")
+    return int(started.stdout.strip())
+
+
 class JobRegistry:
     """The server's jobs: started, looked up, listed; one started job per task record at a time,
     one exclusive job at a time (`Turns`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: JobStore | None = None) -> None:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._turns = Turns()
+        self._turns = Turns(ExclusiveLock(store.folder) if store is not None else None)
+        self.store = store
+
+    def start_detached(self, tool: str, arguments: dict[str, Any], *, skills_dir: Path, task: Path | None = None,
+                       task_label: str | None = None, exclusive: bool = True) -> DetachedJob:
+        """Start a tool in a runner process of its own, its state in the workspace's job store."""
+        if self.store is None:
+            raise OmskillsError("this server keeps no job store: start_job needs a workspace")
+        if task is not None:
+            holder = self.store.holder_of(str(task)) or self._holder_of(task)
+            if holder is not None:
+                holder_id, holder_tool = (holder.job_id, holder.tool) if isinstance(holder, StoredJob) else (holder.id, holder.tool)
+                elapsed = holder.elapsed
+                raise InputError(
+                    f"argument 'task': the task record {task_label or task} is held by job {holder_id} "
+                    f"({holder_tool}, running for {elapsed:.0f} s): follow it with job_status or stop it with cancel_job")
+        stored = StoredJob(job_id=self.store.new_id(), tool=tool, arguments=_jsonable_arguments(arguments),
+                           skills_dir=str(skills_dir), task=str(task) if task is not None else None,
+                           task_label=task_label, exclusive=exclusive)
+        self.store.write(stored)
+        self.store.forget_old()
+        pid = spawn_runner(self.store, stored.job_id)
+        self.store.update(stored.job_id, lambda job: setattr(job, "pid", pid))
+        return DetachedJob(self.store, self.store.read(stored.job_id) or stored)
 
     def start(self, tool: str, func: Callable[..., Any], arguments: dict[str, Any], *, origin: JobOrigin,
               task: Path | None = None, task_label: str | None = None, exclusive: bool = True,
@@ -235,20 +402,28 @@ class JobRegistry:
         for job in finished[: max(0, len(finished) - _KEPT_FINISHED)]:
             del self._jobs[job.id]
 
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str) -> Job | DetachedJob:
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None:
-                known = ", ".join(self._jobs) or "none"
-                raise InputError(f"argument 'job_id': no job {job_id!r} (known: {known})")
-        return job
+        if job is not None:
+            return job
+        stored = self.store.read(job_id) if self.store is not None and JobStore.is_id(job_id) else None
+        if stored is None:
+            known = ", ".join([*self._jobs, *(j.job_id for j in self.store.all()[:10])] if self.store else self._jobs) or "none"
+            raise InputError(f"argument 'job_id': no job {job_id!r} (known: {known})")
+        return DetachedJob(self.store, stored)
 
-    def all(self) -> list[Job]:
+    def all(self) -> list[Job | DetachedJob]:
+        """The direct calls in progress and recently ended, and every stored job, newest first."""
         with self._lock:
-            return sorted(self._jobs.values(), key=lambda j: j.started, reverse=True)
+            here: list[Job | DetachedJob] = list(self._jobs.values())
+        stored = [DetachedJob(self.store, j) for j in self.store.all()] if self.store is not None else []
+        return sorted(here + stored, key=lambda j: j.started, reverse=True)
 
     def running(self) -> list[Job]:
-        return [j for j in self.all() if not j.finished.is_set()]
+        """This server's own jobs still running (the direct calls): started jobs outlive the server."""
+        with self._lock:
+            return [j for j in self._jobs.values() if not j.finished.is_set()]
 
     def cancel_all(self) -> None:
         for job in self.running():

@@ -54,6 +54,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from omskills import __version__, progress
 from omskills.errors import InputError, OmskillsError, one_line
 from omskills.host import mcp_resources
+from omskills.host.job_store import JobStore
 from omskills.host.jobs import Job, JobList, JobRegistry, JobStatus
 from omskills.host.mcp_prompts import register_prompts
 from omskills.host.toolkit import TOOL_NAME, ToolInfo, WorkspacePathMarker, argument_problems, discover_tools, skills_root, to_jsonable
@@ -356,8 +357,9 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
     ) -> JobStatus:
         """Start a tool as a job and answer at once with its id: for long tools (model runs, exports,
         ONNX Runtime) in clients that cut requests off after a minute or less. Arguments are checked and
-        confined exactly as in a direct call. Follow it with job_status (which waits up to wait_seconds and
-        sends progress meanwhile), stop it with cancel_job. One job per task record at a time."""
+        confined exactly as in a direct call. The job runs in a process of its own and outlives this
+        server: any server on the same workspace follows it with job_status (which waits up to wait_seconds
+        and sends progress meanwhile) and stops it with cancel_job. One job per task record at a time."""
         info = server.tool_infos.get(tool)
         if info is None:
             raise ToolError(f"argument 'tool': {tool!r} cannot be started as a job")
@@ -366,7 +368,10 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
             validated, problems = argument_problems(info.func, server.parsed_arguments(tool, arguments))
             if problems:
                 raise InputError("\n".join(f"{tool}: {line}" for line in problems))
-            job = start_tool_job(registry, info, validated, workspace, "start_job")
+            confined = confine_arguments(validated, path_parameters(info.func), workspace)
+            task, label = _task_of(confined, workspace)
+            job = registry.start_detached(tool, confined, skills_dir=server.skills_dir or skills_root(), task=task,
+                                          task_label=label, exclusive=takes_turns(info))
         except OmskillsError as err:
             raise ToolError(str(err)) from None
         await follow(job, ctx, seconds=0.3, announce=True)  # a quick tool (or a bad record) answers at once
@@ -375,7 +380,7 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
     _job_tool_signature(start_job, server.tool_infos)
 
     async def job_status(
-        job_id: Annotated[str, Field(description="The job id start_job returned, e.g. job-3.")],
+        job_id: Annotated[str, Field(description="The job id start_job returned, e.g. job-20261203-190512-3f9a1c.")],
         wait_seconds: Annotated[float, Field(ge=0, le=MAX_WAIT_SECONDS, description=(
             "Wait up to this many seconds for the job to end before answering (progress notifications are sent "
             "meanwhile); 0 answers at once. Keep it under your client's request timeout."))] = 5.0,
@@ -433,7 +438,8 @@ class OmskillsServer(MCPServer):
     def __init__(self, *args: Any, workspace: Path, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.workspace = workspace
-        self.jobs = JobRegistry()
+        self.jobs = JobRegistry(JobStore(workspace))
+        self.skills_dir: Path | None = None
         self.tool_infos: dict[str, ToolInfo] = {}
         self.heartbeat_seconds = heartbeat_seconds()
 
@@ -579,6 +585,7 @@ def build_server(workspace: Path, skills_dir: Path | None = None, *, quiet_stdou
             raise OmskillsError(f"{info.path}: the tool name {name!r} is the server's own (job tools: {', '.join(JOB_TOOLS)})")
         register_tool(server, info, workspace)
         server.tool_infos[name] = info
+    server.skills_dir = root
     register_job_tools(server, workspace)
     register_resources(server, root, workspace)
     register_prompts(server, workspace)
