@@ -14,7 +14,10 @@
 #      started in one Inspector invocation and read with job_status in the next (each
 #      invocation starts and ends a server of its own: the job outlives the first);
 #   5. the same tool with a task record outside the workspace: the server must refuse it,
-#      which the Inspector reports with exit status 5 (tool error).
+#      which the Inspector reports with exit status 5 (tool error);
+#   6. `omskills chat` in a tmux terminal against the suite's stand-in for the Messages API:
+#      Ctrl-C while a tool runs (the tool is cancelled, the chat goes on), a new question, and
+#      Ctrl-C at the prompt (the chat quits).
 #
 # Usage: scripts/inspector_check.sh   (from anywhere; uses the repo's .venv)
 set -euo pipefail
@@ -163,8 +166,58 @@ if [[ $status -ne 5 ]] || ! grep -q "outside the workspace" "$scratch/refused.js
   echo "FAILED: expected exit 5 and 'outside the workspace', got exit $status" >&2
   exit 1
 fi
+echo "== omskills chat in a terminal (tmux): Ctrl-C during a tool, a new question, Ctrl-C at the prompt"
+"$python" - "$repo" "$omskills" "$scratch/chat" <<'PY'
+import subprocess, sys, time
+from pathlib import Path
+
+repo, omskills, folder = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+sys.path.insert(0, str(repo / "tests"))
+from fake_anthropic import calls, done, fake_anthropic, tool_use  # the suite's stand-in for the Messages API
+from mcp_helpers import write_task_record, write_toy_skill
+from omskills.records.task import load_record
+
+write_toy_skill(folder / "skills")
+task = write_task_record(folder / "ws" / "toy" / "task.yaml").resolve()
+session = "omskills-chat-check"
+
+def pane() -> str:
+    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session, "-S", "-200"], capture_output=True, text=True).stdout
+
+def wait_for(what, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not what():
+        if time.monotonic() > deadline:
+            sys.exit(f"FAILED: timed out; the terminal shows:\n{pane()}")
+        time.sleep(0.2)
+
+script = [calls(tool_use("toy_stage", {"task": str(task), "seconds": 120})), done("fine, it stopped.")]
+with fake_anthropic(script) as api:
+    env = [f"{k}={v}" for k, v in {"ANTHROPIC_API_KEY": "check", "ANTHROPIC_BASE_URL": api.base_url,
+                                    "OMSKILLS_SKILLS_DIR": str(folder / "skills")}.items()]
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", "env", *env,
+                    omskills, "chat", "--task", str(task), "--workspace", str(folder / "ws")], check=True)
+    try:
+        wait_for(lambda: "you>" in pane())
+        subprocess.run(["tmux", "send-keys", "-t", session, "stage it", "Enter"], check=True)
+        wait_for(lambda: (s := load_record(task).stages.get("toy_stage")) is not None and s.status == "running")
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
+        wait_for(lambda: "(cancelled; type again to go on)" in pane())
+        step = load_record(task).stages["toy_stage"]
+        print(f"  Ctrl-C during toy_stage: the chat goes on; the step is {step.status}: {step.error}")
+        subprocess.run(["tmux", "send-keys", "-t", session, "why?", "Enter"], check=True)
+        wait_for(lambda: "claude> fine, it stopped." in pane())
+        print("  a new question after it: answered")
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
+        wait_for(lambda: subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0, 10)
+        print("  Ctrl-C at the prompt: the chat quit")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+assert step.status == "failed" and "cancelled" in (step.error or "")
+PY
+
 if [[ $connect_status -ne 0 ]]; then
   echo "FAILED: connect time over ${connect_limit} s, or over 1 s more than the one-tool server (see above)" >&2
   exit 1
 fi
-echo "== ok: the Inspector listed tools, resources and prompts, called a tool directly and as a job across two servers, and saw the refusal"
+echo "== ok: the Inspector listed tools, resources and prompts, called a tool directly and as a job across two servers, and saw the refusal; the chat survived a Ctrl-C in a terminal"
