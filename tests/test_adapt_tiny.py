@@ -420,3 +420,16 @@ def test_a_graph_that_breaks_the_main_path_in_fp16_is_found_moved_and_the_plan_t
     record = load_record(run / "task.yaml")
     assert record.toolchain[fragile].precision.chosen_mode == "allow_mix_precision"
     assert "--precision_mode=allow_mix_precision" in convert_candidate(run / "task.yaml", fragile).command
+
+
+def test_a_bisection_the_budget_cut_short_names_the_fewest_graphs_a_failed_run_emulated():
+    from omskills.records.precision import PlanAttempt
+    from omskills.stages.precision_plan import narrowed_to
+
+    def attempt(verdict: str, *graphs: str) -> PlanAttempt:
+        return PlanAttempt(purpose="p", emulated={g: "force_fp16" for g in graphs}, verdict=verdict, summary="s", seconds=1.0)
+
+    graphs = ["a", "b", "c", "d"]
+    attempts = [attempt("fail", *graphs), attempt("fail", "a", "b"), attempt("pass", "a"), attempt("fail", "c", "d")]
+    assert narrowed_to(attempts, graphs) == ["a", "b"]  # the first of the smallest failing groups
+    assert narrowed_to([attempt("fail", *graphs)], graphs) == []  # the whole plan failing narrows nothing

@@ -157,6 +157,9 @@ class PrecisionPlan(Record):
     moved: dict[str, str] = Field(default_factory=dict, description=(
         "Graph -> how and why the end-to-end check moved it from the mode its own emulation chose."))
     at_fault: list[str] = Field(default_factory=list, description="Graphs whose emulation alone broke the main path.")
+    narrowed_to: list[str] = Field(default_factory=list, description=(
+        "When the budget ran out before the graphs at fault were found: the fewest graphs a failed run emulated "
+        "(the rest in fp32); the fault is among them."))
     attempts: list[PlanAttempt] = Field(default_factory=list, description=(
         "Every spliced run the check made, in order: the chosen modes, the halves of a bisection, each fixed plan."))
     runs: int = Field(description="Spliced main-path runs made (the budget's unit).")

@@ -135,6 +135,10 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
         if not passed:
             plan = _safest(plan, at_fault)
         summary = _plan_record(runner, plan, passed, moved, at_fault, budget, time.perf_counter() - started)
+        if not passed and not at_fault:
+            summary.narrowed_to = narrowed_to(runner.attempts, graphs)
+            if summary.narrowed_to:
+                summary.why += f"; the runs made narrowed the fault to {', '.join(summary.narrowed_to)}"
         report = None
         if last is not None:  # the last run of a whole plan: the report shows it, passed or not
             report = verification_report(record, workdir, model, runner.reference, last.run, last.handle, names,
@@ -209,6 +213,13 @@ def _safer(current: Emulation, report: PrecisionReport) -> Emulation:
     emulated = report.mode(mode)
     keep = tuple(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else ()
     return Emulation(mode, keep if mode != SAFEST else ())
+
+
+def narrowed_to(attempts: list[PlanAttempt], graphs: list[str]) -> list[str]:
+    """Where a bisection the budget cut short left the fault: the fewest graphs a failed run
+    emulated (the rest in fp32), when fewer than all of them."""
+    failed = [a for a in attempts if a.verdict == "fail" and len(a.emulated) < len(graphs)]
+    return list(min(failed, key=lambda a: len(a.emulated)).emulated) if failed else []
 
 
 def _safest(plan: Plan, at_fault: list[str]) -> Plan:
