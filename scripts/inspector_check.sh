@@ -203,6 +203,8 @@ with fake_anthropic(script) as api:
         wait_for(lambda: (s := load_record(task).stages.get("toy_stage")) is not None and s.status == "running")
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
         wait_for(lambda: "(cancelled; type again to go on)" in pane())
+        # the server stops the tool at its next progress point, just after the chat is back at the prompt
+        wait_for(lambda: load_record(task).stages["toy_stage"].status != "running", 10)
         step = load_record(task).stages["toy_stage"]
         print(f"  Ctrl-C during toy_stage: the chat goes on; the step is {step.status}: {step.error}")
         subprocess.run(["tmux", "send-keys", "-t", session, "why?", "Enter"], check=True)
