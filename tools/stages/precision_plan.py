@@ -99,7 +99,7 @@ class _Runner:
                     close()
             del backends
             # The sessions and the emulated models built for them are gone: their memory goes back
-            # before the next run builds its own (full-scale SAM 3.1 peaked in this step).
+            # before the next run builds its own (a full-scale video model peaked in this step).
             return_freed_memory()
         checks = self.model.driver.comparison(self.model.bound.verification)
         parity, _ = main_path_parity(expand(checks, self.reference.steps[0].outputs) if self.reference.steps else checks,
