@@ -220,14 +220,6 @@ class _Finished:
     def is_set(self) -> bool:
         return self._job.refresh().finished
 
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(_TURN_POLL_SECONDS)
-        return True
-
 
 class DetachedJob:
     """A started job as a server sees it: its runner is a process of its own, its state a file in
@@ -354,13 +346,12 @@ class JobRegistry:
         if self.store is None:
             raise OmskillsError("this server keeps no job store: start_job needs a workspace")
         if task is not None:
-            holder = self.store.holder_of(str(task)) or self._holder_of(task)
+            stored_holder = self.store.holder_of(str(task))
+            holder = DetachedJob(self.store, stored_holder) if stored_holder is not None else self._holder_of(task)
             if holder is not None:
-                holder_id, holder_tool = (holder.job_id, holder.tool) if isinstance(holder, StoredJob) else (holder.id, holder.tool)
-                elapsed = holder.elapsed
                 raise InputError(
-                    f"argument 'task': the task record {task_label or task} is held by job {holder_id} "
-                    f"({holder_tool}, running for {elapsed:.0f} s): follow it with job_status or stop it with cancel_job")
+                    f"argument 'task': the task record {task_label or task} is held by job {holder.id} "
+                    f"({holder.tool}, running for {holder.elapsed:.0f} s): follow it with job_status or stop it with cancel_job")
         stored = StoredJob(job_id=self.store.new_id(), tool=tool, arguments=_jsonable_arguments(arguments),
                            skills_dir=str(skills_dir), task=str(task) if task is not None else None,
                            task_label=task_label, exclusive=exclusive)
