@@ -2,8 +2,9 @@
 # A third-party MCP client against `omskills serve`: the MCP Inspector CLI (npm, Node >= 20).
 #
 #   1. connect time: how long `omskills serve` takes to answer `initialize` and `tools/list`
-#      (measured with the SDK's stdio client, median of 5; must be under 2 s, and at most 1 s
-#      more than a one-tool server of the same SDK measured in the same run), and the
+#      (measured with the SDK's stdio client, median of 5; the bar is omskills' own time: at most
+#      1 s more than a one-tool server of the same SDK measured in the same run, so a loaded
+#      machine slows both alike; the absolute time is printed beside it), and the
 #      Inspector's own wall time for tools/list against omskills and against a one-tool server
 #      (the difference is what our server adds);
 #   2. tools/list on the project's real skills: every tool has a title and annotations;
@@ -26,7 +27,6 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 omskills="$repo/.venv/bin/omskills"
 python="$repo/.venv/bin/python"
 inspector=(npx -y @modelcontextprotocol/inspector@2.12.0 --cli)
-connect_limit=2.0
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 
@@ -48,13 +48,13 @@ def ping() -> str:
 server.run("stdio")
 PY
 set +e
-"$python" - "$omskills" "$repo" "$connect_limit" "$python" "$scratch/one_tool_server.py" <<'PY'
+"$python" - "$omskills" "$repo" "$python" "$scratch/one_tool_server.py" <<'PY'
 import statistics, sys, time
 import anyio
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-omskills, workspace, limit, python, baseline = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
+omskills, workspace, python, baseline = sys.argv[1:5]
 
 async def once(command: str, args: list[str]) -> tuple[float, float]:
     params = StdioServerParameters(command=command, args=args, cwd=workspace)
@@ -78,9 +78,7 @@ print(f"  initialize answered after {init:.2f} s, tools/list after {listed:.2f} 
       f"(median of 5; runs: {', '.join(f'{a:.2f}/{b:.2f}' for a, b in runs)})")
 print(f"  a one-tool server of the same SDK: initialize after {base:.2f} s; omskills' own time {init - base:.2f} s "
       f"(bar 1.0 s): {'ok' if init - base <= 1.0 else 'OVER'}")
-verdict = "ok" if init < limit else "OVER"
-print(f"  connect time {init:.2f} s vs limit {limit:.1f} s: {verdict}")
-sys.exit(0 if init < limit and init - base <= 1.0 else 3)
+sys.exit(0 if init - base <= 1.0 else 3)
 PY
 connect_status=$?
 set -e
@@ -219,7 +217,7 @@ assert step.status == "failed" and "cancelled" in (step.error or "")
 PY
 
 if [[ $connect_status -ne 0 ]]; then
-  echo "FAILED: connect time over ${connect_limit} s, or over 1 s more than the one-tool server (see above)" >&2
+  echo "FAILED: omskills took over 1 s more than a one-tool server to answer initialize (see above)" >&2
   exit 1
 fi
 echo "== ok: the Inspector listed tools, resources and prompts, called a tool directly and as a job across two servers, and saw the refusal; the chat survived a Ctrl-C in a terminal"
