@@ -11,7 +11,8 @@ import onnx
 import pytest
 from omskills.ascend.atc import AtcOptions, build_atc_command
 from omskills.ascend.emulation import (
-    compare_layers, emulated_model, precisions_for, prepare, run_emulated, run_emulated_with_overflow, save_emulated,
+    compare_layers, emulated_model, precisions_for, prepare, rounded_weights_path, run_emulated, run_emulated_with_overflow,
+    save_emulated,
 )
 from omskills.ascend.pitfalls import check_pitfalls, load_pitfalls
 from omskills.ascend.precision_fix import precision_report, write_keep_dtype
@@ -175,6 +176,27 @@ def test_weights_beyond_fp16_are_clipped_as_atc_does_not_turned_to_inf(tmp_path)
     assert np.isfinite(y).all() and y[1] == pytest.approx(65504.0 * 0.5, rel=1e-3)
     hits = {h.id: h for h in check_pitfalls(path)}
     assert hits["large_constant_overflow"].nodes == ["mul"] and hits["weight_clip_to_fp16_range"].keep_nodes == ["mul"]
+
+
+def test_a_saved_emulated_graph_reads_its_weights_already_rounded_from_a_file_beside_it(tmp_path):
+    # Rounded in the graph (Clip and two Casts), ONNX Runtime folds them at load and holds the
+    # original and the rounded copy of every weight: gigabytes for a full-scale backbone.
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 64)).astype(np.float32)
+    path = _save(tmp_path, "big", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                 [_vi("x", [2, 64])], [_vi("y", [2, 64])], [numpy_helper.from_array(w, "w")])
+    out = tmp_path / "big.emu.onnx"
+    for _ in range(2):  # saved again, the weights file is rewritten, not appended to
+        prepared = prepare(path)
+        save_emulated(prepared, precisions_for(prepared, "force_fp16"), out)
+    weights = rounded_weights_path(out)
+    assert weights.stat().st_size == w.nbytes
+    saved = onnx.load(str(out), load_external_data=False)
+    assert not [n for n in saved.graph.node if n.op_type == "Clip" or "w" in n.input]
+    x = rng.normal(size=(2, 64)).astype(np.float32)
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    expected = half(half(x) @ half(w))
+    np.testing.assert_allclose(run_emulated(out, {"x": x})["y"], expected, rtol=1e-6, atol=1e-6)
 
 
 def test_a_convtranspose_neck_is_flagged_for_the_mixed_modes_with_its_source(tmp_path):

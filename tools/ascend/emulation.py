@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -341,13 +341,24 @@ def run_reference(prepared: PreparedGraph, feeds: Mapping[str, np.ndarray]) -> d
 
 
 def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], out: Path) -> Path:
-    """Write the emulated graph beside the original (it reads the original's external weights)."""
+    """Write the emulated graph beside the original: it reads the original's weights where it
+    computes in fp32, and their fp16-rounded copies from `rounded_weights_path(out)`, written
+    with it. Rounded in the graph instead, every session of it would hold both copies of each
+    weight (see `PreparedGraph.rounded_weight`)."""
     if prepared.rounded_weights_file is not None:
         raise ValueError(f"{prepared.path.name}: a graph to keep needs `prepare`: `prepared_light` deletes its weight files")
     if out.parent.resolve() != prepared.path.parent.resolve():
         raise ValueError(f"{out}: an emulated graph must sit beside {prepared.path.name} to find its weights")
-    onnx.save_model(emulated_model(prepared, precisions), str(out))
+    weights = rounded_weights_path(out)
+    weights.unlink(missing_ok=True)  # appended to weight by weight: an older one would stay in front
+    kept = replace(prepared, rounded_weights_file=weights, _rounded_weights={})
+    onnx.save_model(emulated_model(kept, precisions), str(out))
     return out
+
+
+def rounded_weights_path(emulated: Path) -> Path:
+    """The fp16-rounded weights a saved emulated graph reads (`save_emulated`)."""
+    return emulated.with_name(f"{emulated.stem}.fp16.weights")
 
 
 def compare_layers(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
