@@ -97,6 +97,23 @@ def test_delivery_document_states_verdict_backends_and_limits(tiny_adaptation):
     assert "no OM was built here" in text
 
 
+def test_the_report_counts_host_device_traffic_per_step_and_predicts_its_link_time(tiny_adaptation):
+    record = load_record(tiny_adaptation / "task.yaml")
+    report = record.verification
+    traffic = report.traffic
+    assert [s.step for s in traffic.per_step if s.step is not None] == [s.index for s in report.per_step]
+    backend_calls = {s.candidate: s.backend_calls for s in report.splice_stats if s.backend_calls}
+    assert {g.graph: g.calls for g in traffic.per_graph} == backend_calls
+    assert all(g.bytes_in > 0 and g.bytes_out > 0 and g.copies >= 2 * g.calls for g in traffic.per_graph)
+    assert traffic.link.soc == record.intake.target.soc and "PCIe" in traffic.link.source
+    assert traffic.predicted_link_s_per_step > 0
+    saved = traffic.predicted_link_s_per_step - traffic.predicted_link_s_per_step_handed_off
+    assert (saved > 0) == (traffic.handed_in_per_step > 0)
+    text = (tiny_adaptation / "DELIVERY.md").read_text()
+    assert "## Host–device traffic" in text and traffic.label in text
+    assert 'id="traffic"' in (tiny_adaptation / "verify" / "report.html").read_text()
+
+
 def test_object_count_dims_are_dynamic_from_the_source_limit_and_observed_values(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
     strategy = record.boundaries["mask_memory_encoder"].shape_strategy
@@ -308,6 +325,18 @@ def test_the_public_api_runs_the_adapted_main_path_in_a_fresh_process_exactly_as
     assert set(seen["backends"]) == integrated and len(integrated) >= 4
     assert all(b.startswith("onnxruntime:CPUExecutionProvider") for b in seen["backends"].values())
     _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+
+
+def test_two_runs_with_the_same_prompt_in_one_process_encode_the_prompt_once(tiny_adaptation):
+    from omskills.deploy import load_adapted
+
+    with load_adapted(tiny_adaptation / "task.yaml", backend="onnxruntime", strict=True) as model:
+        model.run_main_path()
+        once = {s.candidate: s for s in model.stats()}["text_encoder"]
+        model.run_main_path()
+        twice = {s.candidate: s for s in model.stats()}["text_encoder"]
+    assert once.backend_calls >= 1 and once.memo_hits == 0
+    assert twice.backend_calls == once.backend_calls and twice.memo_hits == twice.calls - once.calls > 0
 
 
 def test_a_bundle_moved_to_another_folder_runs_its_example_exactly_as_verify_did(tiny_adaptation, tmp_path):

@@ -61,6 +61,7 @@ class SpliceStats(Record):
     calls: int
     backend_calls: int
     fallbacks: int
+    memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (runtime.memo)
     fallback_kinds: dict[FallbackKind, int] = Field(default_factory=dict)  # kind -> count
     fallback_reasons: list[str] = Field(default_factory=list)  # distinct reasons, first seen first
     total_backend_seconds: float = 0.0  # feeds conversion + backend run + output rebuild

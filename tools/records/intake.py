@@ -70,6 +70,10 @@ class TargetSpec(Record):
     # Candidates left in PyTorch whatever their share (a share near the plan's line moves with the
     # machine's load; a module not worth a graph call of its own).
     defer: list[str] = Field(default_factory=list)
+    # The host<->device link for the traffic report's predicted link time; unset, the SoC family's
+    # default (omskills.ascend.link says what each rests on).
+    link_gb_s: float | None = Field(default=None, gt=0)  # copy bandwidth per direction, GB/s
+    round_trip_us: float | None = Field(default=None, ge=0)  # one synchronous launch or copy, microseconds
 
 
 class Intake(Record):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from omskills.records.base import Record
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.parity import ParityGates
+from omskills.records.traffic import TrafficReport
 from pydantic import Field, model_validator
 
 # A comparator registered in omskills.compare.outputs.COMPARATORS. The built-in ones: exact (equal
@@ -104,6 +105,7 @@ class CandidateVerification(Record):
     backend_ms_per_call: float | None
     calls: int
     fallbacks: int
+    memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (runtime.memo)
 
 
 class MainPathParity(Record):
@@ -154,6 +156,9 @@ class VerifyReport(Record):
     main_path: MainPathParity = Field(description=(
         "The whole main path: steps, each check's worst figure over all steps, fallbacks, seconds per step of each run and their ratio."))
     per_step: list[StepParity] = Field(description="Every step's check results and the seconds each run took on it.")
+    traffic: TrafficReport | None = Field(None, description=(
+        "What the spliced graphs moved between host and device, per step and per graph (calls, copies, bytes, "
+        "unchanged hand-offs from one graph to another), and the host<->device time that predicts on the target."))
     splice_stats: list[SpliceStats] = Field(description=(
         "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, and backend time."))
     fallback_events: list[FallbackEvent] = Field(description="Each call a spliced graph could not send to its backend, so PyTorch ran it, and why.")

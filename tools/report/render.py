@@ -33,6 +33,14 @@ def inline_code(value: object) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+def data_size(nbytes: float) -> str:
+    """Bytes as a person reads them: 512 B, 3.4 KB, 12.0 MB, 1.25 GB (powers of 1000)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}" if nbytes / scale < 100 else f"{nbytes / scale:.0f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def template_environment(*, html: bool = False) -> Environment:
     """Strict (an unknown name is an error); HTML templates autoescape, Markdown ones trim blocks."""
     if html:
@@ -44,4 +52,5 @@ def template_environment(*, html: bool = False) -> Environment:
     env.filters["pct"] = lambda x: f"{100 * x:.1f}%"
     env.filters["figure"] = figure
     env.filters["code"] = inline_code
+    env.filters["size"] = data_size
     return env

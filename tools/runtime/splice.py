@@ -26,6 +26,8 @@ from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
 from omskills.errors import OmskillsError, one_line
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
+from omskills.runtime.memo import OutputMemo, memoisable
+from omskills.runtime.traffic import TrafficMeter
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -193,9 +195,12 @@ _SPLICED_CLASSES: dict[type, type] = {}
 class _Route:
     """One compiled graph a spliced module can send a call to: its contract, backend and checks."""
 
-    def __init__(self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None) -> None:
+    def __init__(self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None,
+                 traffic: TrafficMeter) -> None:
         self.contract = contract
         self.backend = backend
+        self.traffic = traffic
+        self.memo = OutputMemo() if memoisable(contract) else None
         self.call_layout = TreeLayout.of_call(contract)
         self.output_layout = TreeLayout.of_output(contract)
         self.in_spec = spec_from_str(contract.in_spec)
@@ -275,11 +280,19 @@ class _Route:
         by_name = {spec.name: tensor for spec, tensor in zip(self.contract.inputs, tensors)}
         # np.require, not np.ascontiguousarray: that one makes a 0-d value (a timestep) 1-d.
         feeds = {name: np.require(by_name[name].detach().cpu().numpy(), requirements="C") for name in self.feed_names}
-        produced = self.backend.run(feeds)
+        key = self.memo.key(feeds) if self.memo is not None else None
+        produced = self.memo.get(key) if key is not None else None
+        ran = produced is None
+        if produced is None:
+            produced = self.backend.run(feeds)
+            if key is not None:
+                self.memo.put(key, produced)
         # Outputs go where the caller's tensors are (the contract's device is the capture's).
         device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
         outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
-        self.backend_seconds.append(time.perf_counter() - started)
+        if ran:  # a call answered from memory ran nothing and moved nothing
+            self.backend_seconds.append(time.perf_counter() - started)
+            self.traffic.record(self.contract.candidate, [by_name[name] for name in self.feed_names], feeds, outputs)
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
 
     def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
@@ -299,6 +312,7 @@ class _Route:
             calls=self.calls,
             backend_calls=len(self.backend_seconds),
             fallbacks=len(self.fallback_events),
+            memo_hits=self.memo.hits if self.memo is not None else 0,
             fallback_kinds=dict(kinds),
             fallback_reasons=list(dict.fromkeys(event.reason for event in self.fallback_events)),
             total_backend_seconds=total,
@@ -320,12 +334,14 @@ class SplicedModule(nn.Module):
         backend: SpliceBackend,
         strategy: ShapeStrategy | None = None,
         strict: bool = False,
+        traffic: TrafficMeter | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not super(): in a spliced_class the next base is the model class
         self.original = original  # registered: parameters and .to() still reach it for fallbacks
         self.method = contract.method
         self.strict = strict
-        self.routes: list[_Route] = [_Route(contract, backend, strategy)]
+        self.traffic = traffic or TrafficMeter()
+        self.routes: list[_Route] = [_Route(contract, backend, strategy, self.traffic)]
         self.calls = 0
         if contract.method != "forward":
             # The caller calls parent.<attribute>.<method>(...): answer that name.
@@ -341,7 +357,7 @@ class SplicedModule(nn.Module):
         if (contract.module_path, contract.method) != (first.module_path, first.method):
             raise SpliceError(f"{contract.candidate}: {contract.module_path}.{contract.method} is not where "
                               f"{first.candidate} is spliced ({first.module_path}.{first.method})")
-        self.routes.append(_Route(contract, backend, strategy))
+        self.routes.append(_Route(contract, backend, strategy, self.traffic))
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the caller reads on the candidate (config, submodules) come from the original.
@@ -421,6 +437,8 @@ class SpliceHandle:
         self.strict = strict
         self._replaced: list[_Replaced] = []  # in place now
         self._spliced: list[SplicedModule] = []  # every splice made, kept for stats after unsplice
+        # Every backend call of every splice, by step: give `traffic.step_done` to the run's hooks.
+        self.traffic = TrafficMeter()
 
     @property
     def modules(self) -> dict[str, SplicedModule]:
@@ -451,7 +469,7 @@ class SpliceHandle:
         if not _is_class(original, contract.module_class):
             found = type(original).__qualname__
             raise SpliceError(f"{where} is a {found}, the contract is for {contract.module_class}")
-        spliced = spliced_class(type(original))(original, contract, backend, strategy, self.strict)
+        spliced = spliced_class(type(original))(original, contract, backend, strategy, self.strict, self.traffic)
         setattr(parent, contract.attribute, spliced)
         self._replaced.append(_Replaced(parent, contract.attribute, original, spliced))
         self._spliced.append(spliced)

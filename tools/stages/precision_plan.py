@@ -24,7 +24,7 @@ from omskills import progress
 from omskills.ascend.precision_modes import DEFAULT_MODES
 from omskills.compare.outputs import expand
 from omskills.isolation import return_freed_memory
-from omskills.models.api import MainPathRun
+from omskills.models.api import MainPathRun, RunHooks
 from omskills.records.precision import PlanAttempt, PrecisionPlan, PrecisionReport
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import MainPathParity, VerifyReport
@@ -91,7 +91,7 @@ class _Runner:
         strategies = {g: s for g in self.graphs if (s := self.record.boundaries[g].shape_strategy)}
         try:
             with splice(self.model.loaded.root, backends, strategies=strategies) as handle:
-                spliced = self.model.run()
+                spliced = self.model.run(RunHooks(on_step=handle.traffic.step_done))
         finally:
             for _, backend in backends:
                 close = getattr(backend, "close", None)

@@ -13,6 +13,7 @@ from pathlib import Path
 from omskills import progress
 from omskills.errors import InputError
 from omskills.isolation import return_freed_memory
+from omskills.models.api import RunHooks
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import VerifyReport
 from omskills.runtime import BACKENDS
@@ -54,7 +55,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         progress.report(1, 3, f"verify: spliced run, {len(names)} graph(s) on {backend}...")
         with splice(loaded.root, replacements, strategies=strategies) as handle:
-            spliced = model.run()
+            spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
         progress.report(2, 3, "verify: comparing outputs, writing the report and pictures...")
         report = verification_report(record, workdir, model, reference, spliced, handle, names, modes, backend)
         report.notes += notes

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from omskills.ascend.link import link_cost
 from omskills.compare.outputs import compare_step, expand
 from omskills.models.api import MainPathRun, ModelDriver, save_run
 from omskills.records.export import SpliceStats
@@ -22,6 +23,7 @@ from omskills.report.pictures import save_png, side_by_side
 from omskills.report.render import template_environment
 from omskills.report.stage_status import STAGES, stage_status
 from omskills.runtime.splice import SpliceHandle
+from omskills.runtime.traffic import traffic_report
 from omskills.stages.model import TaskModel
 from omskills.stages.spliced_runs import main_path_parity, spliceable
 
@@ -67,7 +69,7 @@ def _candidates(record: TaskRecord, names: list[str], stats: dict[str, SpliceSta
             probe=_probe_summary(record.toolchain_of(name).probes.get("original")),
             torch_ms_per_call=round(1000 * node.inclusive_s / node.calls, 3) if node and node.calls else None,
             backend_ms_per_call=round(1000 * st.mean_backend_seconds, 3) if st.backend_calls else None,
-            calls=st.calls, fallbacks=st.fallbacks))
+            calls=st.calls, fallbacks=st.fallbacks, memo_hits=st.memo_hits))
     return rows
 
 
@@ -92,11 +94,14 @@ def _report(record: TaskRecord, driver: ModelDriver, declared: list[OutputCheck]
         backend=backend, step_name=driver.step_name,
         backend_per_candidate={c.name: c.backend for c in candidates} | {n: "pytorch (not spliced)" for n in skipped},
         not_spliced=skipped, candidates=candidates, comparison=checks, main_path=main, per_step=per_step,
+        traffic=None if handle.traffic.error else traffic_report(handle.traffic.steps(), link_cost(record.intake.target)),
         splice_stats=list(stats.values()), fallback_events=handle.fallbacks(),
         verification_settings=settings, precision="emulated" if modes else "fp32", precision_modes=modes or {},
         report_json=f"verify/{stem}.json", report_html=f"verify/{stem}.html",
         outputs_pytorch=f"verify/{runs}-pytorch.npz", outputs_spliced=f"verify/{runs}-spliced.npz",
         item_figures=_item_figures(checks, reference, spliced), verdict=main.verdict)
+    if handle.traffic.error:
+        report.notes.append(f"host-device traffic was not counted: {handle.traffic.error}")
     return report
 
 

@@ -1,0 +1,115 @@
+"""What spliced graphs move between host and device: calls, bytes in and out per step and per
+graph, and which inputs were another graph's output passed on unchanged (a hand-off that could
+stay on the device); and the link time those counts predict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omskills.contracts import capture_contracts
+from omskills.records.traffic import LinkCost
+from omskills.runtime.splice import splice
+from omskills.runtime.traffic import traffic_report
+from test_splice import TorchBackendDouble
+
+
+class Encoder(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+class Decoder(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.sum(-1)
+
+
+class Pipeline(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = Encoder(), Decoder()
+
+    def forward(self, x: torch.Tensor, glue: str = "none") -> torch.Tensor:
+        h = self.enc(x)
+        if glue == "in_place":
+            h.add_(1)  # the host changed it: the decoder's input is not the encoder's output any more
+        elif glue == "transposed":
+            h = h.t().contiguous().t()  # same values, a new buffer made on the host
+        return self.dec(h)
+
+
+@pytest.fixture(params=["no_grad", "inference_mode"])
+def spliced_pipeline(request):
+    """Three steps; in inference mode tensors keep no version counter, and in-place writes must show all the same."""
+    host = Pipeline()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        enc, dec = capture_contracts(host, {"enc": "enc", "dec": "dec"}, lambda: host(x))
+    mode = torch.no_grad if request.param == "no_grad" else torch.inference_mode
+    with splice(host, [(enc, TorchBackendDouble(host.enc, enc)), (dec, TorchBackendDouble(host.dec, dec))]) as handle:
+        with mode():
+            for index, glue in enumerate(("none", "in_place", "transposed")):
+                host(x, glue)
+                handle.traffic.step_done(index)
+    return handle, x
+
+
+def test_each_step_counts_the_calls_and_bytes_of_every_graph(spliced_pipeline):
+    handle, x = spliced_pipeline
+    steps = handle.traffic.steps()
+    assert [s.step for s in steps] == [0, 1, 2]
+    for step in steps:
+        enc, dec = step.graphs
+        assert (enc.graph, enc.calls, enc.bytes_in, enc.bytes_out) == ("enc", 1, x.nbytes, x.nbytes)
+        assert (dec.graph, dec.calls, dec.bytes_in, dec.bytes_out) == ("dec", 1, x.nbytes, x.nbytes // 8)
+        assert step.calls == 2 and step.bytes_crossing == 3 * x.nbytes + x.nbytes // 8
+
+
+def test_an_output_passed_on_unchanged_is_a_hand_off_and_one_the_host_changed_or_copied_is_not(spliced_pipeline):
+    handle, x = spliced_pipeline
+    untouched, changed, copied = (s.graphs[1] for s in handle.traffic.steps())
+    assert (untouched.handed_in, untouched.handed_from) == (x.nbytes, {"enc": x.nbytes})
+    assert (changed.handed_in, changed.handed_from) == (0, {})
+    assert (copied.handed_in, copied.handed_from) == (0, {})
+
+
+def test_calls_after_the_last_step_are_a_step_of_their_own():
+    host = Pipeline()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        enc, dec = capture_contracts(host, {"enc": "enc", "dec": "dec"}, lambda: host(x))
+    with splice(host, [(enc, TorchBackendDouble(host.enc, enc))]) as handle, torch.no_grad():
+        host(x)
+        handle.traffic.step_done(0)
+        host.enc(x)  # teardown work after the last step
+    assert [(s.step, s.calls) for s in handle.traffic.steps()] == [(0, 1), (None, 1)]
+
+
+def test_the_link_time_is_predicted_from_calls_and_bytes_and_hand_offs_on_the_device_lower_it(spliced_pipeline):
+    handle, x = spliced_pipeline
+    link = LinkCost(soc="Ascend310P3", bandwidth_gb_s=10.0, round_trip_us=100.0, source="test")
+    report = traffic_report(handle.traffic.steps(), link)
+    crossing = 3 * x.nbytes + x.nbytes // 8
+    # Per step: two launches and four copies (each graph one tensor in, one out).
+    assert (report.calls_per_step, report.copies_per_step, report.bytes_per_step) == (2, 4, crossing)
+    assert report.predicted_link_s_per_step == pytest.approx(6 * 100e-6 + crossing / 10e9, abs=1e-6)
+    handed = x.nbytes / 3  # one step in three hands the encoder's output on unchanged
+    assert report.handed_in_per_step == pytest.approx(handed, abs=0.1)
+    kept_on_device = 6 - 1 / 3
+    assert report.predicted_link_s_per_step_handed_off == pytest.approx(
+        kept_on_device * 100e-6 + (crossing - handed) / 10e9, abs=1e-6)
+    shared_memory = traffic_report(handle.traffic.steps(), link.model_copy(update={"bandwidth_gb_s": None}))
+    assert shared_memory.predicted_link_s_per_step == pytest.approx(6 * 100e-6, abs=1e-9)
+    assert [(g.graph, g.calls) for g in report.per_graph] == [("enc", 3), ("dec", 3)]
+
+
+def test_a_count_that_fails_leaves_the_call_to_the_backend_and_says_why(monkeypatch):
+    host = Pipeline()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        [enc] = capture_contracts(host, {"enc": "enc"}, lambda: host(x))
+    double = TorchBackendDouble(host.enc, enc)
+    with splice(host, [(enc, double)]) as handle, torch.no_grad():
+        monkeypatch.setattr(handle.traffic, "_count", lambda *a: (_ for _ in ()).throw(ValueError("odd tensor")))
+        torch.testing.assert_close(host.enc(x), x * 2 + 1)
+    assert len(double.feeds) == 1 and not handle.fallbacks()
+    assert handle.traffic.error == "enc: ValueError: odd tensor"

@@ -1,0 +1,82 @@
+"""Records of what a spliced run moved between host and device, and the link time it predicts."""
+
+from __future__ import annotations
+
+from omskills.records.base import Record
+from pydantic import Field
+
+
+class GraphTraffic(Record):
+    """One graph's backend calls over a step (or a run)."""
+
+    graph: str = Field(description="The graph (candidate) the calls went to.")
+    calls: int = Field(description="Backend calls (fallbacks to PyTorch move nothing and are not counted).")
+    bytes_in: int = Field(description="Bytes of the inputs the calls sent: what a host copies to the device.")
+    bytes_out: int = Field(description="Bytes of the outputs the calls returned: what a device copies back to the host.")
+    copies: int = Field(0, description="Tensors copied in or out by the calls (each a host<->device copy on the target).")
+    handed_in: int = Field(0, description=(
+        "Input bytes that were another graph's output, passed on unchanged by the code between them: "
+        "a hand-off that could stay on the device."))
+    handed_copies: int = Field(0, description="How many of the input copies were such hand-offs.")
+    handed_from: dict[str, int] = Field(default_factory=dict, description="Producing graph -> bytes of `handed_in` it produced.")
+
+
+class StepTraffic(Record):
+    """Every graph's calls in one step of the main path."""
+
+    step: int | None = Field(description="The step's index; None for calls after the last step (teardown).")
+    graphs: list[GraphTraffic] = Field(description="Per graph called in the step.")
+
+    @property
+    def calls(self) -> int:
+        """Backend calls in the step."""
+        return sum(g.calls for g in self.graphs)
+
+    @property
+    def bytes_crossing(self) -> int:
+        """Bytes crossing the link in the step, both ways."""
+        return sum(g.bytes_in + g.bytes_out for g in self.graphs)
+
+    @property
+    def copies(self) -> int:
+        """Tensors copied in or out in the step."""
+        return sum(g.copies for g in self.graphs)
+
+    @property
+    def handed_copies(self) -> int:
+        """Input copies in the step that were hand-offs."""
+        return sum(g.handed_copies for g in self.graphs)
+
+    @property
+    def handed_in(self) -> int:
+        """Input bytes in the step that were another graph's output, unchanged."""
+        return sum(g.handed_in for g in self.graphs)
+
+
+class LinkCost(Record):
+    """The host<->device link of the target, as the cost model sees it."""
+
+    soc: str = Field(description="The target SoC (intake.target.soc).")
+    bandwidth_gb_s: float | None = Field(gt=0, description=(
+        "Host<->device copy bandwidth per direction, GB/s; None where host and NPU share memory (no link to cross)."))
+    round_trip_us: float = Field(ge=0, description=(
+        "Fixed cost of one synchronous host<->device operation (a launch, or a copy whatever its size), microseconds."))
+    source: str = Field(description="Where the figures come from: intake.target, or the published figures they rest on.")
+
+
+class TrafficReport(Record):
+    """Calls and bytes of the spliced run, and the host<->device time they predict on the target."""
+
+    per_step: list[StepTraffic] = Field(description="Each step's calls and bytes per graph.")
+    per_graph: list[GraphTraffic] = Field(description="Each graph's calls and bytes over the whole run.")
+    link: LinkCost = Field(description="The link figures the prediction uses.")
+    calls_per_step: float = Field(description="Mean backend calls per step.")
+    copies_per_step: float = Field(description="Mean tensors copied in or out per step.")
+    bytes_per_step: float = Field(description="Mean bytes crossing the link per step, both ways.")
+    handed_in_per_step: float = Field(description="Mean input bytes per step that were another graph's output, unchanged.")
+    predicted_link_s_per_step: float = Field(description=(
+        "Predicted (not measured) host<->device seconds per step: (calls + copies) x round trip + bytes / bandwidth."))
+    predicted_link_s_per_step_handed_off: float = Field(description=(
+        "The same prediction with every unchanged hand-off kept on the device (its copy in not made)."))
+    label: str = Field("predicted by a cost model from counted calls and bytes, not measured on a device",
+                       description="What the predicted figures are.")

@@ -1,0 +1,167 @@
+"""What the spliced graphs move between host and device: per step and per graph, the calls, the
+bytes of their inputs and outputs, and which input bytes were another graph's output passed on
+unchanged (a hand-off that could stay on the device).
+
+On an Ascend host every graph call copies its inputs to the device and its outputs back, so
+these counts, not the graphs' own time, are what merging graphs and keeping hand-offs on the
+device would save. The meter only counts; `records.traffic` turns the counts into a predicted
+link time.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from omskills.errors import one_line
+from omskills.records.traffic import GraphTraffic, LinkCost, StepTraffic, TrafficReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Counts:
+    calls: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    copies: int = 0
+    handed_copies: int = 0
+    handed_from: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, other: _Counts | GraphTraffic) -> None:
+        self.calls += other.calls
+        self.bytes_in += other.bytes_in
+        self.bytes_out += other.bytes_out
+        self.copies += other.copies
+        self.handed_copies += other.handed_copies
+        for source, nbytes in other.handed_from.items():
+            self.handed_from[source] += nbytes
+
+    def as_record(self, graph: str) -> GraphTraffic:
+        return GraphTraffic(graph=graph, calls=self.calls, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                            copies=self.copies, handed_in=sum(self.handed_from.values()),
+                            handed_copies=self.handed_copies, handed_from=dict(self.handed_from))
+
+
+@dataclass(frozen=True)
+class _Produced:
+    graph: str
+    tensor: weakref.ref
+    nbytes: int
+    version: int | None  # None for an inference tensor, which keeps no version counter
+    probe: bytes  # a sample of its values: what shows an in-place write when there is no counter
+
+
+PROBE_VALUES = 64
+
+
+def _probe(tensor: torch.Tensor) -> bytes:
+    flat = tensor.reshape(-1)
+    picks = torch.linspace(0, flat.numel() - 1, min(PROBE_VALUES, flat.numel())).long()
+    return flat[picks].cpu().numpy().tobytes()
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
+class TrafficMeter:
+    """Counts every backend call of a splice. Calls are counted toward the step the driver reports
+    next (`step_done`); calls after the last report (teardown) toward a step of their own."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None  # why counting stopped: a measurement never changes a call's outcome
+        self._steps: dict[int | None, dict[str, _Counts]] = {}
+        self._pending: dict[str, _Counts] = defaultdict(_Counts)
+        # An output tensor of a graph, by the address of its data, while the tensor lives: an input
+        # at that address with the same version counter is that output, unchanged since.
+        self._produced: dict[int, _Produced] = {}
+
+    def record(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
+               outputs: Sequence[torch.Tensor]) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._count(graph, inputs, feeds, outputs)
+        except Exception as err:  # noqa: BLE001 - the call itself succeeded; only its count is lost
+            self.error = f"{graph}: {one_line(err, 200)}"
+            logger.warning("host-device traffic no longer counted (%s)", self.error)
+
+    def _count(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
+               outputs: Sequence[torch.Tensor]) -> None:
+        counts = self._pending[graph]
+        counts.calls += 1
+        counts.bytes_in += sum(int(array.nbytes) for array in feeds.values())
+        counts.bytes_out += sum(int(t.nbytes) for t in outputs)
+        counts.copies += len(feeds) + len(outputs)
+        self._produced = {a: p for a, p in self._produced.items() if p.tensor() is not None}
+        for tensor in inputs:
+            source = self._handed_from(tensor)
+            if source is not None and source != graph:
+                counts.handed_from[source] += int(tensor.nbytes)
+                counts.handed_copies += 1
+        for tensor in outputs:
+            if tensor.nbytes:
+                self._produced[tensor.data_ptr()] = _Produced(graph, weakref.ref(tensor), int(tensor.nbytes),
+                                                              _version(tensor), _probe(tensor))
+
+    def step_done(self, index: int) -> None:
+        """The driver finished step `index`: the calls since the last report were its calls."""
+        self._merge(index)
+
+    def steps(self) -> list[StepTraffic]:
+        """Every step's counts, in step order (calls after the last step last, with step None)."""
+        if self._pending:
+            self._merge(None)
+        ordered = sorted(self._steps, key=lambda s: (s is None, s or 0))
+        return [StepTraffic(step=s, graphs=[c.as_record(g) for g, c in self._steps[s].items()]) for s in ordered]
+
+    def _merge(self, step: int | None) -> None:
+        into = self._steps.setdefault(step, {})
+        for graph, counts in self._pending.items():
+            into.setdefault(graph, _Counts()).add(counts)
+        self._pending = defaultdict(_Counts)
+
+    def _handed_from(self, tensor: torch.Tensor) -> str | None:
+        if tensor.device.type == "meta" or not tensor.is_contiguous():
+            return None  # a strided view is copied into a new buffer on its way in
+        produced = self._produced.get(tensor.data_ptr())
+        if produced is None or produced.tensor() is None:
+            return None
+        if int(tensor.nbytes) != produced.nbytes:
+            return None
+        # Views share their base's version counter, so an in-place write through any of them shows;
+        # an inference tensor has none, and a sample of its values must do.
+        if produced.version is not None:
+            return produced.graph if _version(tensor) == produced.version else None
+        return produced.graph if _probe(tensor) == produced.probe else None
+
+
+def traffic_report(steps: list[StepTraffic], link: LinkCost) -> TrafficReport:
+    """The run's counts per step and per graph, and the link time they predict on `link`."""
+    totals: dict[str, _Counts] = defaultdict(_Counts)
+    for step in steps:
+        for graph in step.graphs:
+            totals[graph.graph].add(graph)
+    counted = [s for s in steps if s.step is not None] or steps
+    n = max(len(counted), 1)
+    calls = sum(s.calls for s in counted) / n
+    copies = sum(s.copies for s in counted) / n
+    handed_copies = sum(s.handed_copies for s in counted) / n
+    crossing = sum(s.bytes_crossing for s in counted) / n
+    handed = sum(s.handed_in for s in counted) / n
+    return TrafficReport(
+        per_step=steps, per_graph=[c.as_record(g) for g, c in totals.items()], link=link,
+        calls_per_step=round(calls, 3), copies_per_step=round(copies, 3), bytes_per_step=round(crossing, 1), handed_in_per_step=round(handed, 1),
+        predicted_link_s_per_step=_link_seconds(calls + copies, crossing, link),
+        predicted_link_s_per_step_handed_off=_link_seconds(calls + copies - handed_copies, crossing - handed, link))
+
+
+def _link_seconds(round_trips: float, nbytes: float, link: LinkCost) -> float:
+    copying = nbytes / (link.bandwidth_gb_s * 1e9) if link.bandwidth_gb_s else 0.0
+    return round(round_trips * link.round_trip_us * 1e-6 + copying, 6)
