@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import get_args
 
+from omskills.errors import InputError
 from omskills.records.literals import BundleArtifact
 
 from .cli import command
@@ -18,6 +20,10 @@ def _bundle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifact", choices=get_args(BundleArtifact), default="auto",
                    help="auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come")
     p.add_argument("--no-weights", action="store_true", help="do not copy the checkpoint (the loader must be given it)")
+    p.add_argument("--precompute", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an input the deployment will meet (a field of intake.inputs, e.g. 'prompt=a red car'; the value "
+                        "read as JSON when it is JSON); repeatable. The main path runs once on each, and graphs fed from "
+                        "user inputs alone (a text encoder) carry their outputs, answered from memory when deployed")
 
 
 @command("bundle", _bundle_args)
@@ -25,15 +31,30 @@ def _bundle(ns: argparse.Namespace) -> int:
     """Write a self-contained, movable deployment bundle of a verified adaptation."""
     from omskills.deploy.bundle import write_bundle
 
-    summary = write_bundle(Path(ns.task), Path(ns.out) if ns.out else None, artifact=ns.artifact, weights=not ns.no_weights)
+    summary = write_bundle(Path(ns.task), Path(ns.out) if ns.out else None, artifact=ns.artifact, weights=not ns.no_weights,
+                           precompute=[_input_set(given) for given in ns.precompute])
     print(f"{len(summary.graphs)} graph(s), {summary.files} files, {summary.bytes / 1e6:.1f} MB; "
           f"OM for {summary.om_graphs or 'none'}", file=sys.stderr)
     for name, why in summary.not_deployed.items():
         print(f"  {name} stays in PyTorch: {why}", file=sys.stderr)
     for what, hint in summary.required.items():
         print(f"  the loader must be given {what}= ({hint})", file=sys.stderr)
+    for graph, calls in summary.remembered.items():
+        print(f"  {graph}: {calls} call(s) computed ahead, answered from memory", file=sys.stderr)
     print(summary.path)
     return 0
+
+
+def _input_set(given: str) -> dict[str, object]:
+    """'FIELD=VALUE' as one input set; VALUE read as JSON when it is JSON ('frames=2'), else as text."""
+    field, sep, value = given.partition("=")
+    if not sep or not field.strip():
+        raise InputError(f"--precompute {given!r}: expected FIELD=VALUE (a field of intake.inputs)")
+    try:
+        parsed: object = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return {field.strip(): parsed}
 
 
 @command("npu-check", lambda p: p.add_argument("task", help="the run's task record, with every OM built (convert_atc)"))

@@ -364,6 +364,25 @@ def test_a_bundle_moved_to_another_folder_runs_its_example_exactly_as_verify_did
     _same_steps(load_run(tmp_path / "example.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
 
 
+def test_a_bundle_with_the_prompt_computed_ahead_answers_the_text_encoder_from_memory(tiny_adaptation, tmp_path):
+    from omskills.deploy import DeployError, load_adapted
+    from omskills.deploy.bundle import write_bundle
+    from omskills.models.api import load_run, save_run
+
+    record = load_record(tiny_adaptation / "task.yaml")
+    with pytest.raises(DeployError, match=r"precompute\[0\]: .*video: /etc/hostname is outside"):
+        write_bundle(tiny_adaptation / "task.yaml", tmp_path / "refused", precompute=[{"video": "/etc/hostname"}])
+    assert not (tmp_path / "refused").exists()
+    summary = write_bundle(tiny_adaptation / "task.yaml", tmp_path / "bundle",
+                           precompute=[{"prompt": record.intake.inputs["prompt"]}])
+    assert summary.remembered.get("text_encoder", 0) >= 1
+    with load_adapted(tmp_path / "bundle", backend="onnxruntime", strict=True) as model:
+        save_run(model.run_main_path(), tmp_path / "outputs.npz")
+        text = {s.candidate: s for s in model.stats()}["text_encoder"]
+    assert text.backend_calls == 0 and text.memo_hits == text.calls > 0
+    _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+
+
 def test_a_bundle_checks_its_files_format_and_contract_schema_on_load(tiny_adaptation, tmp_path):
     from omskills.deploy import DeployError
     from omskills.deploy.bundle import write_bundle

@@ -3,6 +3,7 @@ backend runs once per distinct input, the caller gets the same values and may wr
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from omskills.contracts import capture_contracts
 from omskills.records.contracts import Provenance
@@ -43,3 +44,21 @@ def test_a_graph_fed_from_another_modules_output_always_runs():
         host.enc(x)
     [stats] = handle.stats()
     assert (stats.backend_calls, stats.memo_hits) == (2, 0)
+
+
+def test_outputs_computed_ahead_survive_a_save_and_stay_however_many_calls_follow(tmp_path):
+    from omskills.runtime.memo import ENTRIES, OutputMemo, load_entries, save_entries
+
+    computed = OutputMemo()
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    key = computed.key(feeds)
+    computed.put(key, {"y": feeds["x"] * 2, "n": np.array(3)})
+    saved = save_entries(tmp_path / "memo" / "enc.npz", computed.entries())
+    deployed = OutputMemo()
+    deployed.preload(load_entries(saved))
+    for k in range(ENTRIES + 2):  # more distinct calls than the memory keeps
+        other = {"x": np.full((2, 3), k, np.float32)}
+        deployed.put(deployed.key(other), {"y": other["x"]})
+    got = deployed.get(key)
+    np.testing.assert_array_equal(got["y"], feeds["x"] * 2)
+    assert got["n"] == 3 and deployed.hits == 1

@@ -28,6 +28,7 @@ from omskills.models.registry import BoundIntake, bind_intake, driver_for, resol
 from omskills.records.deploy import DeployManifest
 from omskills.records.intake import Intake
 from omskills.records.export import FallbackEvent, SpliceStats
+from omskills.runtime.memo import load_entries
 from omskills.runtime.serving import open_graph, resolve_backend
 from omskills.runtime.splice import SpliceHandle, splice
 
@@ -167,11 +168,29 @@ def _spliced(manifest: DeployManifest, root: Path, loaded: LoadedModel, backend:
             backends.append(open_graph(graph, root, backend, device_id=device_id, providers=providers))
         strategies = {g.name: g.strategy for g in manifest.graphs if g.strategy is not None}
         replacements = [(g.contract, b) for g, b in zip(manifest.graphs, backends)]
-        return splice(loaded.root, replacements, strategies=strategies, strict=strict), backends
+        handle = splice(loaded.root, replacements, strategies=strategies, strict=strict)
+        try:
+            _preload_remembered(manifest, root, handle)
+        except BaseException:
+            handle.unsplice()
+            raise
+        return handle, backends
     except BaseException:
         for opened in backends:
             opened.close()
         raise
+
+
+def _preload_remembered(manifest: DeployManifest, root: Path, handle: SpliceHandle) -> None:
+    """The outputs a bundle carries for inputs known ahead, in the memory of their graphs."""
+    for graph in manifest.graphs:
+        if graph.remembered is None:
+            continue
+        route = next(r for r in handle.modules[graph.name].routes if r.contract.candidate == graph.name)
+        if route.memo is None:
+            raise DeployError(f"{graph.name}: the bundle carries outputs computed ahead, but the graph is not fed "
+                              "from user inputs alone; write the bundle again")
+        route.memo.preload(load_entries(root / graph.remembered.path))
 
 
 def _manifest(path: Path, check_hashes: bool) -> tuple[DeployManifest, Path]:

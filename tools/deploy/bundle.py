@@ -8,6 +8,7 @@
       contracts/<graph>.json the contract and shape strategy of each graph
       atc/<graph>.sh         the ATC command of each graph, paths relative to the bundle
       weights/, inputs/, driver/   the checkpoint, input files and driver file the record names
+      memo/<graph>.npz       with --precompute: outputs computed ahead for inputs known now
 
 Every path inside is relative, so the folder can be moved or copied to the Ascend host. Files are
 hard-linked from the run folder where the file system allows it (a full-scale bundle would
@@ -24,28 +25,38 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
+
+import numpy as np
 
 from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
+from omskills.errors import OmskillsError
 from omskills.files import process_alive, sha256_file
 from omskills.models.api import InputPathMarker
-from omskills.models.registry import driver_for, localised_intake
+from omskills.models.registry import bind_intake, confine_intake, driver_for, localised_intake
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployManifest
+from omskills.records.intake import allowed_input_roots
 from omskills.records.literals import BundleArtifact
 from omskills.records.results import BundleSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
+from omskills.runtime.memo import MemoEntry, save_entries
 
 ARTIFACTS: tuple[str, ...] = get_args(BundleArtifact)
 
 
-def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "auto", weights: bool = True) -> BundleSummary:
+def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "auto", weights: bool = True,
+                 precompute: Sequence[Mapping[str, Any]] = ()) -> BundleSummary:
     """Write the bundle of the verified adaptation `task_path` into `out` (default: <run>/bundle).
 
     artifact: "onnx" (no OM), "om" (every graph's OM, which each must have) or "auto" (the OMs
-    ATC built); the ONNX files always come too (the contracts' reference and the ATC scripts' input). weights: copy the checkpoint (else the loader must be given `checkpoint=`)."""
+    ATC built); the ONNX files always come too (the contracts' reference and the ATC scripts' input). weights: copy the checkpoint (else the loader must be given `checkpoint=`).
+    precompute: input sets (fields of intake.inputs, e.g. {"prompt": "a red car"}) the deployment
+    will meet: the main path runs once on each, and the outputs of every graph fed from user inputs
+    alone (a text encoder) go into the bundle, so the deployed model answers those calls from memory."""
     if artifact not in ARTIFACTS:
         raise DeployError(f"artifact: {artifact!r} is not one of {list(ARTIFACTS)}")
     task_path = Path(task_path)
@@ -65,6 +76,8 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
     try:
         writer = _Writer(workdir, staging, _recorded_hashes(record))
         graphs = [writer.graph(graph, artifact, record) for graph in manifest.graphs]
+        remembered = _precomputed(task_path, precompute) if precompute else {}
+        graphs = [writer.remembered(g, remembered[g.name]) if g.name in remembered else g for g in graphs]
         intake, required = writer.intake(record, weights)
         bundled = manifest.model_copy(update={"graphs": graphs, "intake": intake, "required": required})
         (staging / MANIFEST_NAME).write_text(bundled.model_dump_json(indent=2))
@@ -77,7 +90,41 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
     files = [p for p in out.rglob("*") if p.is_file()]
     return BundleSummary(path=str(out), graphs=[g.name for g in graphs], files=len(files),
                          bytes=sum(p.stat().st_size for p in files), om_graphs=[g.name for g in graphs if g.om],
-                         not_deployed=bundled.not_deployed, required=required)
+                         not_deployed=bundled.not_deployed, required=required,
+                         remembered={name: len(entries) for name, entries in remembered.items()})
+
+
+def _check_input_sets(task_path: Path, input_sets: Sequence[Mapping[str, Any]]) -> None:
+    """Each input set valid for the driver, every path it names inside the run folder or the
+    allowed input roots: checked before anything runs."""
+    record = load_record(task_path)
+    workdir = TaskRecord.workdir(task_path)
+    for k, inputs in enumerate(input_sets):
+        if not isinstance(inputs, Mapping) or not inputs:
+            raise DeployError(f"precompute[{k}]: an input set is a mapping of intake.inputs fields, got {inputs!r}")
+        intake = record.intake.model_copy(update={"inputs": record.intake.inputs | dict(inputs)})
+        try:
+            bind_intake(intake, workdir)
+            confine_intake(intake, workdir, allowed_input_roots(workdir))
+        except OmskillsError as err:
+            raise DeployError(f"precompute[{k}]: {err}") from None
+
+
+def _precomputed(task_path: Path, input_sets: Sequence[Mapping[str, Any]]) -> dict[str, list[MemoEntry]]:
+    """Graph -> the calls it answered on `input_sets` (the deployed model on ONNX Runtime CPU),
+    for every graph fed from user inputs alone."""
+    from omskills.deploy.adapted import load_adapted
+
+    _check_input_sets(task_path, input_sets)
+    found: dict[str, dict[bytes, dict[str, np.ndarray]]] = {}
+    with load_adapted(task_path, backend="onnxruntime", providers=["CPUExecutionProvider"]) as model:
+        routes = [r for spliced in {id(m): m for m in model.handle.modules.values()}.values() for r in spliced.routes
+                  if r.memo is not None]
+        for inputs in input_sets:
+            model.run_main_path(inputs)
+            for route in routes:  # after each run: a memory holds the last few calls only
+                found.setdefault(route.contract.candidate, {}).update(route.memo.entries())
+    return {graph: list(entries.items()) for graph, entries in found.items() if entries}
 
 
 # The file a bundle folder carries to say this command wrote it, and which files.
@@ -165,6 +212,13 @@ class _Writer:
         atc = record.toolchain_of(graph.name).atc
         script = self.atc_script(graph, onnx, atc.command) if atc is not None and atc.command else None
         return graph.model_copy(update={"onnx": onnx, "om": om, "atc_script": script})
+
+    def remembered(self, graph: DeployedGraph, entries: list[MemoEntry]) -> DeployedGraph:
+        """`graph` with the calls computed ahead for it saved beside its files."""
+        path = save_entries(self.out / "memo" / f"{graph.name}.npz", entries)
+        target = path.relative_to(self.out).as_posix()
+        return graph.model_copy(update={"remembered": ArtifactFile(path=target, bytes=path.stat().st_size,
+                                                                   sha256=sha256_file(path))})
 
     def atc_script(self, graph: DeployedGraph, onnx: Artifact, command: list[str]) -> str:
         """The graph's recorded ATC command with its paths made relative to the bundle."""

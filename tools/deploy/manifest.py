@@ -96,6 +96,8 @@ def read_bundle(root: Path, check_hashes: bool = True) -> DeployManifest:
         for artifact in (graph.onnx, graph.om):
             for file in artifact.files if artifact else []:
                 check_file(root, file, graph.name, check_hashes)
+        if graph.remembered is not None:
+            check_file(root, graph.remembered, graph.name, check_hashes)
     _check_model_files(root, manifest)
     return manifest
 

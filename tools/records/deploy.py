@@ -59,6 +59,9 @@ class DeployedGraph(Record):
     precision_mode: str | None = None  # the ATC precision mode chosen in emulation
     keep_dtype_nodes: list[str] = Field(default_factory=list)
     atc_script: str | None = None
+    # Outputs computed ahead for inputs known when the bundle was written (`bundle --precompute`,
+    # runtime.memo): the deployed model answers those calls from memory.
+    remembered: ArtifactFile | None = None
 
 
 class DeployManifest(Record):

@@ -126,6 +126,9 @@ class BundleSummary(Record):
     om_graphs: list[str] = Field(description="Graphs that ship an OM (built by ATC); the others ship ONNX only.")
     not_deployed: dict[str, str] = Field(description="Candidate -> why it is not in the bundle (stays in PyTorch).")
     required: dict[str, str] = Field(description="What the loader must be given that the bundle does not hold (e.g. a model source checkout).")
+    remembered: dict[str, int] = Field(default_factory=dict, description=(
+        "Graph -> calls whose outputs the bundle carries, computed ahead for the inputs given to --precompute "
+        "(on ONNX Runtime CPU, fp32): the deployed model answers those calls from memory."))
 
 
 # --------------------------------------------------------------------------- drivers (list_drivers)

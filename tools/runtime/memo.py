@@ -4,17 +4,24 @@ whose inputs repeat (a text encoder on the same prompt, once per video) need not
 Only graphs fed from user inputs alone are remembered (every contract input's provenance is
 "input": prompt tokens, not activations), and only small calls: the inputs are digested on every
 call, which must cost nothing beside the call, and a remembered call's outputs stay in memory.
+Outputs computed ahead (`omskills bundle --precompute`) are saved with `save_entries` and given
+back to a deployed model's memory with `OutputMemo.preload`, where no later call evicts them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 from omskills.records.contracts import ContractSpec
+
+# One remembered call: the digest of its inputs, and its outputs by name.
+MemoEntry = tuple[bytes, dict[str, np.ndarray]]
 
 MAX_INPUT_BYTES = 1 << 20
 MAX_OUTPUT_BYTES = 16 << 20
@@ -34,6 +41,7 @@ class OutputMemo:
 
     def __init__(self) -> None:
         self._entries: OrderedDict[bytes, dict[str, np.ndarray]] = OrderedDict()
+        self._preloaded: dict[bytes, dict[str, np.ndarray]] = {}
         self.hits = 0
 
     @staticmethod
@@ -50,10 +58,12 @@ class OutputMemo:
 
     def get(self, key: bytes) -> dict[str, np.ndarray] | None:
         """A copy of the remembered outputs (the caller may write into what it gets), or None."""
-        outputs = self._entries.get(key)
+        outputs = self._preloaded.get(key)
         if outputs is None:
-            return None
-        self._entries.move_to_end(key)
+            outputs = self._entries.get(key)
+            if outputs is None:
+                return None
+            self._entries.move_to_end(key)
         self.hits += 1
         return {name: array.copy() for name, array in outputs.items()}
 
@@ -63,3 +73,31 @@ class OutputMemo:
         self._entries[key] = {name: np.array(array, copy=True) for name, array in outputs.items()}
         while len(self._entries) > ENTRIES:
             self._entries.popitem(last=False)
+
+    def entries(self) -> list[MemoEntry]:
+        """What the memory holds now (outputs computed ahead included)."""
+        return [*self._preloaded.items(), *self._entries.items()]
+
+    def preload(self, entries: list[MemoEntry]) -> None:
+        """Outputs computed ahead: kept for the model's life, whatever else is remembered."""
+        self._preloaded.update(entries)
+
+
+def save_entries(path: Path, entries: list[MemoEntry]) -> Path:
+    """`entries` in one .npz: the arrays, and an index of which input digest and output each is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays, index = {}, []
+    for key, outputs in entries:
+        for name, array in outputs.items():
+            index.append([key.hex(), name])
+            arrays[f"a{len(arrays)}"] = array
+    np.savez(path, index=np.array(json.dumps(index)), **arrays)
+    return path
+
+
+def load_entries(path: Path) -> list[MemoEntry]:
+    with np.load(path, allow_pickle=False) as data:
+        entries: dict[bytes, dict[str, np.ndarray]] = {}
+        for k, (key, name) in enumerate(json.loads(str(data["index"]))):
+            entries.setdefault(bytes.fromhex(key), {})[name] = data[f"a{k}"]
+    return list(entries.items())
