@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from omskills.ascend.attention_heads import split_attention_heads
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.convert.detached_weights import move_inline_weights
 from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
@@ -279,7 +280,11 @@ def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
         nodes.append(zero)
         nodes.append(helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum"))
         outputs.append(helper.make_tensor_value_info(OVERFLOW_OUTPUT, TensorProto.FLOAT, []))
-    return _derived(prepared, nodes, outputs, writer)
+    model = _derived(prepared, nodes, outputs, writer)
+    # The roundings hide attention from ONNX Runtime's fusion: its score tensors are computed a few
+    # heads at a time instead, the same values in a fraction of the memory.
+    split_attention_heads(model)
+    return model
 
 
 class _OverflowChecks:

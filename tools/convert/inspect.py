@@ -100,6 +100,14 @@ def default_opset(model: ModelProto) -> int | None:
     return None
 
 
+def inferred_shapes(model: ModelProto) -> dict[str, list[int | str]]:
+    """Every tensor's shape as ONNX shape inference sees it: sizes, dim names, "?" where unknown."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    infos = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
+    return {info.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or UNDECLARED_DIM
+                        for d in info.type.tensor_type.shape.dim] for info in infos}
+
+
 def op_key(node: NodeProto) -> str:
     return node.op_type if node.domain in ("", DEFAULT_DOMAIN) else f"{node.domain}::{node.op_type}"
 

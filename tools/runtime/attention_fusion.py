@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from omskills.convert.inspect import default_opset, inferred_shapes
 from onnx import helper, numpy_helper
 
 MS_DOMAIN = "com.microsoft"
@@ -50,7 +51,7 @@ class _Graph:
                 self.consumers[name].append(node)
         self.outputs = {out.name for out in graph.output}
         self.initializers = {init.name: init for init in graph.initializer}
-        self.shapes = _inferred_shapes(model)
+        self.shapes = inferred_shapes(model)
 
     def scalar(self, name: str) -> float | None:
         """The value of a constant scalar (an initializer or a Constant node), else None."""
@@ -76,17 +77,6 @@ class _Graph:
                 if value is not None:
                     return tensor, value, [node]
         return name, 1.0, []
-
-
-def _default_opset(model: onnx.ModelProto) -> int:
-    return next((opset.version for opset in model.opset_import if opset.domain in ("", "ai.onnx")), 0)
-
-
-def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | str]]:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    infos = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
-    return {info.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or "?"
-                        for d in info.type.tensor_type.shape.dim] for info in infos}
 
 
 def _match(graph: _Graph, softmax: onnx.NodeProto) -> _Attention | None:
@@ -166,7 +156,7 @@ def _shape_constants(index: int, heads: int) -> list[onnx.TensorProto]:
 
 def fuse_attention(model: onnx.ModelProto) -> int:
     """Rewrite `model` in place; returns how many attention blocks were fused (0: left as it was)."""
-    if _default_opset(model) < 13:  # Softmax's axis meant something else before opset 13
+    if (default_opset(model) or 0) < 13:  # Softmax's axis meant something else before opset 13
         return 0
     graph = _Graph(model)
     found = [a for a in (_match(graph, node) for node in graph.nodes if node.op_type == "Softmax") if a]
