@@ -77,3 +77,19 @@ def test_attention_whose_scores_are_read_elsewhere_or_are_small_is_left_whole(tm
     min_bytes = SCORES_BYTES + 1 if why.startswith("too small") else SCORES_BYTES
     assert split_attention_heads(model, min_bytes=min_bytes, slice_bytes=SCORES_BYTES // 2) == 0
     assert model.SerializeToString() == before
+
+
+def test_attention_whose_scores_a_branch_reads_is_left_whole(tmp_path):
+    # An If's branches read the enclosing graph's tensors without naming them as inputs.
+    path, _ = _attention(tmp_path)
+    model = _emulated(path)
+    count = helper.make_graph([helper.make_node("ReduceMax", ["biased"], ["largest"], keepdims=0)], "then", [],
+                              [helper.make_tensor_value_info("largest", TensorProto.FLOAT, [])])
+    zero = helper.make_graph([helper.make_node("Constant", [], ["none"], value=numpy_helper.from_array(np.float32(0)))],
+                             "else", [], [helper.make_tensor_value_info("none", TensorProto.FLOAT, [])])
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
+    model.graph.node.append(helper.make_node("If", ["always"], ["peak"], then_branch=count, else_branch=zero))
+    model.graph.output.append(helper.make_tensor_value_info("peak", TensorProto.FLOAT, []))
+    before = model.SerializeToString()
+    assert split_attention_heads(model, min_bytes=SCORES_BYTES, slice_bytes=SCORES_BYTES // 2) == 0
+    assert model.SerializeToString() == before

@@ -90,6 +90,17 @@ def _score_heads(shape: list | None, min_bytes: int) -> int | None:
     return heads if heads > 1 and batch * heads * rows * cols * 4 >= min_bytes else None
 
 
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors a node reads: its inputs and, for an If or a Loop, every name its branches use
+    (they see the enclosing graph's tensors without listing them as inputs)."""
+    names = set(node.input)
+    for attribute in node.attribute:
+        for body in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)):
+            for inner in body.node:
+                names |= _reads(inner)
+    return names
+
+
 def _separable(node: onnx.NodeProto) -> bool:
     if node.op_type in _ELEMENTWISE or node.op_type == "MatMul":
         return not node.domain or node.domain == "ai.onnx"
@@ -110,7 +121,7 @@ def _regions(nodes: list[onnx.NodeProto], shapes: dict, outputs: set[str], min_b
     producer = {o: n for n in nodes for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for node in nodes:
-        for name in node.input:
+        for name in _reads(node):
             consumers[name].append(node)
     seen: set[int] = set()
     found = []
