@@ -109,8 +109,11 @@ def test_the_report_counts_host_device_traffic_per_step_and_predicts_its_link_ti
     assert traffic.predicted_link_s_per_step > 0
     saved = traffic.predicted_link_s_per_step - traffic.predicted_link_s_per_step_handed_off
     assert (saved > 0) == (traffic.handed_in_per_step > 0)
+    # Every called graph has a merge verdict with its reason, in the record and in DELIVERY.md.
+    assert sorted(m.graph for m in traffic.merges) == sorted(backend_calls)
     text = (tiny_adaptation / "DELIVERY.md").read_text()
     assert "## Host–device traffic" in text and traffic.label in text
+    assert all(f"| {m.graph} | {m.upstream or '-'} | {'yes' if m.mergeable else 'no'} |" in text for m in traffic.merges)
     assert 'id="traffic"' in (tiny_adaptation / "verify" / "report.html").read_text()
 
 

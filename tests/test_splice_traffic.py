@@ -113,3 +113,44 @@ def test_a_count_that_fails_leaves_the_call_to_the_backend_and_says_why(monkeypa
         torch.testing.assert_close(host.enc(x), x * 2 + 1)
     assert len(double.feeds) == 1 and not handle.fallbacks()
     assert handle.traffic.error == "enc: ValueError: odd tensor"
+
+
+def _link() -> LinkCost:
+    return LinkCost(soc="Ascend910B4", bandwidth_gb_s=31.5, round_trip_us=9.5, source="test")
+
+
+def test_a_graph_that_reads_only_another_graphs_outputs_unchanged_is_proposed_for_a_merge():
+    host = Pipeline()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        enc, dec = capture_contracts(host, {"enc": "enc", "dec": "dec"}, lambda: host(x))
+    with splice(host, [(enc, TorchBackendDouble(host.enc, enc)), (dec, TorchBackendDouble(host.dec, dec))]) as handle:
+        with torch.no_grad():
+            for index in range(2):
+                host(x)
+                handle.traffic.step_done(index)
+    merges = {m.graph: m for m in traffic_report(handle.traffic.steps(), _link()).merges}
+    assert merges["dec"].mergeable and merges["dec"].upstream == "enc"
+    assert (merges["dec"].calls_saved_per_step, merges["dec"].bytes_saved_per_step) == (1.0, x.nbytes)
+    assert not merges["enc"].mergeable and merges["enc"].upstream is None and "host code" in merges["enc"].reason
+
+
+def test_a_graph_fed_by_host_code_between_the_calls_is_not_proposed_and_the_reason_gives_the_bytes(spliced_pipeline):
+    handle, x = spliced_pipeline  # two steps in three, the host changed or copied the encoder's output
+    dec = next(m for m in traffic_report(handle.traffic.steps(), _link()).merges if m.graph == "dec")
+    assert not dec.mergeable and dec.upstream == "enc" and dec.calls_saved_per_step == 0.0
+    assert f"{2 * x.nbytes / 3 / 1e6:.2f} MB per step of its inputs come from host code" in dec.reason
+
+
+def test_graphs_called_unequally_or_fed_by_several_graphs_are_not_proposed():
+    from omskills.records.traffic import GraphTraffic, StepTraffic
+
+    def graph(name, calls, handed_from=None):
+        handed = handed_from or {}
+        return GraphTraffic(graph=name, calls=calls, bytes_in=sum(handed.values()) or 8, bytes_out=8,
+                            handed_in=sum(handed.values()), handed_from=handed)
+
+    steps = [StepTraffic(step=0, graphs=[graph("a", 1), graph("b", 1), graph("c", 3, {"a": 8}), graph("d", 1, {"a": 8, "b": 8})])]
+    merges = {m.graph: m for m in traffic_report(steps, _link()).merges}
+    assert not merges["c"].mergeable and merges["c"].reason == "called 3 times against 1 calls of a"
+    assert not merges["d"].mergeable and merges["d"].reason.startswith("fed by several graphs (a, b)")

@@ -64,6 +64,18 @@ class LinkCost(Record):
     source: str = Field(description="Where the figures come from: intake.target, or the published figures they rest on.")
 
 
+class MergeProposal(Record):
+    """Whether a graph could run inside the same call as the graph that feeds it, and why (not)."""
+
+    graph: str = Field(description="The graph whose calls a merge would remove.")
+    upstream: str | None = Field(description="The graph whose outputs it reads unchanged, if any (the largest source).")
+    mergeable: bool = Field(description=(
+        "True when every input byte is `upstream`'s output passed on unchanged and the two are called equally often."))
+    reason: str = Field(description="Why it can or cannot merge, from the counted calls and hand-offs.")
+    calls_saved_per_step: float = Field(0.0, description="Backend calls per step the merge would remove.")
+    bytes_saved_per_step: float = Field(0.0, description="Input bytes per step that would no longer cross the link.")
+
+
 class TrafficReport(Record):
     """Calls and bytes of the spliced run, and the host<->device time they predict on the target."""
 
@@ -78,5 +90,7 @@ class TrafficReport(Record):
         "Predicted (not measured) host<->device seconds per step: (calls + copies) x round trip + bytes / bandwidth."))
     predicted_link_s_per_step_handed_off: float = Field(description=(
         "The same prediction with every unchanged hand-off kept on the device (its copy in not made)."))
+    merges: list[MergeProposal] = Field(default_factory=list, description=(
+        "Per called graph, whether it could merge with the graph feeding it: proposals only, no merged graph is built."))
     label: str = Field("predicted by a cost model from counted calls and bytes, not measured on a device",
                        description="What the predicted figures are.")

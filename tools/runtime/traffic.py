@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from omskills.errors import one_line
-from omskills.records.traffic import GraphTraffic, LinkCost, StepTraffic, TrafficReport
+from omskills.records.traffic import GraphTraffic, LinkCost, MergeProposal, StepTraffic, TrafficReport
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,41 @@ def traffic_report(steps: list[StepTraffic], link: LinkCost) -> TrafficReport:
         per_step=steps, per_graph=[c.as_record(g) for g, c in totals.items()], link=link,
         calls_per_step=round(calls, 3), copies_per_step=round(copies, 3), bytes_per_step=round(crossing, 1), handed_in_per_step=round(handed, 1),
         predicted_link_s_per_step=_link_seconds(calls + copies, crossing, link),
-        predicted_link_s_per_step_handed_off=_link_seconds(calls + copies - handed_copies, crossing - handed, link))
+        predicted_link_s_per_step_handed_off=_link_seconds(calls + copies - handed_copies, crossing - handed, link),
+        merges=merge_proposals(totals, n))
+
+
+def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) -> list[MergeProposal]:
+    """For each called graph: could one call of the graph feeding it also compute it? Only when
+    every input byte it reads is that graph's output unchanged (no host code between them) and
+    the two are called as often; otherwise the reason, from the counts."""
+    proposals = []
+    for graph, counts in totals.items():
+        sources = dict(sorted(counts.handed_from.items(), key=lambda kv: -kv[1]))
+        upstream = next(iter(sources), None)
+        from_host = counts.bytes_in - sum(sources.values())
+        mergeable = False
+        if upstream is None:
+            reason = "every input comes from host code (user inputs or tensors computed between the calls)"
+        elif from_host > 0:
+            reason = (f"{_mb(from_host / steps)} per step of its inputs come from host code, not unchanged from "
+                      f"{upstream}: a merge would have to take that code into the graph")
+        elif len(sources) > 1:
+            reason = f"fed by several graphs ({', '.join(sources)}): a merge would take them all into one call"
+        elif (feeding := totals.get(upstream)) is None or feeding.calls != counts.calls:
+            reason = f"called {counts.calls} times against {feeding.calls if feeding else 0} calls of {upstream}"
+        else:
+            mergeable = True
+            reason = f"every input is {upstream}'s output, unchanged: one call of both would do"
+        proposals.append(MergeProposal(
+            graph=graph, upstream=upstream, mergeable=mergeable, reason=reason,
+            calls_saved_per_step=round(counts.calls / steps, 3) if mergeable else 0.0,
+            bytes_saved_per_step=round(counts.bytes_in / steps, 1) if mergeable else 0.0))
+    return proposals
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB"
 
 
 def _link_seconds(round_trips: float, nbytes: float, link: LinkCost) -> float:
