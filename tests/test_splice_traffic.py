@@ -154,3 +154,82 @@ def test_graphs_called_unequally_or_fed_by_several_graphs_are_not_proposed():
     merges = {m.graph: m for m in traffic_report(steps, _link()).merges}
     assert not merges["c"].mergeable and merges["c"].reason == "called 3 times against 1 calls of a"
     assert not merges["d"].mergeable and merges["d"].reason.startswith("fed by several graphs (a, b)")
+
+
+# --------------------------------------------------------------------------- device-resident hand-offs
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3.0
+
+
+class Shift(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h - 1.0
+
+
+class TwoGraphs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Scale(), Shift()
+
+    def forward(self, x: torch.Tensor, glue: bool = False) -> torch.Tensor:
+        h = self.first(x)
+        return self.second(h + 0 if glue else h)
+
+
+@pytest.fixture(scope="module")
+def onnx_pair(tmp_path_factory):
+    """Two real ONNX Runtime sessions and their contracts."""
+    from omskills.runtime import open_backend
+
+    folder = tmp_path_factory.mktemp("pair")
+    host, x = TwoGraphs(), torch.randn(4, 16)
+    with torch.no_grad():
+        first, second = capture_contracts(host, {"first": "first", "second": "second"}, lambda: host(x))
+    for contract, module in ((first, host.first), (second, host.second)):
+        torch.onnx.export(module, (x,), str(folder / f"{contract.candidate}.onnx"), dynamo=False,
+                          input_names=[contract.inputs[0].name], output_names=[contract.outputs[0].name])
+    backends = {name: open_backend(folder / f"{name}.onnx", "onnxruntime") for name in ("first", "second")}
+    return host, x, (first, second), backends
+
+
+def _run_pair(onnx_pair, resident: bool, glue: bool = False):
+    host, x, (first, second), backends = onnx_pair
+    with splice(host, [(first, backends["first"]), (second, backends["second"])], resident=resident) as handle, torch.no_grad():
+        results = []
+        for index in range(3):
+            results.append(host(x, glue).clone())
+            handle.traffic.step_done(index)
+    return results, traffic_report(handle.traffic.steps(), _link())
+
+
+def test_an_output_read_unchanged_by_the_next_graph_is_handed_on_as_the_sessions_own_value(onnx_pair):
+    host, x = onnx_pair[0], onnx_pair[1]
+    resident, report = _run_pair(onnx_pair, resident=True)
+    host_arrays, plain = _run_pair(onnx_pair, resident=False)
+    assert report.resident_copies_per_step == 1.0 and plain.resident_copies_per_step == 0.0
+    second = next(g for g in report.per_graph if g.graph == "second")
+    assert (second.resident_copies, second.resident_in) == (3, 3 * x.nbytes)
+    # Parity unchanged: the same values, bit for bit, with and without the hand-offs.
+    for a, b in zip(resident, host_arrays):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(resident[0], x * 3.0 - 1.0)
+    # Everything else counted as before: calls, copies and bytes that would cross a link.
+    assert (report.calls_per_step, report.copies_per_step, report.bytes_per_step) == (
+        plain.calls_per_step, plain.copies_per_step, plain.bytes_per_step)
+
+
+def test_an_output_the_host_computed_on_is_given_as_a_host_array(onnx_pair):
+    _, report = _run_pair(onnx_pair, resident=True, glue=True)
+    assert report.resident_copies_per_step == 0.0 and report.handed_in_per_step == 0.0
+
+
+def test_the_probe_of_a_tensor_too_long_for_float_indices_stays_inside_it():
+    from omskills.runtime.traffic import PROBE_VALUES, _probe
+
+    tensor = torch.zeros(21233664, dtype=torch.uint8)  # a float32 linspace of its indices ends past it
+    tensor[-1] = 7
+    probe = _probe(tensor)
+    assert len(probe) == PROBE_VALUES and probe[-1] == 7 and probe[0] == 0

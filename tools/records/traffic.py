@@ -19,6 +19,9 @@ class GraphTraffic(Record):
         "a hand-off that could stay on the device."))
     handed_copies: int = Field(0, description="How many of the input copies were such hand-offs.")
     handed_from: dict[str, int] = Field(default_factory=dict, description="Producing graph -> bytes of `handed_in` it produced.")
+    resident_copies: int = Field(0, description=(
+        "Input copies not made: hand-offs given to the runtime as the producing session's own value (counted, not predicted)."))
+    resident_in: int = Field(0, description="Bytes of those inputs.")
 
 
 class StepTraffic(Record):
@@ -51,6 +54,11 @@ class StepTraffic(Record):
     def handed_in(self) -> int:
         """Input bytes in the step that were another graph's output, unchanged."""
         return sum(g.handed_in for g in self.graphs)
+
+    @property
+    def resident_copies(self) -> int:
+        """Input copies in the step that a device-resident hand-off avoided."""
+        return sum(g.resident_copies for g in self.graphs)
 
 
 class LinkCost(Record):
@@ -90,6 +98,8 @@ class TrafficReport(Record):
         "Predicted (not measured) host<->device seconds per step: (calls + copies) x round trip + bytes / bandwidth."))
     predicted_link_s_per_step_handed_off: float = Field(description=(
         "The same prediction with every unchanged hand-off kept on the device (its copy in not made)."))
+    resident_copies_per_step: float = Field(0.0, description=(
+        "Mean input copies per step avoided by handing an output on as the runtime's own value (counted)."))
     merges: list[MergeProposal] = Field(default_factory=list, description=(
         "Per called graph, whether it could merge with the graph feeding it: proposals only, no merged graph is built."))
     label: str = Field("predicted by a cost model from counted calls and bytes, not measured on a device",

@@ -7,12 +7,13 @@ same import name as `onnxruntime`; whichever wheel is installed decides what is 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 from omskills.isolation import trim_heap
-from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
+from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend, check_feeds
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
 # of this project), then a GPU, then the CPU that is always there.
@@ -172,6 +173,41 @@ class OnnxRuntimeBackend(RuntimeBackend):
         # The heap is not trimmed after a run: the next run, or PyTorch between calls, reuses those
         # pages, and trimming made it fault them in again (a memory-attention call: 14 % slower).
         return dict(zip(names, values))
+
+    @property
+    def holds_values(self) -> bool:
+        """Whether `run_values` serves this session: ONNX Runtime's CPU, where an OrtValue and the
+        numpy array viewing it are one buffer (a device provider would need its own binding)."""
+        self.activate()
+        return self.device == CPU_PROVIDER and not self.fused_attention_blocks
+
+    def run_values(self, feeds: Mapping[str, object]) -> dict[str, object]:
+        """`run` with values that stay in ONNX Runtime: an input may be an OrtValue another session
+        returned, bound as it is; every output comes back as an OrtValue on the session's device.
+        The spliced pipeline hands an output on this way when the next graph reads it unchanged."""
+        import onnxruntime
+
+        if not self.holds_values:
+            raise BackendError(f"{self.path.name}: runs on {self.device}, where outputs are not kept as values")
+        values = {k: v for k, v in feeds.items() if isinstance(v, onnxruntime.OrtValue)}
+        arrays = check_feeds(self._inputs, {k: values[k].numpy() if k in values else v for k, v in feeds.items()},
+                             model=self.path.name)
+        binding = self._session.io_binding()
+        for name, array in arrays.items():
+            if name in values:
+                binding.bind_ortvalue_input(name, values[name])
+            else:
+                binding.bind_cpu_input(name, np.require(array, requirements="C"))
+        names = [spec.name for spec in self._outputs]
+        for name in names:
+            binding.bind_output(name, "cpu")
+        started = time.perf_counter()
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime failed to run {self.path.name}: {_first_line(exc)}") from exc
+        self.last_seconds = time.perf_counter() - started
+        return dict(zip(names, binding.get_outputs()))
 
     def _deactivate_impl(self) -> None:
         self._session = None

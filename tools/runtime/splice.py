@@ -209,6 +209,7 @@ class _Route:
         self.bound_constants = self._bound_constants(contract)
         self.output_constants = self._output_constants(contract)
         self.feed_names = self._feed_names(contract, backend)
+        self._holds_values: bool | None = None  # asked at the first call: asking loads the backend
         self.calls = 0  # calls this graph answered or, when none could, was held to account for
         self.backend_seconds: list[float] = []
         self.fallback_events: list[FallbackEvent] = []
@@ -282,9 +283,13 @@ class _Route:
         feeds = {name: np.require(by_name[name].detach().cpu().numpy(), requirements="C") for name in self.feed_names}
         key = self.memo.key(feeds) if self.memo is not None else None
         produced = self.memo.get(key) if key is not None else None
-        ran = produced is None
+        ran, values, resident = produced is None, None, []
         if produced is None:
-            produced = self.backend.run(feeds)
+            if self.holds_values:
+                values, resident = self._run_values(by_name, feeds)
+                produced = {name: value.numpy() for name, value in values.items()}  # views, not copies
+            else:
+                produced = self.backend.run(feeds)
             if key is not None:
                 self.memo.put(key, produced)
         # Outputs go where the caller's tensors are (the contract's device is the capture's).
@@ -292,8 +297,29 @@ class _Route:
         outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
         if ran:  # a call answered from memory ran nothing and moved nothing
             self.backend_seconds.append(time.perf_counter() - started)
-            self.traffic.record(self.contract.candidate, [by_name[name] for name in self.feed_names], feeds, outputs)
+            kept = [values[spec.name] for spec in self.contract.outputs] if values is not None else None
+            self.traffic.record(self.contract.candidate, [by_name[name] for name in self.feed_names], feeds, outputs,
+                                kept, resident)
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
+
+    @property
+    def holds_values(self) -> bool:
+        """Whether outputs are kept as the runtime's own values, handed on as they are to a graph
+        that reads them unchanged (a backend offering `run_values`)."""
+        if self._holds_values is None:
+            self._holds_values = self.traffic.keep_values and bool(getattr(self.backend, "holds_values", False))
+        return self._holds_values
+
+    def _run_values(self, by_name: Mapping[str, torch.Tensor], feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], list[str]]:
+        """The call with each input that is another graph's output, unchanged, given as that graph's
+        own runtime value (a device-resident hand-off); the outputs as the runtime's values."""
+        bound: dict[str, Any] = dict(feeds)
+        for name, array in feeds.items():
+            value = self.traffic.resident_value(by_name[name])
+            if value is not None and _same_buffer(value, array):
+                bound[name] = value
+        resident = [name for name in feeds if bound[name] is not feeds[name]]
+        return self.backend.run_values(bound), resident
 
     def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
         if spec.name not in produced:
@@ -432,13 +458,13 @@ class _Replaced:
 class SpliceHandle:
     """The splices made in one model; `unsplice()` (or leaving the `with` block) undoes them."""
 
-    def __init__(self, root: nn.Module, strict: bool = False) -> None:
+    def __init__(self, root: nn.Module, strict: bool = False, resident: bool = True) -> None:
         self.root = root
         self.strict = strict
         self._replaced: list[_Replaced] = []  # in place now
         self._spliced: list[SplicedModule] = []  # every splice made, kept for stats after unsplice
         # Every backend call of every splice, by step: give `traffic.step_done` to the run's hooks.
-        self.traffic = TrafficMeter()
+        self.traffic = TrafficMeter(keep_values=resident)
 
     @property
     def modules(self) -> dict[str, SplicedModule]:
@@ -489,6 +515,12 @@ class SpliceHandle:
 
 
 
+def _same_buffer(value: Any, array: np.ndarray) -> bool:
+    """Whether a runtime value holds exactly `array`: the same memory, dtype and shape."""
+    view = value.numpy()
+    return view.dtype == array.dtype and view.shape == array.shape and view.ctypes.data == array.ctypes.data
+
+
 def _submodule(root: nn.Module, path: str, contract: ContractSpec) -> nn.Module:
     try:
         return root.get_submodule(path)
@@ -509,16 +541,19 @@ def splice(
     *,
     strategies: Mapping[str, ShapeStrategy] | None = None,
     strict: bool = False,
+    resident: bool = True,
 ) -> SpliceHandle:
     """Replace each contract's candidate in `root` by a module running its backend.
 
     strategies: candidate -> the shape strategy its artifact was built for (optional); without one
     the contract's observed shapes are the ones allowed. All or nothing: if one splice fails,
     those already made are undone before the error is raised. `strict`: a call outside the contracts
-    raises ContractViolation instead of running the original module.
+    raises ContractViolation instead of running the original module. `resident`: a graph output
+    another graph reads unchanged is handed on as the runtime's own value where the backends
+    offer it (`run_values`), not as a host array.
     """
     strategies = strategies or {}
-    handle = SpliceHandle(root, strict)
+    handle = SpliceHandle(root, strict, resident)
     try:
         for contract, backend in replacements:
             handle.add(contract, backend, strategies.get(contract.candidate))

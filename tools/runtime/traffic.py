@@ -15,6 +15,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ class _Counts:
     bytes_out: int = 0
     copies: int = 0
     handed_copies: int = 0
+    resident_copies: int = 0
+    resident_in: int = 0
     handed_from: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, other: _Counts | GraphTraffic) -> None:
@@ -39,13 +42,16 @@ class _Counts:
         self.bytes_out += other.bytes_out
         self.copies += other.copies
         self.handed_copies += other.handed_copies
+        self.resident_copies += other.resident_copies
+        self.resident_in += other.resident_in
         for source, nbytes in other.handed_from.items():
             self.handed_from[source] += nbytes
 
     def as_record(self, graph: str) -> GraphTraffic:
         return GraphTraffic(graph=graph, calls=self.calls, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                             copies=self.copies, handed_in=sum(self.handed_from.values()),
-                            handed_copies=self.handed_copies, handed_from=dict(self.handed_from))
+                            handed_copies=self.handed_copies, handed_from=dict(self.handed_from),
+                            resident_copies=self.resident_copies, resident_in=self.resident_in)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class _Produced:
     nbytes: int
     version: int | None  # None for an inference tensor, which keeps no version counter
     probe: bytes  # a sample of its values: what shows an in-place write when there is no counter
+    value: Any = None  # the runtime's own value of it (an OrtValue), to hand on as it is
 
 
 PROBE_VALUES = 64
@@ -62,7 +69,9 @@ PROBE_VALUES = 64
 
 def _probe(tensor: torch.Tensor) -> bytes:
     flat = tensor.reshape(-1)
-    picks = torch.linspace(0, flat.numel() - 1, min(PROBE_VALUES, flat.numel())).long()
+    count = min(PROBE_VALUES, flat.numel())
+    # Integer steps: a float linspace rounds the last index of a 21-million-element tensor past its end.
+    picks = torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)
     return flat[picks].cpu().numpy().tobytes()
 
 
@@ -74,8 +83,11 @@ class TrafficMeter:
     """Counts every backend call of a splice. Calls are counted toward the step the driver reports
     next (`step_done`); calls after the last report (teardown) toward a step of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_values: bool = True) -> None:
         self.error: str | None = None  # why counting stopped: a measurement never changes a call's outcome
+        # Keep each output's runtime value while its tensor lives, so a graph reading it unchanged
+        # is given that value (a device-resident hand-off) rather than a host array.
+        self.keep_values = keep_values
         self._steps: dict[int | None, dict[str, _Counts]] = {}
         self._pending: dict[str, _Counts] = defaultdict(_Counts)
         # An output tensor of a graph, by the address of its data, while the tensor lives: an input
@@ -83,32 +95,49 @@ class TrafficMeter:
         self._produced: dict[int, _Produced] = {}
 
     def record(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
-               outputs: Sequence[torch.Tensor]) -> None:
+               outputs: Sequence[torch.Tensor], values: Sequence[Any] | None = None,
+               resident: Sequence[str] = ()) -> None:
+        """One backend call: `values`, the runtime's own value of each output (to hand on);
+        `resident`, the feeds that were given as such values instead of host arrays."""
         if self.error is not None:
             return
         try:
-            self._count(graph, inputs, feeds, outputs)
+            self._count(graph, inputs, feeds, outputs, values if self.keep_values else None, resident)
         except Exception as err:  # noqa: BLE001 - the call itself succeeded; only its count is lost
             self.error = f"{graph}: {one_line(err, 200)}"
             logger.warning("host-device traffic no longer counted (%s)", self.error)
 
     def _count(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
-               outputs: Sequence[torch.Tensor]) -> None:
+               outputs: Sequence[torch.Tensor], values: Sequence[Any] | None, resident: Sequence[str]) -> None:
         counts = self._pending[graph]
         counts.calls += 1
         counts.bytes_in += sum(int(array.nbytes) for array in feeds.values())
         counts.bytes_out += sum(int(t.nbytes) for t in outputs)
         counts.copies += len(feeds) + len(outputs)
+        counts.resident_copies += len(resident)
+        counts.resident_in += sum(int(feeds[name].nbytes) for name in resident)
         self._produced = {a: p for a, p in self._produced.items() if p.tensor() is not None}
         for tensor in inputs:
             source = self._handed_from(tensor)
             if source is not None and source != graph:
                 counts.handed_from[source] += int(tensor.nbytes)
                 counts.handed_copies += 1
-        for tensor in outputs:
+        for k, tensor in enumerate(outputs):
             if tensor.nbytes:
                 self._produced[tensor.data_ptr()] = _Produced(graph, weakref.ref(tensor), int(tensor.nbytes),
-                                                              _version(tensor), _probe(tensor))
+                                                              _version(tensor), _probe(tensor),
+                                                              values[k] if values is not None else None)
+
+    def resident_value(self, tensor: torch.Tensor) -> Any:
+        """The runtime value of a graph output `tensor` still is, unchanged since, or None."""
+        if self.error is not None or not self.keep_values:
+            return None
+        try:
+            if self._handed_from(tensor) is None:
+                return None
+            return self._produced[tensor.data_ptr()].value
+        except Exception:  # noqa: BLE001 - the host array is always a correct feed
+            return None
 
     def step_done(self, index: int) -> None:
         """The driver finished step `index`: the calls since the last report were its calls."""
@@ -160,6 +189,7 @@ def traffic_report(steps: list[StepTraffic], link: LinkCost) -> TrafficReport:
         calls_per_step=round(calls, 3), copies_per_step=round(copies, 3), bytes_per_step=round(crossing, 1), handed_in_per_step=round(handed, 1),
         predicted_link_s_per_step=_link_seconds(calls + copies, crossing, link),
         predicted_link_s_per_step_handed_off=_link_seconds(calls + copies - handed_copies, crossing - handed, link),
+        resident_copies_per_step=round(sum(s.resident_copies for s in counted) / n, 3),
         merges=merge_proposals(totals, n))
 
 
