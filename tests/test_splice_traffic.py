@@ -233,3 +233,13 @@ def test_the_probe_of_a_tensor_too_long_for_float_indices_stays_inside_it():
     tensor[-1] = 7
     probe = _probe(tensor)
     assert len(probe) == PROBE_VALUES and probe[-1] == 7 and probe[0] == 0
+
+
+def test_a_kept_value_is_let_go_once_its_tensor_is_gone_and_the_step_ends(onnx_pair):
+    host, x, (first, second), backends = onnx_pair
+    with splice(host, [(first, backends["first"])]) as handle, torch.no_grad():
+        out = host.first(x)
+        assert handle.traffic.resident_value(out) is not None
+        del out
+        handle.traffic.step_done(0)
+    assert handle.traffic._produced == {}

@@ -116,7 +116,7 @@ class TrafficMeter:
         counts.copies += len(feeds) + len(outputs)
         counts.resident_copies += len(resident)
         counts.resident_in += sum(int(feeds[name].nbytes) for name in resident)
-        self._produced = {a: p for a, p in self._produced.items() if p.tensor() is not None}
+        self._forget_dead()
         for tensor in inputs:
             source = self._handed_from(tensor)
             if source is not None and source != graph:
@@ -142,6 +142,10 @@ class TrafficMeter:
     def step_done(self, index: int) -> None:
         """The driver finished step `index`: the calls since the last report were its calls."""
         self._merge(index)
+        self._forget_dead()  # a kept runtime value holds its buffer: none outlives its tensor by a step
+
+    def _forget_dead(self) -> None:
+        self._produced = {a: p for a, p in self._produced.items() if p.tensor() is not None}
 
     def steps(self) -> list[StepTraffic]:
         """Every step's counts, in step order (calls after the last step last, with step None)."""
