@@ -243,3 +243,30 @@ def test_a_kept_value_is_let_go_once_its_tensor_is_gone_and_the_step_ends(onnx_p
         del out
         handle.traffic.step_done(0)
     assert handle.traffic._produced == {}
+
+
+class Recurrent(torch.nn.Module):
+    """A step that reads its own previous output, as an optical-flow update or a tracker's state does."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = Scale()
+
+    def forward(self, x: torch.Tensor, steps: int = 3) -> torch.Tensor:
+        for _ in range(steps):
+            x = self.first(x)
+        return x
+
+
+def test_a_graph_reading_its_own_previous_output_counts_it_as_a_hand_off_but_proposes_no_merge(onnx_pair):
+    host, x, (first, _), backends = onnx_pair
+    loop = Recurrent()
+    with splice(loop, [(first, backends["first"])]) as handle, torch.no_grad():
+        result = loop(x)
+        handle.traffic.step_done(0)
+    torch.testing.assert_close(result, x * 27.0)
+    report = traffic_report(handle.traffic.steps(), _link())
+    [graph] = report.per_graph
+    assert graph.handed_from == {"first": 2 * x.nbytes} and graph.resident_copies == 2 and graph.resident_in == 2 * x.nbytes
+    [merge] = report.merges
+    assert not merge.mergeable and merge.upstream is None and "its own earlier outputs" in merge.reason

@@ -119,7 +119,7 @@ class TrafficMeter:
         self._forget_dead()
         for tensor in inputs:
             source = self._handed_from(tensor)
-            if source is not None and source != graph:
+            if source is not None:  # its own earlier output too: a recurrent state can stay on the device
                 counts.handed_from[source] += int(tensor.nbytes)
                 counts.handed_copies += 1
         for k, tensor in enumerate(outputs):
@@ -203,12 +203,13 @@ def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) ->
     the two are called as often; otherwise the reason, from the counts."""
     proposals = []
     for graph, counts in totals.items():
-        sources = dict(sorted(counts.handed_from.items(), key=lambda kv: -kv[1]))
+        sources = dict(sorted(((s, n) for s, n in counts.handed_from.items() if s != graph), key=lambda kv: -kv[1]))
         upstream = next(iter(sources), None)
-        from_host = counts.bytes_in - sum(sources.values())
+        from_host = counts.bytes_in - sum(counts.handed_from.values())
         mergeable = False
         if upstream is None:
-            reason = "every input comes from host code (user inputs or tensors computed between the calls)"
+            reason = ("no input is another graph's output: " + ("it reads its own earlier outputs unchanged, the rest "
+                      if graph in counts.handed_from else "") + "from host code (user inputs or tensors computed between the calls)")
         elif from_host > 0:
             reason = (f"{_mb(from_host / steps)} per step of its inputs come from host code, not unchanged from "
                       f"{upstream}: a merge would have to take that code into the graph")
