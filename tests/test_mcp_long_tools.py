@@ -188,6 +188,14 @@ def _tree(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+def _command_line(proc: psutil.Process) -> list[str]:
+    """Its command line, or nothing for a process that ended (or is a zombie) while being looked at."""
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
 def _wait_for(condition, seconds: float, what: str):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -261,7 +269,7 @@ def test_kill_9_of_omskills_adapt_leaves_no_process(tmp_path):
     try:
         def serving() -> list[psutil.Process] | None:
             tree = _tree(adapt.pid)
-            servers = [p for p in tree if "serve" in p.cmdline()]
+            servers = [p for p in tree if "serve" in _command_line(p)]
             # Past start-up and inside the tools: the record has a step of its own.
             try:
                 working = bool(load_record(run / "task.yaml").stages)
