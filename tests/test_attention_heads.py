@@ -93,3 +93,19 @@ def test_attention_whose_scores_a_branch_reads_is_left_whole(tmp_path):
     before = model.SerializeToString()
     assert split_attention_heads(model, min_bytes=SCORES_BYTES, slice_bytes=SCORES_BYTES // 2) == 0
     assert model.SerializeToString() == before
+
+
+def test_a_saved_emulated_graph_splits_its_attention_and_runs_to_the_same_values(tmp_path, monkeypatch):
+    import omskills.ascend.attention_heads as attention_heads
+    from omskills.ascend.emulation import run_emulated, save_emulated
+
+    path, feeds = _attention(tmp_path)
+    prepared = prepare(path)
+    whole = run_beside(path, emulated_model(prepared, precisions_for(prepared, "force_fp16")), feeds)["out"]
+    # The tiny layer made "big": the graph the precision plan splices is the split one.
+    monkeypatch.setattr(attention_heads, "SPLIT_MIN_BYTES", SCORES_BYTES)
+    monkeypatch.setattr(attention_heads, "SLICE_MAX_BYTES", SCORES_BYTES // 2)
+    out = save_emulated(prepare(path), precisions_for(prepared, "force_fp16"), tmp_path / "attention.emu.onnx")
+    saved = onnx.load(str(out), load_external_data=False)
+    assert [n.op_type for n in saved.graph.node].count("Softmax") == 2
+    np.testing.assert_array_equal(run_emulated(out, feeds)["out"], whole)

@@ -48,9 +48,11 @@ class _Region:
     slice_heads: int
 
 
-def split_attention_heads(model: onnx.ModelProto, min_bytes: int = SPLIT_MIN_BYTES,
-                          slice_bytes: int = SLICE_MAX_BYTES) -> int:
-    """Rewrite `model` in place; returns how many attention regions now run a few heads at a time."""
+def split_attention_heads(model: onnx.ModelProto, min_bytes: int | None = None, slice_bytes: int | None = None) -> int:
+    """Rewrite `model` in place; returns how many attention regions now run a few heads at a time.
+    Sizes default to SPLIT_MIN_BYTES and SLICE_MAX_BYTES."""
+    min_bytes = SPLIT_MIN_BYTES if min_bytes is None else min_bytes
+    slice_bytes = SLICE_MAX_BYTES if slice_bytes is None else slice_bytes
     if (default_opset(model) or 0) < 13:  # Split takes its sizes as an input, and Softmax its axis, from 13
         return 0
     try:
@@ -128,7 +130,7 @@ def _regions(nodes: list[onnx.NodeProto], shapes: dict, outputs: set[str], min_b
     for node in nodes:
         if id(node) in heads_of and id(node) not in seen:
             group = _grow(node, heads_of, producer, consumers, seen)
-            region = _region(group, nodes, shapes, producer, consumers, outputs, heads_of[id(node)], slice_bytes)
+            region = _region(group, nodes, shapes, consumers, outputs, heads_of[id(node)], slice_bytes)
             if region is not None:
                 found.append(region)
     return found
@@ -148,7 +150,7 @@ def _grow(start: onnx.NodeProto, heads_of: dict, producer: dict, consumers: dict
     return group
 
 
-def _region(group: list[onnx.NodeProto], nodes: list[onnx.NodeProto], shapes: dict, producer: dict, consumers: dict,
+def _region(group: list[onnx.NodeProto], nodes: list[onnx.NodeProto], shapes: dict, consumers: dict,
             outputs: set[str], heads: int, slice_bytes: int) -> _Region | None:
     inside = {id(n) for n in group}
     made = {o for n in group for o in n.output}
