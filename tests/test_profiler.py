@@ -298,6 +298,14 @@ def test_a_model_whose_time_is_in_no_weighted_subtree_gives_no_seed_and_says_wha
         "with parameters within 3 calls of the root, as shares of the model's time (a seed needs 2%): small 0.1%")
 
 
+def test_a_subtree_the_user_names_for_deployment_is_a_seed_however_small_its_measured_share():
+    from omskills.profiling.auto_seeds import seeds_from_profile
+
+    profile = run_frames(Glue(), frames=1)  # small: 0.1% of the model's time, far below a seed's 2%
+    seeds = seeds_from_profile(profile, named=["small", "nothing_by_that_name"])
+    assert [s.module_path for s in seeds] == ["small"] and seeds[0].description.startswith("Sleeper, 0.1% of the model's time")
+
+
 class Stack(nn.Module):
     """A decoder as transformers writes one: blocks in a ModuleList (never called itself), each
     block's feed-forward inside a layer list of its own."""

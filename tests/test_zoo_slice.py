@@ -78,7 +78,8 @@ def test_the_detectors_tensor_only_subtrees_run_on_onnxruntime_and_its_control_p
     record = load_record(detector / "task.yaml")
     assert record.study.seeds_from == "profile"
     spliced = {c.name: c for c in record.verification.candidates}
-    assert {"backbone", "rpn_head"} <= set(spliced)
+    assert {"backbone", "rpn_head"} <= set(spliced)  # rpn_head named in intake.target.deploy
+    assert "named in intake.target.deploy" in record.plan.candidate("rpn_head").reason
     assert all(c.status == "integrated" and c.backend.startswith("onnxruntime:") and c.fallbacks == 0 for c in spliced.values())
     # The RPN takes an ImageList object: not a graph; its head (tensors in, tensors out) is.
     rpn = record.plan.candidate("rpn")

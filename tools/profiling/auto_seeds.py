@@ -12,11 +12,15 @@ Nested ones are kept too: when a subtree's contract is not tensor-only, its chil
 when it is, the plan deploys the outermost one and defers what runs inside it (deployed in its
 place if the outer one fails to export). Shallow subtrees come first, so one deep branch cannot
 take every place: the heaviest at depth 1, then at depth 2, and so on.
+
+A subtree the user names (intake.target.deploy) is a seed whatever its measured share: timings
+of small heads swing with the machine's load, and a declared choice must not depend on them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from omskills.records.plan import Seed
 from omskills.records.profile import ModuleProfile, ProfileReport
@@ -57,14 +61,18 @@ def _weighted_subtrees(profile: ProfileReport) -> list[tuple[int, ModuleProfile]
     return [(depths[n.path], n) for n in profile.nodes if 1 <= depths[n.path] <= AUTO_MAX_DEPTH and n.params_total > 0]
 
 
-def seeds_from_profile(profile: ProfileReport) -> list[Seed]:
+def seeds_from_profile(profile: ProfileReport, named: Collection[str] = ()) -> list[Seed]:
+    """The heaviest subtrees, plus every profiled subtree with parameters whose seed name is in `named`."""
     ranked = [(d, n) for d, n in _weighted_subtrees(profile) if _model_share(n, profile) >= AUTO_MIN_SHARE]
     ranked.sort(key=lambda pair: (pair[0], -pair[1].inclusive_s))
-    nodes = [n for _, n in ranked]
+    nodes = [n for _, n in ranked][:AUTO_MAX_SEEDS]
+    chosen = {n.path for n in nodes}
+    nodes += [n for n in profile.nodes
+              if seed_name(n.path) in named and n.params_total > 0 and n.path and n.path not in chosen]
     return [Seed(name=seed_name(n.path), module_path=n.path, group=n.path.split(".")[0],
                  description=(f"{n.module_class}, {_model_share(n, profile):.1%} of the model's time "
                               f"({n.share:.1%} of the main path), {n.calls} calls (from the profile)"))
-            for n in nodes[:AUTO_MAX_SEEDS]]
+            for n in nodes]
 
 
 def why_no_seeds(profile: ProfileReport) -> str:

@@ -65,7 +65,8 @@ class TargetSpec(Record):
     cann_version: str | None = None
     # The NPU the deployed graphs run on (InferSession's device_id, the CANN provider's device_id).
     device_id: int = Field(default=0, ge=0)
-    # Candidates to deploy whatever their share of the main path (the plan defers small ones).
+    # Candidates to deploy whatever their share of the main path (the plan defers small ones);
+    # for a driver that names no seeds, a profiled subtree of that name is a seed whatever its share.
     deploy: list[str] = Field(default_factory=list)
     # Candidates left in PyTorch whatever their share (a share near the plan's line moves with the
     # machine's load; a module not worth a graph call of its own).

@@ -39,10 +39,12 @@ MAX_SAMPLES = 2
 
 
 def study_inputs_hash(record: TaskRecord, driver: ModelDriver) -> str:
-    """The intake and the driver's code: either changing means another main path."""
+    """The intake and the driver's code: either changing means another main path. Names in
+    intake.target.deploy count too, as they can add seeds (whose contracts the study captures)."""
     intake = record.intake
     return fingerprint(intake.model, intake.inputs, intake.verification, driver.code_fingerprint(),
-                       *([intake.shape_inputs] if intake.shape_inputs else []))
+                       *([intake.shape_inputs] if intake.shape_inputs else []),
+                       *([sorted(intake.target.deploy)] if intake.target.deploy else []))
 
 
 def _counting_hooks(profiler: ModuleProfiler, done: list[int], what: str) -> RunHooks:
@@ -74,14 +76,14 @@ def declared_seeds(driver: ModelDriver) -> list[Seed]:
     return seeds
 
 
-def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any) -> list[Seed]:
+def _discover_seeds(bound: BoundIntake, loaded: LoadedModel, data: Any, named: list[str]) -> list[Seed]:
     """The main path under the profiler alone (warm passes for a fast model); its heaviest subtrees become the seeds."""
     def run_pass(profiler: ModuleProfiler) -> None:
         run_seeded(bound.driver, loaded, data, bound.inputs, bound.verification,
                                    _counting_hooks(profiler, [0], "discovery run"))
 
     profile, _ = discovery_profile(loaded.root, run_pass)
-    seeds = seeds_from_profile(profile)
+    seeds = seeds_from_profile(profile, named)
     if not seeds:
         raise StageError("the profile shows no subtree with parameters worth a graph: name seed candidates in the "
                          f"driver. {why_no_seeds(profile)}")
@@ -116,7 +118,7 @@ def ensure_study(task_path: Path) -> TaskRecord:
     with running_step(task_path, STEP, inputs_hash) as step:
         declared = declared_seeds(driver)
         progress.report(0, None, "study: seeds from the driver" if declared else "study: discovery run to find seed candidates...")
-        seeds = declared or _discover_seeds(bound, loaded, data)
+        seeds = declared or _discover_seeds(bound, loaded, data, record.intake.target.deploy)
         tracker = ProvenanceTracker()
         profiler = ModuleProfiler(loaded.root)
         steps_done = [0]
