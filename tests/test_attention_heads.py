@@ -109,3 +109,103 @@ def test_a_saved_emulated_graph_splits_its_attention_and_runs_to_the_same_values
     saved = onnx.load(str(out), load_external_data=False)
     assert [n.op_type for n in saved.graph.node].count("Softmax") == 2
     np.testing.assert_array_equal(run_emulated(out, feeds)["out"], whole)
+
+
+def _exported_attention(tmp_path):
+    """Attention as the dynamo exporter writes it: K^T reshaped to a shape the graph computes
+    (Shape, Slice, Concat), so plain shape inference cannot size the score tensor."""
+    rng = np.random.default_rng(1)
+    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["q"], ["q_shape"], name="q_shape"),
+        helper.make_node("Slice", ["q_shape", "zero", "two"], ["batch_heads"], name="batch_heads"),
+        helper.make_node("Concat", ["batch_heads", "dim_tokens"], ["kt_shape"], name="kt_shape", axis=0),
+        helper.make_node("Reshape", ["k_flat", "kt_shape"], ["kt"], name="kt"),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+        helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv"),
+    ]
+    constants = [numpy_helper.from_array(np.array(v, np.int64), n)
+                 for n, v in (("zero", [0]), ("two", [2]), ("dim_tokens", [DIM, TOKENS]))]
+    graph = helper.make_graph(nodes, "exported", [vi("q", [1, HEADS, TOKENS, DIM]), vi("k_flat", [1, HEADS * DIM, TOKENS]),
+                                                  vi("v", [1, HEADS, TOKENS, DIM])],
+                              [vi("out", [1, HEADS, TOKENS, DIM])], initializer=constants)
+    path = tmp_path / "exported.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    feeds = {"q": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32) * 10,
+             "k_flat": rng.normal(size=(1, HEADS * DIM, TOKENS)).astype(np.float32) * 10,
+             "v": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32)}
+    return path, feeds
+
+
+def test_attention_whose_reshapes_the_graph_computes_is_split_too(tmp_path):
+    path, _ = _exported_attention(tmp_path)
+    model = onnx.load(str(path))
+    plain = {i.name: i for i in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    assert not plain["scores"].type.tensor_type.shape.dim[3].HasField("dim_value")  # what plain inference sees
+    assert split_attention_heads(model, min_bytes=SCORES_BYTES, slice_bytes=SCORES_BYTES // 2) == 1
+
+
+def test_the_overflow_counting_run_splits_attention_first_and_counts_and_computes_the_same(tmp_path, monkeypatch):
+    import omskills.ascend.emulation as emulation
+    import omskills.ascend.attention_heads as attention_heads
+    from omskills.ascend.emulation import prepared_light, run_emulated_with_overflow
+
+    path, feeds = _attention(tmp_path)
+    feeds = {**feeds, "q": feeds["q"] * 40}  # scores beyond fp16's range: some overflow to count
+    with prepared_light(path) as prepared:
+        precisions = precisions_for(prepared, "force_fp16")
+        whole, whole_overflow = run_emulated_with_overflow(prepared, precisions, feeds)
+        monkeypatch.setattr(attention_heads, "SPLIT_MIN_BYTES", SCORES_BYTES)  # the tiny layer made "big"
+        monkeypatch.setattr(attention_heads, "SLICE_MAX_BYTES", SCORES_BYTES // HEADS)
+        built = []
+        monkeypatch.setattr(emulation, "emulated_model",
+                            lambda p, *a, **k: built.append(p.model) or emulated_model(p, *a, **k))
+        split, split_overflow = run_emulated_with_overflow(prepared, precisions, feeds)
+    assert [n.op_type for n in built[0].graph.node].count("Softmax") == HEADS  # what ran was split, one head a slice
+    assert whole_overflow > 0 and split_overflow == whole_overflow
+    np.testing.assert_array_equal(split["out"], whole["out"])
+
+
+def test_attention_against_a_memory_of_open_length_is_split_one_head_at_a_time(tmp_path, monkeypatch):
+    import omskills.ascend.attention_heads as attention_heads
+
+    queries, heads, dim = 4096, 2, 4  # a long known query length; the memory's length is open
+    rng = np.random.default_rng(2)
+    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+             helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv")]
+    graph = helper.make_graph(nodes, "memory", [vi("q", [1, heads, queries, dim]), vi("kt", [1, heads, dim, "memory"]),
+                                                vi("v", [1, heads, "memory", dim])], [vi("out", [1, heads, queries, dim])])
+    path = tmp_path / "memory.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    feeds = {"q": rng.normal(size=(1, heads, queries, dim)).astype(np.float32) * 5,
+             "kt": rng.normal(size=(1, heads, dim, 24)).astype(np.float32) * 5,
+             "v": rng.normal(size=(1, heads, 24, dim)).astype(np.float32)}
+    monkeypatch.setattr(attention_heads, "OPEN_BESIDE_MIN_TOKENS", queries + 1)
+    whole = _emulated(path)
+    assert "Split" not in [n.op_type for n in whole.graph.node]  # under the line: left whole
+    monkeypatch.setattr(attention_heads, "OPEN_BESIDE_MIN_TOKENS", queries)
+    split = _emulated(path)
+    assert [n.op_type for n in split.graph.node].count("Softmax") == heads
+    np.testing.assert_array_equal(run_beside(path, split, feeds)["out"], run_beside(path, whole, feeds)["out"])
+
+
+def test_a_graph_split_twice_keeps_its_node_names_unique():
+    # The overflow-counting run splits the fp32 graph, then the emulated graph is offered to the split again.
+    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    nodes, inputs, outputs = [], [], []
+    for layer, tokens in (("small", TOKENS), ("large", 2 * TOKENS)):
+        nodes += [helper.make_node("MatMul", [f"{layer}_q", f"{layer}_kt"], [f"{layer}_scores"], name=f"{layer}_qk"),
+                  helper.make_node("Softmax", [f"{layer}_scores"], [f"{layer}_probs"], name=f"{layer}_softmax", axis=-1),
+                  helper.make_node("MatMul", [f"{layer}_probs", f"{layer}_v"], [f"{layer}_out"], name=f"{layer}_pv")]
+        inputs += [vi(f"{layer}_q", [1, HEADS, tokens, DIM]), vi(f"{layer}_kt", [1, HEADS, DIM, tokens]),
+                   vi(f"{layer}_v", [1, HEADS, tokens, DIM])]
+        outputs.append(vi(f"{layer}_out", [1, HEADS, tokens, DIM]))
+    model = helper.make_model(helper.make_graph(nodes, "two", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)])
+    assert split_attention_heads(model, min_bytes=4 * SCORES_BYTES, slice_bytes=SCORES_BYTES) == 1  # the large one
+    assert split_attention_heads(model, min_bytes=SCORES_BYTES, slice_bytes=SCORES_BYTES // 2) == 1  # then the small one
+    names = [n.name for n in model.graph.node]
+    assert len(names) == len(set(names))
+    onnx.checker.check_model(model)

@@ -1,4 +1,4 @@
-"""Attention computed a few heads at a time, for ONNX Runtime sessions of emulated graphs.
+"""Emulated attention computed a few heads at a time, for ONNX Runtime sessions of emulated graphs.
 
 An emulated graph rounds each operator's output to fp16 with a pair of Casts, which hides the
 attention pattern from `attention_fusion`, so every attention layer holds its score matrix
@@ -9,13 +9,19 @@ image, and the rounding roughly doubles what is alive at once.
 Every operator between an attention layer's two MatMuls works on each head alone, so running
 the same operators on slices of a few heads and concatenating the outputs computes exactly the
 same values, with only a slice of each score-sized tensor alive at a time (the nodes of one
-slice are written together, and ONNX Runtime runs them in the order written when asked to).
-Only regions made entirely of such operators, left through one MatMul, are rewritten; anything
-else stays as it is.
+slice are written together, and ONNX Runtime runs them in that order). Only regions made
+entirely of such operators, left through one MatMul, are rewritten; anything else stays as it
+is. Exporters compute attention's reshapes in the graph (Shape, Slice, Concat), so the score
+shapes are read with ONNX's data propagation.
+
+Graphs in fp32 are left alone: without the Casts, ONNX Runtime fuses some neighbours of a split
+region differently, so the values would move by float rounding, and a deployment (which imports
+no `onnx`) must compute what verify computed.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -28,6 +34,12 @@ from onnx import helper, numpy_helper
 SPLIT_MIN_BYTES = 64 << 20
 # Heads per slice are chosen so that one slice of a score tensor stays under this size.
 SLICE_MAX_BYTES = 128 << 20
+# A score tensor with one length open (unknown until run) is split when its other length is at
+# least this many tokens: full-scale image attention (72 x 72 patches) against a growing memory.
+OPEN_BESIDE_MIN_TOKENS = 4096
+
+_SLICE_NAME = re.compile(r"^(.*)__attention_heads_\d+_\d+$")
+_CONCAT_NAME = re.compile(r"^attention_heads_\d+_concat$")
 
 # Operators that compute each element from the elements at the same position of their inputs
 # (broadcast), or along the last axis only: applied per head, they give the same values.
@@ -56,7 +68,7 @@ def split_attention_heads(model: onnx.ModelProto, min_bytes: int | None = None, 
     if (default_opset(model) or 0) < 13:  # Split takes its sizes as an input, and Softmax its axis, from 13
         return 0
     try:
-        shapes = inferred_shapes(model)
+        shapes = inferred_shapes(model, data_prop=True)  # exporters compute attention's reshapes in the graph
     except Exception:  # noqa: BLE001 - a graph shape inference cannot read runs as it is
         return 0
     graph = model.graph
@@ -66,7 +78,9 @@ def split_attention_heads(model: onnx.ModelProto, min_bytes: int | None = None, 
     if not regions:
         return 0
     replaced = {id(n) for r in regions for n in (*r.nodes, r.exit)}
-    at_exit = {id(r.exit): (i, r) for i, r in enumerate(regions)}
+    # Numbered after the regions an earlier split of this graph made (node names must stay unique).
+    first = sum(1 for n in nodes if _CONCAT_NAME.match(n.name))
+    at_exit = {id(r.exit): (first + i, r) for i, r in enumerate(regions)}
     rebuilt: list[onnx.NodeProto] = []
     for node in nodes:
         if id(node) in at_exit:
@@ -84,12 +98,19 @@ def split_attention_heads(model: onnx.ModelProto, min_bytes: int | None = None, 
 
 
 def _score_heads(shape: list | None, min_bytes: int) -> int | None:
-    """H of a [B, H, Lq, Lk] tensor at least `min_bytes` in fp32 (B unknown counts as 1)."""
-    if shape is None or len(shape) != 4 or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
+    """H of a [B, H, Lq, Lk] tensor at least `min_bytes` in fp32 (B unknown counts as 1), or of one
+    whose other length the graph leaves open beside a long known one (a memory that grows with the
+    frames seen: as large as it gets, so sliced one head at a time)."""
+    if shape is None or len(shape) != 4 or not (isinstance(shape[1], int) and shape[1] > 1):
         return None
     heads, rows, cols = shape[1:]
+    known = [d for d in (rows, cols) if isinstance(d, int) and d > 0]
+    if len(known) == 1 and known[0] >= OPEN_BESIDE_MIN_TOKENS:
+        return heads
+    if len(known) < 2:
+        return None
     batch = shape[0] if isinstance(shape[0], int) and shape[0] > 0 else 1
-    return heads if heads > 1 and batch * heads * rows * cols * 4 >= min_bytes else None
+    return heads if batch * heads * rows * cols * 4 >= min_bytes else None
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:
@@ -173,8 +194,11 @@ def _region(group: list[onnx.NodeProto], nodes: list[onnx.NodeProto], shapes: di
         if how:
             split.append(name)
     sample = shapes[exit.input[0]]
-    per_head = int(np.prod([d if isinstance(d, int) and d > 0 else 1 for d in sample])) * 4 // heads
-    slice_heads = max([h for h in range(1, heads + 1) if heads % h == 0 and h * per_head <= slice_bytes], default=1)
+    if not all(isinstance(d, int) and d > 0 for d in sample[2:]):
+        slice_heads = 1  # a length left open: as large as it gets
+    else:
+        per_head = int(np.prod([d if isinstance(d, int) and d > 0 else 1 for d in sample])) * 4 // heads
+        slice_heads = max([h for h in range(1, heads + 1) if heads % h == 0 and h * per_head <= slice_bytes], default=1)
     if slice_heads == heads:
         return None
     return _Region(nodes=ordered, exit=exit, split=tuple(split), heads=heads, slice_heads=slice_heads)
@@ -192,6 +216,12 @@ def _slicing(shape: list | None, heads: int) -> bool | None:
     if len(shape) == 4 and shape[1] == heads:
         return True
     return None
+
+
+def sliced_from(name: str) -> str | None:
+    """The node a slice's copy was made from (`_sliced` names them), or None."""
+    match = _SLICE_NAME.match(name)
+    return match.group(1) if match else None
 
 
 def _sliced(region: _Region, index: int, graph: onnx.GraphProto) -> list[onnx.NodeProto]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from omskills.ascend.attention_heads import split_attention_heads
+from omskills.ascend.attention_heads import sliced_from, split_attention_heads
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
 from omskills.convert.detached_weights import move_inline_weights
 from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
@@ -112,6 +112,12 @@ def prepare(path: str | Path, weights_to: Path | None = None) -> PreparedGraph:
     if weights_to is not None:
         move_inline_weights(model, weights_to)
         model = released(model)
+    return _prepared(model, path)
+
+
+def _prepared(model: ModelProto, path: Path) -> PreparedGraph:
+    """`model` (read from `path`, whose folder holds its external weights) with every node named
+    and its tensors typed."""
     for index, node in enumerate(model.graph.node):
         if not node.name:
             node.name = f"{node.op_type}_{index}"
@@ -335,9 +341,33 @@ class _OverflowChecks:
 
 def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
                                feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-    """The emulated graph's outputs and its fp16 overflow count, in one run."""
+    """The emulated graph's outputs and its fp16 overflow count, in one run. Attention is split by
+    heads first (`_split_by_heads`): the counts read every rounded tensor, so split afterwards a
+    region would stay whole, each score tensor alive with its copies (gigabytes at full scale)."""
+    split = _split_by_heads(prepared, precisions)
+    if split is not None:
+        prepared, precisions = split
     values = run_beside(prepared.path, emulated_model(prepared, precisions, count_overflow=True), feeds)
     return {k: v for k, v in values.items() if k != OVERFLOW_OUTPUT}, int(values[OVERFLOW_OUTPUT])
+
+
+def _split_by_heads(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]
+                    ) -> tuple[PreparedGraph, dict[str, NodePrecision]] | None:
+    """The fp32 graph with its large attention split by heads, and the precisions of its nodes:
+    each slice computes as the node it was copied from, the Splits and the Concat as fp32 (they
+    move values already rounded, so the emulation is the same bit for bit). None: nothing to split."""
+    model = ModelProto()
+    model.CopyFrom(prepared.model)  # its weights are external: a copy of the graph alone
+    if not split_attention_heads(model):
+        return None
+    split = replace(_prepared(model, prepared.path), rounded_weights_file=prepared.rounded_weights_file,
+                    _rounded_weights=prepared._rounded_weights)
+    mapped: dict[str, NodePrecision] = {}
+    for node in model.graph.node:
+        origin = node.name if node.name in precisions else sliced_from(node.name)
+        if origin is not None and origin in precisions:
+            mapped[node.name] = precisions[origin]
+    return split, mapped
 
 
 def run_reference(prepared: PreparedGraph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

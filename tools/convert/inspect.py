@@ -100,9 +100,16 @@ def default_opset(model: ModelProto) -> int | None:
     return None
 
 
-def inferred_shapes(model: ModelProto) -> dict[str, list[int | str]]:
-    """Every tensor's shape as ONNX shape inference sees it: sizes, dim names, "?" where unknown."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+def inferred_shapes(model: ModelProto, data_prop: bool = False) -> dict[str, list[int | str]]:
+    """Every tensor's shape as ONNX shape inference sees it: sizes, dim names, "?" where unknown.
+    `data_prop`: shapes computed in the graph (Shape, Gather, Concat feeding a Reshape, as exporters
+    write attention) are followed too; where that inference fails, the plain one answers."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+    except Exception:  # noqa: BLE001 - data propagation is stricter than plain inference
+        if not data_prop:
+            raise
+        inferred = onnx.shape_inference.infer_shapes(model)
     infos = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
     return {info.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or UNDECLARED_DIM
                         for d in info.type.tensor_type.shape.dim] for info in infos}

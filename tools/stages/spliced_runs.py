@@ -84,7 +84,11 @@ def _emulated_model(record: TaskRecord, workdir: Path, name: str, emulation: Emu
     source = record.preferred_model(workdir, name)
     kept = f"-keep{fingerprint(sorted(emulation.keep))[:8]}" if emulation.keep else ""
     out = source.with_name(f"{source.stem}.emulated-{emulation.mode}{kept}.onnx")
-    prepared = prepare(source)
+    # Weights the source holds inline go to a file beside the emulated graph first: read along
+    # with the graph, a 2 GB backbone was copied several times over while it was rewritten.
+    inline_weights = out.with_name(f"{out.stem}.fp32.weights")
+    inline_weights.unlink(missing_ok=True)  # appended to weight by weight
+    prepared = prepare(source, weights_to=inline_weights)
     return save_emulated(prepared, precisions_for(prepared, emulation.mode, list(emulation.keep)), out)
 
 
