@@ -16,7 +16,7 @@ Runs `omskills adapt` and measures, in the same run:
 It prints each step beside its floor (rows above 1.5x marked), the verify summary, and a Markdown
 table for benchmarks/RESULTS.md; the figures go to RUN/benchmark/summary.json. Exits with adapt's code.
 
-    .venv/bin/python benchmarks/adapt_full.py [--task T] [--scale full] [--frames N] [--out DIR]
+    .venv/bin/python benchmarks/adapt_full.py [--task T] [--scale full] [--frames N] [--out DIR] [--resume]
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class AdaptBenchmark(BaseModel):
     rss_note: str = RSS_NOTE
     memory_csv: str
     memory_png: str | None
+    resumed: bool = False  # a rerun: stages the record already held as done were neither timed nor sampled
 
 
 def main() -> int:
@@ -121,15 +122,18 @@ def main() -> int:
     parser.add_argument("--frames", type=int)
     parser.add_argument("--precision-budget", type=int, help="passed to omskills adapt")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark-adapt"))
+    parser.add_argument("--resume", action="store_true",
+                        help="measure a rerun of --out: only the stages it still has to do are timed and sampled")
     ns = parser.parse_args()
     out = Path(ns.out)
-    if (out / "task.yaml").exists():
-        sys.exit(f"{out} holds an earlier run; a rerun would resume instead of measuring. Pick another --out.")
+    if (out / "task.yaml").exists() and not ns.resume:
+        sys.exit(f"{out} holds an earlier run; a rerun would resume instead of measuring. Pick another --out "
+                 "(or --resume to measure what the rerun still does).")
     cmd = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
            "adapt", ns.task, "--scale", ns.scale, "--out", str(out)] + (["--frames", str(ns.frames)] if ns.frames else []) \
         + (["--precision-budget", str(ns.precision_budget)] if ns.precision_budget else [])
     tracker, sampler, exit_code, wall = _run_watched(cmd)
-    bench = out / "benchmark"
+    bench = out / ("benchmark-resumed" if ns.resume else "benchmark")
     bench.mkdir(parents=True, exist_ok=True)
     write_memory_csv(sampler.samples, bench / "memory.csv")
     png = bench / "memory.png" if sampler.samples else None
@@ -147,7 +151,8 @@ def main() -> int:
     # The command as a person reads it: the interpreter, then the CLI's arguments (the -c code left out).
     result = AdaptBenchmark(date=dt.date.today().isoformat(), command=cmd[:1] + cmd[3:], out=str(out), exit_code=exit_code,
                             wall_seconds=round(wall, 1), floor=floor, floor_seconds=floor_sum, stages=rows,
-                            peak=sampler.peak, memory_csv=str(bench / "memory.csv"), memory_png=str(png) if png else None)
+                            peak=sampler.peak, memory_csv=str(bench / "memory.csv"), memory_png=str(png) if png else None,
+                            resumed=ns.resume)
     _print_table(result)
     (bench / "summary.json").write_text(result.model_dump_json(indent=2) + "\n")
     print(f"\nsamples {bench / 'memory.csv'}, picture {png or '-'}, figures {bench / 'summary.json'}")
@@ -332,6 +337,8 @@ def _print_table(result: AdaptBenchmark) -> None:
         floor = "-" if r.floor_rule == "none" or r.floor_seconds is None else _num(r.floor_seconds)
         print(f"{r.stage:{width}s} {_num(r.record_seconds):>9s} {_num(r.console_seconds):>9s} {floor:>8s} "
               f"{_ratio_text(r):>8s}  {r.note}")
+    if result.resumed:
+        lines += ["", "Resumed run: stages the record already held as done were skipped, neither timed nor sampled here.", ""]
     total_ratio = f"{result.wall_seconds / result.floor_seconds:.2f}" if result.floor_seconds else "-"
     print(f"{'total':{width}s} {'':>9s} {result.wall_seconds:9.1f} {_num(result.floor_seconds):>8s} {total_ratio:>8s}  "
           "wall from launch to exit; floor = the sum of the rows' floors")
@@ -356,6 +363,8 @@ def _markdown(result: AdaptBenchmark, scale: str, frames: int | None) -> str:
         lines.append(f"| {r.stage} | {_num(r.record_seconds)} | {_num(r.console_seconds)} | {floor} | {ratio} | {r.note} |")
     total_ratio = f"{result.wall_seconds / result.floor_seconds:.2f}" if result.floor_seconds else "-"
     lines.append(f"| **total** | | {result.wall_seconds:.1f} | {_num(result.floor_seconds)} | {total_ratio} | wall, launch to exit |")
+    if result.resumed:
+        lines += ["", "- Resumed run: stages the record already held as done were skipped, neither timed nor sampled here."]
     if result.floor is not None:
         f = result.floor
         lines += ["", f"- E (eager main-path pass, verify) {f.eager_seconds:.1f} s for {f.steps} {f.step_name}s; "
