@@ -209,3 +209,15 @@ def test_a_graph_split_twice_keeps_its_node_names_unique():
     names = [n.name for n in model.graph.node]
     assert len(names) == len(set(names))
     onnx.checker.check_model(model)
+
+
+def test_shapes_of_a_graph_with_a_long_vector_are_inferred_without_data_propagation():
+    # Propagation would turn the vector's million values into dims (gigabytes): the plain inference answers.
+    from omskills.convert.inspect import inferred_shapes
+
+    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    nodes = [helper.make_node("Cast", ["signal"], ["half"], to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT)]
+    model = helper.make_model(helper.make_graph(nodes, "audio", [vi("signal", [1_000_000])], [vi("back", [1_000_000])]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    assert inferred_shapes(model, data_prop=True) == inferred_shapes(model) and inferred_shapes(model)["half"] == [1_000_000]

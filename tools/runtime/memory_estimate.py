@@ -180,7 +180,9 @@ class GraphMemory:
         for value in graph.output:
             value.type.tensor_type.ClearField("shape")
         try:
-            return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+            from omskills.convert.inspect import infer_with_data_prop
+
+            return infer_with_data_prop(model)
         except Exception as err:
             raise OmskillsError(f"{self.path.name}: ONNX shape inference failed for {dict(shapes)} ({one_line(err)})") from err
 
