@@ -337,8 +337,6 @@ def _print_table(result: AdaptBenchmark) -> None:
         floor = "-" if r.floor_rule == "none" or r.floor_seconds is None else _num(r.floor_seconds)
         print(f"{r.stage:{width}s} {_num(r.record_seconds):>9s} {_num(r.console_seconds):>9s} {floor:>8s} "
               f"{_ratio_text(r):>8s}  {r.note}")
-    if result.resumed:
-        lines += ["", "Resumed run: stages the record already held as done were skipped, neither timed nor sampled here.", ""]
     total_ratio = f"{result.wall_seconds / result.floor_seconds:.2f}" if result.floor_seconds else "-"
     print(f"{'total':{width}s} {'':>9s} {result.wall_seconds:9.1f} {_num(result.floor_seconds):>8s} {total_ratio:>8s}  "
           "wall from launch to exit; floor = the sum of the rows' floors")
@@ -346,6 +344,8 @@ def _print_table(result: AdaptBenchmark) -> None:
         f = result.floor
         print(f"E (eager pass)       {f.eager_seconds:.1f} s = {f.steps} {f.step_name}s | S (spliced pass) {f.spliced_seconds:.1f} s")
     print(f"marked ' !'          above {ABOVE}x the floor")
+    if result.resumed:
+        print("resumed run          stages the record already held as done were skipped, neither timed nor sampled here")
     if result.peak is not None:
         p = result.peak
         print(f"peak RSS (tree)      {p.tree_gb:.2f} GB at {p.seconds:.0f} s, {p.processes} processes, during {p.stage}")

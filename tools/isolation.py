@@ -20,6 +20,13 @@ from omskills.stdio import stdout_to_stderr_for_good
 ISOLATE_MIN_BYTES = 512 * 2**20
 # How often the caller, waiting for its child, looks whether its call was cancelled.
 _CANCEL_CHECK_SECONDS = 1.0
+# In a child, blocks from this size up are mapped on their own (glibc's M_MMAP_THRESHOLD) and
+# go back to the system when freed. Under glibc's default the threshold climbs to 32 MB as
+# blocks are freed, so an ONNX Runtime run's activations (no arena) come from the heap, where
+# the small tensors that outlive them keep it from being reused or shrunk: emulating full-scale
+# SAM 3.1's vision backbone took 13.1 GB that way and 4.4 GB with this threshold.
+CHILD_MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 T = TypeVar("T")
 
@@ -46,7 +53,7 @@ def run_in_child(fn: Callable[..., T], *args: Any) -> T:
     than after it finished its work.
     """
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=stdout_to_stderr_for_good) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_start_child) as pool:
         try:
             future = pool.submit(fn, *args)
             while True:
@@ -59,6 +66,28 @@ def run_in_child(fn: Callable[..., T], *args: Any) -> T:
             raise
         except concurrent.futures.process.BrokenProcessPool as err:
             raise ChildDied(f"{err}; out of memory?") from err
+
+
+def _start_child() -> None:
+    stdout_to_stderr_for_good()
+    map_large_blocks()
+
+
+def map_large_blocks(threshold: int = CHILD_MMAP_THRESHOLD_BYTES) -> bool:
+    """Make glibc map every block of `threshold` bytes or more on its own (see
+    CHILD_MMAP_THRESHOLD_BYTES); False where the C library offers no `mallopt`."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
 
 def _end_children(pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -85,10 +114,6 @@ def trim_heap() -> None:
     """Give the heap's free pages back to the system: glibc keeps them for reuse, and a heap that
     held a parsed 2 GB graph or a run's activations stays that big in RSS otherwise. Tens of
     milliseconds for a heap of GBs."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only; elsewhere nothing to do
         libc.malloc_trim(0)
