@@ -180,11 +180,16 @@ class TwoGraphs(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def onnx_pair(tmp_path_factory):
+def onnx_pair_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("pair")
+
+
+@pytest.fixture(scope="module")
+def onnx_pair(onnx_pair_folder):
     """Two real ONNX Runtime sessions and their contracts."""
     from omskills.runtime import open_backend
 
-    folder = tmp_path_factory.mktemp("pair")
+    folder = onnx_pair_folder
     host, x = TwoGraphs(), torch.randn(4, 16)
     with torch.no_grad():
         first, second = capture_contracts(host, {"first": "first", "second": "second"}, lambda: host(x))
@@ -270,3 +275,58 @@ def test_a_graph_reading_its_own_previous_output_counts_it_as_a_hand_off_but_pro
     assert graph.handed_from == {"first": 2 * x.nbytes} and graph.resident_copies == 2 and graph.resident_in == 2 * x.nbytes
     [merge] = report.merges
     assert not merge.mergeable and merge.upstream is None and "its own earlier outputs" in merge.reason
+
+
+# --------------------------------------------------------------------------- merged graphs
+
+
+def test_a_graph_fed_only_by_anothers_unchanged_outputs_runs_inside_its_call_once_merged(onnx_pair, onnx_pair_folder, tmp_path):
+    from omskills.convert.compose import compose_chain, composed_prefix
+    from omskills.runtime import open_backend
+
+    host, x, (first, second), backends = onnx_pair
+    plain, before = _run_pair(onnx_pair, resident=True)
+    proposal = next(m for m in before.merges if m.graph == "second")
+    assert proposal.mergeable and proposal.upstream == "first"
+    assert proposal.io_map == {second.inputs[0].name: first.outputs[0].name}
+
+    prefix = composed_prefix("second")
+    outputs = compose_chain([onnx_pair_folder / "first.onnx", onnx_pair_folder / "second.onnx"], ["first", "second"],
+                            [proposal.io_map], tmp_path / "first_to_second.onnx")
+    assert outputs == [first.outputs[0].name, prefix + second.outputs[0].name]
+    composed = open_backend(tmp_path / "first_to_second.onnx", "onnxruntime")
+    for glue, answered in ((False, 3), (True, 0)):
+        with splice(host, [(first, backends["first"]), (second, backends["second"])]) as handle, torch.no_grad():
+            handle.merge(["first", "second"], composed, [proposal.io_map], [prefix])
+            results = []
+            for index in range(3):
+                results.append(host(x, glue).clone())
+                handle.traffic.step_done(index)
+        after = traffic_report(handle.traffic.steps(), _link())
+        stats = {s.candidate: s for s in handle.stats()}
+        assert stats["second"].merged_hits == answered and stats["second"].calls == 3
+        for a, b in zip(results, plain):  # the same values as the two graphs apart, bit for bit
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if glue:  # host code between the calls: the second graph runs its own graph, as before
+            assert after.calls_per_step == 2.0 and stats["second"].backend_calls == 3
+            continue
+        # One launch per step instead of two, and the second graph's input never crosses.
+        assert (before.calls_per_step, after.calls_per_step) == (2.0, 1.0) and stats["second"].backend_calls == 0
+        assert after.bytes_per_step == before.bytes_per_step - x.nbytes
+        merged = {m.graph: m for m in after.merges}["second"]
+        assert not merged.mergeable and merged.reason == "runs inside first's calls: merged"
+
+
+def test_mergeable_graphs_link_into_chains_and_a_graph_runs_inside_one_others_calls_at_most():
+    from omskills.records.traffic import MergeProposal
+    from omskills.stages.merged_graphs import merge_chains
+
+    def proposal(graph, upstream, mergeable=True):
+        return MergeProposal(graph=graph, upstream=upstream, mergeable=mergeable, reason="",
+                             io_map={"x": f"{upstream}_out"} if mergeable else {})
+
+    chains, not_taken = merge_chains([proposal("a", None, False), proposal("b", "a"), proposal("c", "b"),
+                                      proposal("d", "c"), proposal("e", "b"), proposal("g", "f"),
+                                      proposal("q", "p"), proposal("p", "q")])  # p and q: a loop, no first member
+    assert chains == [(["a", "b", "c", "d"], [{"x": "a_out"}, {"x": "b_out"}, {"x": "c_out"}]), (["f", "g"], [{"x": "f_out"}])]
+    assert not_taken == {"e": "b already runs c inside its calls"}

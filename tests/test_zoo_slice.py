@@ -92,6 +92,38 @@ def test_the_detectors_tensor_only_subtrees_run_on_onnxruntime_and_its_control_p
     assert "x 1x3x[256..320]x[320..640]" in (detector / "DELIVERY.md").read_text()
 
 
+def test_the_rpn_head_fed_only_by_the_backbone_runs_inside_its_call_once_the_two_are_composed(detector, tmp_path):
+    from omskills.deploy import load_adapted
+    from omskills.deploy.bundle import write_bundle
+    from omskills.deploy.manifest import read_bundle
+
+    report = report_of(detector)
+    proposals = {m["graph"]: m for m in report["traffic"]["merges"]}
+    assert proposals["rpn_head"]["mergeable"] and set(proposals["rpn_head"]["io_map"].values()) <= {"out_0", "out_1", "pool"}
+    merged = report["merged"]
+    (graph,) = merged["graphs"]
+    assert (graph["graphs"], graph["status"]) == (["backbone", "rpn_head"], "verified")
+    assert merged["verdict"] == "pass" and merged["fallbacks"] == 0
+    assert (detector / graph["onnx_path"]).is_file()
+    script = (detector / graph["atc_script"]).read_text()
+    assert "--model=../../onnx/merged/backbone_to_rpn_head.onnx" in script and "--input_shape=x:1,3,256~320,320~640" in script
+    # One launch per image fewer; the rpn head's inputs (the backbone's features) no longer cross.
+    before, after = report["traffic"], merged["traffic"]
+    assert after["calls_per_step"] == before["calls_per_step"] - 1
+    assert after["bytes_per_step"] == before["bytes_per_step"] - proposals["rpn_head"]["bytes_saved_per_step"]
+    rpn = {g["graph"]: g for g in after["per_graph"]}["rpn_head"]
+    assert (rpn["calls"], rpn["merged_into"]) == (0, "backbone") and rpn["merged_calls"] == report["main_path"]["steps"]
+    assert "| backbone_to_rpn_head (backbone → rpn_head) | verified |" in (detector / "DELIVERY.md").read_text()
+
+    # The deployed model serves the chain the same way: from the run folder and from a bundle.
+    bundle = write_bundle(detector / "task.yaml", tmp_path / "bundle")
+    assert read_bundle(Path(bundle.path)).merged[0].graphs == ["backbone", "rpn_head"]
+    with load_adapted(Path(bundle.path), backend="onnxruntime", strict=True) as model:
+        model.run_main_path()
+        stats = {s.candidate: s for s in model.stats()}
+    assert stats["rpn_head"].merged_hits == stats["rpn_head"].calls > 0 and stats["rpn_head"].backend_calls == 0
+
+
 def test_when_the_roi_heads_do_not_export_their_box_head_is_deployed_in_their_place(detector):
     record = load_record(detector / "task.yaml")
     heads = record.plan.candidate("roi_heads")

@@ -35,6 +35,8 @@ SPEED_ORDER: tuple[str, ...] = (
     "force_fp16", "allow_mix_precision", "allow_mix_precision_fp16", "allow_fp32_to_fp16",
     "force_fp32", "cube_fp16in_fp32out", "must_keep_origin_dtype",
 )
+# The ATC precision mode of a graph whose modes were never emulated (its emulation failed or did not run).
+UNCHECKED_PRECISION_MODE = "must_keep_origin_dtype"
 MIXED_MODES = frozenset({"allow_mix_precision", "allow_mix_precision_fp16"})
 EMULATED_MODES = frozenset(SPEED_ORDER)
 

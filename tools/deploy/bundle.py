@@ -37,7 +37,7 @@ from omskills.errors import OmskillsError
 from omskills.files import process_alive, sha256_file
 from omskills.models.api import InputPathMarker
 from omskills.models.registry import bind_intake, confine_intake, driver_for, localised_intake
-from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployManifest
+from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployedMerge, DeployManifest
 from omskills.records.intake import allowed_input_roots
 from omskills.records.literals import BundleArtifact
 from omskills.records.results import BundleSummary
@@ -76,10 +76,11 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
     try:
         writer = _Writer(workdir, staging, _recorded_hashes(record))
         graphs = [writer.graph(graph, artifact, record) for graph in manifest.graphs]
+        merged = [writer.merged(m, record) for m in manifest.merged]
         remembered = _precomputed(task_path, precompute) if precompute else {}
         graphs = [writer.remembered(g, remembered[g.name]) if g.name in remembered else g for g in graphs]
         intake, required = writer.intake(record, weights)
-        bundled = manifest.model_copy(update={"graphs": graphs, "intake": intake, "required": required})
+        bundled = manifest.model_copy(update={"graphs": graphs, "merged": merged, "intake": intake, "required": required})
         (staging / MANIFEST_NAME).write_text(bundled.model_dump_json(indent=2))
         _write_docs(staging, bundled)
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
@@ -210,8 +211,15 @@ class _Writer:
         (self.out / "contracts" / f"{graph.name}.json").write_text(
             graph.model_dump_json(include={"name", "module_path", "contract", "strategy"}, indent=2))
         atc = record.toolchain_of(graph.name).atc
-        script = self.atc_script(graph, onnx, atc.command) if atc is not None and atc.command else None
+        script = self.atc_script(graph.name, onnx, atc.command) if atc is not None and atc.command else None
         return graph.model_copy(update={"onnx": onnx, "om": om, "atc_script": script})
+
+    def merged(self, merged: DeployedMerge, record: TaskRecord) -> DeployedMerge:
+        """A verified chain's composed graph, and its ATC script made relative to the bundle."""
+        onnx = self.artifact(merged.onnx, f"graphs/{merged.name}")
+        built = next(m for m in record.verification.merged.graphs if m.name == merged.name)  # type: ignore[union-attr]
+        script = self.atc_script(merged.name, onnx, built.atc_command) if built.atc_command else None
+        return merged.model_copy(update={"onnx": onnx, "atc_script": script})
 
     def remembered(self, graph: DeployedGraph, entries: list[MemoEntry]) -> DeployedGraph:
         """`graph` with the calls computed ahead for it saved beside its files."""
@@ -220,7 +228,7 @@ class _Writer:
         return graph.model_copy(update={"remembered": ArtifactFile(path=target, bytes=path.stat().st_size,
                                                                    sha256=sha256_file(path))})
 
-    def atc_script(self, graph: DeployedGraph, onnx: Artifact, command: list[str]) -> str:
+    def atc_script(self, name: str, onnx: Artifact, command: list[str]) -> str:
         """The graph's recorded ATC command with its paths made relative to the bundle."""
         rewritten = []
         for arg in command:
@@ -228,16 +236,16 @@ class _Writer:
             if key == "--model":
                 arg = f"--model={onnx.path}"
             elif key == "--output":
-                arg = f"--output=graphs/{graph.name}/{Path(value).name}"
+                arg = f"--output=graphs/{name}/{Path(value).name}"
             elif key == "--keep_dtype" and sep:
-                kept = self.place(self.workdir / value, f"atc/{graph.name}.keep_dtype.cfg")
+                kept = self.place(self.workdir / value, f"atc/{name}.keep_dtype.cfg")
                 arg = f"--keep_dtype={kept.path}"
             rewritten.append(arg)
-        target = self.out / "atc" / f"{graph.name}.sh"
+        target = self.out / "atc" / f"{name}.sh"
         target.parent.mkdir(exist_ok=True)
         target.write_text(atc_script(rewritten, from_own_folder=".."))
         target.chmod(0o755)
-        return f"atc/{graph.name}.sh"
+        return f"atc/{name}.sh"
 
     def intake(self, record: TaskRecord, weights: bool):
         """The record's intake with its files inside the bundle; what cannot be bundled is `required`."""

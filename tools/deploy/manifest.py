@@ -9,7 +9,9 @@ import omskills
 from omskills.errors import OmskillsError
 from omskills.files import sha256_file
 from omskills.files import inside_without_links
-from omskills.records.deploy import BUNDLE_FORMAT, Artifact, ArtifactFile, DeployedGraph, DeployManifest, onnx_files
+from omskills.records.deploy import (BUNDLE_FORMAT, Artifact, ArtifactFile, DeployedGraph, DeployedMerge, DeployManifest,
+                                     onnx_files)
+from omskills.records.traffic import MergedGraph
 from omskills.records.task import SCHEMA_VERSION, TaskRecord, load_record, now_iso, validation_problems
 from pydantic import ValidationError
 
@@ -33,10 +35,22 @@ def manifest_from_record(task_path: Path) -> DeployManifest:
     not_deployed |= {c.name: f"fell back to PyTorch in verify_main_path ({c.fallbacks} of {c.calls} calls)"
                      for c in verification.candidates if c.status != "integrated"}
     graphs = [graph_from_record(record, workdir, name) for name in integrated]
+    merged = [merge_from_record(workdir, m) for m in (verification.merged.graphs if verification.merged else [])
+              if m.status == "verified" and set(m.graphs) <= set(integrated)]
     return DeployManifest(
         contract_schema=SCHEMA_VERSION, omskills_version=omskills.__version__, task_id=record.id, created=now_iso(),
         intake=record.intake, weights=verification.weights,
-        verified=f"{verification.verdict}: {verification.main_path.summary()}", graphs=graphs, not_deployed=not_deployed)
+        verified=f"{verification.verdict}: {verification.main_path.summary()}", graphs=graphs, merged=merged,
+        not_deployed=not_deployed)
+
+
+def merge_from_record(workdir: Path, merged: MergedGraph) -> DeployedMerge:
+    """A verified chain of composed graphs as a deployment sees it (paths relative to `workdir`)."""
+    return DeployedMerge(
+        name=merged.name, graphs=merged.graphs, io_maps=merged.io_maps,
+        prefixes=merged.prefixes,
+        onnx=Artifact(files=[_file(workdir, path, None) for path in onnx_files(workdir / str(merged.onnx_path))]),
+        precision_mode=merged.precision_mode, atc_script=merged.atc_script)
 
 
 def graph_from_record(record: TaskRecord, workdir: Path, name: str) -> DeployedGraph:
@@ -98,6 +112,9 @@ def read_bundle(root: Path, check_hashes: bool = True) -> DeployManifest:
                 check_file(root, file, graph.name, check_hashes)
         if graph.remembered is not None:
             check_file(root, graph.remembered, graph.name, check_hashes)
+    for merged in manifest.merged:
+        for file in merged.onnx.files:
+            check_file(root, file, merged.name, check_hashes)
     _check_model_files(root, manifest)
     return manifest
 

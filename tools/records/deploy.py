@@ -64,6 +64,20 @@ class DeployedGraph(Record):
     remembered: ArtifactFile | None = None
 
 
+class DeployedMerge(Record):
+    """Deployed graphs composed into one and verified on the main path (verify's merged run): a
+    call of the first runs it, and the calls of the others that follow, each given the outputs of
+    the one before it unchanged, are answered from that call."""
+
+    name: str
+    graphs: list[str]  # the members, in call order
+    io_maps: list[dict[str, str]]  # per member after the first: its input -> the output of the member before it
+    prefixes: list[str]  # per member after the first: the prefix of its names in the composed graph
+    onnx: Artifact
+    precision_mode: str | None = None  # the slowest of the members' chosen modes
+    atc_script: str | None = None
+
+
 class DeployManifest(Record):
     format: int = BUNDLE_FORMAT
     # The task record's schema the contracts were written under (records.task.SCHEMA_VERSION).
@@ -75,6 +89,8 @@ class DeployManifest(Record):
     weights: str  # "random" or the checkpoint the graphs were verified with
     verified: str  # the verify verdict the graphs come from, with its figures
     graphs: list[DeployedGraph]
+    # Chains of graphs served by one composed graph each on ONNX Runtime (an OM of one is built from its script).
+    merged: list[DeployedMerge] = Field(default_factory=list)
     not_deployed: dict[str, str] = Field(default_factory=dict)  # candidate -> why it stays in PyTorch
     # What a bundle could not carry and its loader must be given: "source" (a checkout of the model's
     # code) or "checkpoint" -> what it was.

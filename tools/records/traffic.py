@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from omskills.records.base import Record
 from pydantic import Field
 
@@ -22,6 +24,13 @@ class GraphTraffic(Record):
     resident_copies: int = Field(0, description=(
         "Input copies not made: hand-offs given to the runtime as the producing session's own value (counted, not predicted)."))
     resident_in: int = Field(0, description="Bytes of those inputs.")
+    input_sources: dict[str, str] = Field(default_factory=dict, description=(
+        "Input -> '<graph>/<output>' when every call was given that output of that graph unchanged; '' when "
+        "host code gave it at least once (or different outputs fed it)."))
+    merged_calls: int = Field(0, description=(
+        "Calls answered inside another graph's call by a merged graph (no launch, no input copied); "
+        "their outputs still cross back and are counted in bytes_out."))
+    merged_into: str | None = Field(None, description="The graph whose calls computed it, when merged.")
 
 
 class StepTraffic(Record):
@@ -82,6 +91,8 @@ class MergeProposal(Record):
     reason: str = Field(description="Why it can or cannot merge, from the counted calls and hand-offs.")
     calls_saved_per_step: float = Field(0.0, description="Backend calls per step the merge would remove.")
     bytes_saved_per_step: float = Field(0.0, description="Input bytes per step that would no longer cross the link.")
+    io_map: dict[str, str] = Field(default_factory=dict, description=(
+        "When mergeable: each of its inputs -> the upstream graph's output that fed it, unchanged, in every call."))
 
 
 class TrafficReport(Record):
@@ -101,6 +112,43 @@ class TrafficReport(Record):
     resident_copies_per_step: float = Field(0.0, description=(
         "Mean input copies per step avoided by handing an output on as the runtime's own value (counted)."))
     merges: list[MergeProposal] = Field(default_factory=list, description=(
-        "Per called graph, whether it could merge with the graph feeding it: proposals only, no merged graph is built."))
+        "Per called graph, whether it could merge with the graph feeding it, from the counts (verify builds the merged "
+        "graphs of those that can and reports them apart)."))
     label: str = Field("predicted by a cost model from counted calls and bytes, not measured on a device",
                        description="What the predicted figures are.")
+
+
+class MergedGraph(Record):
+    """Graphs composed into one (a chain of merge proposals taken), and what became of it."""
+
+    name: str = Field(description="The composed graph's name: '<first>_to_<last>'.")
+    graphs: list[str] = Field(description=(
+        "The members in call order: the first's calls run the composed graph; each later one is answered inside "
+        "that call when its inputs are the member before it's outputs, unchanged."))
+    io_maps: list[dict[str, str]] = Field(description="Per member after the first: each input -> the output of the member before it.")
+    prefixes: list[str] = Field(default_factory=list, description=(
+        "Per member after the first: the prefix of its names (inputs, outputs) inside the composed graph."))
+    onnx_path: str | None = Field(None, description="Run-folder path of the composed ONNX graph.")
+    atc_command: list[str] = Field(default_factory=list, description="The ATC command for the composed graph.")
+    atc_script: str | None = Field(None, description=(
+        "Run-folder path of the ATC script for the composed graph (the first member's shape strategy; the slowest "
+        "of the members' chosen precision modes, each emulated alone, not as one graph)."))
+    precision_mode: str | None = Field(None, description="The --precision_mode of that script.")
+    status: Literal["verified", "failed", "refused"] = Field(description=(
+        "'verified': the main path with it spliced in passed its checks with no fallback and it answered every "
+        "later member's calls; 'failed': it was built but that run did not show it; 'refused': it could not be built."))
+    reason: str = Field(description="Why it was verified, failed or refused.")
+
+
+class MergedRun(Record):
+    """The main path again with the merged graphs spliced in: its parity and its traffic."""
+
+    graphs: list[MergedGraph] = Field(description="Every chain of merge proposals taken, built or not.")
+    not_taken: dict[str, str] = Field(default_factory=dict, description=(
+        "Mergeable graphs left out of every chain -> why (a graph runs inside one other graph's call at most)."))
+    verdict: str = Field(description="The run's verdict by the same checks as the main verification ('pass' or 'fail'; "
+                                     "'not run' when nothing could be built).")
+    fallbacks: int = Field(description="Calls PyTorch ran in that run.")
+    traffic: TrafficReport | None = Field(None, description="Its traffic (the 'after' of the merge), None if not counted.")
+    label: str = Field("the same backend as the main verification; merged graphs composed from the exported graphs",
+                       description="What ran.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from omskills.records.base import Record
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.parity import ParityGates
-from omskills.records.traffic import TrafficReport
+from omskills.records.traffic import MergedRun, TrafficReport
 from pydantic import Field, model_validator
 
 # A comparator registered in omskills.compare.outputs.COMPARATORS. The built-in ones: exact (equal
@@ -159,6 +159,9 @@ class VerifyReport(Record):
     traffic: TrafficReport | None = Field(None, description=(
         "What the spliced graphs moved between host and device, per step and per graph (calls, copies, bytes, "
         "unchanged hand-offs from one graph to another), and the host<->device time that predicts on the target."))
+    merged: MergedRun | None = Field(None, description=(
+        "When some graph reads only another's unchanged outputs: the main path again with those pairs composed "
+        "into one graph each (one call instead of two), its verdict and its traffic."))
     splice_stats: list[SpliceStats] = Field(description=(
         "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, and backend time."))
     fallback_events: list[FallbackEvent] = Field(description="Each call a spliced graph could not send to its backend, so PyTorch ran it, and why.")

@@ -213,6 +213,7 @@ class _Route:
         self.calls = 0  # calls this graph answered or, when none could, was held to account for
         self.backend_seconds: list[float] = []
         self.fallback_events: list[FallbackEvent] = []
+        self.merged: MergedChain | None = None  # set on every graph of a merge
 
     @staticmethod
     def _bound_constants(contract: ContractSpec) -> list[Any]:
@@ -281,25 +282,41 @@ class _Route:
         by_name = {spec.name: tensor for spec, tensor in zip(self.contract.inputs, tensors)}
         # np.require, not np.ascontiguousarray: that one makes a 0-d value (a timestep) 1-d.
         feeds = {name: np.require(by_name[name].detach().cpu().numpy(), requirements="C") for name in self.feed_names}
+        # Outputs go where the caller's tensors are (the contract's device is the capture's).
+        device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
+        names = [spec.name for spec in self.contract.outputs]
+        merged = self.merged
+        if merged is not None and merged.first is not self:
+            k = merged.member(self)
+            answered = merged.answer(k, by_name)
+            if answered is not None:  # computed inside the first graph's last call
+                outputs = [self._output_tensor(spec, answered, device) for spec in self.contract.outputs]
+                merged.answered_with(k, dict(zip(names, outputs)))
+                self.traffic.record_merged(self.contract.candidate, merged.first.contract.candidate, outputs, names)
+                return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
+        runs_merged = merged is not None and merged.first is self
         key = self.memo.key(feeds) if self.memo is not None else None
         produced = self.memo.get(key) if key is not None else None
         ran, values, resident = produced is None, None, []
+        if runs_merged:
+            merged.forget()  # a call answered from memory computes nothing for the later graphs
         if produced is None:
-            if self.holds_values:
-                values, resident = self._run_values(by_name, feeds)
+            backend = merged.backend if runs_merged else self.backend
+            if self.holds_values and getattr(backend, "holds_values", False):
+                values, resident = self._run_values(backend, by_name, feeds)
                 produced = {name: value.numpy() for name, value in values.items()}  # views, not copies
             else:
-                produced = self.backend.run(feeds)
+                produced = backend.run(feeds)
             if key is not None:
-                self.memo.put(key, produced)
-        # Outputs go where the caller's tensors are (the contract's device is the capture's).
-        device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
+                self.memo.put(key, {name: produced[name] for name in names})
         outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
         if ran:  # a call answered from memory ran nothing and moved nothing
             self.backend_seconds.append(time.perf_counter() - started)
-            kept = [values[spec.name] for spec in self.contract.outputs] if values is not None else None
+            kept = [values[name] for name in names] if values is not None else None
+            if runs_merged:
+                merged.keep(produced, dict(zip(names, outputs)))
             self.traffic.record(self.contract.candidate, [by_name[name] for name in self.feed_names], feeds, outputs,
-                                kept, resident)
+                                kept, resident, names)
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
 
     @property
@@ -310,7 +327,8 @@ class _Route:
             self._holds_values = self.traffic.keep_values and bool(getattr(self.backend, "holds_values", False))
         return self._holds_values
 
-    def _run_values(self, by_name: Mapping[str, torch.Tensor], feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], list[str]]:
+    def _run_values(self, backend: SpliceBackend, by_name: Mapping[str, torch.Tensor],
+                    feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], list[str]]:
         """The call with each input that is another graph's output, unchanged, given as that graph's
         own runtime value (a device-resident hand-off); the outputs as the runtime's values."""
         bound: dict[str, Any] = dict(feeds)
@@ -319,7 +337,7 @@ class _Route:
             if value is not None and _same_buffer(value, array):
                 bound[name] = value
         resident = [name for name in feeds if bound[name] is not feeds[name]]
-        return self.backend.run_values(bound), resident
+        return backend.run_values(bound), resident  # type: ignore[attr-defined]
 
     def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
         if spec.name not in produced:
@@ -339,11 +357,68 @@ class _Route:
             backend_calls=len(self.backend_seconds),
             fallbacks=len(self.fallback_events),
             memo_hits=self.memo.hits if self.memo is not None else 0,
+            merged_hits=self.merged.answered[self.merged.member(self)] if self.merged is not None else 0,
             fallback_kinds=dict(kinds),
             fallback_reasons=list(dict.fromkeys(event.reason for event in self.fallback_events)),
             total_backend_seconds=total,
             mean_backend_seconds=total / len(self.backend_seconds) if self.backend_seconds else None,
         )
+
+
+class MergedChain:
+    """Graphs composed into one (`convert.compose`), each fed by the one before it: a call of the
+    first runs the composed graph, and the calls of the others that follow, each given exactly
+    the outputs the member before it gave (unchanged since), are answered from that call without
+    a launch. A call that is not such a call runs its own graph, as before the merge."""
+
+    def __init__(self, routes: Sequence[_Route], backend: SpliceBackend, io_maps: Sequence[Mapping[str, str]],
+                 prefixes: Sequence[str], traffic: TrafficMeter) -> None:
+        self.routes = list(routes)
+        self.backend = backend
+        self.io_maps = [dict(m) for m in io_maps]  # member k+1's input -> member k's output
+        self.prefixes = list(prefixes)  # of members 1..
+        self.traffic = traffic
+        self.answered = [0] * len(self.routes)
+        self.forget()
+
+    @property
+    def first(self) -> _Route:
+        return self.routes[0]
+
+    def member(self, route: _Route) -> int:
+        return next(k for k, r in enumerate(self.routes) if r is route)
+
+    def forget(self) -> None:
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._next = 0  # the member whose call may be answered next
+        self._given: dict[str, torch.Tensor] = {}
+
+    def keep(self, produced: Mapping[str, np.ndarray], outputs: Mapping[str, torch.Tensor]) -> None:
+        """The composed graph's call: every later member's outputs, waiting for its call."""
+        self._pending = [{name[len(prefix):]: value for name, value in produced.items() if name.startswith(prefix)}
+                         for prefix in self.prefixes]
+        self._next = 1
+        self._given_by(0, outputs)
+
+    def answer(self, k: int, by_name: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
+        """Member k's outputs if this call is the one the composed call computed them for."""
+        if k != self._next or not self._pending:
+            return None
+        for name, given in self._given.items():
+            tensor = by_name.get(name)
+            produced = self.traffic.handed_output(tensor) if tensor is not None else None
+            if tensor is not given or produced is None or produced.graph != self.routes[k - 1].contract.candidate:
+                return None
+        self.answered[k] += 1
+        return self._pending[k - 1]
+
+    def answered_with(self, k: int, outputs: Mapping[str, torch.Tensor]) -> None:
+        """Member k answered with these tensors: the next member's call must be given them."""
+        self._next = k + 1 if k + 1 < len(self.routes) else 0
+        self._given_by(k, outputs)
+
+    def _given_by(self, k: int, outputs: Mapping[str, torch.Tensor]) -> None:
+        self._given = {name: outputs[output] for name, output in self.io_maps[k].items()} if k < len(self.io_maps) else {}
 
 
 class SplicedModule(nn.Module):
@@ -500,6 +575,29 @@ class SpliceHandle:
         self._replaced.append(_Replaced(parent, contract.attribute, original, spliced))
         self._spliced.append(spliced)
         return spliced
+
+    def merge(self, graphs: Sequence[str], backend: SpliceBackend, io_maps: Sequence[Mapping[str, str]],
+              prefixes: Sequence[str]) -> None:
+        """Serve `graphs`, in that order, by one call of `backend`, their composition: its outputs
+        are the first graph's, then each later one's with its prefix (`prefixes`, one per later
+        graph); `io_maps[k]`: graph k+1's input -> graph k's output."""
+        routes = {route.contract.candidate: route for spliced in self._spliced for route in spliced.routes}
+        where = f"merge {' + '.join(graphs)}"
+        if missing := [name for name in graphs if name not in routes]:
+            raise SpliceError(f"{where}: {', '.join(missing)} not spliced")
+        if len(graphs) < 2 or len(io_maps) != len(graphs) - 1 or len(prefixes) != len(graphs) - 1:
+            raise SpliceError(f"{where}: two graphs or more, with a map and a prefix for each after the first")
+        chain = [routes[name] for name in graphs]
+        if taken := [r.contract.candidate for r in chain if r.merged is not None]:
+            raise SpliceError(f"{where}: {', '.join(taken)} already in a merge (a graph takes part in one at most)")
+        produced = {io.name for io in backend.outputs}
+        wanted = [spec.name for spec in chain[0].contract.outputs]
+        wanted += [prefix + spec.name for prefix, route in zip(prefixes, chain[1:]) for spec in route.contract.outputs]
+        if missing := [name for name in wanted if name not in produced]:
+            raise SpliceError(f"{where}: backend {backend.kind} has no output(s) {missing}")
+        merged = MergedChain(chain, backend, io_maps, prefixes, self.traffic)
+        for route in chain:
+            route.merged = merged
 
     def unsplice(self) -> None:
         """Put every original module object back, last splice first."""

@@ -35,6 +35,13 @@ class _Counts:
     resident_copies: int = 0
     resident_in: int = 0
     handed_from: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    input_sources: dict[str, str] = field(default_factory=dict)
+    merged_calls: int = 0
+    merged_into: str | None = None
+
+    def source_seen(self, name: str, source: str) -> None:
+        """One call's source of input `name` ('' for host code): kept while every call agrees."""
+        self.input_sources[name] = source if self.input_sources.get(name, source) == source else ""
 
     def add(self, other: _Counts | GraphTraffic) -> None:
         self.calls += other.calls
@@ -46,17 +53,24 @@ class _Counts:
         self.resident_in += other.resident_in
         for source, nbytes in other.handed_from.items():
             self.handed_from[source] += nbytes
+        for name, source in other.input_sources.items():
+            self.source_seen(name, source)
+        self.merged_calls += other.merged_calls
+        self.merged_into = self.merged_into or other.merged_into
 
     def as_record(self, graph: str) -> GraphTraffic:
         return GraphTraffic(graph=graph, calls=self.calls, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                             copies=self.copies, handed_in=sum(self.handed_from.values()),
                             handed_copies=self.handed_copies, handed_from=dict(self.handed_from),
-                            resident_copies=self.resident_copies, resident_in=self.resident_in)
+                            resident_copies=self.resident_copies, resident_in=self.resident_in,
+                            input_sources=dict(self.input_sources), merged_calls=self.merged_calls,
+                            merged_into=self.merged_into)
 
 
 @dataclass(frozen=True)
 class _Produced:
     graph: str
+    output: str  # its name among the graph's outputs
     tensor: weakref.ref
     nbytes: int
     version: int | None  # None for an inference tensor, which keeps no version counter
@@ -96,19 +110,39 @@ class TrafficMeter:
 
     def record(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
                outputs: Sequence[torch.Tensor], values: Sequence[Any] | None = None,
-               resident: Sequence[str] = ()) -> None:
-        """One backend call: `values`, the runtime's own value of each output (to hand on);
-        `resident`, the feeds that were given as such values instead of host arrays."""
+               resident: Sequence[str] = (), output_names: Sequence[str] = ()) -> None:
+        """One backend call: `inputs`, the tensors of `feeds` in the same order; `values`, the
+        runtime's own value of each output (to hand on); `resident`, the feeds that were given as
+        such values instead of host arrays; `output_names`, the outputs' names in the graph."""
+        self._guarded(graph, lambda: self._count(graph, inputs, feeds, outputs,
+                                                 values if self.keep_values else None, resident, output_names))
+
+    def record_merged(self, graph: str, into: str, outputs: Sequence[torch.Tensor], output_names: Sequence[str]) -> None:
+        """A call of `graph` answered inside a call of `into` (a merged graph): no launch and no
+        input copied; its outputs still come back to the host."""
+        def count() -> None:
+            counts = self._pending[graph]
+            counts.merged_calls += 1
+            counts.merged_into = into
+            counts.bytes_out += sum(int(t.nbytes) for t in outputs)
+            counts.copies += len(outputs)
+            self._forget_dead()
+            self._produced_by(graph, outputs, None, output_names)
+
+        self._guarded(graph, count)
+
+    def _guarded(self, graph: str, count: Any) -> None:
         if self.error is not None:
             return
         try:
-            self._count(graph, inputs, feeds, outputs, values if self.keep_values else None, resident)
+            count()
         except Exception as err:  # noqa: BLE001 - the call itself succeeded; only its count is lost
             self.error = f"{graph}: {one_line(err, 200)}"
             logger.warning("host-device traffic no longer counted (%s)", self.error)
 
     def _count(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
-               outputs: Sequence[torch.Tensor], values: Sequence[Any] | None, resident: Sequence[str]) -> None:
+               outputs: Sequence[torch.Tensor], values: Sequence[Any] | None, resident: Sequence[str],
+               output_names: Sequence[str]) -> None:
         counts = self._pending[graph]
         counts.calls += 1
         counts.bytes_in += sum(int(array.nbytes) for array in feeds.values())
@@ -117,14 +151,20 @@ class TrafficMeter:
         counts.resident_copies += len(resident)
         counts.resident_in += sum(int(feeds[name].nbytes) for name in resident)
         self._forget_dead()
-        for tensor in inputs:
-            source = self._handed_from(tensor)
-            if source is not None:  # its own earlier output too: a recurrent state can stay on the device
-                counts.handed_from[source] += int(tensor.nbytes)
+        for name, tensor in zip(feeds, inputs):
+            produced = self.handed_output(tensor)
+            counts.source_seen(name, f"{produced.graph}/{produced.output}" if produced else "")
+            if produced is not None:  # its own earlier output too: a recurrent state can stay on the device
+                counts.handed_from[produced.graph] += int(tensor.nbytes)
                 counts.handed_copies += 1
+        self._produced_by(graph, outputs, values, output_names)
+
+    def _produced_by(self, graph: str, outputs: Sequence[torch.Tensor], values: Sequence[Any] | None,
+                     output_names: Sequence[str]) -> None:
+        names = list(output_names) or [str(k) for k in range(len(outputs))]
         for k, tensor in enumerate(outputs):
             if tensor.nbytes:
-                self._produced[tensor.data_ptr()] = _Produced(graph, weakref.ref(tensor), int(tensor.nbytes),
+                self._produced[tensor.data_ptr()] = _Produced(graph, names[k], weakref.ref(tensor), int(tensor.nbytes),
                                                               _version(tensor), _probe(tensor),
                                                               values[k] if values is not None else None)
 
@@ -133,7 +173,7 @@ class TrafficMeter:
         if self.error is not None or not self.keep_values:
             return None
         try:
-            if self._handed_from(tensor) is None:
+            if self.handed_output(tensor) is None:
                 return None
             return self._produced[tensor.data_ptr()].value
         except Exception:  # noqa: BLE001 - the host array is always a correct feed
@@ -160,7 +200,8 @@ class TrafficMeter:
             into.setdefault(graph, _Counts()).add(counts)
         self._pending = defaultdict(_Counts)
 
-    def _handed_from(self, tensor: torch.Tensor) -> str | None:
+    def handed_output(self, tensor: torch.Tensor) -> _Produced | None:
+        """The graph output `tensor` still is, unchanged since that call, or None."""
         if tensor.device.type == "meta" or not tensor.is_contiguous():
             return None  # a strided view is copied into a new buffer on its way in
         produced = self._produced.get(tensor.data_ptr())
@@ -171,8 +212,8 @@ class TrafficMeter:
         # Views share their base's version counter, so an in-place write through any of them shows;
         # an inference tensor has none, and a sample of its values must do.
         if produced.version is not None:
-            return produced.graph if _version(tensor) == produced.version else None
-        return produced.graph if _probe(tensor) == produced.probe else None
+            return produced if _version(tensor) == produced.version else None
+        return produced if _probe(tensor) == produced.probe else None
 
 
 def traffic_report(steps: list[StepTraffic], link: LinkCost) -> TrafficReport:
@@ -206,8 +247,10 @@ def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) ->
         sources = dict(sorted(((s, n) for s, n in counts.handed_from.items() if s != graph), key=lambda kv: -kv[1]))
         upstream = next(iter(sources), None)
         from_host = counts.bytes_in - sum(counts.handed_from.values())
-        mergeable = False
-        if upstream is None:
+        mergeable, io_map = False, None
+        if counts.merged_calls and not counts.calls:
+            reason = f"runs inside {counts.merged_into}'s calls: merged"
+        elif upstream is None:
             reason = ("no input is another graph's output: " + ("it reads its own earlier outputs unchanged, the rest "
                       if graph in counts.handed_from else "") + "from host code (user inputs or tensors computed between the calls)")
         elif from_host > 0:
@@ -217,14 +260,24 @@ def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) ->
             reason = f"fed by several graphs ({', '.join(sources)}): a merge would take them all into one call"
         elif (feeding := totals.get(upstream)) is None or feeding.calls != counts.calls:
             reason = f"called {counts.calls} times against {feeding.calls if feeding else 0} calls of {upstream}"
+        elif (io_map := _io_map(counts, upstream)) is None:
+            reason = f"its inputs are not the same outputs of {upstream} in every call"
         else:
             mergeable = True
             reason = f"every input is {upstream}'s output, unchanged: one call of both would do"
         proposals.append(MergeProposal(
             graph=graph, upstream=upstream, mergeable=mergeable, reason=reason,
             calls_saved_per_step=round(counts.calls / steps, 3) if mergeable else 0.0,
-            bytes_saved_per_step=round(counts.bytes_in / steps, 1) if mergeable else 0.0))
+            bytes_saved_per_step=round(counts.bytes_in / steps, 1) if mergeable else 0.0, io_map=io_map or {}))
     return proposals
+
+
+def _io_map(counts: GraphTraffic | _Counts, upstream: str) -> dict[str, str] | None:
+    """Each input -> the output of `upstream` that fed it in every call, or None if one was not."""
+    sources = {name: source.partition("/") for name, source in counts.input_sources.items()}
+    if not sources or any(graph != upstream for graph, _, _ in sources.values()):
+        return None
+    return {name: output for name, (_, _, output) in sources.items()}
 
 
 def _mb(nbytes: float) -> str:

@@ -16,6 +16,7 @@ from omskills.ascend.atc import AtcOptions, build_atc_command, run_atc
 from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_fix import write_keep_dtype
+from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
 from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import Sample, load_sample, one_per_shape
 from omskills.convert.export import dynamic_dims_from_strategy
@@ -391,9 +392,6 @@ def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir
         options["keep_dtype"] = str(path)
     return options
 
-
-# The ATC precision mode of a graph whose modes were never emulated (its emulation failed or did not run).
-UNCHECKED_PRECISION_MODE = "must_keep_origin_dtype"
 
 
 def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],

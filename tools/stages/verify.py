@@ -18,6 +18,7 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import VerifyReport
 from omskills.runtime import BACKENDS
 from omskills.runtime.splice import splice
+from omskills.stages.merged_graphs import merged_run
 from omskills.stages.model import open_model
 from omskills.stages.spliced_runs import chosen_emulation, chosen_modes, open_spliced, page_out_spliced, spliceable
 from omskills.stages.steps import fingerprint, require_intact, running_step
@@ -59,9 +60,23 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         progress.report(2, 3, "verify: comparing outputs, writing the report and pictures...")
         report = verification_report(record, workdir, model, reference, spliced, handle, names, modes, backend)
         report.notes += notes
+        if not emulated and report.traffic is not None and any(m.mergeable for m in report.traffic.merges):
+            report.merged = _merged(record, workdir, model, reference, replacements, strategies, report, backend)
         report = write_verification_report(report, record, model, reference, spliced, workdir)
         step.update(_stored(report))
     return report
+
+
+def _merged(record: TaskRecord, workdir: Path, model, reference, replacements, strategies, report: VerifyReport,
+            backend: str):
+    """Graphs that read only another's unchanged outputs, composed with it and verified (a
+    composed graph is an ONNX graph: on another backend the merges are proposed, not run)."""
+    if backend != "onnxruntime":
+        report.notes.append(f"merge proposals not run: composed graphs are ONNX, the spliced run used {backend}")
+        return None
+    progress.report(2, 3, "verify: the main path again with mergeable graphs composed into one...")
+    return merged_run(record, workdir, model, reference, replacements, strategies, report.traffic.merges,
+                      report.comparison, backend)
 
 
 def _stored(report: VerifyReport):

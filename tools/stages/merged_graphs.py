@@ -1,0 +1,118 @@
+"""Merged graphs: the merge proposals of a spliced run taken, built and verified (part of verify).
+
+A graph whose every input is another graph's output, unchanged, in every call, and which is called
+as often, can run inside that graph's call. Proposals link into chains (A feeds B, B feeds C), and
+each chain's exported graphs are composed into one ONNX graph (`convert.compose`). The main path
+runs again with each composed graph spliced in (`SpliceHandle.merge`). A chain is verified when
+that run passes the same checks as the main verification with no fallback and the composed graph
+answered the calls of every later member. Its ATC command is written beside the candidates' OMs,
+in the slowest of the members' chosen precision modes (each was emulated alone; the composition
+was not).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
+from omskills.ascend.link import link_cost
+from omskills.ascend.precision_modes import SPEED_ORDER, UNCHECKED_PRECISION_MODE
+from omskills.convert.compose import compose_chain, composed_prefix
+from omskills.errors import one_line
+from omskills.models.api import MainPathRun, RunHooks
+from omskills.records.task import TaskRecord
+from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
+from omskills.records.verify import OutputCheck
+from omskills.runtime import open_backend
+from omskills.runtime.splice import SpliceBackend, splice
+from omskills.runtime.traffic import traffic_report
+from omskills.stages.spliced_runs import main_path_parity
+
+
+def merged_run(record: TaskRecord, workdir: Path, model, reference: MainPathRun,
+               replacements: list[tuple[object, SpliceBackend]], strategies: dict, proposals: list[MergeProposal],
+               checks: list[OutputCheck], backend: str) -> MergedRun | None:
+    """The main path with every chain of mergeable graphs composed into one; None when none can merge."""
+    chains, not_taken = merge_chains(proposals)
+    if not chains:
+        return None
+    graphs = [_composed(record, workdir, names, maps) for names, maps in chains]
+    built = [g for g in graphs if g.status != "refused"]
+    if not built:
+        return MergedRun(graphs=graphs, not_taken=not_taken, verdict="not run", fallbacks=0)
+    with splice(model.loaded.root, replacements, strategies=strategies) as handle:
+        for graph in built:
+            handle.merge(graph.graphs, open_backend(workdir / str(graph.onnx_path), backend), graph.io_maps, graph.prefixes)
+        spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
+    fallbacks = len(handle.fallbacks())
+    main, _ = main_path_parity(checks, reference, spliced, fallbacks)
+    answered = {s.candidate: s.merged_hits for s in handle.stats()}
+    judged = [_judged(g, main.verdict, fallbacks, answered) if g.status != "refused" else g for g in graphs]
+    traffic = None if handle.traffic.error else traffic_report(handle.traffic.steps(), link_cost(record.intake.target))
+    return MergedRun(graphs=judged, not_taken=not_taken, verdict=main.verdict, fallbacks=fallbacks, traffic=traffic)
+
+
+def merge_chains(proposals: list[MergeProposal]) -> tuple[list[tuple[list[str], list[dict[str, str]]]], dict[str, str]]:
+    """Mergeable proposals linked into chains, first member first, each with the maps between its
+    members; and the mergeable graphs no chain can take, with why (a graph whose outputs feed two
+    mergeable graphs runs the first of them inside its calls)."""
+    feeds: dict[str, MergeProposal] = {}
+    not_taken: dict[str, str] = {}
+    for proposal in (p for p in proposals if p.mergeable and p.upstream):
+        if (taken := feeds.get(proposal.upstream)) is not None:
+            not_taken[proposal.graph] = f"{proposal.upstream} already runs {taken.graph} inside its calls"
+        else:
+            feeds[proposal.upstream] = proposal
+    fed = {p.graph for p in feeds.values()}
+    chains = []
+    for head in (u for u in feeds if u not in fed):
+        names, maps = [head], []
+        while (link := feeds.get(names[-1])) is not None and link.graph not in names:
+            names.append(link.graph)
+            maps.append(link.io_map)
+        chains.append((names, maps))
+    return chains, not_taken
+
+
+def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[dict[str, str]]) -> MergedGraph:
+    name = f"{names[0]}_to_{names[-1]}"
+    out = workdir / "onnx" / "merged" / f"{name}.onnx"
+    base = MergedGraph(name=name, graphs=names, io_maps=maps, prefixes=[composed_prefix(g) for g in names[1:]],
+                       status="refused", reason="")
+    try:
+        compose_chain([record.preferred_model(workdir, g) for g in names], names, maps, out)
+        command, script, mode = _atc(record, workdir, name, names, out)
+    except Exception as err:  # noqa: BLE001 - a merge is an optimisation: the graphs apart still serve
+        return base.model_copy(update={"reason": f"cannot compose: {one_line(err, 300)}"})
+    return base.model_copy(update={"onnx_path": str(out.relative_to(workdir)), "atc_command": command,
+                                   "atc_script": script, "precision_mode": mode, "status": "failed",
+                                   "reason": "not run yet"})
+
+
+def _atc(record: TaskRecord, workdir: Path, name: str, members: list[str], model: Path) -> tuple[list[str], str | None, str]:
+    modes = [(record.toolchain_of(g).precision.chosen_mode if record.toolchain_of(g).precision else None)
+             or UNCHECKED_PRECISION_MODE for g in members]
+    mode = max(modes, key=lambda m: SPEED_ORDER.index(m) if m in SPEED_ORDER else len(SPEED_ORDER))
+    boundary = record.boundaries.get(members[0])
+    if boundary is None or boundary.shape_strategy is None:
+        return [], None, mode
+    folder = workdir / "om" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(folder / name),
+                                       soc_version=record.intake.target.soc, precision_mode=mode)
+    script = folder / f"{name}_atc.sh"
+    script.write_text(conversion_script(options, None, folder))
+    script.chmod(0o755)
+    return build_atc_command(options), str(script.relative_to(workdir)), mode
+
+
+def _judged(graph: MergedGraph, verdict: str, fallbacks: int, answered: dict[str, int]) -> MergedGraph:
+    hits = [answered.get(g, 0) for g in graph.graphs[1:]]
+    if verdict == "pass" and fallbacks == 0 and all(hits):
+        return graph.model_copy(update={"status": "verified", "reason": (
+            f"the main path passed with it; {sum(hits)} calls of {', '.join(graph.graphs[1:])} answered inside "
+            f"{graph.graphs[0]}'s")})
+    idle = [g for g, n in zip(graph.graphs[1:], hits) if not n]
+    why = (f"no call of {', '.join(idle)} was answered by it" if idle
+           else f"the main path with it: {verdict}, {fallbacks} fallback(s)")
+    return graph.model_copy(update={"status": "failed", "reason": why})
