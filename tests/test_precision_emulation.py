@@ -318,3 +318,20 @@ def test_a_small_graph_is_emulated_in_process_and_a_big_or_unreadable_one_in_a_c
     custom = _save(tmp_path, "custom", [helper.make_node("Mystery", ["x"], ["y"], name="m", domain="vendor")],
                    [_vi("x", [2, 4])], [_vi("y", None)])
     assert emulation_runner(custom, {"x": np.zeros((2, 4), np.float32)}) is run_in_child
+
+
+def test_an_emulated_graph_of_an_inline_source_reads_the_weights_it_keeps_in_fp32_from_a_file(tmp_path):
+    # Read along with the graph, a 2 GB backbone held inline was copied several times over while
+    # its emulated graph was built; `prepare(weights_to=...)` moves them to a file first.
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(64, 64)).astype(np.float32)
+    path = _save(tmp_path, "inline", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                 [_vi("x", [2, 64])], [_vi("y", [2, 64])], [numpy_helper.from_array(w, "w")])
+    weights = tmp_path / "inline.emulated.fp32.weights"
+    prepared = prepare(path, weights_to=weights)
+    out = tmp_path / "inline.emulated.onnx"
+    save_emulated(prepared, precisions_for(prepared, "must_keep_origin_dtype"), out)
+    assert weights.stat().st_size == w.nbytes and out.stat().st_size < w.nbytes  # the graph holds no weight bytes
+    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].raw_data == w.tobytes()  # source untouched
+    x = rng.normal(size=(2, 64)).astype(np.float32)
+    np.testing.assert_allclose(run_emulated(out, {"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)

@@ -20,18 +20,20 @@ from omskills.ascend.precision_modes import SPEED_ORDER, UNCHECKED_PRECISION_MOD
 from omskills.convert.compose import compose_chain, composed_prefix
 from omskills.errors import one_line
 from omskills.models.api import MainPathRun, RunHooks
+from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
 from omskills.records.verify import OutputCheck
 from omskills.runtime import open_backend
 from omskills.runtime.splice import SpliceBackend, splice
 from omskills.runtime.traffic import traffic_report
+from omskills.stages.model import TaskModel
 from omskills.stages.spliced_runs import main_path_parity
 
 
-def merged_run(record: TaskRecord, workdir: Path, model, reference: MainPathRun,
-               replacements: list[tuple[object, SpliceBackend]], strategies: dict, proposals: list[MergeProposal],
-               checks: list[OutputCheck], backend: str) -> MergedRun | None:
+def merged_run(record: TaskRecord, workdir: Path, model: TaskModel, reference: MainPathRun,
+               replacements: list[tuple[ContractSpec, SpliceBackend]], strategies: dict[str, ShapeStrategy],
+               proposals: list[MergeProposal], checks: list[OutputCheck], backend: str) -> MergedRun | None:
     """The main path with every chain of mergeable graphs composed into one; None when none can merge."""
     chains, not_taken = merge_chains(proposals)
     if not chains:
@@ -40,10 +42,15 @@ def merged_run(record: TaskRecord, workdir: Path, model, reference: MainPathRun,
     built = [g for g in graphs if g.status != "refused"]
     if not built:
         return MergedRun(graphs=graphs, not_taken=not_taken, verdict="not run", fallbacks=0)
-    with splice(model.loaded.root, replacements, strategies=strategies) as handle:
-        for graph in built:
-            handle.merge(graph.graphs, open_backend(workdir / str(graph.onnx_path), backend), graph.io_maps, graph.prefixes)
-        spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
+    composed = [open_backend(workdir / str(graph.onnx_path), backend) for graph in built]
+    try:
+        with splice(model.loaded.root, replacements, strategies=strategies) as handle:
+            for graph, opened in zip(built, composed):
+                handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes)
+            spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
+    finally:
+        for opened in composed:
+            opened.close()
     fallbacks = len(handle.fallbacks())
     main, _ = main_path_parity(checks, reference, spliced, fallbacks)
     answered = {s.candidate: s.merged_hits for s in handle.stats()}

@@ -13,13 +13,15 @@ from pathlib import Path
 from omskills import progress
 from omskills.errors import InputError
 from omskills.isolation import return_freed_memory
-from omskills.models.api import RunHooks
+from omskills.models.api import MainPathRun, RunHooks
+from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.traffic import MergedRun
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import VerifyReport
 from omskills.runtime import BACKENDS
-from omskills.runtime.splice import splice
+from omskills.runtime.splice import SpliceBackend, splice
 from omskills.stages.merged_graphs import merged_run
-from omskills.stages.model import open_model
+from omskills.stages.model import TaskModel, open_model
 from omskills.stages.spliced_runs import chosen_emulation, chosen_modes, open_spliced, page_out_spliced, spliceable
 from omskills.stages.steps import fingerprint, require_intact, running_step
 from omskills.stages.verify_report import verification_report, write_verification_report
@@ -67,8 +69,9 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     return report
 
 
-def _merged(record: TaskRecord, workdir: Path, model, reference, replacements, strategies, report: VerifyReport,
-            backend: str):
+def _merged(record: TaskRecord, workdir: Path, model: TaskModel, reference: MainPathRun,
+            replacements: list[tuple[ContractSpec, SpliceBackend]], strategies: dict[str, ShapeStrategy],
+            report: VerifyReport, backend: str) -> MergedRun | None:
     """Graphs that read only another's unchanged outputs, composed with it and verified (a
     composed graph is an ONNX graph: on another backend the merges are proposed, not run)."""
     if backend != "onnxruntime":
