@@ -86,6 +86,10 @@ def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[di
     out = workdir / "onnx" / "merged" / f"{name}.onnx"
     base = MergedGraph(name=name, graphs=names, io_maps=maps, prefixes=[composed_prefix(g) for g in names[1:]],
                        status="refused", reason="")
+    if chunked := [g for g in names if record.batch_split_of(g) is not None]:
+        return base.model_copy(update={"reason": (
+            f"{', '.join(chunked)} run(s) the batch in chunks on the CPU (probe_onnx found the whole batch does not "
+            "fit): the composed graph would hold every member's whole batch at once")})
     try:
         compose_chain([record.preferred_model(workdir, g) for g in names], names, maps, out)
         command, script, mode = _atc(record, workdir, name, names, out)
