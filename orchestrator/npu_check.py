@@ -30,6 +30,7 @@ class ExampleRun(Record):
     steps: int
     s_per_step: float
     fallbacks: int
+    merged_calls: dict[str, int] = {}  # graph -> calls answered inside the call of the graph before it
 
 
 class NpuFigures(Record):

@@ -205,6 +205,11 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     assert report["verdict"] == "pass"
     assert {"layer1", "layer2", "layer3", "layer4"} <= {c["name"] for c in report["candidates"]}
     assert all(c["status"] == "integrated" and c["backend"].startswith("onnxruntime:") for c in report["candidates"])
+    # layer1 feeds layer2, ... layer4 with nothing between them: one composed graph runs the four.
+    (chain,) = report["merged"]["graphs"]
+    assert chain["graphs"] == ["layer1", "layer2", "layer3", "layer4"] and chain["status"] == "verified"
+    assert report["merged"]["traffic"]["calls_per_step"] == report["traffic"]["calls_per_step"] - 3
+    assert chain["precision_mode"] == "force_fp16" and chain["precision"]["passed"]  # emulated as one graph too
 
     # The same main path with every graph in its chosen ATC precision mode, emulated on CPU.
     task = str(tmp_path / "run" / "task.yaml")

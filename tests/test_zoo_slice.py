@@ -113,7 +113,7 @@ def test_the_rpn_head_fed_only_by_the_backbone_runs_inside_its_call_once_the_two
     assert after["bytes_per_step"] == before["bytes_per_step"] - proposals["rpn_head"]["bytes_saved_per_step"]
     rpn = {g["graph"]: g for g in after["per_graph"]}["rpn_head"]
     assert (rpn["calls"], rpn["merged_into"]) == (0, "backbone") and rpn["merged_calls"] == report["main_path"]["steps"]
-    assert "| backbone_to_rpn_head (backbone → rpn_head) | verified |" in (detector / "DELIVERY.md").read_text()
+    assert "| backbone_to_rpn_head (backbone → rpn_head) | verified | " in (detector / "DELIVERY.md").read_text()
 
     # The deployed model serves the chain the same way: from the run folder and from a bundle.
     bundle = write_bundle(detector / "task.yaml", tmp_path / "bundle")

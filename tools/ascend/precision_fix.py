@@ -22,6 +22,7 @@ from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
 from omskills.records.precision import (
     EmulatedResult, LayerComparison, ModePrecision, PrecisionGates, PrecisionReport, TensorError,
 )
+from omskills.records.toolchain_stage import CandidateToolchain
 
 MAX_KEEP_ROUNDS = 6
 ASSUMPTIONS = (
@@ -188,6 +189,27 @@ def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
             return mode.mode, mode.keep, (f"{mode.mode} passes in emulation with {len(mode.keep)} node(s) kept at "
                                           f"their original dtype (fastest passing mode)")
     return "must_keep_origin_dtype", [], "no emulated mode passes; must_keep_origin_dtype keeps every op's dtype"
+
+
+def atc_keep_nodes(chain: CandidateToolchain, mode: str) -> list[str]:
+    """The nodes a graph's ATC command keeps at their dtype under `mode`: those its emulation
+    proposed (when the mode passed with them) and those a known pitfall of that mode names."""
+    report = chain.precision
+    emulated = report.mode(mode) if report else None
+    keep = list(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else []
+    for hit in (chain.precheck.pitfalls if chain.precheck else []):
+        if mode in hit.modes:
+            keep += [n for n in hit.keep_nodes if n not in keep]
+    return keep
+
+
+def emulate_graph(model: Path, mode: str, keep: Sequence[str], feeds: Mapping[str, np.ndarray],
+                  gates: PrecisionGates) -> EmulatedResult:
+    """`model` emulated once in `mode` with `keep` against its fp32 run on `feeds` (a graph no
+    per-graph emulation chose for: a composition of graphs, say)."""
+    with prepared_light(model) as prepared:
+        result, _ = emulate_mode(prepared, mode, feeds, gates, keep)
+    return result
 
 
 def keep_dtype_text(nodes: Sequence[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from omskills.records.base import Record
+from omskills.records.precision import EmulatedResult
 from pydantic import Field
 
 
@@ -132,8 +133,13 @@ class MergedGraph(Record):
     atc_command: list[str] = Field(default_factory=list, description="The ATC command for the composed graph.")
     atc_script: str | None = Field(None, description=(
         "Run-folder path of the ATC script for the composed graph (the first member's shape strategy; the slowest "
-        "of the members' chosen precision modes, each emulated alone, not as one graph)."))
+        "of the members' chosen precision modes, emulated once more as one graph: see `precision`)."))
     precision_mode: str | None = Field(None, description="The --precision_mode of that script.")
+    keep_dtype_nodes: list[str] = Field(default_factory=list, description=(
+        "Nodes the script keeps at their dtype (--keep_dtype): each member's own, with its prefix."))
+    precision: EmulatedResult | None = Field(None, description=(
+        "The composed graph emulated once in that mode with that keep list, against its fp32 run on the first "
+        "member's first captured inputs (ONNX Runtime CPU, not an NPU); None when the mode keeps every dtype."))
     status: Literal["verified", "failed", "refused"] = Field(description=(
         "'verified': the main path with it spliced in passed its checks with no fallback and it answered every "
         "later member's calls; 'failed': it was built but that run did not show it; 'refused': it could not be built."))

@@ -5,9 +5,10 @@ as often, can run inside that graph's call. Proposals link into chains (A feeds 
 each chain's exported graphs are composed into one ONNX graph (`convert.compose`). The main path
 runs again with each composed graph spliced in (`SpliceHandle.merge`). A chain is verified when
 that run passes the same checks as the main verification with no fallback and the composed graph
-answered the calls of every later member. Its ATC command is written beside the candidates' OMs,
-in the slowest of the members' chosen precision modes (each was emulated alone; the composition
-was not).
+answered the calls of every later member. Its ATC command is written beside the candidates' OMs
+in the slowest of the members' chosen precision modes, keeping each member's kept nodes; that mode
+is emulated once more on the composed graph (rounding at the joins can add up), and if the
+composition fails there, the command keeps every dtype.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 
 from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
 from omskills.ascend.link import link_cost
+from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, write_keep_dtype
 from omskills.ascend.precision_modes import SPEED_ORDER, UNCHECKED_PRECISION_MODE
 from omskills.convert.compose import compose_chain, composed_prefix
 from omskills.errors import one_line
 from omskills.models.api import MainPathRun, RunHooks
 from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.precision import EmulatedResult, PrecisionGates
 from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
 from omskills.records.verify import OutputCheck
@@ -28,6 +31,7 @@ from omskills.runtime import open_backend
 from omskills.runtime.splice import SpliceBackend, splice
 from omskills.runtime.traffic import traffic_report
 from omskills.stages.model import TaskModel
+from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import main_path_parity
 
 
@@ -92,29 +96,48 @@ def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[di
             "fit): the composed graph would hold every member's whole batch at once")})
     try:
         compose_chain([record.preferred_model(workdir, g) for g in names], names, maps, out)
-        command, script, mode = _atc(record, workdir, name, names, out)
+        mode, keep, emulated = _precision(record, workdir, base, out)
+        command, script = _atc(record, workdir, name, names[0], out, mode, keep)
     except Exception as err:  # noqa: BLE001 - a merge is an optimisation: the graphs apart still serve
         return base.model_copy(update={"reason": f"cannot compose: {one_line(err, 300)}"})
     return base.model_copy(update={"onnx_path": str(out.relative_to(workdir)), "atc_command": command,
-                                   "atc_script": script, "precision_mode": mode, "status": "failed",
-                                   "reason": "not run yet"})
+                                   "atc_script": script, "precision_mode": mode, "keep_dtype_nodes": keep,
+                                   "precision": emulated, "status": "failed", "reason": "not run yet"})
 
 
-def _atc(record: TaskRecord, workdir: Path, name: str, members: list[str], model: Path) -> tuple[list[str], str | None, str]:
-    modes = [(record.toolchain_of(g).precision.chosen_mode if record.toolchain_of(g).precision else None)
-             or UNCHECKED_PRECISION_MODE for g in members]
+def _precision(record: TaskRecord, workdir: Path, graph: MergedGraph, model: Path) -> tuple[str, list[str], EmulatedResult | None]:
+    """The slowest of the members' chosen modes, each member's keep list (prefixed), and that
+    mode emulated on the composed graph; if the composition fails there, every dtype kept."""
+    chains = [record.toolchain_of(g) for g in graph.graphs]
+    modes = [(c.precision.chosen_mode if c.precision else None) or UNCHECKED_PRECISION_MODE for c in chains]
     mode = max(modes, key=lambda m: SPEED_ORDER.index(m) if m in SPEED_ORDER else len(SPEED_ORDER))
-    boundary = record.boundaries.get(members[0])
+    if mode == UNCHECKED_PRECISION_MODE:
+        return mode, [], None
+    keep = [prefix + node for chain, own, prefix in zip(chains, modes, ["", *graph.prefixes])
+            for node in atc_keep_nodes(chain, own)]
+    feeds, _ = first_feeds(record, workdir, graph.graphs[0])
+    gates = chains[0].precision.gates if chains[0].precision else PrecisionGates()
+    emulated = emulation_runner(model, feeds)(emulate_graph, model, mode, keep, feeds, gates)
+    if not emulated.passed:
+        return UNCHECKED_PRECISION_MODE, [], emulated
+    return mode, keep, emulated
+
+
+def _atc(record: TaskRecord, workdir: Path, name: str, first: str, model: Path, mode: str,
+         keep: list[str]) -> tuple[list[str], str | None]:
+    boundary = record.boundaries.get(first)
     if boundary is None or boundary.shape_strategy is None:
-        return [], None, mode
+        return [], None
     folder = workdir / "om" / name
     folder.mkdir(parents=True, exist_ok=True)
+    kept = write_keep_dtype(keep, folder, name) if keep else None
     options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(folder / name),
-                                       soc_version=record.intake.target.soc, precision_mode=mode)
+                                       soc_version=record.intake.target.soc, precision_mode=mode,
+                                       **({"keep_dtype": str(kept)} if kept else {}))
     script = folder / f"{name}_atc.sh"
     script.write_text(conversion_script(options, None, folder))
     script.chmod(0o755)
-    return build_atc_command(options), str(script.relative_to(workdir)), mode
+    return build_atc_command(options), str(script.relative_to(workdir))
 
 
 def _judged(graph: MergedGraph, verdict: str, fallbacks: int, answered: dict[str, int]) -> MergedGraph:

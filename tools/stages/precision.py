@@ -82,7 +82,7 @@ def _precision_on_sample(model: Path, feeds: dict[str, np.ndarray], sample_path:
     return precision_report(model, feeds, sample, modes, None, outputs)
 
 
-def _first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
+def first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
     """The first captured sample's inputs, cut to the batch ONNX Runtime can hold here."""
     samples = record.contract(name).samples
     if not samples:
@@ -118,7 +118,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     existing = record.toolchain_of(name).precision
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
-    feeds, sample = _first_feeds(record, workdir, name)
+    feeds, sample = first_feeds(record, workdir, name)
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
@@ -147,7 +147,7 @@ def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16
     emulated (with `keep` kept), an OM's dump from an NPU, or the PyTorch module's outputs."""
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    feeds, _ = _first_feeds(record, workdir, name)
+    feeds, _ = first_feeds(record, workdir, name)
     if against == "pytorch":
         return _compare_with_module(record, workdir, name, feeds)
     model = record.preferred_model(workdir, name)

@@ -15,7 +15,7 @@ from omskills import progress
 from omskills.ascend.atc import AtcOptions, build_atc_command, run_atc
 from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.ascend.pitfalls import check_pitfalls
-from omskills.ascend.precision_fix import write_keep_dtype
+from omskills.ascend.precision_fix import atc_keep_nodes, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
 from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import Sample, load_sample, one_per_shape
@@ -381,11 +381,7 @@ def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir
     chain = record.toolchain_of(name)
     report = chain.precision
     mode = asked or (report.chosen_mode if report else None) or UNCHECKED_PRECISION_MODE
-    emulated = report.mode(mode) if report else None
-    keep = list(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else []
-    for hit in (chain.precheck.pitfalls if chain.precheck else []):
-        if mode in hit.modes:
-            keep += [n for n in hit.keep_nodes if n not in keep]
+    keep = atc_keep_nodes(chain, mode)
     options = {"precision_mode": mode}
     path = write_keep_dtype(keep, out_dir, name) if mode != "must_keep_origin_dtype" else None
     if path is not None:
