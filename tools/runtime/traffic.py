@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +131,7 @@ class TrafficMeter:
 
         self._guarded(graph, count)
 
-    def _guarded(self, graph: str, count: Any) -> None:
+    def _guarded(self, graph: str, count: Callable[[], None]) -> None:
         if self.error is not None:
             return
         try:
