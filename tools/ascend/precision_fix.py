@@ -152,7 +152,7 @@ def _emulate_until_one_passes(prepared: PreparedGraph, modes: Sequence[str], fee
                               ) -> tuple[list[ModePrecision], list[str]]:
     """The modes emulated fastest first; after one passes, the slower ones are skipped."""
     results, skipped = [], []
-    for mode in _fastest_first(modes):
+    for mode in fastest_first(modes):
         if any(_passes(r) for r in results) and mode != "must_keep_origin_dtype":
             skipped.append(mode)
             continue
@@ -160,7 +160,7 @@ def _emulate_until_one_passes(prepared: PreparedGraph, modes: Sequence[str], fee
     return results, skipped
 
 
-def _fastest_first(modes: Sequence[str]) -> list[str]:
+def fastest_first(modes: Sequence[str]) -> list[str]:
     return sorted(modes, key=lambda m: SPEED_ORDER.index(m) if m in SPEED_ORDER else len(SPEED_ORDER))
 
 
@@ -182,7 +182,7 @@ def _mode_precision(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.n
 def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
     """The fastest mode that passes as is or with its keep list."""
     by_mode = {m.mode: m for m in results}
-    for mode in (by_mode[name] for name in _fastest_first(list(by_mode))):
+    for mode in (by_mode[name] for name in fastest_first(list(by_mode))):
         if mode.result.passed:
             return mode.mode, [], f"{mode.mode} passes in emulation with nothing kept (fastest passing mode)"
         if mode.with_keep is not None and mode.with_keep.passed:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
 from omskills.ascend.link import link_cost
-from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, write_keep_dtype
-from omskills.ascend.precision_modes import SPEED_ORDER, UNCHECKED_PRECISION_MODE
+from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, fastest_first, write_keep_dtype
+from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
 from omskills.convert.compose import compose_chain, composed_prefix
 from omskills.errors import one_line
 from omskills.models.api import MainPathRun, RunHooks
@@ -110,7 +110,7 @@ def _precision(record: TaskRecord, workdir: Path, graph: MergedGraph, model: Pat
     mode emulated on the composed graph; if the composition fails there, every dtype kept."""
     chains = [record.toolchain_of(g) for g in graph.graphs]
     modes = [(c.precision.chosen_mode if c.precision else None) or UNCHECKED_PRECISION_MODE for c in chains]
-    mode = max(modes, key=lambda m: SPEED_ORDER.index(m) if m in SPEED_ORDER else len(SPEED_ORDER))
+    mode = fastest_first(modes)[-1]
     if mode == UNCHECKED_PRECISION_MODE:
         return mode, [], None
     keep = [prefix + node for chain, own, prefix in zip(chains, modes, ["", *graph.prefixes])
