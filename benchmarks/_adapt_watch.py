@@ -20,7 +20,7 @@ GB = 1024**3
 BEFORE_PLAN = "start-up (CLI, MCP server)"
 AFTER_PLAN = "after the plan (summary, exit)"
 
-# The plan runner's lines (orchestrator/plan_runner.py, ToolCallDisplay, on a stream that is not a
+# The plan runner's lines (omskills.orchestrator.plan_runner, ToolCallDisplay, on a stream that is not a
 # terminal): "[i/n] <label>: <tool> ...", "[i/n] <label>: [  6.8 s] <phase>", "[i/n] <label>: ok in 8.6s"
 # or "... FAILED in 3.0s — why". The label is matched lazily and the rest by its own shape, so a
 # phase with colons in it does not move the split. Not anchored at the start: the MCP server shares

@@ -44,7 +44,7 @@ RSS_NOTE = ("tree RSS = the sum of every process's RSS; pages shared between pro
 
 FloorRule = Literal["pass", "itself", "optional", "none"]
 
-# The console names the plan's tools (orchestrator/job_commands.py, adaptation_plan), the record
+# The console names the plan's tools (omskills.orchestrator.job_commands, adaptation_plan), the record
 # names the steps they write (`export:x`, ...); this joins the two and says what each one's floor is.
 # A record step kind no tool here claims still gets a row of its own.
 TOOL_STEPS: dict[str, tuple[tuple[str, ...], FloorRule]] = {

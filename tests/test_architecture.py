@@ -7,11 +7,11 @@ import ast
 import re
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[1] / "tools"
+ENGINE = Path(__file__).resolve().parents[1] / "tools" / "omskills"
 
 # Lower layers never import higher ones. Mechanisms (one layer) may use each other.
 LAYERS = {
-    "errors": 0, "progress": 0, "stdio": 0, "registry": 0, "isolation": 0, "files": 0,
+    "errors": 0, "progress": 0, "stdio": 0, "registry": 0, "isolation": 0, "files": 0, "version": 0,
     "records": 1,
     "contracts": 2, "boundary": 2, "convert": 2, "ascend": 2, "runtime": 2, "compare": 2, "source": 2,
     "profiling": 2, "report": 2, "host": 2,

@@ -23,7 +23,7 @@ from omskills.records.toolchain import OpCheckRow, OpPrecheck, OpStatus
 from onnx import NodeProto
 
 TABLE_FILE = "atc_onnx_ops.csv"
-TABLE_DOCUMENT = "CANN 8.0.0 支持ONNX算子清单 (operatorlist_00176), see tools/ascend/data/atc_onnx_ops.README.md"
+TABLE_DOCUMENT = "CANN 8.0.0 支持ONNX算子清单 (operatorlist_00176), see tools/omskills/ascend/data/atc_onnx_ops.README.md"
 MAX_NODE_NAMES = 50
 
 

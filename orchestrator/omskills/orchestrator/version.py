@@ -10,6 +10,6 @@ def installed_version() -> str:
     try:
         return version("omskills")
     except PackageNotFoundError:
-        from omskills import __version__
+        from omskills.version import __version__
 
         return __version__

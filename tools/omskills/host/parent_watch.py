@@ -28,7 +28,7 @@ from types import FrameType
 import psutil
 
 PR_SET_PDEATHSIG = 1
-# Set by omskills' own client (orchestrator/mcp_client.py) to its pid when it starts a server.
+# Set by omskills' own client (omskills.orchestrator.mcp_client) to its pid when it starts a server.
 PARENT_PID_ENV = "OMSKILLS_PARENT_PID"
 # How often the fallback watcher looks at the parent pid.
 POLL_SECONDS = 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import omskills
+from omskills.version import __version__
 from omskills.errors import OmskillsError
 from omskills.files import sha256_file
 from omskills.files import inside_without_links
@@ -38,7 +38,7 @@ def manifest_from_record(task_path: Path) -> DeployManifest:
     merged = [merge_from_record(workdir, m) for m in (verification.merged.graphs if verification.merged else [])
               if m.status == "verified" and set(m.graphs) <= set(integrated)]
     return DeployManifest(
-        contract_schema=SCHEMA_VERSION, omskills_version=omskills.__version__, task_id=record.id, created=now_iso(),
+        contract_schema=SCHEMA_VERSION, omskills_version=__version__, task_id=record.id, created=now_iso(),
         intake=record.intake, weights=verification.weights,
         verified=f"{verification.verdict}: {verification.main_path.summary()}", graphs=graphs, merged=merged,
         not_deployed=not_deployed)

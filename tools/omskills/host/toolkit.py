@@ -95,8 +95,9 @@ def skills_root() -> Path:
     if env:
         return Path(env).resolve()
     package = Path(__file__).resolve().parent.parent
-    # A checkout (editable install) has skills/ beside tools/; a wheel ships them as omskills/_skills.
-    for candidate in (package.parent / "skills", package / "_skills"):
+    # A checkout has skills/ beside tools/ (this file is tools/omskills/host/toolkit.py); a wheel
+    # ships them as omskills/_skills.
+    for candidate in (package.parents[1] / "skills", package / "_skills"):
         if candidate.is_dir():
             return candidate
     raise OmskillsError("cannot find the skills folder: set OMSKILLS_SKILLS_DIR")

@@ -131,12 +131,12 @@ class OpCheckRow(Record):
     reason: str | None = None
     constraints: str | None = None  # the documented constraints, when there are any
     opsets: str | None = None  # the opsets the table accepts for this op
-    range_from: str | None = None  # "op page" or "assumed" (see tools/ascend/data/atc_onnx_ops.README.md)
+    range_from: str | None = None  # "op page" or "assumed" (see tools/omskills/ascend/data/atc_onnx_ops.README.md)
     source: str | None = None
 
 
 class PitfallHit(Record):
-    """A known ATC precision pitfall (tools/ascend/data/precision_pitfalls.yaml) that concerns this graph."""
+    """A known ATC precision pitfall (tools/omskills/ascend/data/precision_pitfalls.yaml) that concerns this graph."""
 
     id: str
     count: int

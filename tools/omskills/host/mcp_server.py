@@ -51,7 +51,8 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp.server.mcpserver.resources import FileResource
 from mcp.server.transport_security import TransportSecuritySettings
-from omskills import __version__, progress
+from omskills import progress
+from omskills.version import __version__
 from omskills.errors import InputError, OmskillsError, one_line
 from omskills.host import mcp_resources
 from omskills.host.job_store import JobStore
