@@ -29,7 +29,8 @@ _STAGE_LINE = re.compile(
     r"\[(?P<index>\d+)/(?P<total>\d+)\] (?P<title>.+?): "
     r"(?:(?P<tool>[A-Za-z_][\w.-]*) \.\.\.$"
     r"|(?P<status>ok|FAILED) in (?P<seconds>\d+(?:\.\d+)?)s(?: — .*)?$"
-    r"|\[\s*\d+(?:\.\d+)? s\] (?P<phase>.*)$)")
+    r"|\[\s*\d+(?:\.\d+)? s\] (?P<phase>.*)$)"
+)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def short_command(argv: list[str], width: int = 110) -> str:
         shown.append("-c …")
         rest = rest[2:]
     text = " ".join(shown + rest)
-    return text if len(text) <= width else text[: width // 2 - 1] + " … " + text[-(width // 2 - 2):]
+    return text if len(text) <= width else text[: width // 2 - 1] + " … " + text[-(width // 2 - 2) :]
 
 
 class TreeSampler(threading.Thread):
@@ -195,8 +196,14 @@ class TreeSampler(threading.Thread):
                 command = short_command(largest_proc.cmdline())
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 command = f"pid {largest_proc.pid} (exited)"
-            self.peak = MemoryPeak(seconds=sample.seconds, tree_gb=tree / GB, largest_gb=largest / GB,
-                                   largest_command=command, processes=len(sizes), stage=sample.stage)
+            self.peak = MemoryPeak(
+                seconds=sample.seconds,
+                tree_gb=tree / GB,
+                largest_gb=largest / GB,
+                largest_command=command,
+                processes=len(sizes),
+                stage=sample.stage,
+            )
 
 
 def write_memory_csv(samples: list[MemorySample], path: Path) -> None:
@@ -226,8 +233,16 @@ def plot_memory(samples: list[MemorySample], stages: list[ConsoleStage], path: P
         # Steps a few seconds long would print their numbers on top of each other: stagger them.
         level = (level + 1) % 4 if last is not None and stage.started - last < 0.02 * span else 0
         last = stage.started
-        ax.text(stage.started, top * (1.02 + 0.075 * level), str(stage.index), fontsize=7, ha="center", va="bottom",
-                color="grey", bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3})
+        ax.text(
+            stage.started,
+            top * (1.02 + 0.075 * level),
+            str(stage.index),
+            fontsize=7,
+            ha="center",
+            va="bottom",
+            color="grey",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3},
+        )
     ax.set_ylim(0, top * 1.32 + 0.01)
     ax.set_xlabel("seconds since launch (numbers: plan step started)")
     ax.set_ylabel("GB")

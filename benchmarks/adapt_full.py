@@ -29,8 +29,17 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from _adapt_watch import (AFTER_PLAN, BEFORE_PLAN, ConsoleStage, ConsoleTracker, MemoryPeak, TreeSampler,
-                          plot_memory, tee, write_memory_csv)
+from _adapt_watch import (
+    AFTER_PLAN,
+    BEFORE_PLAN,
+    ConsoleStage,
+    ConsoleTracker,
+    MemoryPeak,
+    TreeSampler,
+    plot_memory,
+    tee,
+    write_memory_csv,
+)
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
@@ -39,8 +48,10 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 ABOVE = 1.5  # a step slower than this many times its floor is marked
-RSS_NOTE = ("tree RSS = the sum of every process's RSS; pages shared between processes are counted in each, "
-            "so it is an upper bound")
+RSS_NOTE = (
+    "tree RSS = the sum of every process's RSS; pages shared between processes are counted in each, "
+    "so it is an upper bound"
+)
 
 FloorRule = Literal["pass", "itself", "optional", "none"]
 
@@ -122,16 +133,33 @@ def main() -> int:
     parser.add_argument("--frames", type=int)
     parser.add_argument("--precision-budget", type=int, help="passed to omskills adapt")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark-adapt"))
-    parser.add_argument("--resume", action="store_true",
-                        help="measure a rerun of --out: only the stages it still has to do are timed and sampled")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="measure a rerun of --out: only the stages it still has to do are timed and sampled",
+    )
     ns = parser.parse_args()
     out = Path(ns.out)
     if (out / "task.yaml").exists() and not ns.resume:
-        sys.exit(f"{out} holds an earlier run; a rerun would resume instead of measuring. Pick another --out "
-                 "(or --resume to measure what the rerun still does).")
-    cmd = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-           "adapt", ns.task, "--scale", ns.scale, "--out", str(out)] + (["--frames", str(ns.frames)] if ns.frames else []) \
+        sys.exit(
+            f"{out} holds an earlier run; a rerun would resume instead of measuring. Pick another --out "
+            "(or --resume to measure what the rerun still does)."
+        )
+    cmd = (
+        [
+            sys.executable,
+            "-c",
+            "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+            "adapt",
+            ns.task,
+            "--scale",
+            ns.scale,
+            "--out",
+            str(out),
+        ]
+        + (["--frames", str(ns.frames)] if ns.frames else [])
         + (["--precision-budget", str(ns.precision_budget)] if ns.precision_budget else [])
+    )
     tracker, sampler, exit_code, wall = _run_watched(cmd)
     bench = out / ("benchmark-resumed" if ns.resume else "benchmark")
     bench.mkdir(parents=True, exist_ok=True)
@@ -146,13 +174,26 @@ def main() -> int:
     _print_verify(report)
     floor = _floor(out, record, report)
     rows = _rows(record, tracker.stages, wall, floor)
-    floor_sum = (round(sum(r.floor_seconds or 0.0 for r in rows if r.floor_rule in ("pass", "itself")), 1)
-                 if floor is not None else None)
+    floor_sum = (
+        round(sum(r.floor_seconds or 0.0 for r in rows if r.floor_rule in ("pass", "itself")), 1)
+        if floor is not None
+        else None
+    )
     # The command as a person reads it: the interpreter, then the CLI's arguments (the -c code left out).
-    result = AdaptBenchmark(date=dt.date.today().isoformat(), command=cmd[:1] + cmd[3:], out=str(out), exit_code=exit_code,
-                            wall_seconds=round(wall, 1), floor=floor, floor_seconds=floor_sum, stages=rows,
-                            peak=sampler.peak, memory_csv=str(bench / "memory.csv"), memory_png=str(png) if png else None,
-                            resumed=ns.resume)
+    result = AdaptBenchmark(
+        date=dt.date.today().isoformat(),
+        command=cmd[:1] + cmd[3:],
+        out=str(out),
+        exit_code=exit_code,
+        wall_seconds=round(wall, 1),
+        floor=floor,
+        floor_seconds=floor_sum,
+        stages=rows,
+        peak=sampler.peak,
+        memory_csv=str(bench / "memory.csv"),
+        memory_png=str(png) if png else None,
+        resumed=ns.resume,
+    )
     _print_table(result)
     (bench / "summary.json").write_text(result.model_dump_json(indent=2) + "\n")
     print(f"\nsamples {bench / 'memory.csv'}, picture {png or '-'}, figures {bench / 'summary.json'}")
@@ -166,8 +207,10 @@ def _run_watched(cmd: list[str]) -> tuple[ConsoleTracker, TreeSampler, int, floa
     tracker = ConsoleTracker()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
-    readers = [threading.Thread(target=tee, args=(pipe, stream, tracker), daemon=True)
-               for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    readers = [
+        threading.Thread(target=tee, args=(pipe, stream, tracker), daemon=True)
+        for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+    ]
     sampler = TreeSampler(proc.pid, tracker)
     for thread in (*readers, sampler):
         thread.start()
@@ -187,16 +230,24 @@ def _print_verify(report: VerifyReport | None) -> None:
         print("verify report        none (the adaptation stopped before verify)")
         return
     m, unit = report.main_path, report.step_name
-    print(f"weights              {report.weights} | scale {report.scale} | {m.steps} {unit}s | verdict {report.verdict}")
+    print(
+        f"weights              {report.weights} | scale {report.scale} | {m.steps} {unit}s | verdict {report.verdict}"
+    )
     for check in m.checks:
-        print(f"check                {check.title}: worst {check.worst} | passed {check.passed}"
-              f"{'' if check.gating else ' (reported)'}")
+        print(
+            f"check                {check.title}: worst {check.worst} | passed {check.passed}"
+            f"{'' if check.gating else ' (reported)'}"
+        )
     print(f"fallbacks            {m.fallbacks}")
-    print(f"latency per {unit:8s} torch {m.torch_s_per_step:.2f} s | spliced {m.spliced_s_per_step:.2f} s | "
-          f"ratio spliced/eager {m.latency_ratio:.2f}")
+    print(
+        f"latency per {unit:8s} torch {m.torch_s_per_step:.2f} s | spliced {m.spliced_s_per_step:.2f} s | "
+        f"ratio spliced/eager {m.latency_ratio:.2f}"
+    )
     for c in report.candidates:
-        print(f"  {c.name:38s} {c.status:10s} {c.backend:32s} probe {c.probe.get('verdict')} "
-              f"cos {c.probe.get('cosine')} max abs {c.probe.get('max_abs')} | {c.calls} calls")
+        print(
+            f"  {c.name:38s} {c.status:10s} {c.backend:32s} probe {c.probe.get('verdict')} "
+            f"cos {c.probe.get('cosine')} max abs {c.probe.get('max_abs')} | {c.calls} calls"
+        )
     for name, why in report.not_spliced.items():
         print(f"  {name:38s} pytorch: {why[:150]}")
 
@@ -224,24 +275,29 @@ def _floor(out: Path, record: TaskRecord | None, report: VerifyReport | None) ->
     study_path = out / "study" / "main_path.json"
     study = MainPathReport.model_validate_json(study_path.read_text()) if study_path.exists() else None
     # Graphs probed as exported ("probe:<graph>:original"); a variant's probe is the optimizer's business.
-    probed = sorted({step.split(":")[1] for step in record.stages if step.startswith("probe:") and step.endswith(":original")})
+    probed = sorted(
+        {step.split(":")[1] for step in record.stages if step.startswith("probe:") and step.endswith(":original")}
+    )
     owners = {g: record.plan_candidate_of(g) for g in probed}
     first_batch = set(record.plan.first_batch) if record.plan else set()
     candidates = sorted({c.name for c in owners.values() if c is not None and c.name in first_batch})
-    share = (sum(c.share for c in record.plan.candidates if c.name in candidates)
-             if record.plan and candidates else None)
+    share = sum(c.share for c in record.plan.candidates if c.name in candidates) if record.plan and candidates else None
     per_call = {c.name: c.backend_ms_per_call for c in report.candidates}
     known = all(per_call.get(g) is not None and g in record.contracts for g in probed)
-    ort = (sum(per_call[g] / 1000 * len(record.contracts[g].samples) for g in probed)
-           if probed and known else None)
+    ort = sum(per_call[g] / 1000 * len(record.contracts[g].samples) for g in probed) if probed and known else None
     # The whole pass (session setup included) where the report has it; older reports: the steps only.
-    return Floor(steps=m.steps, step_name=report.step_name, whole_pass=m.torch_pass_s is not None,
-                 eager_seconds=m.torch_pass_s if m.torch_pass_s is not None else m.torch_s_per_step * m.steps,
-                 spliced_seconds=m.spliced_pass_s if m.spliced_pass_s is not None else m.spliced_s_per_step * m.steps,
-                 study_load_seconds=study.load_seconds if study else None,
-                 study_setup_seconds=study.setup_seconds if study else None,
-                 probed_share=share, probed_candidates=candidates,
-                 probe_ort_seconds=round(ort, 3) if ort is not None else None)
+    return Floor(
+        steps=m.steps,
+        step_name=report.step_name,
+        whole_pass=m.torch_pass_s is not None,
+        eager_seconds=m.torch_pass_s if m.torch_pass_s is not None else m.torch_s_per_step * m.steps,
+        spliced_seconds=m.spliced_pass_s if m.spliced_pass_s is not None else m.spliced_s_per_step * m.steps,
+        study_load_seconds=study.load_seconds if study else None,
+        study_setup_seconds=study.setup_seconds if study else None,
+        probed_share=share,
+        probed_candidates=candidates,
+        probe_ort_seconds=round(ort, 3) if ort is not None else None,
+    )
 
 
 def _rows(record: TaskRecord | None, stages: list[ConsoleStage], wall: float, floor: Floor | None) -> list[StageRow]:
@@ -250,8 +306,13 @@ def _rows(record: TaskRecord | None, stages: list[ConsoleStage], wall: float, fl
     for name, result in steps.items():
         by_kind.setdefault(name.split(":")[0], []).append(result.seconds or 0.0)
     first = stages[0].started if stages else wall
-    rows = [StageRow(stage=BEFORE_PLAN, console_seconds=round(first, 1),
-                     note="process start, imports, reading the task record, the MCP server's start")]
+    rows = [
+        StageRow(
+            stage=BEFORE_PLAN,
+            console_seconds=round(first, 1),
+            note="process start, imports, reading the task record, the MCP server's start",
+        )
+    ]
     claimed: set[str] = set()
     for i, stage in enumerate(stages):
         kinds, rule = TOOL_STEPS.get(stage.tool, ((), "none"))
@@ -260,19 +321,34 @@ def _rows(record: TaskRecord | None, stages: list[ConsoleStage], wall: float, fl
         rows.append(_row(stage.label, stage.tool, kinds, by_kind, end - stage.started, rule, floor))
     if stages and stages[-1].ended is not None:
         rows.append(StageRow(stage=AFTER_PLAN, console_seconds=round(wall - stages[-1].ended, 1)))
-    for kind in [k for k in by_kind if k not in claimed]:  # steps the console did not show (a changed plan, a failed parse)
+    for kind in [
+        k for k in by_kind if k not in claimed
+    ]:  # steps the console did not show (a changed plan, a failed parse)
         rule = next((r for ks, r in TOOL_STEPS.values() if kind in ks), "none")
         rows.append(_row(f"record step {kind}", None, [kind], by_kind, None, rule, floor))
     return rows
 
 
-def _row(label: str, tool: str | None, kinds: list[str], by_kind: dict[str, list[float]], console: float | None,
-         rule: FloorRule, floor: Floor | None) -> StageRow:
+def _row(
+    label: str,
+    tool: str | None,
+    kinds: list[str],
+    by_kind: dict[str, list[float]],
+    console: float | None,
+    rule: FloorRule,
+    floor: Floor | None,
+) -> StageRow:
     """`kinds`: the record step kinds the tool writes (they choose the floor); the record may hold none of them."""
     seconds = [s for k in kinds for s in by_kind.get(k, [])]
-    row = StageRow(stage=label, tool=tool, record_kinds=[k for k in kinds if k in by_kind], record_steps=len(seconds),
-                   record_seconds=round(sum(seconds), 1) if seconds else None,
-                   console_seconds=round(console, 1) if console is not None else None, floor_rule=rule)
+    row = StageRow(
+        stage=label,
+        tool=tool,
+        record_kinds=[k for k in kinds if k in by_kind],
+        record_steps=len(seconds),
+        record_seconds=round(sum(seconds), 1) if seconds else None,
+        console_seconds=round(console, 1) if console is not None else None,
+        floor_rule=rule,
+    )
     if rule == "itself":
         row.floor_seconds = row.seconds
         row.note = "no pass of the model bounds it: its own seconds are its floor"
@@ -308,7 +384,11 @@ def _pass_floor(row: StageRow, kinds: list[str], floor: Floor | None) -> None:
         setups = "" if floor.whole_pass else " and the two session setups"
         row.note = f"E {e:.1f} + S {s:.1f} s; model load{setups} outside"
     elif "probe" in kinds:
-        ort = f"; verify's ORT s/call x samples: {floor.probe_ort_seconds:.1f} s" if floor.probe_ort_seconds is not None else ""
+        ort = (
+            f"; verify's ORT s/call x samples: {floor.probe_ort_seconds:.1f} s"
+            if floor.probe_ort_seconds is not None
+            else ""
+        )
         if floor.probed_share is None:
             row.note = "floor unknown: no plan shares for the probed candidates" + ort
             return
@@ -335,44 +415,70 @@ def _print_table(result: AdaptBenchmark) -> None:
     print(f"\n{'stage':{width}s} {'record s':>9s} {'console s':>9s} {'floor s':>8s} {'ratio':>8s}  note")
     for r in result.stages:
         floor = "-" if r.floor_rule == "none" or r.floor_seconds is None else _num(r.floor_seconds)
-        print(f"{r.stage:{width}s} {_num(r.record_seconds):>9s} {_num(r.console_seconds):>9s} {floor:>8s} "
-              f"{_ratio_text(r):>8s}  {r.note}")
+        print(
+            f"{r.stage:{width}s} {_num(r.record_seconds):>9s} {_num(r.console_seconds):>9s} {floor:>8s} "
+            f"{_ratio_text(r):>8s}  {r.note}"
+        )
     total_ratio = f"{result.wall_seconds / result.floor_seconds:.2f}" if result.floor_seconds else "-"
-    print(f"{'total':{width}s} {'':>9s} {result.wall_seconds:9.1f} {_num(result.floor_seconds):>8s} {total_ratio:>8s}  "
-          "wall from launch to exit; floor = the sum of the rows' floors")
+    print(
+        f"{'total':{width}s} {'':>9s} {result.wall_seconds:9.1f} {_num(result.floor_seconds):>8s} {total_ratio:>8s}  "
+        "wall from launch to exit; floor = the sum of the rows' floors"
+    )
     if result.floor is not None:
         f = result.floor
-        print(f"E (eager pass)       {f.eager_seconds:.1f} s = {f.steps} {f.step_name}s | S (spliced pass) {f.spliced_seconds:.1f} s")
+        print(
+            f"E (eager pass)       {f.eager_seconds:.1f} s = {f.steps} {f.step_name}s | S (spliced pass) {f.spliced_seconds:.1f} s"
+        )
     print(f"marked ' !'          above {ABOVE}x the floor")
     if result.resumed:
-        print("resumed run          stages the record already held as done were skipped, neither timed nor sampled here")
+        print(
+            "resumed run          stages the record already held as done were skipped, neither timed nor sampled here"
+        )
     if result.peak is not None:
         p = result.peak
-        print(f"peak RSS (tree)      {p.tree_gb:.2f} GB at {p.seconds:.0f} s, {p.processes} processes, during {p.stage}")
+        print(
+            f"peak RSS (tree)      {p.tree_gb:.2f} GB at {p.seconds:.0f} s, {p.processes} processes, during {p.stage}"
+        )
         print(f"largest process      {p.largest_gb:.2f} GB then: {p.largest_command}")
     print(f"                     ({RSS_NOTE})")
 
 
 def _markdown(result: AdaptBenchmark, scale: str, frames: int | None) -> str:
-    lines = [f"### {result.date} — `benchmarks/adapt_full.py`: the adaptation beside its floor ({scale} scale"
-             f"{f', {frames} frames' if frames else ''})", "",
-             "| stage | record s | console s | floor s | ratio | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"### {result.date} — `benchmarks/adapt_full.py`: the adaptation beside its floor ({scale} scale"
+        f"{f', {frames} frames' if frames else ''})",
+        "",
+        "| stage | record s | console s | floor s | ratio | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result.stages:
         floor = "-" if r.floor_rule == "none" or r.floor_seconds is None else _num(r.floor_seconds)
         ratio = _ratio_text(r).replace(" !", " **!**")
-        lines.append(f"| {r.stage} | {_num(r.record_seconds)} | {_num(r.console_seconds)} | {floor} | {ratio} | {r.note} |")
+        lines.append(
+            f"| {r.stage} | {_num(r.record_seconds)} | {_num(r.console_seconds)} | {floor} | {ratio} | {r.note} |"
+        )
     total_ratio = f"{result.wall_seconds / result.floor_seconds:.2f}" if result.floor_seconds else "-"
-    lines.append(f"| **total** | | {result.wall_seconds:.1f} | {_num(result.floor_seconds)} | {total_ratio} | wall, launch to exit |")
+    lines.append(
+        f"| **total** | | {result.wall_seconds:.1f} | {_num(result.floor_seconds)} | {total_ratio} | wall, launch to exit |"
+    )
     if result.resumed:
-        lines += ["", "- Resumed run: stages the record already held as done were skipped, neither timed nor sampled here."]
+        lines += [
+            "",
+            "- Resumed run: stages the record already held as done were skipped, neither timed nor sampled here.",
+        ]
     if result.floor is not None:
         f = result.floor
-        lines += ["", f"- E (eager main-path pass, verify) {f.eager_seconds:.1f} s for {f.steps} {f.step_name}s; "
-                      f"S (spliced pass) {f.spliced_seconds:.1f} s; adapt exit code {result.exit_code}."]
+        lines += [
+            "",
+            f"- E (eager main-path pass, verify) {f.eager_seconds:.1f} s for {f.steps} {f.step_name}s; "
+            f"S (spliced pass) {f.spliced_seconds:.1f} s; adapt exit code {result.exit_code}.",
+        ]
     if result.peak is not None:
         p = result.peak
-        lines.append(f"- Peak RSS of the process tree {p.tree_gb:.2f} GB at {p.seconds:.0f} s during {p.stage}; "
-                     f"largest process then {p.largest_gb:.2f} GB (`{p.largest_command}`). {RSS_NOTE[0].upper() + RSS_NOTE[1:]}.")
+        lines.append(
+            f"- Peak RSS of the process tree {p.tree_gb:.2f} GB at {p.seconds:.0f} s during {p.stage}; "
+            f"largest process then {p.largest_gb:.2f} GB (`{p.largest_command}`). {RSS_NOTE[0].upper() + RSS_NOTE[1:]}."
+        )
     return "\n".join(lines)
 
 

@@ -52,17 +52,28 @@ def attention_graph(folder: Path, tokens: int, heads: int, dim: int) -> tuple[Pa
         helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv"),
     ]
     bias = numpy_helper.from_array(rng.normal(size=(1, 1, tokens, tokens)).astype(np.float32), "bias")
-    scale = numpy_helper.from_array(np.array(dim ** -0.5, np.float32), "scale")
-    graph = helper.make_graph(nodes, "attention", [vi("q", [1, heads, tokens, dim]), vi("kt", [1, heads, dim, tokens]),
-                                                   vi("v", [1, heads, tokens, dim])], [vi("out", [1, heads, tokens, dim])],
-                              initializer=[bias, scale])
+    scale = numpy_helper.from_array(np.array(dim**-0.5, np.float32), "scale")
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        [vi("q", [1, heads, tokens, dim]), vi("kt", [1, heads, dim, tokens]), vi("v", [1, heads, tokens, dim])],
+        [vi("out", [1, heads, tokens, dim])],
+        initializer=[bias, scale],
+    )
     path = folder / "attention.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
-              save_as_external_data=True, location="attention.onnx.data")
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+        str(path),
+        save_as_external_data=True,
+        location="attention.onnx.data",
+    )
     feeds = folder / "feeds.npz"
-    np.savez(feeds, q=rng.normal(size=(1, heads, tokens, dim)).astype(np.float32),
-             kt=rng.normal(size=(1, heads, dim, tokens)).astype(np.float32),
-             v=rng.normal(size=(1, heads, tokens, dim)).astype(np.float32))
+    np.savez(
+        feeds,
+        q=rng.normal(size=(1, heads, tokens, dim)).astype(np.float32),
+        kt=rng.normal(size=(1, heads, dim, tokens)).astype(np.float32),
+        v=rng.normal(size=(1, heads, tokens, dim)).astype(np.float32),
+    )
     return path, feeds
 
 
@@ -84,8 +95,9 @@ def emulated(path: Path, split: bool) -> Path:
 
 
 def run_child(model: Path, feeds: Path, out: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(model), str(feeds), str(out)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model), str(feeds), str(out)], capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -96,14 +108,18 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=64)
     ns = parser.parse_args()
     scores_gb = ns.heads * ns.tokens * ns.tokens * 4 / 1e9
-    print(f"one attention layer: {ns.heads} heads x {ns.tokens} tokens, d {ns.dim}; "
-          f"one [1, H, L, L] fp32 score tensor: {scores_gb:.2f} GB")
+    print(
+        f"one attention layer: {ns.heads} heads x {ns.tokens} tokens, d {ns.dim}; "
+        f"one [1, H, L, L] fp32 score tensor: {scores_gb:.2f} GB"
+    )
     with tempfile.TemporaryDirectory(prefix="attention-memory-") as tmp:
         folder = Path(tmp)
         path, feeds = attention_graph(folder, ns.tokens, ns.heads, ns.dim)
-        variants = {"exported fp32 (as verify runs it)": path,
-                    "emulated force_fp16, whole": emulated(path, split=False),
-                    "emulated force_fp16, split by heads": emulated(path, split=True)}
+        variants = {
+            "exported fp32 (as verify runs it)": path,
+            "emulated force_fp16, whole": emulated(path, split=False),
+            "emulated force_fp16, split by heads": emulated(path, split=True),
+        }
         results = {}
         for label, model in variants.items():
             results[label] = run_child(model, feeds, folder / f"{model.stem}.out.npy")
@@ -111,7 +127,10 @@ def main() -> int:
         whole = np.load(folder / "attention.emulated-whole.out.npy")
         split = np.load(folder / "attention.emulated-split.out.npy")
         same = bool(np.array_equal(whole, split))
-        ratio = results["emulated force_fp16, split by heads"]["peak_bytes"] / results["emulated force_fp16, whole"]["peak_bytes"]
+        ratio = (
+            results["emulated force_fp16, split by heads"]["peak_bytes"]
+            / results["emulated force_fp16, whole"]["peak_bytes"]
+        )
         print(f"split / whole peak: {ratio:.2f}; outputs equal bit for bit: {same}")
     return 0 if same else 1
 

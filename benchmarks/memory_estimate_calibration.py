@@ -80,8 +80,9 @@ class Conv(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         widths = [3, 32, 64, 64, 32, 16]
-        self.layers = nn.Sequential(*[layer for i in range(5) for layer in
-                                      (nn.Conv2d(widths[i], widths[i + 1], 3, padding=1), nn.ReLU())])
+        self.layers = nn.Sequential(
+            *[layer for i in range(5) for layer in (nn.Conv2d(widths[i], widths[i + 1], 3, padding=1), nn.ReLU())]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -141,31 +142,48 @@ def export(name: str, folder: Path) -> Path:
     model = MODELS[name][0]().eval()
     path = folder / f"{name}.onnx"
     with torch.no_grad():
-        torch.onnx.export(model, (model.example(2),), str(path), dynamo=True, external_data=False, opset_version=18,
-                          dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=64)}})
+        torch.onnx.export(
+            model,
+            (model.example(2),),
+            str(path),
+            dynamo=True,
+            external_data=False,
+            opset_version=18,
+            dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=64)}},
+        )
     return path
 
 
-def measure(path: Path, shape: list[int] | None = None, sample: Path | None = None, fused: bool = False) -> dict[str, int]:
+def measure(
+    path: Path, shape: list[int] | None = None, sample: Path | None = None, fused: bool = False
+) -> dict[str, int]:
     """Baseline, after-load and peak RSS of a fresh process running `path` on random feeds of
     `shape` (input "x") or on a captured sample's inputs; with `fused`, as the backend opens it by
     default (attention fused into MultiHeadAttention where it matches)."""
     feed = ["shape", json.dumps(shape)] if sample is None else ["sample", str(sample)]
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), *feed, "fused" if fused else "exported"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), *feed, "fused" if fused else "exported"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def row(name: str, batch: int | str, estimate, path: Path, shape: list[int] | None = None, sample: Path | None = None) -> str:
+def row(
+    name: str, batch: int | str, estimate, path: Path, shape: list[int] | None = None, sample: Path | None = None
+) -> str:
     rss = measure(path, shape, sample)
     measured = rss["peak"] - rss["baseline"]
     fused = measure(path, shape, sample, fused=True)
     top = estimate.largest[0]
-    return (f"{name:<36} {batch:>5} {estimate.peak_bytes / MIB:>12.1f} {measured / MIB:>11.1f} "
-            f"{measured / estimate.peak_bytes:>6.2f} {session_need_bytes(estimate) / MIB:>8.1f} "
-            f"{'yes' if session_need_bytes(estimate) >= measured else 'NO':>7} {estimate.weights_bytes / MIB:>10.1f} "
-            f"{(rss['loaded'] - rss['baseline']) / MIB:>9.1f} {(fused['peak'] - fused['baseline']) / MIB:>8.1f}  "
-            f"{top.op} {top.shape} (unknown sizes: {estimate.unknown_shapes})")
+    return (
+        f"{name:<36} {batch:>5} {estimate.peak_bytes / MIB:>12.1f} {measured / MIB:>11.1f} "
+        f"{measured / estimate.peak_bytes:>6.2f} {session_need_bytes(estimate) / MIB:>8.1f} "
+        f"{'yes' if session_need_bytes(estimate) >= measured else 'NO':>7} {estimate.weights_bytes / MIB:>10.1f} "
+        f"{(rss['loaded'] - rss['baseline']) / MIB:>9.1f} {(fused['peak'] - fused['baseline']) / MIB:>8.1f}  "
+        f"{top.op} {top.shape} (unknown sizes: {estimate.unknown_shapes})"
+    )
 
 
 def run_folder_rows(task: Path) -> None:
@@ -187,12 +205,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where the exported models go (default: a temporary folder)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
-    parser.add_argument("--run", type=Path, help="also every graph of this adaptation's task.yaml, on its largest sample")
+    parser.add_argument(
+        "--run", type=Path, help="also every graph of this adaptation's task.yaml, on its largest sample"
+    )
     args = parser.parse_args()
     folder = args.out or Path(tempfile.mkdtemp(prefix="memory-calibration-"))
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"{'model':<36} {'batch':>5} {'predicted MB':>12} {'measured MB':>11} {'ratio':>6} {'need MB':>8} {'covered':>7} "
-          f"{'weights MB':>10} {'loaded MB':>9} {'fused MB':>8}  largest tensor")
+    print(
+        f"{'model':<36} {'batch':>5} {'predicted MB':>12} {'measured MB':>11} {'ratio':>6} {'need MB':>8} {'covered':>7} "
+        f"{'weights MB':>10} {'loaded MB':>9} {'fused MB':>8}  largest tensor"
+    )
     for name in filter(None, args.models.split(",")):
         path = export(name, folder)
         for batch in MODELS[name][1]:

@@ -37,9 +37,15 @@ def main() -> int:
             continue
         for m in report.modes:
             r, k = m.result, m.with_keep
-            kept = f" | keep {len(m.keep)} {m.keep[:4]} -> cos {k.cosine:.6f} max abs {k.max_abs:.3g} {'pass' if k.passed else 'fail'}" if k else ""
-            print(f"{name:38s} {m.mode:24s} cos {r.cosine:.6f} max abs {r.max_abs:.3g} overflow {r.overflow} "
-                  f"fp16 nodes {r.fp16_nodes} {'pass' if r.passed else 'fail'}{kept}")
+            kept = (
+                f" | keep {len(m.keep)} {m.keep[:4]} -> cos {k.cosine:.6f} max abs {k.max_abs:.3g} {'pass' if k.passed else 'fail'}"
+                if k
+                else ""
+            )
+            print(
+                f"{name:38s} {m.mode:24s} cos {r.cosine:.6f} max abs {r.max_abs:.3g} overflow {r.overflow} "
+                f"fp16 nodes {r.fp16_nodes} {'pass' if r.passed else 'fail'}{kept}"
+            )
         print(f"{name:38s} chosen {report.chosen_mode} keep {report.chosen_keep}")
     for name in ns.against_pytorch:
         _print_against_pytorch(task, name)
@@ -51,7 +57,10 @@ def main() -> int:
         file = Path(ns.run) / "verify" / path
         if file.is_file():
             report = json.loads(file.read_text())
-            checks = "; ".join(f"{c['title']} worst {c['worst']}{'' if c['passed'] else ' (failed)'}" for c in report["main_path"]["checks"])
+            checks = "; ".join(
+                f"{c['title']} worst {c['worst']}{'' if c['passed'] else ' (failed)'}"
+                for c in report["main_path"]["checks"]
+            )
             print(f"{label:9s} verdict {report['verdict']} | {checks} | fallbacks {report['main_path']['fallbacks']}")
     return proc.returncode
 
@@ -62,16 +71,21 @@ TOOL = [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import
 def _print_against_pytorch(task: Path, name: str) -> None:
     """The export of `name` node by node against its PyTorch submodules, on the first sample."""
     start = time.perf_counter()
-    proc = subprocess.run([*TOOL, "compare_layers", "--args", json.dumps({"task": str(task), "candidate": name, "against": "pytorch"})],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [*TOOL, "compare_layers", "--args", json.dumps({"task": str(task), "candidate": name, "against": "pytorch"})],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         print(f"{name:38s} against pytorch failed: {proc.stderr.strip().splitlines()[-1:]}")
         return
     r = json.loads(proc.stdout)
     worst = min((o["cosine"] for o in r["outputs"]), default=float("nan"))
-    print(f"{name:38s} against pytorch: {r['nodes_compared']} module outputs compared, {r['nodes_flagged']} flagged, "
-          f"{r['unmatched']} unmatched, output cos {worst:.6f}, first {r['first'] and r['first']['node']} "
-          f"in {time.perf_counter() - start:.0f} s")
+    print(
+        f"{name:38s} against pytorch: {r['nodes_compared']} module outputs compared, {r['nodes_flagged']} flagged, "
+        f"{r['unmatched']} unmatched, output cos {worst:.6f}, first {r['first'] and r['first']['node']} "
+        f"in {time.perf_counter() - start:.0f} s"
+    )
     for note in r["notes"]:
         print(f"{'':38s}   note: {note}")
 

@@ -51,9 +51,13 @@ def fp16_graph(source: Path, out: Path) -> Path:
     model = onnx.load(str(source))
     # onnxconverter-common clamps constants to [1e-7, 1e4] by default, which is not what fp16 does (a
     # weight of 12216 would become 10000): the clamp is set to fp16's own range, so only rounding remains.
-    converted = float16.convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False,
-                                                 min_positive_val=float(np.finfo(np.float16).smallest_subnormal),
-                                                 max_finite_val=float(np.finfo(np.float16).max))
+    converted = float16.convert_float_to_float16(
+        model,
+        keep_io_types=True,
+        disable_shape_infer=False,
+        min_positive_val=float(np.finfo(np.float16).smallest_subnormal),
+        max_finite_val=float(np.finfo(np.float16).max),
+    )
     onnx.save(converted, str(out))
     return out
 
@@ -80,13 +84,23 @@ def independent_fp16(record, workdir: Path, graph: str, feeds: dict, module) -> 
         names = [o.name for o in session.get_outputs()]
         return "onnxconverter-common fp16 graph on ONNX Runtime CPU", dict(zip(names, session.run(None, feeds)))
     except Exception as err:  # noqa: BLE001 - an fp16 kernel missing on this CPU: the second way
-        print(f"  {graph}: ONNX Runtime cannot run the fp16 graph here ({str(err).splitlines()[0][:120]}); PyTorch in half")
+        print(
+            f"  {graph}: ONNX Runtime cannot run the fp16 graph here ({str(err).splitlines()[0][:120]}); PyTorch in half"
+        )
     contract = record.contract(graph)
     wrapper = ContractWrapper(module, contract).half()
     with torch.no_grad():
-        flat = wrapper(*(torch.from_numpy(feeds[s.name]).half() if feeds[s.name].dtype.kind == "f"
-                         else torch.from_numpy(feeds[s.name]) for s in contract.inputs))
-    return "the PyTorch module in half precision (CPU)", {s.name: t.float().numpy() for s, t in zip(contract.outputs, flat)}
+        flat = wrapper(
+            *(
+                torch.from_numpy(feeds[s.name]).half()
+                if feeds[s.name].dtype.kind == "f"
+                else torch.from_numpy(feeds[s.name])
+                for s in contract.inputs
+            )
+        )
+    return "the PyTorch module in half precision (CPU)", {
+        s.name: t.float().numpy() for s, t in zip(contract.outputs, flat)
+    }
 
 
 def per_graph(task: Path) -> list[GraphRow]:
@@ -103,23 +117,33 @@ def per_graph(task: Path) -> list[GraphRow]:
         reference = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in sample.outputs.items()}
         report = record.toolchain_of(name).precision
         emulated = report.mode("force_fp16")
-        how, got = independent_fp16(record, workdir, name, feeds, model.loaded.root.get_submodule(record.contract(name).module_path))
+        how, got = independent_fp16(
+            record, workdir, name, feeds, model.loaded.root.get_submodule(record.contract(name).module_path)
+        )
         cosine, max_abs = _figures(reference, got)
-        rows.append(GraphRow(graph=name, emulated_mode="force_fp16", emulated_cosine=emulated.result.cosine,
-                             emulated_max_abs=emulated.result.max_abs, independent=how, independent_cosine=cosine,
-                             independent_max_abs=max_abs))
+        rows.append(
+            GraphRow(
+                graph=name,
+                emulated_mode="force_fp16",
+                emulated_cosine=emulated.result.cosine,
+                emulated_max_abs=emulated.result.max_abs,
+                independent=how,
+                independent_cosine=cosine,
+                independent_max_abs=max_abs,
+            )
+        )
     return rows
 
 
 def end_to_end(task: Path) -> tuple[str, str]:
     """(emulated, independent): the main path's verdict and worst figures, every graph in fp16."""
+    from omskills.compare.outputs import expand
+    from omskills.deploy.manifest import graph_from_record
     from omskills.records.task import TaskRecord, load_record
     from omskills.runtime.serving import open_graph
     from omskills.runtime.splice import splice
     from omskills.stages.model import open_model
     from omskills.stages.spliced_runs import main_path_parity, spliceable
-    from omskills.compare.outputs import expand
-    from omskills.deploy.manifest import graph_from_record
 
     record, workdir = load_record(task), TaskRecord.workdir(task)
     emulated = record.verification_emulated
@@ -130,8 +154,17 @@ def end_to_end(task: Path) -> tuple[str, str]:
     for name in names:
         source = record.preferred_model(workdir, name)
         path = source.with_name(f"{source.stem}.fp16-independent.onnx")
-        graphs.append((record.contract(name), open_graph(graph_from_record(record, workdir, name), workdir, "onnxruntime",
-                                                         model=path if path.is_file() else fp16_graph(source, path))))
+        graphs.append(
+            (
+                record.contract(name),
+                open_graph(
+                    graph_from_record(record, workdir, name),
+                    workdir,
+                    "onnxruntime",
+                    model=path if path.is_file() else fp16_graph(source, path),
+                ),
+            )
+        )
     with splice(model.loaded.root, graphs) as handle:
         spliced = model.run()
     checks = expand(model.driver.comparison(model.bound.verification), reference.steps[0].outputs)
@@ -154,15 +187,19 @@ def main() -> int:
     print("\n| graph | emulated force_fp16: cosine / max abs | independent fp16: cosine / max abs | independent by |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r.graph} | {r.emulated_cosine:.6f} / {r.emulated_max_abs:.3g} | {r.independent_cosine:.6f} / "
-              f"{r.independent_max_abs:.3g} | {r.independent} |")
+        print(
+            f"| {r.graph} | {r.emulated_cosine:.6f} / {r.emulated_max_abs:.3g} | {r.independent_cosine:.6f} / "
+            f"{r.independent_max_abs:.3g} | {r.independent} |"
+        )
     print(f"\nend to end, every graph emulated in its plan's mode: {emulated}")
     print(f"end to end, every graph converted to fp16 (onnxconverter-common): {independent}")
     same_order = all(_same_order(r.emulated_max_abs, r.independent_max_abs) for r in rows)
     same_verdict = emulated.split(":")[0] == independent.split(":")[0]
-    print(f"agree: {'yes' if same_order and same_verdict else 'no'} (end-to-end verdicts "
-          f"{'equal' if same_verdict else 'differ'}; per-graph max abs {'within' if same_order else 'not within'} "
-          f"a factor {AGREE_FACTOR} of each other)")
+    print(
+        f"agree: {'yes' if same_order and same_verdict else 'no'} (end-to-end verdicts "
+        f"{'equal' if same_verdict else 'differ'}; per-graph max abs {'within' if same_order else 'not within'} "
+        f"a factor {AGREE_FACTOR} of each other)"
+    )
     return 0
 
 

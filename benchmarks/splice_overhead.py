@@ -61,7 +61,10 @@ class FirstCalls:
 
             def keep(*args: Any, _module=module, _inner=inner, **kwargs: Any) -> Any:
                 for route in _module.routes:
-                    if route.contract.candidate not in self.calls and route.violation(flatten_call(args, kwargs)) is None:
+                    if (
+                        route.contract.candidate not in self.calls
+                        and route.violation(flatten_call(args, kwargs)) is None
+                    ):
                         # A copy: the model may change the tensors and lists it passed after the call.
                         self.calls[route.contract.candidate] = (_module, copy.deepcopy(args), copy.deepcopy(kwargs))
                 return _inner(*args, **kwargs)
@@ -94,7 +97,11 @@ def time_calls(name: str, args: tuple, kwargs: dict, modules: dict[str, dict[str
                 target(*call_args, **call_kwargs)
                 timings[label].append(time.perf_counter() - started)
     eager = _median_ms(timings["eager"])
-    parts = [f"{label} {_median_ms(t):8.1f} ({_median_ms(t) / eager:4.2f})" for label, t in timings.items() if label != "eager"]
+    parts = [
+        f"{label} {_median_ms(t):8.1f} ({_median_ms(t) / eager:4.2f})"
+        for label, t in timings.items()
+        if label != "eager"
+    ]
     print(f"  {name:38s} eager {eager:8.1f}  " + "  ".join(parts))
 
 
@@ -118,13 +125,18 @@ def main() -> None:
     names, _ = spliceable(record)
     model = open_model(record, workdir)
     strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
-    variants = {"spliced": _open_all(record, workdir, names, fuse=False),
-                "fused-attention": _open_all(record, workdir, names, fuse=True)}
-    fused = {n: getattr(getattr(b, "backend", b), "fused_attention_blocks", 0)
-             for n, (_, b) in zip(names, variants["fused-attention"])}
+    variants = {
+        "spliced": _open_all(record, workdir, names, fuse=False),
+        "fused-attention": _open_all(record, workdir, names, fuse=True),
+    }
+    fused = {
+        n: getattr(getattr(b, "backend", b), "fused_attention_blocks", 0)
+        for n, (_, b) in zip(names, variants["fused-attention"])
+    }
     print(f"{len(names)} graphs (attention blocks fused): {', '.join(f'{n} ({fused[n]})' for n in names)}")
-    print("variants: spliced = as verify runs it; fused-attention = the same with "
-          "OnnxRuntimeBackend(fuse_attention=True)")
+    print(
+        "variants: spliced = as verify runs it; fused-attention = the same with OnnxRuntimeBackend(fuse_attention=True)"
+    )
 
     # Warm-up: one run each (first session runs and the first eager run pay one-off costs);
     # the spliced one keeps each candidate's first call for the per-call figures.
@@ -145,7 +157,7 @@ def main() -> None:
         cpu: dict[str, list[float]] = {label: [] for label in seconds}
         for repeat in range(args.repeats):
             order = list(seconds)
-            order = order[repeat % len(order):] + order[:repeat % len(order)]  # rotate: each goes first in turn
+            order = order[repeat % len(order) :] + order[: repeat % len(order)]  # rotate: each goes first in turn
             for label in order:
                 with contextlib.ExitStack() as stack:
                     if label != "eager":
@@ -155,15 +167,27 @@ def main() -> None:
                     cpu[label].append(time.process_time() - started)
                 seconds[label].append(_step_seconds(run))
         eager = statistics.median(seconds["eager"])
-        print(f"per step, s (median of {args.repeats}): eager {eager:.3f}  " + "  ".join(
-            f"{v} {statistics.median(seconds[v]):.3f} (ratio {statistics.median(seconds[v]) / eager:.3f})" for v in variants))
+        print(
+            f"per step, s (median of {args.repeats}): eager {eager:.3f}  "
+            + "  ".join(
+                f"{v} {statistics.median(seconds[v]):.3f} (ratio {statistics.median(seconds[v]) / eager:.3f})"
+                for v in variants
+            )
+        )
         # CPU seconds of the whole run (setup and steps) by this process: less sensitive to other
         # processes on a shared machine than wall time.
-        print("whole run, CPU s (median): " + "  ".join(
-            f"{label} {statistics.median(v):.2f}" + ("" if label == "eager" else f" (ratio {statistics.median(v) / statistics.median(cpu['eager']):.3f})")
-            for label, v in cpu.items()))
+        print(
+            "whole run, CPU s (median): "
+            + "  ".join(
+                f"{label} {statistics.median(v):.2f}"
+                + ("" if label == "eager" else f" (ratio {statistics.median(v) / statistics.median(cpu['eager']):.3f})")
+                for label, v in cpu.items()
+            )
+        )
         for label, values in seconds.items():
-            ratios = "" if label == "eager" else f"  ratios {[round(b / a, 3) for a, b in zip(seconds['eager'], values)]}"
+            ratios = (
+                "" if label == "eager" else f"  ratios {[round(b / a, 3) for a, b in zip(seconds['eager'], values)]}"
+            )
             print(f"  {label:20s} {[round(x, 3) for x in values]}{ratios}")
 
     print(f"per call, ms (median of {args.calls}; ratio to eager):")

@@ -73,7 +73,9 @@ class HeldOut(BaseModel):
     def cell(self) -> str:
         if self.error:
             return f"error: {self.error}"
-        return f"{self.fallbacks} fallbacks / {self.calls} calls" + (f" ({'; '.join(self.reasons[:2])})" if self.reasons else "")
+        return f"{self.fallbacks} fallbacks / {self.calls} calls" + (
+            f" ({'; '.join(self.reasons[:2])})" if self.reasons else ""
+        )
 
 
 class ZooRow(BaseModel):
@@ -96,8 +98,13 @@ class ZooRow(BaseModel):
 
     @property
     def passed(self) -> bool:
-        return (self.exit_code == 0 and self.verdict == "pass" and self.deployed > 0 and self.fallbacks == 0
-                and self.tracebacks == 0)
+        return (
+            self.exit_code == 0
+            and self.verdict == "pass"
+            and self.deployed > 0
+            and self.fallbacks == 0
+            and self.tracebacks == 0
+        )
 
 
 HELD_OUT = """
@@ -113,8 +120,12 @@ print(json.dumps({"ok": True, "calls": sum(s.calls for s in stats), "fallbacks":
 
 def held_out_run(task: Path, overrides: dict[str, Any]) -> HeldOut:
     """The deployed model, in a fresh process, on inputs the adaptation never saw."""
-    done = subprocess.run([sys.executable, "-c", HELD_OUT, str(task), json.dumps(overrides)],
-                          capture_output=True, text=True, timeout=ADAPT_TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_OUT, str(task), json.dumps(overrides)],
+        capture_output=True,
+        text=True,
+        timeout=ADAPT_TIMEOUT_S,
+    )
     if done.returncode != 0:
         return HeldOut(ok=False, error=_last_line(done.stderr))
     return HeldOut.model_validate_json(done.stdout.strip().splitlines()[-1])
@@ -131,7 +142,9 @@ def adapt(model: ZooModel, out: Path, log: Path) -> tuple[int, float, float | No
     tracker = ConsoleTracker()
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        readers = [threading.Thread(target=tee, args=(pipe, sink, tracker), daemon=True) for pipe in (proc.stdout, proc.stderr)]
+        readers = [
+            threading.Thread(target=tee, args=(pipe, sink, tracker), daemon=True) for pipe in (proc.stdout, proc.stderr)
+        ]
         sampler = TreeSampler(proc.pid, tracker)
         for thread in (*readers, sampler):
             thread.start()
@@ -185,7 +198,11 @@ def _from_record(row: ZooRow, task: Path) -> None:
     row.planned = len(graphs)
     report = record.verification
     if report is not None:
-        row.verdict, row.fallbacks, row.latency_ratio = report.verdict, report.main_path.fallbacks, report.main_path.latency_ratio
+        row.verdict, row.fallbacks, row.latency_ratio = (
+            report.verdict,
+            report.main_path.fallbacks,
+            report.main_path.latency_ratio,
+        )
         row.deployed = sum(1 for c in report.candidates if c.status == "integrated")
         deployed = [c.name for c in report.candidates if c.status == "integrated"]
     else:
@@ -216,8 +233,15 @@ def run_model(model: ZooModel, out: Path) -> ZooRow:
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     code, wall, peak, output = adapt(model, out, out.parent / f"{model.name}.log")
-    row = ZooRow(name=model.name, kind=model.kind, exit_code=code, stage=_stage_reached(output), wall_s=round(wall, 1),
-                 peak_tree_gb=round(peak, 2) if peak else None, tracebacks=output.count(TRACEBACK))
+    row = ZooRow(
+        name=model.name,
+        kind=model.kind,
+        exit_code=code,
+        stage=_stage_reached(output),
+        wall_s=round(wall, 1),
+        peak_tree_gb=round(peak, 2) if peak else None,
+        tracebacks=output.count(TRACEBACK),
+    )
     if (out / "task.yaml").exists():
         _from_record(row, out / "task.yaml")
     if row.deployed:
@@ -227,20 +251,27 @@ def run_model(model: ZooModel, out: Path) -> ZooRow:
 
 
 def markdown(rows: list[ZooRow], title: str) -> str:
-    head = ("| model | kind | stage reached | verdict | deployed / planned | fallbacks | worst probe cos | spliced/eager "
-            "| emulated precision | held-out (load_adapted) | wall s | peak tree GB | tracebacks | failure |")
+    head = (
+        "| model | kind | stage reached | verdict | deployed / planned | fallbacks | worst probe cos | spliced/eager "
+        "| emulated precision | held-out (load_adapted) | wall s | peak tree GB | tracebacks | failure |"
+    )
     lines = [f"### {title}", "", head, "|" + "---|" * 14]
     for r in rows:
         cos = f"{r.worst_probe_cosine:.6f}" if r.worst_probe_cosine is not None else "-"
         ratio = f"{r.latency_ratio:.2f}" if r.latency_ratio is not None else "-"
-        lines.append(f"| {r.name} | {r.kind} | {r.stage} | {r.verdict or '-'} | {r.deployed} / {r.planned} "
-                     f"| {r.fallbacks if r.fallbacks is not None else '-'} | {cos} | {ratio} | {r.precision} "
-                     f"| {r.held_out.cell() if r.held_out else '-'} | {r.wall_s:.0f} | {r.peak_tree_gb or '-'} "
-                     f"| {r.tracebacks} | {(r.failure or '-').replace('|', '/')} |")
+        lines.append(
+            f"| {r.name} | {r.kind} | {r.stage} | {r.verdict or '-'} | {r.deployed} / {r.planned} "
+            f"| {r.fallbacks if r.fallbacks is not None else '-'} | {cos} | {ratio} | {r.precision} "
+            f"| {r.held_out.cell() if r.held_out else '-'} | {r.wall_s:.0f} | {r.peak_tree_gb or '-'} "
+            f"| {r.tracebacks} | {(r.failure or '-').replace('|', '/')} |"
+        )
     passed = sum(r.passed for r in rows)
     served = sum(1 for r in rows if r.held_out and r.held_out.ok and r.held_out.fallbacks == 0)
-    lines += ["", f"{passed} of {len(rows)} pass (verdict pass, a graph deployed, 0 fallbacks, no traceback); "
-                  f"{served} serve their held-out inputs with 0 fallbacks; tracebacks {sum(r.tracebacks for r in rows)}."]
+    lines += [
+        "",
+        f"{passed} of {len(rows)} pass (verdict pass, a graph deployed, 0 fallbacks, no traceback); "
+        f"{served} serve their held-out inputs with 0 fallbacks; tracebacks {sum(r.tracebacks for r in rows)}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -12,8 +12,17 @@ from __future__ import annotations
 import onnxruntime
 
 PROVIDER = "CANNExecutionProvider"
-DOCUMENTED_OPTIONS = {"device_id", "npu_mem_limit", "arena_extend_strategy", "enable_cann_graph", "dump_graphs",
-                      "dump_om_model", "precision_mode", "op_select_impl_mode", "optypelist_for_implmode"}
+DOCUMENTED_OPTIONS = {
+    "device_id",
+    "npu_mem_limit",
+    "arena_extend_strategy",
+    "enable_cann_graph",
+    "dump_graphs",
+    "dump_om_model",
+    "precision_mode",
+    "op_select_impl_mode",
+    "optypelist_for_implmode",
+}
 PRECISION_MODES = ("force_fp32", "force_fp16", "allow_fp32_to_fp16", "must_keep_origin_dtype", "allow_mix_precision")
 
 

@@ -14,10 +14,17 @@ REPO = Path(__file__).resolve().parents[1]
 TASK = REPO / "task_records" / "sam3-video-text.yaml"
 
 
-def omskills(*args: str, cwd: Path | None = None, check: bool = False,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())", *args],
-                          cwd=cwd, capture_output=True, text=True, check=check, env=env)
+def omskills(
+    *args: str, cwd: Path | None = None, check: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=check,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="session")

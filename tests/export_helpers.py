@@ -24,8 +24,9 @@ class Head(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 3)
 
-    def forward(self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], *, scale: float = 1.0,
-                mode: str = "sum") -> dict:
+    def forward(
+        self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], *, scale: float = 1.0, mode: str = "sum"
+    ) -> dict:
         y = self.lin(x) * scale
         reduced = y.sum(-1) if mode == "sum" else y.amax(-1)
         return {"y": y, "extra": (reduced, pair[0] + pair[1]), "best": y.argmax(-1), "n": 3}
@@ -66,8 +67,15 @@ def head_inputs(batch: int, dtype: torch.dtype = torch.float32) -> list[torch.Te
 BATCH_DIMS = {"x": {0: "batch"}, "pair_0": {0: "batch"}, "pair_1": {0: "batch"}}
 
 
-def one_graph_task(folder: Path, host: nn.Module, name: str, run: Callable[[], None], export_inputs: list[torch.Tensor],
-                   dynamic_dims: dict[str, dict[int, str]], task_id: str) -> Path:
+def one_graph_task(
+    folder: Path,
+    host: nn.Module,
+    name: str,
+    run: Callable[[], None],
+    export_inputs: list[torch.Tensor],
+    dynamic_dims: dict[str, dict[int, str]],
+    task_id: str,
+) -> Path:
     """A task record (folder/task.yaml) for one graph, `host.<name>`: its contract and samples
     captured while `run` calls the host, the shape strategy proposed from them, and its export."""
     from omskills.boundary.shape_strategy import propose_shape_strategy
@@ -77,19 +85,29 @@ def one_graph_task(folder: Path, host: nn.Module, name: str, run: Callable[[], N
 
     [contract] = capture_contracts(host, {name: name}, run, samples_dir=folder / "samples", relative_to=folder)
     strategy = propose_shape_strategy(contract)
-    exported = export_onnx(getattr(host, name), contract, export_inputs, folder / "onnx" / f"{name}.onnx",
-                           dynamic_dims=dynamic_dims)
+    exported = export_onnx(
+        getattr(host, name), contract, export_inputs, folder / "onnx" / f"{name}.onnx", dynamic_dims=dynamic_dims
+    )
     # a record holds run-relative paths only, as the export stage writes them
     exported.path = str(Path(exported.path).resolve().relative_to(folder.resolve()))
-    exported.log_path = str(Path(exported.log_path).resolve().relative_to(folder.resolve())) if exported.log_path else None
-    record = TaskRecord.model_validate({
-        "id": task_id,
-        "intake": {"model": {"family": "sam3", "builder": "build_sam3_video_model", "scale": "tiny"},
-                   "inputs": {"video": "builtin:shapes", "prompt": "objects"}, "target": {"soc": "Ascend310P3"}},
-        "contracts": {name: contract},
-        "boundaries": {name: BoundaryDecision(candidate=name, exportable=True, reasons=[], shape_strategy=strategy)},
-        "exports": {name: exported},
-    })
+    exported.log_path = (
+        str(Path(exported.log_path).resolve().relative_to(folder.resolve())) if exported.log_path else None
+    )
+    record = TaskRecord.model_validate(
+        {
+            "id": task_id,
+            "intake": {
+                "model": {"family": "sam3", "builder": "build_sam3_video_model", "scale": "tiny"},
+                "inputs": {"video": "builtin:shapes", "prompt": "objects"},
+                "target": {"soc": "Ascend310P3"},
+            },
+            "contracts": {name: contract},
+            "boundaries": {
+                name: BoundaryDecision(candidate=name, exportable=True, reasons=[], shape_strategy=strategy)
+            },
+            "exports": {name: exported},
+        }
+    )
     path = folder / "task.yaml"
     save_record(record, path)
     return path

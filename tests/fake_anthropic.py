@@ -47,8 +47,12 @@ def tool_use(name: str, arguments: dict[str, Any], text: str | None = None) -> l
     return ([{"type": "text", "text": text}] if text else []) + [block]
 
 
-def message(content: list[dict[str, Any]], stop_reason: str, usage: tuple[int, int] = (100, 20),
-            cache: tuple[int, int] | None = None) -> Reply:
+def message(
+    content: list[dict[str, Any]],
+    stop_reason: str,
+    usage: tuple[int, int] = (100, 20),
+    cache: tuple[int, int] | None = None,
+) -> Reply:
     """An assistant message; `cache` = (cache_read_input_tokens, cache_creation_input_tokens) when given."""
     tokens: dict[str, int] = {"input_tokens": usage[0], "output_tokens": usage[1]}
     if cache is not None:

@@ -64,9 +64,12 @@ def test_candidates_named_in_the_intake_defer_list_stay_in_pytorch_whatever_thei
     assert top not in plan.first_batch and plan.candidate(top).status == "deferred"
     with pytest.raises(TaskRecordError, match=r"intake.target.defer: \['no_such'\] are not candidates"):
         omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, defer=["no_such"])
-    with pytest.raises(TaskRecordError, match=r"intake.target.defer: \['text_encoder'\] are named in intake.target.deploy too"):
-        omskills.stages.plan.plan_from_study(seeds, record.profile, record.contracts, deploy=["text_encoder"],
-                                             defer=["text_encoder"])
+    with pytest.raises(
+        TaskRecordError, match=r"intake.target.defer: \['text_encoder'\] are named in intake.target.deploy too"
+    ):
+        omskills.stages.plan.plan_from_study(
+            seeds, record.profile, record.contracts, deploy=["text_encoder"], defer=["text_encoder"]
+        )
 
 
 def test_contract_provenance_matches_the_main_path(tiny_adaptation):
@@ -75,7 +78,9 @@ def test_contract_provenance_matches_the_main_path(tiny_adaptation):
     assert kinds("text_encoder") == {"input"}
     assert "input" in kinds("vision_backbone")
     assert "text prompt tokens" in record.contracts["text_encoder"].inputs[0].provenance.source
-    assert kinds("mask_memory_encoder") <= {"module_output", "session", "unknown"} and "module_output" in kinds("mask_memory_encoder")
+    assert kinds("mask_memory_encoder") <= {"module_output", "session", "unknown"} and "module_output" in kinds(
+        "mask_memory_encoder"
+    )
 
 
 def test_atc_is_prepared_but_never_claimed(tiny_adaptation):
@@ -111,12 +116,15 @@ def test_the_report_counts_host_device_traffic_per_step_and_predicts_its_link_ti
     assert (saved > 0) == (traffic.handed_in_per_step > 0)
     # The unchanged hand-offs between ONNX Runtime sessions went as the sessions' own values.
     assert 0 < traffic.resident_copies_per_step and sum(g.resident_in for g in traffic.per_graph) <= sum(
-        g.handed_in for g in traffic.per_graph)
+        g.handed_in for g in traffic.per_graph
+    )
     # Every called graph has a merge verdict with its reason, in the record and in DELIVERY.md.
     assert sorted(m.graph for m in traffic.merges) == sorted(backend_calls)
     text = (tiny_adaptation / "DELIVERY.md").read_text()
     assert "## Host–device traffic" in text and traffic.label in text
-    assert all(f"| {m.graph} | {m.upstream or '-'} | {'yes' if m.mergeable else 'no'} |" in text for m in traffic.merges)
+    assert all(
+        f"| {m.graph} | {m.upstream or '-'} | {'yes' if m.mergeable else 'no'} |" in text for m in traffic.merges
+    )
     assert 'id="traffic"' in (tiny_adaptation / "verify" / "report.html").read_text()
 
 
@@ -170,8 +178,11 @@ def test_every_export_passes_the_probe_and_gets_an_operator_table(tiny_adaptatio
         assert chain.optimize.preferred is not None
         # onnxslim's variant is probed; or never saved, as it changed nothing; or not probed, as
         # auto_optimizer's variant, built on it, passed first.
-        assert ((slim.status == "ok" and slim.samples_probed) or (slim.status == "unchanged" and slim.path is None)
-                or (slim.status == "not_checked" and chain.optimize.preferred == "auto_optimizer")), slim
+        assert (
+            (slim.status == "ok" and slim.samples_probed)
+            or (slim.status == "unchanged" and slim.path is None)
+            or (slim.status == "not_checked" and chain.optimize.preferred == "auto_optimizer")
+        ), slim
         assert chain.precheck.rows and chain.atc.command
 
 
@@ -208,8 +219,16 @@ def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptati
             assert atc.status == "not_run" and "--framework=5" in atc.command, atc.command
     after = load_record(task)
     assert all(after.plan.candidate(name).status == "exported" for name in deferred)
-    seeds = {"text_encoder", "vision_backbone", "grounding_encoder", "grounding_decoder", "segmentation_head",
-             "memory_attention", "mask_memory_encoder", "mask_decoder"}
+    seeds = {
+        "text_encoder",
+        "vision_backbone",
+        "grounding_encoder",
+        "grounding_decoder",
+        "segmentation_head",
+        "memory_attention",
+        "mask_memory_encoder",
+        "mask_decoder",
+    }
     exported = {after.contracts[graph].plan_candidate for graph in after.exports}
     assert seeds <= exported, sorted(seeds - exported)
 
@@ -283,10 +302,20 @@ def test_the_vision_backbone_neck_is_flagged_for_the_mixed_modes_and_the_atc_opt
 # -- deploying the adaptation (the public API and the bundle) ---------------------------------
 
 # Modules of the study, capture, profiling, export and ATC machinery: the deployed path needs none.
-NOT_DEPLOYED_MACHINERY = ("omskills.stages", "omskills.profiling", "omskills.contracts.capture",
-                          "omskills.contracts.samples", "omskills.contracts.provenance", "omskills.convert",
-                          "omskills.boundary", "omskills.ascend", "omskills.source.inventory", "omskills.host",
-                          "omskills.orchestrator", "onnx")
+NOT_DEPLOYED_MACHINERY = (
+    "omskills.stages",
+    "omskills.profiling",
+    "omskills.contracts.capture",
+    "omskills.contracts.samples",
+    "omskills.contracts.provenance",
+    "omskills.convert",
+    "omskills.boundary",
+    "omskills.ascend",
+    "omskills.source.inventory",
+    "omskills.host",
+    "omskills.orchestrator",
+    "onnx",
+)
 
 DEPLOYED_RUN = """
 import json, sys
@@ -362,10 +391,22 @@ def test_a_bundle_moved_to_another_folder_runs_its_example_exactly_as_verify_did
     for path in texts:
         text = path.read_text()
         assert str(tiny_adaptation) not in text and str(tmp_path) not in text, f"{path.name} names an absolute path"
-    example = subprocess.run([sys.executable, str(moved / "example.py"), "--backend", "onnxruntime", "--strict",
-                              "--outputs", str(tmp_path / "example.npz")], capture_output=True, text=True, cwd=tmp_path)
+    example = subprocess.run(
+        [
+            sys.executable,
+            str(moved / "example.py"),
+            "--backend",
+            "onnxruntime",
+            "--strict",
+            "--outputs",
+            str(tmp_path / "example.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert example.returncode == 0, example.stderr[-3000:]
-    summary = json.loads(example.stdout[example.stdout.index("\n{") + 1:])
+    summary = json.loads(example.stdout[example.stdout.index("\n{") + 1 :])
     assert summary["fallbacks"] == 0 and summary["steps"] == 2 and summary["backend"] == "onnxruntime"
     _same_steps(load_run(tmp_path / "example.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
 
@@ -379,8 +420,9 @@ def test_a_bundle_with_the_prompt_computed_ahead_answers_the_text_encoder_from_m
     with pytest.raises(DeployError, match=r"precompute\[0\]: .*video: /etc/hostname is outside"):
         write_bundle(tiny_adaptation / "task.yaml", tmp_path / "refused", precompute=[{"video": "/etc/hostname"}])
     assert not (tmp_path / "refused").exists()
-    summary = write_bundle(tiny_adaptation / "task.yaml", tmp_path / "bundle",
-                           precompute=[{"prompt": record.intake.inputs["prompt"]}])
+    summary = write_bundle(
+        tiny_adaptation / "task.yaml", tmp_path / "bundle", precompute=[{"prompt": record.intake.inputs["prompt"]}]
+    )
     assert summary.remembered.get("text_encoder", 0) >= 1
     with load_adapted(tmp_path / "bundle", backend="onnxruntime", strict=True) as model:
         save_run(model.run_main_path(), tmp_path / "outputs.npz")
@@ -407,8 +449,10 @@ def test_a_bundle_checks_its_files_format_and_contract_schema_on_load(tiny_adapt
     with pytest.raises(DeployError, match=rf"artifact missing: .*{onnx.name}"):
         read_bundle(bundle)
     stored = json.loads((bundle / "bundle.json").read_text())
-    for field, value, message in (("format", 99, "bundle format 99, this omskills reads format 1"),
-                                  ("contract_schema", 1, "contracts written under schema 1")):
+    for field, value, message in (
+        ("format", 99, "bundle format 99, this omskills reads format 1"),
+        ("contract_schema", 1, "contracts written under schema 1"),
+    ):
         changed = dict(stored, **{field: value})
         (bundle / "bundle.json").write_text(json.dumps(changed))
         with pytest.raises(DeployError, match=message):
@@ -425,7 +469,9 @@ def test_adapt_checks_the_precision_plan_end_to_end_and_reports_it_beside_the_fp
     emulated = record.verification_emulated
     assert emulated is not None and emulated.precision == "emulated" and emulated.verdict == plan.attempts[-1].verdict
     text = (tiny_adaptation / "DELIVERY.md").read_text()
-    assert f"### The plan, checked end to end: {plan.verdict}" in text and "Expected on Ascend from fp16 numerics" in text
+    assert (
+        f"### The plan, checked end to end: {plan.verdict}" in text and "Expected on Ascend from fp16 numerics" in text
+    )
     for graph, mode in plan.modes.items():  # the ATC commands carry the plan the check left
         assert f"--precision_mode={mode.split(' ')[0]}" in record.toolchain[graph].atc.command
 
@@ -445,8 +491,9 @@ class Overflowing:
         return {k: (np.full_like(v, np.inf) if v.dtype.kind == "f" else v) for k, v in self.opened.run(feeds).items()}
 
 
-def test_a_graph_that_breaks_the_main_path_in_fp16_is_found_moved_and_the_plan_then_passes(tiny_adaptation, tmp_path,
-                                                                                           monkeypatch):
+def test_a_graph_that_breaks_the_main_path_in_fp16_is_found_moved_and_the_plan_then_passes(
+    tiny_adaptation, tmp_path, monkeypatch
+):
     """Every graph passed alone, yet one graph's force_fp16 breaks the main path: the end-to-end
     check fails, bisection names that graph, it moves one step safer, and the plan passes."""
     import omskills.stages.precision_plan as precision_plan
@@ -487,7 +534,9 @@ def test_a_bisection_the_budget_cut_short_names_the_fewest_graphs_a_failed_run_e
     from omskills.stages.precision_plan import narrowed_to
 
     def attempt(verdict: str, *graphs: str) -> PlanAttempt:
-        return PlanAttempt(purpose="p", emulated={g: "force_fp16" for g in graphs}, verdict=verdict, summary="s", seconds=1.0)
+        return PlanAttempt(
+            purpose="p", emulated={g: "force_fp16" for g in graphs}, verdict=verdict, summary="s", seconds=1.0
+        )
 
     graphs = ["a", "b", "c", "d"]
     attempts = [attempt("fail", *graphs), attempt("fail", "a", "b"), attempt("pass", "a"), attempt("fail", "c", "d")]

@@ -104,7 +104,9 @@ _worlds = itertools.count()
 @pytest.fixture()
 def world(served) -> World:
     portal, client, workspace = served
-    return World(portal, client, workspace, write_task_record(workspace / f"toy{next(_worlds)}" / "task.yaml").resolve())
+    return World(
+        portal, client, workspace, write_task_record(workspace / f"toy{next(_worlds)}" / "task.yaml").resolve()
+    )
 
 
 def _llm(api) -> AsyncAnthropic:
@@ -112,24 +114,35 @@ def _llm(api) -> AsyncAnthropic:
 
 
 def _run(world: World, api, progress: io.StringIO | None = None, **settings) -> AgentResult:
-    return world.portal.call(functools.partial(
-        run_agent,
-        world.task,
-        "adapt the toy model",
-        settings=AgentSettings(model="claude-fake", **({"api_retry": FAST_RETRY} | settings)),
-        workspace=world.workspace,
-        client=world.client,
-        llm=_llm(api),
-        on_text=lambda text: None,
-        progress_stream=progress or io.StringIO(),
-    ))
+    return world.portal.call(
+        functools.partial(
+            run_agent,
+            world.task,
+            "adapt the toy model",
+            settings=AgentSettings(model="claude-fake", **({"api_retry": FAST_RETRY} | settings)),
+            workspace=world.workspace,
+            client=world.client,
+            llm=_llm(api),
+            on_text=lambda text: None,
+            progress_stream=progress or io.StringIO(),
+        )
+    )
 
 
 def _chat(world: World, api, stdin: TextIO, stdout: TextIO) -> Path:
-    return world.portal.call(functools.partial(
-        chat, world.task, workspace=world.workspace, settings=AgentSettings(model="claude-fake", api_retry=FAST_RETRY),
-        llm=_llm(api), stdin=stdin, stdout=stdout, progress_stream=io.StringIO(), client=world.client,
-    ))
+    return world.portal.call(
+        functools.partial(
+            chat,
+            world.task,
+            workspace=world.workspace,
+            settings=AgentSettings(model="claude-fake", api_retry=FAST_RETRY),
+            llm=_llm(api),
+            stdin=stdin,
+            stdout=stdout,
+            progress_stream=io.StringIO(),
+            client=world.client,
+        )
+    )
 
 
 def _chat_typing(world: World, script: list, typed: str, folder: Path):
@@ -152,8 +165,10 @@ def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run
     script = [
         calls(tool_use("toy_stage", {"task": str(world.task)})),
         calls(tool_use("load_skill", {"skill": "toy-skill"}), tool_use("toy_fail", {"name": "ghost"})),
-        calls(tool_use("load_skill", {"skill": "toy-skill", "reference": "toy.md"}),
-              tool_use("record_decision", {"what": "skip ghost", "why": "toy_fail said no model called 'ghost'"})),
+        calls(
+            tool_use("load_skill", {"skill": "toy-skill", "reference": "toy.md"}),
+            tool_use("record_decision", {"what": "skip ghost", "why": "toy_fail said no model called 'ghost'"}),
+        ),
         done("SUMMARY: toy_stage done; ghost skipped."),
     ]
     progress = io.StringIO()
@@ -162,14 +177,29 @@ def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run
 
     assert result.stop == "end_turn"
     assert result.final_text == "SUMMARY: toy_stage done; ghost skipped."
-    assert [c.name for c in result.tool_calls] == ["toy_stage", "load_skill", "toy_fail", "load_skill", "record_decision"]
+    assert [c.name for c in result.tool_calls] == [
+        "toy_stage",
+        "load_skill",
+        "toy_fail",
+        "load_skill",
+        "record_decision",
+    ]
 
     # The system prompt is the entry skill; every MCP tool and the local tools were offered.
     first = api.requests[0]
     assert "PURPLE-GIRAFFE" in first["system"][0]["text"]
     offered = {t["name"] for t in first["tools"]}
-    assert {"toy_add", "toy_slow", "toy_stage", "toy_fail", "toy_crash", "toy_write", "load_skill", "record_decision",
-            "read_tool_result"} <= offered
+    assert {
+        "toy_add",
+        "toy_slow",
+        "toy_stage",
+        "toy_fail",
+        "toy_crash",
+        "toy_write",
+        "load_skill",
+        "record_decision",
+        "read_tool_result",
+    } <= offered
     assert all(set(t) == {"name", "description", "input_schema"} for t in first["tools"][:-1])
 
     # Turn 2 got toy_stage's structured result; turn 3 got the SKILL.md and toy_fail's error.
@@ -188,7 +218,12 @@ def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run
     assert len(transcript["messages"]) == 8  # user goal + 4 assistant turns + 3 tool-result turns
     assert [c["is_error"] for c in transcript["tool_calls"]] == [False, False, True, False, False]
     assert all(c["seconds"] >= 0 and "arguments" in c for c in transcript["tool_calls"])
-    assert transcript["usage"] == {"input_tokens": 400, "output_tokens": 80, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    assert transcript["usage"] == {
+        "input_tokens": 400,
+        "output_tokens": 80,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+    }
     assert transcript["stop"] == "end_turn" and transcript["error"] is None
 
     # The human saw every call as it happened, the local ones and the failed one included.
@@ -196,8 +231,12 @@ def test_scripted_session_runs_tools_in_order_handles_an_error_and_files_the_run
     assert any(line.startswith("[turn 1] toy_stage: ok") for line in shown)
     assert any(line.startswith('[turn 2] load_skill {"skill": "toy-skill"}: ok') for line in shown)
     assert any(line.startswith("[turn 2] toy_fail: FAILED") and "no model called 'ghost'" in line for line in shown)
-    assert any(line.startswith('[turn 3] load_skill {"skill": "toy-skill", "reference": "toy.md"}: ok') for line in shown)
-    assert any(line.startswith('[turn 3] record_decision {"what": "skip ghost"') and line.endswith("s") for line in shown)
+    assert any(
+        line.startswith('[turn 3] load_skill {"skill": "toy-skill", "reference": "toy.md"}: ok') for line in shown
+    )
+    assert any(
+        line.startswith('[turn 3] record_decision {"what": "skip ghost"') and line.endswith("s") for line in shown
+    )
 
     # The task record shows the stage the tool ran, the agent's decision, and the run itself.
     record = load_record(world.task)
@@ -251,7 +290,10 @@ def test_crashing_tool_and_unknown_tool_reach_the_model_as_errors(world):
     assert json.loads(added["content"]) == {"total": 3}  # the server kept serving
     assert result.stop == "end_turn"
     shown = progress.getvalue()
-    assert "[turn 1] toy_crash: FAILED" in shown and "[turn 1] no_such_tool {}: FAILED — unknown tool 'no_such_tool'" in shown
+    assert (
+        "[turn 1] toy_crash: FAILED" in shown
+        and "[turn 1] no_such_tool {}: FAILED — unknown tool 'no_such_tool'" in shown
+    )
 
 
 def test_chat_keeps_the_conversation_across_lines(world, tmp_path):
@@ -267,9 +309,21 @@ def test_chat_keeps_the_conversation_across_lines(world, tmp_path):
 def test_without_an_api_key_the_cli_says_so_in_one_line(world):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-         "chat", "--task", str(world.task), "--workspace", str(world.workspace)],
-        env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+            "chat",
+            "--task",
+            str(world.task),
+            "--workspace",
+            str(world.workspace),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -330,7 +384,10 @@ def test_an_api_that_stays_overloaded_stops_the_run_with_the_status(world):
 
 def test_a_400_mid_run_stops_honestly_and_leaves_the_record_consistent(world):
     refusal = HttpError(400, "invalid_request_error", "messages.2.content.0: tool_result block is malformed")
-    script = [calls(tool_use("toy_stage", {"task": str(world.task)}), tool_use("load_skill", {"skill": "toy-skill"})), refusal]
+    script = [
+        calls(tool_use("toy_stage", {"task": str(world.task)}), tool_use("load_skill", {"skill": "toy-skill"})),
+        refusal,
+    ]
     with fake_anthropic(script) as api:
         result = _run(world, api)
 
@@ -372,7 +429,10 @@ def test_chat_survives_a_400_and_the_user_can_type_again(world, tmp_path):
     assert [e["kind"] for e in saved["events"]] == ["api_error"]
     record = load_record(world.task)
     assert record.stages["agent"].status == "done"
-    assert [d.what.split("(")[1].split(")")[0] for d in record.decisions if d.what.startswith("agent run")] == ["api_error_400", "end_turn"]
+    assert [d.what.split("(")[1].split(")")[0] for d in record.decisions if d.what.startswith("agent run")] == [
+        "api_error_400",
+        "end_turn",
+    ]
 
 
 # --------------------------------------------------------------------------- replies cut by max_tokens
@@ -451,12 +511,17 @@ def test_system_tools_and_conversation_are_prompt_cached(world):
     # The stored conversation carries no marks (they would pile up past four).
     transcript = json.loads(result.transcript_path.read_text())
     assert "cache_control" not in json.dumps(transcript["messages"])
-    assert transcript["usage"] == {"input_tokens": 990, "output_tokens": 70,
-                                   "cache_read_input_tokens": 10_900, "cache_creation_input_tokens": 5_980}
+    assert transcript["usage"] == {
+        "input_tokens": 990,
+        "output_tokens": 70,
+        "cache_read_input_tokens": 10_900,
+        "cache_creation_input_tokens": 5_980,
+    }
     assert "cache read/written 10900/5980" in load_record(world.task).stages["agent"].note
 
 
 # --------------------------------------------------------------------------- long tool results
+
 
 def test_a_large_structured_result_is_outlined_as_json_and_paged_whole(world):
     limit = 30_000
@@ -468,11 +533,17 @@ def test_a_large_structured_result_is_outlined_as_json_and_paged_whole(world):
         page = json.loads(result["content"])  # every page is valid JSON
         if "result_too_long" in page:  # the outline of the first call
             pages.append(page)
-            return calls(tool_use("read_tool_result", {"call_id": page["result_too_long"]["call_id"], "path": "/entries"}))
+            return calls(
+                tool_use("read_tool_result", {"call_id": page["result_too_long"]["call_id"], "path": "/entries"})
+            )
         pages.append(page)
         if page["next_offset"] is None:
             return done("read it all")
-        return calls(tool_use("read_tool_result", {"call_id": page["call_id"], "path": "/entries", "offset": page["next_offset"]}))
+        return calls(
+            tool_use(
+                "read_tool_result", {"call_id": page["call_id"], "path": "/entries", "offset": page["next_offset"]}
+            )
+        )
 
     script = [calls(tool_use("toy_inventory", {"count": 400})), *[read_next_page] * 12]
     progress = io.StringIO()
@@ -520,15 +591,39 @@ def test_a_long_text_result_is_paged_back_whole_and_a_wrong_path_is_named():
 
 def test_adapt_with_claude_prints_why_the_api_refused_in_the_line_it_stops_on(tmp_path):
     task = tmp_path / "task.yaml"
-    task.write_text(json.dumps({"id": "refused", "intake": {
-        "model": {"family": "sam3", "scale": "tiny"}, "inputs": {"video": "builtin:shapes", "prompt": "objects", "frames": 2},
-        "target": {"soc": "Ascend910B4"}}}))
+    task.write_text(
+        json.dumps(
+            {
+                "id": "refused",
+                "intake": {
+                    "model": {"family": "sam3", "scale": "tiny"},
+                    "inputs": {"video": "builtin:shapes", "prompt": "objects", "frames": 2},
+                    "target": {"soc": "Ascend910B4"},
+                },
+            }
+        )
+    )
     with fake_anthropic([HttpError(400, "invalid_request_error", "prompt is too long: 250000 tokens > 200000")]) as api:
         env = {**os.environ, "ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": api.base_url}
         proc = subprocess.run(
-            [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-             "adapt", str(task), "--agent", "claude", "--out", str(tmp_path / "run")],
-            env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, cwd=tmp_path)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+                "adapt",
+                str(task),
+                "--agent",
+                "claude",
+                "--out",
+                str(tmp_path / "run"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
     assert proc.returncode == 1, proc.stderr[-2000:]
     [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("agent stopped:")]
     assert "api_error_400" in line and "prompt is too long: 250000 tokens > 200000" in line, line
@@ -555,18 +650,40 @@ def test_chat_ctrl_c_cancels_the_running_tool_and_returns_to_the_prompt_and_at_t
     task = write_task_record(workspace / "toy" / "task.yaml").resolve()
     script = [calls(tool_use("toy_stage", {"task": str(task), "seconds": 120})), done("fine, stopped.")]
     with fake_anthropic(script) as api:
-        env = {**os.environ, "ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": api.base_url,
-               "OMSKILLS_SKILLS_DIR": str(skills)}
+        env = {
+            **os.environ,
+            "ANTHROPIC_API_KEY": "test-key",
+            "ANTHROPIC_BASE_URL": api.base_url,
+            "OMSKILLS_SKILLS_DIR": str(skills),
+        }
         out, err = (tmp_path / "stdout.txt").open("w+"), (tmp_path / "stderr.txt").open("w+")
         chat_process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-             "chat", "--task", str(task), "--workspace", str(workspace)],
-            env=env, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, cwd=tmp_path)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+                "chat",
+                "--task",
+                str(task),
+                "--workspace",
+                str(workspace),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            text=True,
+            cwd=tmp_path,
+        )
         try:
             chat_process.stdin.write("stage it\n")
             chat_process.stdin.flush()
-            _wait_for(lambda: load_record(task).stages.get("toy_stage") is not None
-                      and load_record(task).stages["toy_stage"].status == "running")
+            _wait_for(
+                lambda: (
+                    load_record(task).stages.get("toy_stage") is not None
+                    and load_record(task).stages["toy_stage"].status == "running"
+                )
+            )
             chat_process.send_signal(signal.SIGINT)
             _wait_for(lambda: "(cancelled; type again to go on)" in Path(out.name).read_text())
             chat_process.stdin.write("why?\n")

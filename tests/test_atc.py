@@ -26,7 +26,9 @@ FAKE_ATC = Path(__file__).with_name("fake_atc")
 
 def model_file(tmp_path: Path, nodes, opset: int = 17, extra_opsets=(), name: str = "m.onnx") -> Path:
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
         [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)],
     )
     opsets = [helper.make_opsetid("", opset), *(helper.make_opsetid(d, v) for d, v in extra_opsets)]
@@ -41,7 +43,12 @@ def relu_model(tmp_path) -> Path:
 
 
 def options(model: Path, tmp_path: Path, **fields) -> AtcOptions:
-    base = dict(model=str(model), output=str(tmp_path / "out" / "relu"), soc_version="Ascend310P3", input_shapes={"x": [1, 3, 8, 8]})
+    base = dict(
+        model=str(model),
+        output=str(tmp_path / "out" / "relu"),
+        soc_version="Ascend310P3",
+        input_shapes={"x": [1, 3, 8, 8]},
+    )
     base.update(fields)
     return AtcOptions.checked(**base)
 
@@ -66,10 +73,16 @@ def test_static_command_has_the_documented_parameters(relu_model, tmp_path):
 
 
 def test_each_dynamic_strategy_renders_its_own_option(relu_model, tmp_path):
-    batch = build_atc_command(options(relu_model, tmp_path, input_shapes={"x": [-1, 3, 8, 8]}, dynamic_batch_size=[1, 2, 4]))
-    image = build_atc_command(options(relu_model, tmp_path, input_shapes={"x": [1, 3, -1, -1]}, dynamic_image_size=[[224, 224], [448, 448]]))
+    batch = build_atc_command(
+        options(relu_model, tmp_path, input_shapes={"x": [-1, 3, 8, 8]}, dynamic_batch_size=[1, 2, 4])
+    )
+    image = build_atc_command(
+        options(relu_model, tmp_path, input_shapes={"x": [1, 3, -1, -1]}, dynamic_image_size=[[224, 224], [448, 448]])
+    )
     dims = build_atc_command(
-        options(relu_model, tmp_path, input_shapes={"x": [1, -1], "mask": [-1, -1]}, dynamic_dims=[[20, 1, 1], [40, 2, 2]])
+        options(
+            relu_model, tmp_path, input_shapes={"x": [1, -1], "mask": [-1, -1]}, dynamic_dims=[[20, 1, 1], [40, 2, 2]]
+        )
     )
     ranges = build_atc_command(
         options(relu_model, tmp_path, input_shapes={"x": [-1, 3, 8, 8]}, dynamic_shape={"x": [[1, 8], [3], [8], [8]]})
@@ -77,13 +90,19 @@ def test_each_dynamic_strategy_renders_its_own_option(relu_model, tmp_path):
 
     assert "--dynamic_batch_size=1,2,4" in batch and "--input_shape=x:-1,3,8,8" in batch
     assert "--dynamic_image_size=224,224;448,448" in image
-    assert "--dynamic_dims=20,1,1;40,2,2" in dims and "--input_format=ND" in dims and "--input_shape=x:1,-1;mask:-1,-1" in dims
+    assert (
+        "--dynamic_dims=20,1,1;40,2,2" in dims
+        and "--input_format=ND" in dims
+        and "--input_shape=x:1,-1;mask:-1,-1" in dims
+    )
     assert "--input_shape=x:1~8,3,8,8" in ranges
 
 
 def test_two_strategies_at_once_are_refused(relu_model, tmp_path):
     with pytest.raises(InputError, match=r"shape strategies \['dynamic_batch_size', 'dynamic_dims'\] given together"):
-        options(relu_model, tmp_path, input_shapes={"x": [-1, 3, 8, 8]}, dynamic_batch_size=[1, 2], dynamic_dims=[[1], [2]])
+        options(
+            relu_model, tmp_path, input_shapes={"x": [-1, 3, 8, 8]}, dynamic_batch_size=[1, 2], dynamic_dims=[[1], [2]]
+        )
 
 
 def test_unknown_soc_is_refused(relu_model, tmp_path):
@@ -108,9 +127,13 @@ def test_inconsistent_options_name_the_field(relu_model, tmp_path, fields, messa
 
 
 def test_options_come_from_the_boundary_shape_strategy(relu_model, tmp_path):
-    strategy = ShapeStrategy(kind="dynamic_dims", input_shapes={"x": [1, -1]}, gears=[[4], [8], [16]], rationale="token count varies")
+    strategy = ShapeStrategy(
+        kind="dynamic_dims", input_shapes={"x": [1, -1]}, gears=[[4], [8], [16]], rationale="token count varies"
+    )
 
-    opts = AtcOptions.from_strategy(strategy, model=str(relu_model), output=str(tmp_path / "o.om"), soc_version="Ascend910B3")
+    opts = AtcOptions.from_strategy(
+        strategy, model=str(relu_model), output=str(tmp_path / "o.om"), soc_version="Ascend910B3"
+    )
 
     assert opts.strategy == "dynamic_dims" and opts.output == str(tmp_path / "o")  # .om is ATC's to add
     assert "--dynamic_dims=4;8;16" in build_atc_command(opts)

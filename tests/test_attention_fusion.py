@@ -17,8 +17,9 @@ from onnx import TensorProto, helper
 B, H, LQ, LK, D = 2, 4, 16, 12, 8
 
 
-def attention_model(bias_shape: list[int] | None = None, key_batch: int | str = B,
-                    query_batch: int | str = B, softmax_axis: int = -1) -> onnx.ModelProto:
+def attention_model(
+    bias_shape: list[int] | None = None, key_batch: int | str = B, query_batch: int | str = B, softmax_axis: int = -1
+) -> onnx.ModelProto:
     """out = softmax((q*s) @ (k^T*s) [+ bias]) @ v, q [B, H, LQ, D], k and v [B, H, LK, D]."""
     nodes = [
         helper.make_node("Mul", ["q", "sqrt_scale"], ["q_scaled"]),
@@ -26,28 +27,38 @@ def attention_model(bias_shape: list[int] | None = None, key_batch: int | str = 
         helper.make_node("Mul", ["k_t", "sqrt_scale"], ["k_scaled"]),
         helper.make_node("MatMul", ["q_scaled", "k_scaled"], ["scores"]),
     ]
-    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [query_batch, H, LQ, D]),
-              helper.make_tensor_value_info("k", TensorProto.FLOAT, [key_batch, H, LK, D]),
-              helper.make_tensor_value_info("v", TensorProto.FLOAT, [key_batch, H, LK, D])]
+    inputs = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, [query_batch, H, LQ, D]),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, [key_batch, H, LK, D]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, [key_batch, H, LK, D]),
+    ]
     scores = "scores"
     if bias_shape is not None:
         nodes.append(helper.make_node("Add", ["scores", "bias"], ["biased"]))
         inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, bias_shape))
         scores = "biased"
-    nodes += [helper.make_node("Softmax", [scores], ["probs"], axis=softmax_axis),
-              helper.make_node("MatMul", ["probs", "v"], ["attended"]),
-              helper.make_node("Transpose", ["attended"], ["out"], perm=[0, 2, 1, 3])]
-    graph = helper.make_graph(nodes, "attention", inputs,
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [query_batch, LQ, H, D])],
-                              [helper.make_tensor("sqrt_scale", TensorProto.FLOAT, [], [D ** -0.25])])
+    nodes += [
+        helper.make_node("Softmax", [scores], ["probs"], axis=softmax_axis),
+        helper.make_node("MatMul", ["probs", "v"], ["attended"]),
+        helper.make_node("Transpose", ["attended"], ["out"], perm=[0, 2, 1, 3]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        inputs,
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [query_batch, LQ, H, D])],
+        [helper.make_tensor("sqrt_scale", TensorProto.FLOAT, [], [D**-0.25])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def feeds(bias_shape: list[int] | None = None, key_batch: int = B) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    out = {"q": rng.standard_normal((B, H, LQ, D), dtype=np.float32),
-           "k": rng.standard_normal((key_batch, H, LK, D), dtype=np.float32),
-           "v": rng.standard_normal((key_batch, H, LK, D), dtype=np.float32)}
+    out = {
+        "q": rng.standard_normal((B, H, LQ, D), dtype=np.float32),
+        "k": rng.standard_normal((key_batch, H, LK, D), dtype=np.float32),
+        "v": rng.standard_normal((key_batch, H, LK, D), dtype=np.float32),
+    }
     if bias_shape is not None:
         out["bias"] = rng.standard_normal(bias_shape, dtype=np.float32)
     return out
@@ -81,11 +92,14 @@ def test_attention_becomes_one_multihead_attention_with_the_same_output(tmp_path
     np.testing.assert_allclose(got, plain, atol=1e-5)
 
 
-@pytest.mark.parametrize("model, why", [
-    (attention_model([B, 1, 1, LK]), "a bias broadcast along the queries (a key padding mask)"),
-    (attention_model(key_batch=1), "a key batch that broadcasts"),
-    (attention_model(softmax_axis=2), "a softmax over another axis"),
-])
+@pytest.mark.parametrize(
+    "model, why",
+    [
+        (attention_model([B, 1, 1, LK]), "a bias broadcast along the queries (a key padding mask)"),
+        (attention_model(key_batch=1), "a key batch that broadcasts"),
+        (attention_model(softmax_axis=2), "a softmax over another axis"),
+    ],
+)
 def test_what_multihead_attention_cannot_take_stays_as_exported(model, why):
     before = ops(model)
     assert fuse_attention(model) == 0, why
@@ -107,9 +121,12 @@ def test_a_fused_block_that_fails_at_run_time_falls_back_to_the_exported_graph(t
 
 
 def test_a_model_with_nothing_to_fuse_opens_from_its_file(tmp_path):
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     path = tmp_path / "relu.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     with OnnxRuntimeBackend(path, fuse_attention=True) as backend:
@@ -120,8 +137,14 @@ def test_a_model_with_nothing_to_fuse_opens_from_its_file(tmp_path):
 def test_external_data_is_found_next_to_the_file_when_the_fused_model_loads_from_memory(tmp_path):
     model = attention_model()
     path = tmp_path / "external.onnx"
-    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="external.data",
-              size_threshold=0)
+    onnx.save(
+        model,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="external.data",
+        size_threshold=0,
+    )
     feed = feeds()
     with OnnxRuntimeBackend(path, fuse_attention=True) as backend:
         assert backend.fused_attention_blocks == 1

@@ -27,16 +27,25 @@ def _attention(tmp_path, probabilities_out: bool = False):
     ]
     rng = np.random.default_rng(0)
     bias = numpy_helper.from_array(rng.normal(size=(1, HEADS, TOKENS, TOKENS)).astype(np.float32), "bias")
-    scale = numpy_helper.from_array(np.array(DIM ** -0.5, np.float32), "scale")
+    scale = numpy_helper.from_array(np.array(DIM**-0.5, np.float32), "scale")
     vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
-    outputs = [vi("out", [1, TOKENS, HEADS, DIM])] + ([vi("probs", [1, HEADS, TOKENS, TOKENS])] if probabilities_out else [])
-    graph = helper.make_graph(nodes, "attention", [vi("q", [1, HEADS, TOKENS, DIM]), vi("kt", [1, HEADS, DIM, TOKENS]),
-                                                   vi("v", [1, HEADS, TOKENS, DIM])], outputs, initializer=[bias, scale])
+    outputs = [vi("out", [1, TOKENS, HEADS, DIM])] + (
+        [vi("probs", [1, HEADS, TOKENS, TOKENS])] if probabilities_out else []
+    )
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        [vi("q", [1, HEADS, TOKENS, DIM]), vi("kt", [1, HEADS, DIM, TOKENS]), vi("v", [1, HEADS, TOKENS, DIM])],
+        outputs,
+        initializer=[bias, scale],
+    )
     path = tmp_path / "attention.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    feeds = {"q": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32) * 30,
-             "kt": rng.normal(size=(1, HEADS, DIM, TOKENS)).astype(np.float32) * 30,
-             "v": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32)}
+    feeds = {
+        "q": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32) * 30,
+        "kt": rng.normal(size=(1, HEADS, DIM, TOKENS)).astype(np.float32) * 30,
+        "v": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32),
+    }
     return path, feeds
 
 
@@ -83,10 +92,18 @@ def test_attention_whose_scores_a_branch_reads_is_left_whole(tmp_path):
     # An If's branches read the enclosing graph's tensors without naming them as inputs.
     path, _ = _attention(tmp_path)
     model = _emulated(path)
-    count = helper.make_graph([helper.make_node("ReduceMax", ["biased"], ["largest"], keepdims=0)], "then", [],
-                              [helper.make_tensor_value_info("largest", TensorProto.FLOAT, [])])
-    zero = helper.make_graph([helper.make_node("Constant", [], ["none"], value=numpy_helper.from_array(np.float32(0)))],
-                             "else", [], [helper.make_tensor_value_info("none", TensorProto.FLOAT, [])])
+    count = helper.make_graph(
+        [helper.make_node("ReduceMax", ["biased"], ["largest"], keepdims=0)],
+        "then",
+        [],
+        [helper.make_tensor_value_info("largest", TensorProto.FLOAT, [])],
+    )
+    zero = helper.make_graph(
+        [helper.make_node("Constant", [], ["none"], value=numpy_helper.from_array(np.float32(0)))],
+        "else",
+        [],
+        [helper.make_tensor_value_info("none", TensorProto.FLOAT, [])],
+    )
     model.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
     model.graph.node.append(helper.make_node("If", ["always"], ["peak"], then_branch=count, else_branch=zero))
     model.graph.output.append(helper.make_tensor_value_info("peak", TensorProto.FLOAT, []))
@@ -125,16 +142,24 @@ def _exported_attention(tmp_path):
         helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
         helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv"),
     ]
-    constants = [numpy_helper.from_array(np.array(v, np.int64), n)
-                 for n, v in (("zero", [0]), ("two", [2]), ("dim_tokens", [DIM, TOKENS]))]
-    graph = helper.make_graph(nodes, "exported", [vi("q", [1, HEADS, TOKENS, DIM]), vi("k_flat", [1, HEADS * DIM, TOKENS]),
-                                                  vi("v", [1, HEADS, TOKENS, DIM])],
-                              [vi("out", [1, HEADS, TOKENS, DIM])], initializer=constants)
+    constants = [
+        numpy_helper.from_array(np.array(v, np.int64), n)
+        for n, v in (("zero", [0]), ("two", [2]), ("dim_tokens", [DIM, TOKENS]))
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "exported",
+        [vi("q", [1, HEADS, TOKENS, DIM]), vi("k_flat", [1, HEADS * DIM, TOKENS]), vi("v", [1, HEADS, TOKENS, DIM])],
+        [vi("out", [1, HEADS, TOKENS, DIM])],
+        initializer=constants,
+    )
     path = tmp_path / "exported.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    feeds = {"q": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32) * 10,
-             "k_flat": rng.normal(size=(1, HEADS * DIM, TOKENS)).astype(np.float32) * 10,
-             "v": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32)}
+    feeds = {
+        "q": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32) * 10,
+        "k_flat": rng.normal(size=(1, HEADS * DIM, TOKENS)).astype(np.float32) * 10,
+        "v": rng.normal(size=(1, HEADS, TOKENS, DIM)).astype(np.float32),
+    }
     return path, feeds
 
 
@@ -147,8 +172,8 @@ def test_attention_whose_reshapes_the_graph_computes_is_split_too(tmp_path):
 
 
 def test_the_overflow_counting_run_splits_attention_first_and_counts_and_computes_the_same(tmp_path, monkeypatch):
-    import omskills.ascend.emulation as emulation
     import omskills.ascend.attention_heads as attention_heads
+    import omskills.ascend.emulation as emulation
     from omskills.ascend.emulation import prepared_light, run_emulated_with_overflow
 
     path, feeds = _attention(tmp_path)
@@ -159,8 +184,9 @@ def test_the_overflow_counting_run_splits_attention_first_and_counts_and_compute
         monkeypatch.setattr(attention_heads, "SPLIT_MIN_BYTES", SCORES_BYTES)  # the tiny layer made "big"
         monkeypatch.setattr(attention_heads, "SLICE_MAX_BYTES", SCORES_BYTES // HEADS)
         built = []
-        monkeypatch.setattr(emulation, "emulated_model",
-                            lambda p, *a, **k: built.append(p.model) or emulated_model(p, *a, **k))
+        monkeypatch.setattr(
+            emulation, "emulated_model", lambda p, *a, **k: built.append(p.model) or emulated_model(p, *a, **k)
+        )
         split, split_overflow = run_emulated_with_overflow(prepared, precisions, feeds)
     assert [n.op_type for n in built[0].graph.node].count("Softmax") == HEADS  # what ran was split, one head a slice
     assert whole_overflow > 0 and split_overflow == whole_overflow
@@ -173,16 +199,24 @@ def test_attention_against_a_memory_of_open_length_is_split_one_head_at_a_time(t
     queries, heads, dim = 4096, 2, 4  # a long known query length; the memory's length is open
     rng = np.random.default_rng(2)
     vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
-    nodes = [helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
-             helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
-             helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv")]
-    graph = helper.make_graph(nodes, "memory", [vi("q", [1, heads, queries, dim]), vi("kt", [1, heads, dim, "memory"]),
-                                                vi("v", [1, heads, "memory", dim])], [vi("out", [1, heads, queries, dim])])
+    nodes = [
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+        helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "memory",
+        [vi("q", [1, heads, queries, dim]), vi("kt", [1, heads, dim, "memory"]), vi("v", [1, heads, "memory", dim])],
+        [vi("out", [1, heads, queries, dim])],
+    )
     path = tmp_path / "memory.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    feeds = {"q": rng.normal(size=(1, heads, queries, dim)).astype(np.float32) * 5,
-             "kt": rng.normal(size=(1, heads, dim, 24)).astype(np.float32) * 5,
-             "v": rng.normal(size=(1, heads, 24, dim)).astype(np.float32)}
+    feeds = {
+        "q": rng.normal(size=(1, heads, queries, dim)).astype(np.float32) * 5,
+        "kt": rng.normal(size=(1, heads, dim, 24)).astype(np.float32) * 5,
+        "v": rng.normal(size=(1, heads, 24, dim)).astype(np.float32),
+    }
     monkeypatch.setattr(attention_heads, "OPEN_BESIDE_MIN_TOKENS", queries + 1)
     whole = _emulated(path)
     assert "Split" not in [n.op_type for n in whole.graph.node]  # under the line: left whole
@@ -197,15 +231,24 @@ def test_a_graph_split_twice_keeps_its_node_names_unique():
     vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
     nodes, inputs, outputs = [], [], []
     for layer, tokens in (("small", TOKENS), ("large", 2 * TOKENS)):
-        nodes += [helper.make_node("MatMul", [f"{layer}_q", f"{layer}_kt"], [f"{layer}_scores"], name=f"{layer}_qk"),
-                  helper.make_node("Softmax", [f"{layer}_scores"], [f"{layer}_probs"], name=f"{layer}_softmax", axis=-1),
-                  helper.make_node("MatMul", [f"{layer}_probs", f"{layer}_v"], [f"{layer}_out"], name=f"{layer}_pv")]
-        inputs += [vi(f"{layer}_q", [1, HEADS, tokens, DIM]), vi(f"{layer}_kt", [1, HEADS, DIM, tokens]),
-                   vi(f"{layer}_v", [1, HEADS, tokens, DIM])]
+        nodes += [
+            helper.make_node("MatMul", [f"{layer}_q", f"{layer}_kt"], [f"{layer}_scores"], name=f"{layer}_qk"),
+            helper.make_node("Softmax", [f"{layer}_scores"], [f"{layer}_probs"], name=f"{layer}_softmax", axis=-1),
+            helper.make_node("MatMul", [f"{layer}_probs", f"{layer}_v"], [f"{layer}_out"], name=f"{layer}_pv"),
+        ]
+        inputs += [
+            vi(f"{layer}_q", [1, HEADS, tokens, DIM]),
+            vi(f"{layer}_kt", [1, HEADS, DIM, tokens]),
+            vi(f"{layer}_v", [1, HEADS, tokens, DIM]),
+        ]
         outputs.append(vi(f"{layer}_out", [1, HEADS, tokens, DIM]))
-    model = helper.make_model(helper.make_graph(nodes, "two", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "two", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)]
+    )
     assert split_attention_heads(model, min_bytes=4 * SCORES_BYTES, slice_bytes=SCORES_BYTES) == 1  # the large one
-    assert split_attention_heads(model, min_bytes=SCORES_BYTES, slice_bytes=SCORES_BYTES // 2) == 1  # then the small one
+    assert (
+        split_attention_heads(model, min_bytes=SCORES_BYTES, slice_bytes=SCORES_BYTES // 2) == 1
+    )  # then the small one
     names = [n.name for n in model.graph.node]
     assert len(names) == len(set(names))
     onnx.checker.check_model(model)
@@ -225,10 +268,14 @@ def test_shapes_of_a_graph_with_a_long_vector_are_inferred_without_data_propagat
 
     monkeypatch.setattr(inspect.onnx.shape_inference, "infer_shapes", recording)
     vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
-    nodes = [helper.make_node("Cast", ["signal"], ["half"], to=TensorProto.FLOAT16),
-             helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT)]
-    audio = helper.make_model(helper.make_graph(nodes, "audio", [vi("signal", [1_000_000])], [vi("back", [1_000_000])]),
-                              opset_imports=[helper.make_opsetid("", 17)])
+    nodes = [
+        helper.make_node("Cast", ["signal"], ["half"], to=TensorProto.FLOAT16),
+        helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT),
+    ]
+    audio = helper.make_model(
+        helper.make_graph(nodes, "audio", [vi("signal", [1_000_000])], [vi("back", [1_000_000])]),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
     assert inferred_shapes(audio, data_prop=True)["half"] == [1_000_000]
     assert True not in propagated
     exported, _ = _exported_attention(tmp_path)  # short vectors only: propagated

@@ -16,9 +16,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml
@@ -39,7 +39,7 @@ GOOD_NET = {
     "intake": {"model": {"driver": "net.py"}, "inputs": {"size": 4}, "target": {"soc": "Ascend910B4"}},
 }
 # A two-function driver that imports torch only when it builds: its records fail fast.
-NET_DRIVER = textwrap.dedent('''\
+NET_DRIVER = textwrap.dedent("""\
     from pydantic import BaseModel, ConfigDict, Field
 
     class Inputs(BaseModel):
@@ -53,13 +53,13 @@ NET_DRIVER = textwrap.dedent('''\
     def run_main_path(model, inputs):
         import torch
         return model(torch.zeros(1, inputs.size))
-    ''')
+    """)
 GOOD_CHECKED = {
     "id": "bad-inputs-checked",
     "intake": {"model": {"driver": "checked.py:Checked"}, "inputs": {"size": 4}, "target": {"soc": "Ascend910B4"}},
 }
 # A class driver whose own checks raise ValueError and TypeError, as driver authors write them.
-CHECKED_DRIVER = textwrap.dedent('''\
+CHECKED_DRIVER = textwrap.dedent("""\
     from pathlib import Path
     from pydantic import BaseModel, ConfigDict
     from omskills.models.kit import ModelDriver
@@ -93,7 +93,7 @@ CHECKED_DRIVER = textwrap.dedent('''\
 
         def run_main_path(self, loaded, data, inputs, verification, hooks):
             raise AssertionError("the gate runs no model")
-    ''')
+    """)
 
 
 def edit(path: str, value: object) -> Callable[[dict, Path], None]:
@@ -142,8 +142,18 @@ class Case:
     xfail: str | None = None
 
 
-EXPORT = {"exporter": "dynamo", "opset": 18, "seconds": 1.0, "bytes": 1, "sha256": "0", "external_data": False,
-          "log_path": "onnx/g.log", "input_names": [], "output_names": [], "fact_source": "test"}
+EXPORT = {
+    "exporter": "dynamo",
+    "opset": 18,
+    "seconds": 1.0,
+    "bytes": 1,
+    "sha256": "0",
+    "external_data": False,
+    "log_path": "onnx/g.log",
+    "input_names": [],
+    "output_names": [],
+    "fact_source": "test",
+}
 
 
 def _record_text(**changes: str) -> bytes:
@@ -156,29 +166,42 @@ def _record_text(**changes: str) -> bytes:
 
 
 # 500 bytes that expand to 9^9 strings when read naively.
-ALIAS_BOMB = ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
-    + "id: bomb\nintake: {model: {family: sam3}}\n").encode()
+ALIAS_BOMB = (
+    "a: &a [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+    + "id: bomb\nintake: {model: {family: sam3}}\n"
+).encode()
 DUPLICATE_SEED = _record_text(**{"    scale: tiny\n": "    scale: tiny\n    seed: 1\n    seed: 2\n"})
-DUPLICATE_KWARG = _record_text(**{"    scale: tiny\n": "    scale: tiny\n    builder_kwargs:\n      compile: false\n      compile: true\n"})
+DUPLICATE_KWARG = _record_text(
+    **{"    scale: tiny\n": "    scale: tiny\n    builder_kwargs:\n      compile: false\n      compile: true\n"}
+)
 
 CASES = [
     # -- the target and the inputs of a SAM 3 record
-    Case("soc-unknown", ("intake.target.soc", "Ascend999X", "did you mean"), (edit("intake.target.soc", "Ascend999X"),)),
-    Case("soc-lowercase", ("intake.target.soc", "did you mean Ascend910B4"), (edit("intake.target.soc", "ascend910b4"),)),
+    Case(
+        "soc-unknown", ("intake.target.soc", "Ascend999X", "did you mean"), (edit("intake.target.soc", "Ascend999X"),)
+    ),
+    Case(
+        "soc-lowercase", ("intake.target.soc", "did you mean Ascend910B4"), (edit("intake.target.soc", "ascend910b4"),)
+    ),
     Case("frames-huge", ("intake.inputs.frames",), (edit("intake.inputs.frames", 1_000_000_000),)),
     Case("frames-zero", ("intake.inputs.frames",), (edit("intake.inputs.frames", 0),)),
     Case("frames-text", ("intake.inputs.frames",), (edit("intake.inputs.frames", "many"),)),
     Case("frames-beyond-builtin-clip", ("intake.inputs.frames", "30"), (edit("intake.inputs.frames", 31),)),
-    Case("frames-beyond-video", ("intake.inputs.frames", "short.gif", "has 3"),
-         (edit("intake.inputs.video", "short.gif"), edit("intake.inputs.frames", 8))),
+    Case(
+        "frames-beyond-video",
+        ("intake.inputs.frames", "short.gif", "has 3"),
+        (edit("intake.inputs.video", "short.gif"), edit("intake.inputs.frames", 8)),
+    ),
     Case("video-missing", ("intake.inputs.video", "missing.mp4"), (edit("intake.inputs.video", "missing.mp4"),)),
     Case("video-garbage", ("intake.inputs.video", "garbage.mp4"), (edit("intake.inputs.video", "garbage.mp4"),)),
     Case("video-wrong-type", ("intake.inputs.video", "notes.txt"), (edit("intake.inputs.video", "notes.txt"),)),
     Case("video-empty-folder", ("intake.inputs.video", "empty"), (edit("intake.inputs.video", "empty"),)),
     Case("video-unknown-builtin", ("intake.inputs.video", "nope"), (edit("intake.inputs.video", "builtin:nope"),)),
     Case("video-outside", ("intake.inputs.video", "outside"), (edit("intake.inputs.video", "{outside}/clip.gif"),)),
-    Case("video-symlink-out", ("intake.inputs.video", "link.gif", "symlink"), (edit("intake.inputs.video", "link.gif"),)),
+    Case(
+        "video-symlink-out", ("intake.inputs.video", "link.gif", "symlink"), (edit("intake.inputs.video", "link.gif"),)
+    ),
     Case("prompt-empty", ("intake.inputs.prompt",), (edit("intake.inputs.prompt", "  "),)),
     Case("inputs-unknown-field", ("intake.inputs.colour",), (edit("intake.inputs.colour", "red"),)),
     # -- the model
@@ -186,35 +209,84 @@ CASES = [
     Case("scale-unknown", ("intake.model.scale",), (edit("intake.model.scale", "huge"),)),
     Case("seed-text", ("intake.model.seed",), (edit("intake.model.seed", "x"),)),
     Case("model-unknown-field", ("intake.model.colour",), (edit("intake.model.colour", "red"),)),
-    Case("checkpoint-missing", ("intake.model.checkpoint", "missing.pt"), (edit("intake.model.checkpoint", "missing.pt"),)),
-    Case("checkpoint-garbage", ("intake.model.checkpoint", "garbage.pt", "not a loadable state dict"),
-         (edit("intake.model.checkpoint", "garbage.pt"),)),
-    Case("checkpoint-outside", ("intake.model.checkpoint", "outside"), (edit("intake.model.checkpoint", "{outside}/net.pt"),)),
+    Case(
+        "checkpoint-missing",
+        ("intake.model.checkpoint", "missing.pt"),
+        (edit("intake.model.checkpoint", "missing.pt"),),
+    ),
+    Case(
+        "checkpoint-garbage",
+        ("intake.model.checkpoint", "garbage.pt", "not a loadable state dict"),
+        (edit("intake.model.checkpoint", "garbage.pt"),),
+    ),
+    Case(
+        "checkpoint-outside",
+        ("intake.model.checkpoint", "outside"),
+        (edit("intake.model.checkpoint", "{outside}/net.pt"),),
+    ),
     Case("source-outside", ("intake.model.source", "outside"), (edit("intake.model.source", "{outside}"),)),
-    Case("builder-unknown", ("intake.model.builder", "build_nothing"), (edit("intake.model.builder", "build_nothing"),)),
-    Case("driver-file-missing", ("intake.model.driver", "nope.py"), (drop("intake.model.family"), edit("intake.model.driver", "nope.py"))),
+    Case(
+        "builder-unknown", ("intake.model.builder", "build_nothing"), (edit("intake.model.builder", "build_nothing"),)
+    ),
+    Case(
+        "driver-file-missing",
+        ("intake.model.driver", "nope.py"),
+        (drop("intake.model.family"), edit("intake.model.driver", "nope.py")),
+    ),
     Case("device-id-negative", ("intake.target.device_id",), (edit("intake.target.device_id", -1),)),
-    Case("verification-negative", ("intake.verification.force_top_k_detections",),
-         (edit("intake.verification.force_top_k_detections", -1),)),
+    Case(
+        "verification-negative",
+        ("intake.verification.force_top_k_detections",),
+        (edit("intake.verification.force_top_k_detections", -1),),
+    ),
     Case("verification-unknown-field", ("intake.verification.colour",), (edit("intake.verification.colour", 1),)),
     # -- the record itself
     Case("record-id-invalid", ("id",), (edit("id", "bad id!"),)),
     Case("record-no-intake", ("intake",), (drop("intake"),)),
     Case("record-not-a-mapping", ("task.yaml", "mapping"), raw=b"- one\n- two\n"),
-    Case("exports-path-outside", ("exports.g.path", "outside"), (edit("exports", {"g": {"path": "{outside}/g.onnx", **EXPORT}}),)),
+    Case(
+        "exports-path-outside",
+        ("exports.g.path", "outside"),
+        (edit("exports", {"g": {"path": "{outside}/g.onnx", **EXPORT}}),),
+    ),
     # -- a two-function driver's record: the checkpoint's keys, the driver's own bound
-    Case("checkpoint-wrong-keys", ("intake.model.checkpoint", "wrong.pt", "missing key", "unexpected key"),
-         (edit("intake.model.checkpoint", "wrong.pt"),), base=GOOD_NET),
-    Case("inputs-beyond-driver-bound", ("intake.inputs.size",), (edit("intake.inputs.size", 1_000_000_000),), base=GOOD_NET),
-    Case("shape-inputs-bad-field", ("intake.shape_inputs[1].size",), (edit("intake.shape_inputs", [{"size": 2}, {"size": "x"}]),),
-         base=GOOD_NET),
+    Case(
+        "checkpoint-wrong-keys",
+        ("intake.model.checkpoint", "wrong.pt", "missing key", "unexpected key"),
+        (edit("intake.model.checkpoint", "wrong.pt"),),
+        base=GOOD_NET,
+    ),
+    Case(
+        "inputs-beyond-driver-bound",
+        ("intake.inputs.size",),
+        (edit("intake.inputs.size", 1_000_000_000),),
+        base=GOOD_NET,
+    ),
+    Case(
+        "shape-inputs-bad-field",
+        ("intake.shape_inputs[1].size",),
+        (edit("intake.shape_inputs", [{"size": 2}, {"size": "x"}]),),
+        base=GOOD_NET,
+    ),
     # -- a class driver's own checks raising ValueError / TypeError
-    Case("driver-check-value-error", ("intake.inputs.size", "must be even", "checked driver"),
-         (edit("intake.inputs.size", 3),), base=GOOD_CHECKED),
-    Case("driver-check-type-error", ("intake.model.builder_kwargs.width", "must be an int"),
-         (edit("intake.model.builder_kwargs", {"width": "wide"}),), base=GOOD_CHECKED),
-    Case("driver-check-shape-inputs", ("intake.shape_inputs[0]", "must be even"),
-         (edit("intake.shape_inputs", [{"size": 5}]),), base=GOOD_CHECKED),
+    Case(
+        "driver-check-value-error",
+        ("intake.inputs.size", "must be even", "checked driver"),
+        (edit("intake.inputs.size", 3),),
+        base=GOOD_CHECKED,
+    ),
+    Case(
+        "driver-check-type-error",
+        ("intake.model.builder_kwargs.width", "must be an int"),
+        (edit("intake.model.builder_kwargs", {"width": "wide"}),),
+        base=GOOD_CHECKED,
+    ),
+    Case(
+        "driver-check-shape-inputs",
+        ("intake.shape_inputs[0]", "must be even"),
+        (edit("intake.shape_inputs", [{"size": 5}]),),
+        base=GOOD_CHECKED,
+    ),
     # -- tool arguments
     Case("args-null", ("--args",), via="script:inspect_onnx", argv=("--args", "null")),
     Case("args-five-omskills-tool", ("--args",), via="omskills", argv=("tool", "check_environment", "--args", "5")),
@@ -223,15 +295,31 @@ CASES = [
     Case("task-record-missing", ("nope.yaml",), argv=("--task", "{case}/nope.yaml")),
     Case("onnx-garbage", ("bad.onnx",), via="script:inspect_onnx", argv=("--path", "{case}/bad.onnx")),
     Case("onnx-missing", ("missing.onnx",), via="script:inspect_onnx", argv=("--path", "{case}/missing.onnx")),
-    Case("new-driver-out-dir-a-file", ("afile",), via="script:new_driver",
-         argv=("--name", "net", "--entry", "torchvision.models:resnet18", "--out-dir", "{case}/afile")),
+    Case(
+        "new-driver-out-dir-a-file",
+        ("afile",),
+        via="script:new_driver",
+        argv=("--name", "net", "--entry", "torchvision.models:resnet18", "--out-dir", "{case}/afile"),
+    ),
     # -- hostile records: names that would be paths, paths that would leave, bombs, versions
-    Case("deploy-name-climbs", ("intake.target.deploy[0]", "not a safe name"),
-         (edit("intake.target.deploy", ["../../../outside/esc"]),)),
-    Case("graph-name-climbs", ("exports.../x", "not a safe name"), (edit("exports", {"../x": {"path": "onnx/g.onnx", **EXPORT}}),)),
-    Case("stored-path-climbs", ("exports.g.path", "not a path inside the run folder"),
-         (edit("exports", {"g": {"path": "../../etc/passwd", **EXPORT}}),)),
-    Case("video-colon-outside", ("intake.inputs.video", "outside"), (edit("intake.inputs.video", "{outside}/a:b.gif"),)),
+    Case(
+        "deploy-name-climbs",
+        ("intake.target.deploy[0]", "not a safe name"),
+        (edit("intake.target.deploy", ["../../../outside/esc"]),),
+    ),
+    Case(
+        "graph-name-climbs",
+        ("exports.../x", "not a safe name"),
+        (edit("exports", {"../x": {"path": "onnx/g.onnx", **EXPORT}}),),
+    ),
+    Case(
+        "stored-path-climbs",
+        ("exports.g.path", "not a path inside the run folder"),
+        (edit("exports", {"g": {"path": "../../etc/passwd", **EXPORT}}),),
+    ),
+    Case(
+        "video-colon-outside", ("intake.inputs.video", "outside"), (edit("intake.inputs.video", "{outside}/a:b.gif"),)
+    ),
     Case("yaml-alias-bomb", ("task.yaml", "YAML aliases expand"), raw=ALIAS_BOMB),
     Case("yaml-duplicate-key", ("task.yaml", "duplicate key 'seed'", "lines"), raw=DUPLICATE_SEED),
     Case("yaml-duplicate-builder-kwarg", ("duplicate key 'compile'",), raw=DUPLICATE_KWARG),
@@ -240,25 +328,52 @@ CASES = [
     Case("seed-36-digits", ("intake.model.seed",), (edit("intake.model.seed", 10**35),)),
     Case("device-shell-command", ("intake.model.device",), (edit("intake.model.device", "rm -rf /"),)),
     Case("device-cuda-absent", ("intake.model.device", "no CUDA device"), (edit("intake.model.device", "cuda"),)),
-    Case("builder-kwargs-unknown", ("intake.model.builder_kwargs", "colour"), (edit("intake.model.builder_kwargs", {"colour": 1}),)),
-    Case("video-truncated", ("intake.inputs.video", "truncated.mp4", "decode"),
-         (edit("intake.inputs.video", "truncated.mp4"), edit("intake.inputs.frames", 6))),
+    Case(
+        "builder-kwargs-unknown",
+        ("intake.model.builder_kwargs", "colour"),
+        (edit("intake.model.builder_kwargs", {"colour": 1}),),
+    ),
+    Case(
+        "video-truncated",
+        ("intake.inputs.video", "truncated.mp4", "decode"),
+        (edit("intake.inputs.video", "truncated.mp4"), edit("intake.inputs.frames", 6)),
+    ),
     Case("task-name-too-long", ("File name too long",), argv=("--task", "{case}/" + "x" * 300 + ".yaml")),
     Case("args-nested-50000-deep", ("--args", "nested too deeply"), argv=("--args", "[" * 50_000 + "]" * 50_000)),
     Case("flag-value-a-number", ("123", "not found"), via="script:inspect_onnx", argv=("--path", "{case}/123")),
-    Case("serve-port-beyond-65535", ("--http", "70000", "not a TCP port"), via="omskills", argv=("serve", "--http", "127.0.0.1:70000")),
-    Case("candidate-argument-climbs", ("candidate", "not a safe name"), via="script:export_onnx",
-         argv=("--task", "{case}/task.yaml", "--candidate", "../../outside/esc")),
+    Case(
+        "serve-port-beyond-65535",
+        ("--http", "70000", "not a TCP port"),
+        via="omskills",
+        argv=("serve", "--http", "127.0.0.1:70000"),
+    ),
+    Case(
+        "candidate-argument-climbs",
+        ("candidate", "not a safe name"),
+        via="script:export_onnx",
+        argv=("--task", "{case}/task.yaml", "--candidate", "../../outside/esc"),
+    ),
     # -- in their own process
     Case("record-not-utf8", ("task.yaml",), raw=b"id: caf\xe9\nintake: {}\n", process=True),
     Case("record-not-yaml", ("task.yaml",), raw=b"id: [unclosed\nintake:\n  model: {\n", process=True),
-    Case("adapt-frames-huge", ("intake.inputs.frames",), via="omskills", process=True,
-         argv=("adapt", "{case}/task.yaml", "--frames", "1000000000", "--out", "{case}/run")),
-    Case("adapt-out-a-file", ("--out", "afile"), via="omskills", process=True, argv=("adapt", "{case}/task.yaml", "--out", "{case}/afile")),
+    Case(
+        "adapt-frames-huge",
+        ("intake.inputs.frames",),
+        via="omskills",
+        process=True,
+        argv=("adapt", "{case}/task.yaml", "--frames", "1000000000", "--out", "{case}/run"),
+    ),
+    Case(
+        "adapt-out-a-file",
+        ("--out", "afile"),
+        via="omskills",
+        process=True,
+        argv=("adapt", "{case}/task.yaml", "--out", "{case}/afile"),
+    ),
 ]
 
 # One child runs the batch: each case through the CLI a user runs, stderr's descriptor captured.
-RUNNER = textwrap.dedent('''\
+RUNNER = textwrap.dedent("""\
     import json, os, sys, tempfile, traceback
     from omskills.host.toolkit import load_tool, run_cli, skills_root
     from omskills.orchestrator.cli import main
@@ -289,7 +404,7 @@ RUNNER = textwrap.dedent('''\
             captured.seek(0)
             results[case["id"]] = {"code": code, "stderr": captured.read().decode(errors="replace")}
     json.dump(results, open(sys.argv[2], "w"))
-    ''')
+    """)
 
 
 def _write_files(folder: Path, shared: Path) -> None:
@@ -354,7 +469,7 @@ def _truncated_mp4(path: Path) -> None:
         container.mux(stream.encode())
     data = path.read_bytes()
     frames_data = data.find(b"mdat")
-    path.write_bytes(data[:frames_data + (len(data) - frames_data) // 4])
+    path.write_bytes(data[: frames_data + (len(data) - frames_data) // 4])
 
 
 def _process_command(case: Case, folder: Path) -> list[str]:
@@ -381,23 +496,33 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[object, str, bytes, bytes]]:
         if not case.process:
             batch.append({"id": case.id, "via": case.via, "argv": _argv(case, folder)})
     (root / "cases.json").write_text(json.dumps(batch))
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(root / "cases.json"), str(root / "results.json")],
-                          capture_output=True, text=True, cwd=root, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(root / "cases.json"), str(root / "results.json")],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((root / "results.json").read_text())
     for case in (c for c in CASES if c.process):
-        ran = subprocess.run(_process_command(case, root / case.id), capture_output=True, text=True, cwd=root, timeout=300)
+        ran = subprocess.run(
+            _process_command(case, root / case.id), capture_output=True, text=True, cwd=root, timeout=300
+        )
         results[case.id] = {"code": ran.returncode, "stderr": ran.stderr}
-    return {c.id: (results[c.id]["code"], results[c.id]["stderr"], before[c.id], (root / c.id / "task.yaml").read_bytes())
-            for c in CASES}
+    return {
+        c.id: (results[c.id]["code"], results[c.id]["stderr"], before[c.id], (root / c.id / "task.yaml").read_bytes())
+        for c in CASES
+    }
 
 
 def test_the_table_is_at_least_thirty_cases():
     assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail)] if c.xfail else [])
-                                  for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail)] if c.xfail else []) for c in CASES]
+)
 def test_bad_input_is_one_line_naming_it_and_the_record_is_untouched(case: Case, outcomes):
     code, stderr, before, after = outcomes[case.id]
     lines = stderr.strip().splitlines()
@@ -423,14 +548,25 @@ def _good_record(folder: Path, **target: str) -> Path:
 def test_a_second_adapt_on_a_locked_run_folder_is_refused_with_the_owners_pid(tmp_path):
     task, run = _good_record(tmp_path), tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from omskills.orchestrator.run_lock import claim_run_folder; "
-         "claim_run_folder(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)", str(run)],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from omskills.orchestrator.run_lock import claim_run_folder; "
+            "claim_run_folder(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        second = subprocess.run([sys.executable, "-c", CLI, "adapt", str(task), "--out", str(run)],
-                                capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-c", CLI, "adapt", str(task), "--out", str(run)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         holder.send_signal(signal.SIGTERM)
         holder.wait(timeout=30)
@@ -457,8 +593,9 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_line(tmp_path, capsy
 
 def test_adapt_with_an_unknown_soc_stops_at_the_gate_with_a_did_you_mean(tmp_path):
     task, run = _good_record(tmp_path, soc="Ascend910B9"), tmp_path / "run"
-    done = subprocess.run([sys.executable, "-c", CLI, "adapt", str(task), "--out", str(run)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "adapt", str(task), "--out", str(run)], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode != 0
     assert "intake.target.soc: unknown SoC 'Ascend910B9'" in done.stderr and "did you mean Ascend910B" in done.stderr
     record = yaml.safe_load((run / "task.yaml").read_text())

@@ -127,7 +127,8 @@ def _probe_that_dies_on_a_whole_batch(path, sample_paths, split=None):
 
 
 def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_split_is_recorded(
-        head_task, tmp_path, monkeypatch):
+    head_task, tmp_path, monkeypatch
+):
     import shutil
 
     import omskills.stages.toolchain as toolchain
@@ -148,11 +149,14 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
     assert "batch in chunks of 2" in record.decisions[-1].why
     spliced_backend = open_spliced(record, tmp_path, "head", "onnxruntime")
     assert isinstance(spliced_backend, SplitBatchBackend) and spliced_backend.split == split
-    assert any(limit.startswith("head ran on ONNX Runtime with the batch in chunks of 2") for limit in known_limits(record, []))
+    assert any(
+        limit.startswith("head ran on ONNX Runtime with the batch in chunks of 2") for limit in known_limits(record, [])
+    )
 
 
 def test_a_probe_that_dies_with_no_way_to_split_the_batch_is_an_error_naming_the_death(
-        head_task, tmp_path, monkeypatch):
+    head_task, tmp_path, monkeypatch
+):
     import shutil
 
     import omskills.stages.toolchain as toolchain

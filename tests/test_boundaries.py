@@ -32,8 +32,9 @@ class Root(nn.Module):
         self.block = block
 
 
-def _contract_for_calls(calls: list[tuple], block: nn.Module | None = None,
-                        tmp_path: Path | None = None) -> ContractSpec:
+def _contract_for_calls(
+    calls: list[tuple], block: nn.Module | None = None, tmp_path: Path | None = None
+) -> ContractSpec:
     """Capture the contract of `block` called with each argument tuple in `calls`."""
     root = Root(block or Double())
 
@@ -91,11 +92,16 @@ def test_calls_from_several_input_sets_make_every_size_between_their_extremes_a_
     assert "between the sizes the 3 input sets showed" in strategy.rationale and "falls back" not in strategy.rationale
     assert strategy.serves() == "in_0 -1x8; in_1 -1x3x4; batch in {2, 3, 4, 5, 6} (5 gears)"
 
-    images = _contract_for_calls([_shapes((1, 3, h, w), (1, 8, h // 8, w // 8)) for h, w in ((96, 128), (160, 160), (224, 320))])
+    images = _contract_for_calls(
+        [_shapes((1, 3, h, w), (1, 8, h // 8, w // 8)) for h, w in ((96, 128), (160, 160), (224, 320))]
+    )
     images.input_sets = 3
     strategy = propose_shape_strategy(images)
     assert strategy.kind == "dynamic_shape"
-    assert strategy.ranges == {"in_0": [[1, 1], [3, 3], [96, 224], [128, 320]], "in_1": [[1, 1], [8, 8], [12, 28], [16, 40]]}
+    assert strategy.ranges == {
+        "in_0": [[1, 1], [3, 3], [96, 224], [128, 320]],
+        "in_1": [[1, 1], [8, 8], [12, 28], [16, 40]],
+    }
     assert strategy.serves() == "in_0 1x3x[96..224]x[128..320]; in_1 1x8x[12..28]x[16..40]"
 
 
@@ -117,8 +123,9 @@ def test_a_declared_source_range_is_matched_to_the_dim_whose_observed_values_lie
 
 def test_a_dim_bound_to_a_source_quantity_is_dynamic_even_from_a_single_call():
     contract = _contract_for_calls([_shapes((2, 8))])
-    limit = QuantityLimit(quantity="num_objects", low=1, high=16, evidence="bucket of 16 objects",
-                          dims=[DimRef(input="in_0", dim=0)])
+    limit = QuantityLimit(
+        quantity="num_objects", low=1, high=16, evidence="bucket of 16 objects", dims=[DimRef(input="in_0", dim=0)]
+    )
     strategy = propose_shape_strategy(contract, source_limits=[limit])
     assert strategy.kind == "dynamic_batch_size"
     assert strategy.gears == [[n] for n in range(1, 17)]
@@ -151,10 +158,15 @@ def _memory_calls(frames_and_pointers, hw=4, per_pointer=2):
 
 
 def _memory_limits(max_frames=3, max_pointers=5, hw=4, per_pointer=2, schedule=True):
-    frames = QuantityLimit(quantity="memory_frames", low=1, high=max_frames,
-                           dims=[DimRef(input="in_0", dim=0, scale=hw), DimRef(input="in_1", dim=0, scale=hw)])
-    pointers = QuantityLimit(quantity="pointer_frames", low=1, high=max_pointers,
-                             dims=[DimRef(input="in_1", dim=0, scale=per_pointer)])
+    frames = QuantityLimit(
+        quantity="memory_frames",
+        low=1,
+        high=max_frames,
+        dims=[DimRef(input="in_0", dim=0, scale=hw), DimRef(input="in_1", dim=0, scale=hw)],
+    )
+    pointers = QuantityLimit(
+        quantity="pointer_frames", low=1, high=max_pointers, dims=[DimRef(input="in_1", dim=0, scale=per_pointer)]
+    )
     rows = [[min(t, max_frames), min(t, max_pointers)] for t in range(1, max(max_frames, max_pointers) + 1)]
     tied = QuantitySchedule(quantities=["memory_frames", "pointer_frames"], rows=rows, evidence="frame t")
     return [frames, pointers] + ([tied] if schedule else [])
@@ -218,7 +230,9 @@ def test_a_non_tensor_argument_with_a_few_values_gives_one_exportable_graph_per_
 
     contracts = capture_contracts(root, {"block": "block"}, run)
     assert [(c.candidate, c.dispatch.on, c.calls) for c in contracts] == [
-        ("block-times_1", {"args[1]": 1}, 2), ("block-times_2", {"args[1]": 2}, 1)]
+        ("block-times_1", {"args[1]": 1}, 2),
+        ("block-times_2", {"args[1]": 2}, 1),
+    ]
     assert all(analyze_boundary(c).exportable for c in contracts)
 
 

@@ -14,14 +14,18 @@ SCORES = OutputCheck(output="scores", metric="tensor")
 
 
 def step(ids, regions, boxes, scores):
-    return {"ids": np.asarray(ids), "regions": np.asarray(regions, dtype=bool), "boxes": np.asarray(boxes, dtype=float),
-            "scores": np.asarray(scores, dtype=np.float32)}
+    return {
+        "ids": np.asarray(ids),
+        "regions": np.asarray(regions, dtype=bool),
+        "boxes": np.asarray(boxes, dtype=float),
+        "scores": np.asarray(scores, dtype=np.float32),
+    }
 
 
 def squares(*corners):
     out = np.zeros((len(corners), 8, 8), dtype=bool)
     for k, (r, c) in enumerate(corners):
-        out[k, r:r + 4, c:c + 4] = True
+        out[k, r : r + 4, c : c + 4] = True
     return out
 
 
@@ -30,8 +34,12 @@ REFERENCE = step([3, 7], squares((0, 0), (4, 4)), [[0, 0, 1, 1], [2, 2, 1, 1]], 
 
 def test_identical_steps_pass_every_check_with_perfect_figures():
     results = compare_step([IDS, REGIONS, BOXES, SCORES], REFERENCE, REFERENCE)
-    assert [(r.output, r.value, r.passed) for r in results] == [("ids", 0.0, True), ("regions", 1.0, True),
-                                                                ("boxes", 0.0, True), ("scores", 0.0, True)]
+    assert [(r.output, r.value, r.passed) for r in results] == [
+        ("ids", 0.0, True),
+        ("regions", 1.0, True),
+        ("boxes", 0.0, True),
+        ("scores", 0.0, True),
+    ]
 
 
 def test_items_are_matched_by_their_key_not_their_position():
@@ -82,15 +90,27 @@ def test_an_output_the_step_lacks_fails_naming_the_side():
 
 def test_every_output_star_becomes_tensor_checks_for_floats_and_exact_for_the_rest():
     checks = expand([OutputCheck(output="*", metric="tensor")], REFERENCE)
-    assert [(c.output, c.metric) for c in checks] == [("ids", "exact"), ("regions", "exact"), ("boxes", "tensor"),
-                                                      ("scores", "tensor")]
+    assert [(c.output, c.metric) for c in checks] == [
+        ("ids", "exact"),
+        ("regions", "exact"),
+        ("boxes", "tensor"),
+        ("scores", "tensor"),
+    ]
 
 
 def _main_path(*checks: tuple[bool, bool], fallbacks: int = 0, steps_equal: bool = True) -> MainPathParity:
-    return MainPathParity(steps=2, steps_equal=steps_equal, fallbacks=fallbacks, torch_s_per_step=1.0, spliced_s_per_step=1.0,
-                          latency_ratio=1.0, checks=[CheckSummary(output=f"o{i}", metric="max_abs", title=f"o{i}", worst=1.0,
-                                                                  passed=passed, gating=gating)
-                                                     for i, (passed, gating) in enumerate(checks)])
+    return MainPathParity(
+        steps=2,
+        steps_equal=steps_equal,
+        fallbacks=fallbacks,
+        torch_s_per_step=1.0,
+        spliced_s_per_step=1.0,
+        latency_ratio=1.0,
+        checks=[
+            CheckSummary(output=f"o{i}", metric="max_abs", title=f"o{i}", worst=1.0, passed=passed, gating=gating)
+            for i, (passed, gating) in enumerate(checks)
+        ],
+    )
 
 
 def test_a_reported_check_that_fails_leaves_the_verdict_to_the_gating_ones():

@@ -214,8 +214,16 @@ def _capture(tmp_path: Path, candidates=CANDIDATES, **driver_kwargs):
     model = Model().eval()
     tracker = ProvenanceTracker()
     driver = Driver(model, tracker, **driver_kwargs)
-    contracts = capture_contracts(model, candidates, driver.run, tracker, samples_dir=tmp_path / "samples",
-                                  max_samples=2, frame_counter=lambda: driver.frames_done, relative_to=tmp_path)
+    contracts = capture_contracts(
+        model,
+        candidates,
+        driver.run,
+        tracker,
+        samples_dir=tmp_path / "samples",
+        max_samples=2,
+        frame_counter=lambda: driver.frames_done,
+        relative_to=tmp_path,
+    )
     return model, {c.candidate: c for c in contracts}
 
 
@@ -386,8 +394,9 @@ def test_optional_input_none_in_some_calls_counts_as_another_structure(tmp_path)
 def test_a_candidate_never_called_on_the_main_path_is_an_error_naming_it(tmp_path):
     model = Model().eval()
     with pytest.raises(OmskillsError, match=r"candidate text \(text\) was never called on the main path"):
-        capture_contracts(model, {"vision": "backbone.vision", "text": "text"},
-                          lambda: model.backbone(torch.randn(1, 3, 8, 8)))
+        capture_contracts(
+            model, {"vision": "backbone.vision", "text": "text"}, lambda: model.backbone(torch.randn(1, 3, 8, 8))
+        )
 
 
 def test_a_candidate_path_that_does_not_exist_is_an_error_naming_it():
@@ -436,14 +445,16 @@ def test_a_spec_written_in_one_process_loads_in_another_that_imports_the_classes
     import sys
     import textwrap
 
-    (tmp_path / "toy_structs.py").write_text(textwrap.dedent("""
+    (tmp_path / "toy_structs.py").write_text(
+        textwrap.dedent("""
         import dataclasses, collections, torch
         @dataclasses.dataclass
         class Out:
             masks: torch.Tensor
             scores: list
         Pair = collections.namedtuple("Pair", "a b")
-    """))
+    """)
+    )
     script = textwrap.dedent("""
         import sys, torch
         from omskills.contracts import pytree
@@ -456,10 +467,17 @@ def test_a_spec_written_in_one_process_loads_in_another_that_imports_the_classes
             print(type(rebuilt).__name__, type(rebuilt.scores[0]).__name__, rebuilt.scores[0].b)
     """)
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
-    written = subprocess.run([sys.executable, "-c", script, "write"], env=env, capture_output=True, text=True,
-                             check=True)
-    loaded = subprocess.run([sys.executable, "-c", script, "read"], input=written.stdout, env=env,
-                            capture_output=True, text=True, check=True)
+    written = subprocess.run(
+        [sys.executable, "-c", script, "write"], env=env, capture_output=True, text=True, check=True
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script, "read"],
+        input=written.stdout,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert loaded.stdout.split() == ["Out", "Pair", "3"]
 
 
@@ -573,8 +591,10 @@ def test_routed_modules_are_recorded_once_per_call_however_they_are_called(tmp_p
             model(torch.ones(2, 2))
             model(torch.ones(2, 2))
 
-    contracts = {c.candidate: c for c in capture_contracts(model, {"called": "called", "direct": "direct"}, run,
-                                                            samples_dir=tmp_path)}
+    contracts = {
+        c.candidate: c
+        for c in capture_contracts(model, {"called": "called", "direct": "direct"}, run, samples_dir=tmp_path)
+    }
     assert contracts["called"].calls == contracts["direct"].calls == 2
     for contract in contracts.values():
         for path in contract.samples:

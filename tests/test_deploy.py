@@ -17,7 +17,13 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from infer_session_double import InferSessionDouble, acl_double, install_acl_double, install_fake_ais_bench, recording_sessions
+from infer_session_double import (
+    InferSessionDouble,
+    acl_double,
+    install_acl_double,
+    install_fake_ais_bench,
+    recording_sessions,
+)
 from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
@@ -69,8 +75,13 @@ def gear_graph(tmp_path_factory):
     strategy = propose_shape_strategy(contract)
     assert strategy.kind == "dynamic_batch_size" and strategy.gears == [[1], [4]]
     name = contract.inputs[0].name
-    exported = export_onnx(pipeline.encoder, contract, [torch.randn(4, 3, 8, 8)], folder / "encoder.onnx",
-                           dynamic_dims={name: {0: "batch"}})
+    exported = export_onnx(
+        pipeline.encoder,
+        contract,
+        [torch.randn(4, 3, 8, 8)],
+        folder / "encoder.onnx",
+        dynamic_dims={name: {0: "batch"}},
+    )
     bin_dir = folder / "bin"
     bin_dir.mkdir()
     shutil.copy(FAKE_ATC, bin_dir / "atc")
@@ -78,17 +89,23 @@ def gear_graph(tmp_path_factory):
     path = os.environ["PATH"]
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}"
     try:
-        options = AtcOptions.from_strategy(strategy, model=str(folder / exported.path), output=str(folder / "encoder"),
-                                           soc_version="Ascend910B4")
+        options = AtcOptions.from_strategy(
+            strategy, model=str(folder / exported.path), output=str(folder / "encoder"), soc_version="Ascend910B4"
+        )
         built = run_atc(options, folder / "atc")
     finally:
         os.environ["PATH"] = path
     assert built.status == "converted", built.reason
     graph = DeployedGraph(
-        name="encoder", plan_candidate="encoder", module_path="encoder", contract=contract, strategy=strategy,
+        name="encoder",
+        plan_candidate="encoder",
+        module_path="encoder",
+        contract=contract,
+        strategy=strategy,
         onnx=Artifact(files=[ArtifactFile(path="encoder.onnx", bytes=(folder / "encoder.onnx").stat().st_size)]),
         om=Artifact(files=[ArtifactFile(path="encoder.om", bytes=Path(built.om_path).stat().st_size)]),
-        precision_mode="force_fp16")
+        precision_mode="force_fp16",
+    )
     return pipeline, graph, folder
 
 
@@ -166,7 +183,9 @@ def test_outside_the_contract_strict_mode_raises_and_default_mode_falls_back_cou
         expected = pipeline(odd)
     for strict in (True, False):
         backend = open_graph(graph, folder, "om")
-        with splice(pipeline, [(graph.contract, backend)], strategies={"encoder": graph.strategy}, strict=strict) as handle:
+        with splice(
+            pipeline, [(graph.contract, backend)], strategies={"encoder": graph.strategy}, strict=strict
+        ) as handle:
             if strict:
                 with pytest.raises(ContractViolation, match=r"encoder call 1 is outside its contract \(shape\)"):
                     pipeline(odd)
@@ -186,8 +205,9 @@ def test_the_cann_provider_gets_the_device_and_the_chosen_precision_mode(gear_gr
     [session] = created
     assert session.cann_options == {"device_id": "3", "precision_mode": "force_fp16"}
     with pytest.raises(Exception, match="precision_mode 'fp8' is not one of"):
-        onnxruntime.InferenceSession(str(folder / "encoder.onnx"),
-                                     providers=[("CANNExecutionProvider", {"precision_mode": "fp8"})])
+        onnxruntime.InferenceSession(
+            str(folder / "encoder.onnx"), providers=[("CANNExecutionProvider", {"precision_mode": "fp8"})]
+        )
 
 
 def test_auto_chooses_the_om_only_where_every_graph_has_one_and_ais_bench_is_there(gear_graph, monkeypatch, caplog):
@@ -201,4 +221,3 @@ def test_auto_chooses_the_om_only_where_every_graph_has_one_and_ais_bench_is_the
     assert resolve_backend("auto", [graph, graph.model_copy(update={"name": "other", "om": None})]) == "onnxruntime"
     with pytest.raises(BackendError, match="backend: 'npu' is not one of"):
         resolve_backend("npu", [graph])
-

@@ -32,7 +32,7 @@ class MemoryAttention(nn.Module):
 
     def forward(self, src, memory_image, memory, num_obj_ptr_tokens: int = 0):
         image_rows = memory[: memory_image.shape[0]] + memory_image
-        pointers = memory[memory.shape[0] - num_obj_ptr_tokens:]
+        pointers = memory[memory.shape[0] - num_obj_ptr_tokens :]
         return self.proj(src) + image_rows.mean(0) + 2 * pointers.sum(0)
 
 
@@ -48,17 +48,28 @@ class Tracker(nn.Module):
         return self.attention(src, memory_image, memory, num_obj_ptr_tokens=PER_POINTER * pointers)
 
 
-DERIVED = {"attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
-    expression="memory.shape[0] - memory_image.shape[0]", evidence="test")}}
+DERIVED = {
+    "attention": {
+        "kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
+            expression="memory.shape[0] - memory_image.shape[0]", evidence="test"
+        )
+    }
+}
 
 
 def _limits():
-    frames = QuantityLimit(quantity="memory_frames", low=1, high=3,
-                           dims=[DimRef(input="memory_image", dim=0, scale=HW), DimRef(input="memory", dim=0, scale=HW)])
-    pointers = QuantityLimit(quantity="pointer_frames", low=1, high=4,
-                             dims=[DimRef(input="memory", dim=0, scale=PER_POINTER)])
-    tied = QuantitySchedule(quantities=["memory_frames", "pointer_frames"],
-                            rows=[[min(t, 3), t] for t in range(1, 5)], evidence="frame t")
+    frames = QuantityLimit(
+        quantity="memory_frames",
+        low=1,
+        high=3,
+        dims=[DimRef(input="memory_image", dim=0, scale=HW), DimRef(input="memory", dim=0, scale=HW)],
+    )
+    pointers = QuantityLimit(
+        quantity="pointer_frames", low=1, high=4, dims=[DimRef(input="memory", dim=0, scale=PER_POINTER)]
+    )
+    tied = QuantitySchedule(
+        quantities=["memory_frames", "pointer_frames"], rows=[[min(t, 3), t] for t in range(1, 5)], evidence="frame t"
+    )
     return [frames, pointers, tied]
 
 
@@ -83,13 +94,17 @@ def _capture_all(tracker: Tracker, steps, tmp_path, derived=DERIVED):
             for frames, pointers in steps:
                 tracker.step(frames, pointers)
 
-    return capture_contracts(tracker, {"attention": "attention"}, run, samples_dir=tmp_path, relative_to=tmp_path,
-                             derived_args=derived)
+    return capture_contracts(
+        tracker, {"attention": "attention"}, run, samples_dir=tmp_path, relative_to=tmp_path, derived_args=derived
+    )
 
 
 def test_without_the_declaration_or_when_a_call_disagrees_each_value_gets_its_own_graph(tmp_path):
     undeclared = _capture_all(Tracker(), [(1, 1), (2, 2)], tmp_path / "a", derived={})
-    assert [c.dispatch.on for c in undeclared] == [{"kwargs['num_obj_ptr_tokens']": 2}, {"kwargs['num_obj_ptr_tokens']": 4}]
+    assert [c.dispatch.on for c in undeclared] == [
+        {"kwargs['num_obj_ptr_tokens']": 2},
+        {"kwargs['num_obj_ptr_tokens']": 4},
+    ]
     assert all(analyze_boundary(c).exportable and c.non_tensor_args[0].derived is None for c in undeclared)
 
     class CountsOnlyOnFirstCall(Tracker):
@@ -117,23 +132,29 @@ def test_the_exported_graph_computes_the_argument_and_the_splice_checks_it_per_c
     contract = _capture(tracker, [(1, 1), (2, 2)], tmp_path)
     strategy = propose_shape_strategy(contract, source_limits=_limits())
     assert strategy.kind == "dynamic_dims" and len(strategy.gears) == 4
-    exported = export_onnx(tracker.attention, contract,
-                           [torch.randn(HW, 1, 3), torch.randn(2 * HW, 1, 3), torch.randn(2 * HW + 2 * PER_POINTER, 1, 3)],
-                           tmp_path / "attention.onnx",
-                           dynamic_dims={"memory_image": {0: "memory_image_d0"}, "memory": {0: "memory_d0"}})
+    exported = export_onnx(
+        tracker.attention,
+        contract,
+        [torch.randn(HW, 1, 3), torch.randn(2 * HW, 1, 3), torch.randn(2 * HW + 2 * PER_POINTER, 1, 3)],
+        tmp_path / "attention.onnx",
+        dynamic_dims={"memory_image": {0: "memory_image_d0"}, "memory": {0: "memory_d0"}},
+    )
 
     steps = [(1, 1), (2, 2), (3, 3), (3, 4)]  # gears never traced: (3, 3) and (3, 4)
     torch.manual_seed(1)
     with torch.no_grad():
         want = [tracker.step(f, p) for f, p in steps]
-    with open_backend(exported.path, "onnxruntime") as backend, \
-            splice(tracker, [(contract, backend)], strategies={"attention": strategy}) as handle:
+    with (
+        open_backend(exported.path, "onnxruntime") as backend,
+        splice(tracker, [(contract, backend)], strategies={"attention": strategy}) as handle,
+    ):
         torch.manual_seed(1)
         with torch.no_grad():
             got = [tracker.step(f, p) for f, p in steps]
             # A caller passing a count that is not the shape difference gets PyTorch.
-            tracker.attention(torch.randn(HW, 1, 3), torch.randn(HW, 1, 3), torch.randn(HW + 2, 1, 3),
-                              num_obj_ptr_tokens=0)
+            tracker.attention(
+                torch.randn(HW, 1, 3), torch.randn(HW, 1, 3), torch.randn(HW + 2, 1, 3), num_obj_ptr_tokens=0
+            )
         [stats] = handle.stats()
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -22,6 +22,7 @@ from omskills.records.task import load_record
 from omskills.report.render import inline_code, shell_line
 from omskills.stages.steps import relative_args
 
+
 def shell_words(line: str) -> list[str]:
     """The words bash reads in one command line: like shlex.split, but `;`, `|`, `&`... outside
     quotes are words of their own (shlex.split keeps `a;b` whole, bash ends the command there)."""
@@ -34,13 +35,21 @@ def shell_words(line: str) -> list[str]:
 
 
 def test_an_atc_command_line_keeps_the_semicolons_of_its_input_shape_in_one_argument():
-    argv = ["atc", "--model=onnx/my graph.onnx", "--framework=5", "--input_shape=pix_feat:-1,256,8,8;masks:-1,1,32,32",
-            "--dynamic_dims=1;2;3", "--output=om/x/x"]
+    argv = [
+        "atc",
+        "--model=onnx/my graph.onnx",
+        "--framework=5",
+        "--input_shape=pix_feat:-1,256,8,8;masks:-1,1,32,32",
+        "--dynamic_dims=1;2;3",
+        "--output=om/x/x",
+    ]
     line = shell_line(argv)
     assert shell_words(line) == argv
     assert shell_words(" ".join(argv)) != argv, "unquoted, the shell would split the shapes at `;`"
     # bash itself reads the same arguments (unquoted, `;` would end the command there)
-    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {shell_line(argv[1:])}"], capture_output=True, text=True, check=True)
+    echoed = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {shell_line(argv[1:])}"], capture_output=True, text=True, check=True
+    )
     assert echoed.stdout.splitlines() == argv[1:]
 
 
@@ -78,7 +87,7 @@ def test_overlays_carry_a_legend_with_each_objects_colour():
     regions[0, 5:20, 5:30] = regions[1, 40:70, 60:110] = True
     drawn = draw_instances(image, [3, 8], regions, [[0.05, 0.06, 0.2, 0.2], [0.5, 0.5, 0.4, 0.35]], "run A")
     assert drawn.width == image.width and drawn.height > image.height
-    strip = np.asarray(drawn)[image.height:].reshape(-1, 3)
+    strip = np.asarray(drawn)[image.height :].reshape(-1, 3)
     for obj_id in (3, 8):
         assert (strip == PALETTE[obj_id % len(PALETTE)]).all(axis=1).any(), f"no swatch for id {obj_id}"
 
@@ -121,15 +130,20 @@ def test_delivery_is_markdown_whose_fences_close_and_whose_headings_survive(tiny
     assert fence_problems(text) == []
     tokens = markdown().parse(text)
     # A fence left open turns every later heading into code: they must all be headings.
-    assert {"Boundary", "Stages", "Commands", "Main path and fallbacks", "Pictures", "Known limits"} <= set(headings(tokens))
+    assert {"Boundary", "Stages", "Commands", "Main path and fallbacks", "Pictures", "Known limits"} <= set(
+        headings(tokens)
+    )
     tables = sum(t.type == "table_open" for t in tokens)
     assert tables >= 5, f"{tables} tables"
 
 
 def first_column_under(tokens: list[Token], heading: str) -> list[str]:
     """The first cell of each body row of the first table after the heading."""
-    start = next(i for i, t in enumerate(tokens)
-                 if t.type == "inline" and t.content == heading and tokens[i - 1].type == "heading_open")
+    start = next(
+        i
+        for i, t in enumerate(tokens)
+        if t.type == "inline" and t.content == heading and tokens[i - 1].type == "heading_open"
+    )
     body = next(i for i in range(start, len(tokens)) if tokens[i].type == "tbody_open")
     cells, i = [], body
     while tokens[i].type != "tbody_close":
@@ -156,7 +170,9 @@ def test_every_command_block_is_runnable_shell_and_each_atc_command_is_the_recor
     commands = [shell_words(line) for block in blocks for line in block.content.splitlines() if line.strip()]
     assert all(argv[0] in ("omskills", "atc") for argv in commands), [argv[0] for argv in commands]
     atc = [argv for argv in commands if argv[0] == "atc"]
-    recorded = {name: relative_args(chain.atc.command, tiny_adaptation) for name, chain in record.toolchain.items() if chain.atc}
+    recorded = {
+        name: relative_args(chain.atc.command, tiny_adaptation) for name, chain in record.toolchain.items() if chain.atc
+    }
     assert len(recorded) == len(record.graphs()) and sorted(map(tuple, atc)) == sorted(map(tuple, recorded.values()))
     # One command per ATC block, the `;`-separated shapes kept whole in their argument.
     assert sum(1 for block in blocks if block.content.lstrip().startswith("atc")) == len(recorded)
@@ -187,8 +203,10 @@ def test_delivery_links_resolve_in_the_run_folder_and_no_path_is_absolute(tiny_a
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
-        pytest.skip("Debian's chromium is not installed and could not be installed here "
-                    "(`make test` installs it with apt-get, which needs root)")
+        pytest.skip(
+            "Debian's chromium is not installed and could not be installed here "
+            "(`make test` installs it with apt-get, which needs root)"
+        )
     return found
 
 
@@ -207,9 +225,20 @@ class DevTools:
             os.dup2(from_child_w, 4)
 
         self.process = subprocess.Popen(
-            [executable, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-             f"--user-data-dir={self._profile.name}", "about:blank"],
-            pass_fds=(3, 4), preexec_fn=pipes_at_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                executable,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={self._profile.name}",
+                "about:blank",
+            ],
+            pass_fds=(3, 4),
+            preexec_fn=pipes_at_3_and_4,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buffer = b""
@@ -245,7 +274,9 @@ class DevTools:
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         self.call("Page.enable", session=session)
         self.call("Page.navigate", {"url": url}, session=session)
-        while not (lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == session)(self.receive()):
+        while not (lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == session)(
+            self.receive()
+        ):
             pass
         result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session)
         return result["result"]["value"]
@@ -311,8 +342,9 @@ def test_report_shows_every_candidate_through_every_stage(report_page, tiny_adap
         assert "not_run" in row["text"] and cand.reason in row["text"]
     # ATC cannot run here: each deployed graph says so, with the reason.
     deployed = [r for r in rows if r["candidate"] in record.plan.first_batch]
-    assert deployed and all("not_run\natc missing" in r["text"] or "not_run atc missing" in r["text"] for r in deployed), \
-        [r["text"] for r in deployed]
+    assert deployed and all(
+        "not_run\natc missing" in r["text"] or "not_run atc missing" in r["text"] for r in deployed
+    ), [r["text"] for r in deployed]
 
 
 def test_report_per_object_figures_are_a_table_not_a_python_dict(report_page, tiny_adaptation):

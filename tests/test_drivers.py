@@ -115,7 +115,9 @@ def test_sam3_and_sam31_register_through_the_entry_point_group_like_any_package(
 
 
 def test_an_unknown_family_is_an_error_that_lists_the_installed_ones():
-    with pytest.raises(TaskRecordError, match=r"intake.model.family: no model driver named 'yolo'; installed: .*sam3, sam3\.1"):
+    with pytest.raises(
+        TaskRecordError, match=r"intake.model.family: no model driver named 'yolo'; installed: .*sam3, sam3\.1"
+    ):
         driver_for(ModelSpec(family="yolo"))
 
 
@@ -123,17 +125,22 @@ def test_a_driver_is_named_by_module_class_or_by_a_file_relative_to_the_record(t
     (tmp_path / "mine.py").write_text(TOY_DRIVER)
     assert driver_for(ModelSpec(driver="omskills.models.sam3:Sam3Driver")).family == "sam3"
     assert driver_for(ModelSpec(driver="mine.py:ToyDriver"), base_dir=tmp_path).family == "toy-mlp"
-    (tmp_path / "two.py").write_text("def build_model(spec):\n    return None\n\ndef run_main_path(model, inputs):\n    return None\n")
+    (tmp_path / "two.py").write_text(
+        "def build_model(spec):\n    return None\n\ndef run_main_path(model, inputs):\n    return None\n"
+    )
     assert isinstance(driver_for(ModelSpec(driver="two.py"), base_dir=tmp_path), FunctionDriver)
 
 
-@pytest.mark.parametrize("model, message", [
-    ({"driver": "missing.py:Driver"}, r"intake.model.driver: driver file not found: .*missing\.py"),
-    ({"driver": "mine.py:Nothing"}, r"intake.model.driver: .*mine\.py defines no 'Nothing'"),
-    ({"driver": "no_functions.py"}, r"defines no function build_model or run_main_path"),
-    ({"driver": "os.path:join"}, r"is not a ModelDriver subclass"),
-    ({"seed": 1}, r"set family .* or driver"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"driver": "missing.py:Driver"}, r"intake.model.driver: driver file not found: .*missing\.py"),
+        ({"driver": "mine.py:Nothing"}, r"intake.model.driver: .*mine\.py defines no 'Nothing'"),
+        ({"driver": "no_functions.py"}, r"defines no function build_model or run_main_path"),
+        ({"driver": "os.path:join"}, r"is not a ModelDriver subclass"),
+        ({"seed": 1}, r"set family .* or driver"),
+    ],
+)
 def test_a_driver_that_cannot_be_found_or_used_says_which_field_and_why(tmp_path, model, message):
     (tmp_path / "mine.py").write_text(TOY_DRIVER)
     (tmp_path / "no_functions.py").write_text("X = 1\n")
@@ -144,7 +151,9 @@ def test_a_driver_that_cannot_be_found_or_used_says_which_field_and_why(tmp_path
 def test_the_driver_validates_intake_inputs_and_verification_naming_the_field():
     good = Intake(model=ModelSpec(family="sam3"), inputs={"video": "builtin:shapes", "prompt": "dog", "frames": 2})
     assert bind_intake(good).inputs.frames == 2
-    with pytest.raises(TaskRecordError, match=r"intake.inputs.frames: Input should be a valid integer.* \(sam3 driver\)"):
+    with pytest.raises(
+        TaskRecordError, match=r"intake.inputs.frames: Input should be a valid integer.* \(sam3 driver\)"
+    ):
         bind_intake(good.model_copy(update={"inputs": {"video": "builtin:shapes", "prompt": "dog", "frames": "many"}}))
     with pytest.raises(TaskRecordError, match=r"intake.verification.forced: unknown field"):
         bind_intake(good.model_copy(update={"verification": {"forced": 3}}))
@@ -191,8 +200,16 @@ def test_a_third_party_driver_adapts_its_model_with_no_change_to_omskills(third_
 
 
 def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit(tmp_path):
-    made = omskills("new-driver", "resnet18", "--entry", "torchvision.models:resnet18", "--shape", "1,3,128,128",
-                    "--dir", str(tmp_path))
+    made = omskills(
+        "new-driver",
+        "resnet18",
+        "--entry",
+        "torchvision.models:resnet18",
+        "--shape",
+        "1,3,128,128",
+        "--dir",
+        str(tmp_path),
+    )
     assert made.returncode == 0, made.stderr
     assert {p.name for p in tmp_path.iterdir()} == {"resnet18_driver.py", "resnet18.yaml", "test_resnet18_driver.py"}
     checked = omskills("validate-driver", str(tmp_path / "resnet18.yaml"))
@@ -216,22 +233,30 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     emulated = omskills("tool", "verify_main_path", "--args", json.dumps({"task": task, "precision": "emulated"}))
     assert emulated.returncode == 0, emulated.stderr[-3000:]
     expected = json.loads((tmp_path / "run" / "verify" / "report-emulated.json").read_text())
-    assert expected["precision"] == "emulated" and set(expected["precision_modes"]) == {c["name"] for c in report["candidates"]}
+    assert expected["precision"] == "emulated" and set(expected["precision_modes"]) == {
+        c["name"] for c in report["candidates"]
+    }
     assert all("emulated, not an NPU" in c["backend"] for c in expected["candidates"])
     # fp16 roundings move the logits far more than fp32 ONNX Runtime does: the emulated graphs really ran.
     assert expected["main_path"]["checks"][0]["worst"] > 10 * report["main_path"]["checks"][0]["worst"]
     assert json.loads((tmp_path / "run" / "verify" / "report.json").read_text()) == report  # fp32 report untouched
 
     # Node by node against the PyTorch submodules: the export computes what the model computes.
-    layers = omskills("tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "pytorch"}))
+    layers = omskills(
+        "tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "pytorch"})
+    )
     assert layers.returncode == 0, layers.stderr[-3000:]
     compared = json.loads(layers.stdout)
     assert compared["backend"] == "pytorch eager (CPU)" and compared["nodes_compared"] >= 6
     assert compared["nodes_flagged"] == 0 and compared["outputs_pass"] and compared["unmatched"] == 0
     # Against an NPU's dump: with none yet, the inputs to run the OM on are written and the command named.
-    npu = omskills("tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "npu_dump"}))
+    npu = omskills(
+        "tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "npu_dump"})
+    )
     assert npu.returncode != 0 and "dump_dir:" in npu.stderr and "msit benchmark --om-model" in npu.stderr
-    assert [p.name for p in (tmp_path / "run" / "precision" / "layer2" / "npu_inputs").iterdir()] == ["input_0_input.bin"]
+    assert [p.name for p in (tmp_path / "run" / "precision" / "layer2" / "npu_inputs").iterdir()] == [
+        "input_0_input.bin"
+    ]
 
     # An "Ascend host" made of doubles (tests/fake_atc builds the OMs, tests/doubles runs them):
     # npu-check verifies on the OMs and runs the bundle's example on them, and says what ran.
@@ -254,13 +279,16 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
 def test_new_driver_refuses_an_entry_that_does_not_exist_and_never_overwrites(tmp_path):
     missing = omskills("new-driver", "mine", "--entry", "torchvision.models:resnet999", "--dir", str(tmp_path))
     assert missing.returncode == 2 and "torchvision.models' has no 'resnet999'" in missing.stderr
-    assert omskills("new-driver", "mine", "--entry", "torchvision.models:resnet18", "--dir", str(tmp_path)).returncode == 0
+    assert (
+        omskills("new-driver", "mine", "--entry", "torchvision.models:resnet18", "--dir", str(tmp_path)).returncode == 0
+    )
     again = omskills("new-driver", "mine", "--entry", "torchvision.models:resnet18", "--dir", str(tmp_path))
     assert again.returncode == 2 and "not overwriting" in again.stderr
 
 
 def test_validate_driver_lists_every_problem_it_finds(tmp_path):
-    (tmp_path / "broken_driver.py").write_text(textwrap.dedent('''
+    (tmp_path / "broken_driver.py").write_text(
+        textwrap.dedent("""
         import torch
         COMPARISON = [{"output": "logits", "metric": "tensor"}]
         SEED_CANDIDATES = [("decoder", "decoder")]
@@ -270,33 +298,43 @@ def test_validate_driver_lists_every_problem_it_finds(tmp_path):
 
         def run_main_path(model, inputs):
             return {"scores": model(torch.randn(1, 4))}
-    '''))
+    """)
+    )
     task = task_record(tmp_path, {"driver": "broken_driver.py"}, {})
     result = omskills("validate-driver", str(task))
     assert result.returncode == 1 and result.stdout.startswith("FAILED")
-    assert "the comparison checks output 'logits', which the main path does not return (it returns ['scores'])" in result.stderr
+    assert (
+        "the comparison checks output 'logits', which the main path does not return (it returns ['scores'])"
+        in result.stderr
+    )
     assert "seed candidate decoder: no module 'decoder' in Sequential" in result.stderr
 
 
 def test_a_checkpoint_that_is_not_a_state_dict_is_one_line_naming_the_path(tmp_path):
-    (tmp_path / "net_driver.py").write_text(textwrap.dedent('''
+    (tmp_path / "net_driver.py").write_text(
+        textwrap.dedent("""
         import torch
         def build_model(spec):
             return torch.nn.Linear(4, 4)
         def run_main_path(model, inputs):
             return model(torch.randn(1, 4))
-    '''))
+    """)
+    )
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     task = task_record(tmp_path, {"driver": "net_driver.py", "checkpoint": "garbage.pt"}, {})
     result = omskills("main-path", str(task), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"intake.model.checkpoint: {tmp_path / 'garbage.pt'} is not a loadable state dict" in result.stderr.strip().splitlines()[-1]
+    assert (
+        f"intake.model.checkpoint: {tmp_path / 'garbage.pt'} is not a loadable state dict"
+        in result.stderr.strip().splitlines()[-1]
+    )
 
 
 def test_weights_the_builder_loads_and_a_scalar_output_are_reported_as_they_are(tmp_path):
     """A two-function file whose `build_model` loads trained weights itself says so (`WEIGHTS`):
     no report calls them random. A 0-d output (a count) is an output like any other."""
-    (tmp_path / "counter_driver.py").write_text(textwrap.dedent('''
+    (tmp_path / "counter_driver.py").write_text(
+        textwrap.dedent("""
         import torch
         WEIGHTS = "packaged: counter.pt in the model's wheel (trained)"
 
@@ -310,7 +348,8 @@ def test_weights_the_builder_loads_and_a_scalar_output_are_reported_as_they_are(
         def run_main_path(model, inputs):
             scores = model(torch.ones(3, 4))
             return {"scores": scores, "count": (scores[:, 0] > 0).sum()}
-    '''))
+    """)
+    )
     task = task_record(tmp_path, {"driver": "counter_driver.py"}, {})
     checked = omskills("validate-driver", str(task))
     assert checked.returncode == 0 and checked.stdout.strip() == "ok", checked.stderr[-2000:]
@@ -330,7 +369,8 @@ def test_every_run_of_the_main_path_draws_the_same_noise_from_every_generator(tm
     from omskills.models.registry import bind_intake
     from omskills.records.intake import Intake
 
-    (tmp_path / "noisy_driver.py").write_text(textwrap.dedent('''
+    (tmp_path / "noisy_driver.py").write_text(
+        textwrap.dedent("""
         import random
         import numpy as np
         import torch
@@ -340,10 +380,12 @@ def test_every_run_of_the_main_path_draws_the_same_noise_from_every_generator(tm
 
         def run_main_path(model, inputs):
             return {"dither": np.random.rand(3), "jitter": np.array(random.random()), "noise": torch.rand(2)}
-    '''))
+    """)
+    )
     intake = Intake.model_validate({"model": {"driver": "noisy_driver.py"}})
     bound = bind_intake(intake, tmp_path)
     loaded = bound.driver.load(intake.model)
-    first, second = (run_seeded(bound.driver, loaded, {}, bound.inputs, bound.verification).steps[0].outputs
-                     for _ in range(2))
+    first, second = (
+        run_seeded(bound.driver, loaded, {}, bound.inputs, bound.verification).steps[0].outputs for _ in range(2)
+    )
     assert all(np.array_equal(first[name], second[name]) for name in ("dither", "jitter", "noise"))

@@ -14,9 +14,9 @@ from omskills.host.toolkit import load_tool, skills_root
 from omskills.models.registry import bind_intake, resolved_spec
 from omskills.records.environment import STAGES
 from omskills.records.stages import StageResult
+from omskills.records.task import TaskRecord, load_record, save_record
 from omskills.records.toolchain import AtcResult, OpPrecheck
 from omskills.records.toolchain_stage import CandidateToolchain
-from omskills.records.task import TaskRecord, load_record, save_record
 
 TOOL = load_tool(skills_root() / "om-deployer" / "scripts" / "check_environment.py").func
 
@@ -35,11 +35,16 @@ NPU_SMI_INFO = """\
 
 def write_record(folder: Path, **model_fields) -> Path:
     model = {"family": "sam3", "builder": "build_sam3_video_model", "scale": "tiny"} | model_fields
-    record = TaskRecord.model_validate({
-        "id": "env-test",
-        "intake": {"model": model, "inputs": {"video": "builtin:shapes", "prompt": "objects"},
-                   "target": {"soc": "Ascend310P3"}},
-    })
+    record = TaskRecord.model_validate(
+        {
+            "id": "env-test",
+            "intake": {
+                "model": model,
+                "inputs": {"video": "builtin:shapes", "prompt": "objects"},
+                "target": {"soc": "Ascend310P3"},
+            },
+        }
+    )
     path = folder / "task.yaml"
     save_record(record, path)
     return path
@@ -95,7 +100,9 @@ def test_fake_ascend_toolchain_is_detected(tmp_path, monkeypatch):
     home = tmp_path / "Ascend" / "ascend-toolkit" / "latest"
     (home / "x86_64-linux").mkdir(parents=True)
     (home.parent / "set_env.sh").write_text("export ASCEND_TOOLKIT_HOME=...\n")
-    (home / "x86_64-linux" / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.0.RC2\n")
+    (home / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
+        "package_name=Ascend-cann-toolkit\nversion=8.0.RC2\n"
+    )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     executable(bin_dir / "atc", "echo atc\n")
@@ -139,10 +146,12 @@ def test_missing_model_source_closes_the_model_stages(tmp_path):
 
 def test_a_record_without_intake_is_an_error_and_stays_untouched(tmp_path):
     path = tmp_path / "task.yaml"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         id: no-intake
         stages: {}
-        """))
+        """)
+    )
     before = path.read_bytes()
     with pytest.raises(TaskRecordError, match="intake"):
         TOOL(task=str(path))
@@ -165,7 +174,9 @@ def run_main_path(model, inputs):
 def test_the_gate_says_what_it_checked(this_machine):
     report, _ = this_machine
     assert "intake.inputs.video: builtin:shapes, 30 frames, the first 8 used" in report.checked
-    assert any(line.startswith("intake.model.builder: sam3.model_builder.build_sam3_video_model") for line in report.checked)
+    assert any(
+        line.startswith("intake.model.builder: sam3.model_builder.build_sam3_video_model") for line in report.checked
+    )
     assert "intake.model.checkpoint: none (seeded random weights)" in report.checked
 
 
@@ -237,8 +248,10 @@ def test_a_checkpoint_that_fits_passes_and_one_that_does_not_is_one_line(tmp_pat
     before = path.read_bytes()
     with pytest.raises(InputError) as refused:
         TOOL(task=str(path))
-    assert str(refused.value) == (f"intake.model.checkpoint: {tmp_path / 'other.pt'} does not fit the full net model: "
-                                  "4 missing key(s) (e.g. 0.bias, 0.weight, 2.bias), 1 unexpected key(s) (e.g. encoder.weight)")
+    assert str(refused.value) == (
+        f"intake.model.checkpoint: {tmp_path / 'other.pt'} does not fit the full net model: "
+        "4 missing key(s) (e.g. 0.bias, 0.weight, 2.bias), 1 unexpected key(s) (e.g. encoder.weight)"
+    )
     assert path.read_bytes() == before
 
 
@@ -255,7 +268,9 @@ def test_a_sam3_checkpoint_of_other_keys_is_counted_against_the_model_at_the_sca
     assert message.startswith(f"intake.model.checkpoint: {tmp_path / 'sam3.pt'} does not fit the tiny sam3 model: ")
     # The count is the tiny model's own key count, as the driver lists it (so no figure is written here).
     record = load_record(path)
-    expected = bind_intake(record.intake, tmp_path).driver.expected_state_keys(resolved_spec(record.intake.model, tmp_path))
+    expected = bind_intake(record.intake, tmp_path).driver.expected_state_keys(
+        resolved_spec(record.intake.model, tmp_path)
+    )
     assert expected and "detector.unknown.weight" not in expected
     assert f"{len(expected)} missing key(s) (e.g. detector." in message
     assert "1 unexpected key(s) (e.g. detector.unknown.weight)" in message
@@ -264,8 +279,15 @@ def test_a_sam3_checkpoint_of_other_keys_is_counted_against_the_model_at_the_sca
 
 
 def _precheck(soc: str) -> OpPrecheck:
-    return OpPrecheck(model="onnx/g/g.onnx", soc=soc, opset=17, table="test table", verdict="pass",
-                      counts={"supported": 0, "constrained": 0, "unsupported": 0}, rows=[])
+    return OpPrecheck(
+        model="onnx/g/g.onnx",
+        soc=soc,
+        opset=17,
+        table="test table",
+        verdict="pass",
+        counts={"supported": 0, "constrained": 0, "unsupported": 0},
+        rows=[],
+    )
 
 
 def test_sam3_keys_are_held_against_a_checkpoint_only_for_a_builder_that_loads_them_as_saved():
@@ -283,10 +305,13 @@ def test_a_changed_soc_drops_the_atc_results_and_prechecks_written_for_the_old_o
     record = load_record(path)
     command = ["atc", "--model=g.onnx", "--framework=5", "--output=om/g", "--soc_version=Ascend910B4"]
     record.toolchain = {
-        "g": CandidateToolchain(atc=AtcResult(status="not_run", command=command, script="om/g/atc.sh"),
-                                precheck=_precheck("Ascend910B4")),
-        "h": CandidateToolchain(atc=AtcResult(status="not_run", command=[*command[:4], "--soc_version=Ascend310P3"],
-                                              script="om/h/atc.sh"), precheck=_precheck("Ascend310P3")),
+        "g": CandidateToolchain(
+            atc=AtcResult(status="not_run", command=command, script="om/g/atc.sh"), precheck=_precheck("Ascend910B4")
+        ),
+        "h": CandidateToolchain(
+            atc=AtcResult(status="not_run", command=[*command[:4], "--soc_version=Ascend310P3"], script="om/h/atc.sh"),
+            precheck=_precheck("Ascend310P3"),
+        ),
         "k": CandidateToolchain(precheck=_precheck("Ascend910B4")),  # prechecked for the old SoC, never converted
     }
     record.stages["atc:g"] = StageResult(status="not_run")
@@ -297,6 +322,8 @@ def test_a_changed_soc_drops_the_atc_results_and_prechecks_written_for_the_old_o
     assert after.toolchain["g"].atc is None and "atc:g" not in after.stages and after.toolchain["g"].precheck is None
     assert after.toolchain["k"].precheck is None
     # Written for the target SoC: kept.
-    assert after.toolchain["h"].atc is not None and "atc:h" in after.stages and after.toolchain["h"].precheck is not None
+    assert (
+        after.toolchain["h"].atc is not None and "atc:h" in after.stages and after.toolchain["h"].precheck is not None
+    )
     dropped = [d.what for d in after.decisions if d.by == "check_environment"]
     assert dropped == ["ATC results dropped for g; operator prechecks dropped for g, k"]

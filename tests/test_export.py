@@ -77,8 +77,9 @@ def test_wrapper_binds_the_recorded_constants(host, contract):
 
 
 def test_a_constant_without_recorded_value_needs_one_from_a_sample(host, contract):
-    args = [a.model_copy(update={"value": None}) if a.tree_path == "kwargs['mode']" else a
-            for a in contract.non_tensor_args]
+    args = [
+        a.model_copy(update={"value": None}) if a.tree_path == "kwargs['mode']" else a for a in contract.non_tensor_args
+    ]
     repr_only = contract.model_copy(update={"non_tensor_args": args})
     with pytest.raises(InputError, match=r"kwargs\['mode'\].*constants="):
         ContractWrapper(host.head, repr_only)
@@ -87,16 +88,19 @@ def test_a_constant_without_recorded_value_needs_one_from_a_sample(host, contrac
 
 
 def test_a_varying_constant_cannot_be_bound(host, contract):
-    args = [a.model_copy(update={"constant": False}) if a.tree_path == "kwargs['scale']" else a
-            for a in contract.non_tensor_args]
+    args = [
+        a.model_copy(update={"constant": False}) if a.tree_path == "kwargs['scale']" else a
+        for a in contract.non_tensor_args
+    ]
     with pytest.raises(InputError, match=r"kwargs\['scale'\] varies across calls"):
         ContractWrapper(host.head, contract.model_copy(update={"non_tensor_args": args}))
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
 def test_export_runs_in_onnxruntime_like_torch_at_any_batch(host, contract, tmp_path, capfd, exporter):
-    result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx",
-                         dynamic_dims=BATCH_DIMS, exporter=exporter)
+    result = export_onnx(
+        host.head, contract, head_inputs(2), tmp_path / "head.onnx", dynamic_dims=BATCH_DIMS, exporter=exporter
+    )
 
     assert capfd.readouterr().out == ""  # exporter chatter goes to the log, never stdout
     assert result.exporter == exporter
@@ -119,13 +123,15 @@ def test_export_runs_in_onnxruntime_like_torch_at_any_batch(host, contract, tmp_
 
 
 def test_an_exporter_opset_above_the_target_is_converted_down(host, contract, tmp_path):
-    result = export_onnx(host.head, contract, head_inputs(2), tmp_path / "head.onnx",
-                         exporter="dynamo", opset=17, exporter_opset=18)
+    result = export_onnx(
+        host.head, contract, head_inputs(2), tmp_path / "head.onnx", exporter="dynamo", opset=17, exporter_opset=18
+    )
     assert (result.opset, result.converted_from_opset) == (17, 18)
     assert onnx.load(result.path).opset_import[0].version == 17
     inputs = head_inputs(2)
-    np.testing.assert_allclose(ort_outputs(result.path, inputs)["y"], torch_outputs(host, inputs)["y"].numpy(),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        ort_outputs(result.path, inputs)["y"], torch_outputs(host, inputs)["y"].numpy(), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_an_opset_above_what_atc_accepts_is_refused(host, contract, tmp_path):
@@ -191,7 +197,9 @@ def test_a_failed_export_keeps_its_log_and_names_the_candidate(tmp_path, capfd, 
         export_onnx(host[0], contract, [torch.randn(2, 3)], tmp_path / "block.onnx", exporter=exporter, log_path=log)
 
     message = str(failure.value)
-    assert message.startswith(f"export of block with the {exporter} exporter failed: an operator with no ONNX translation: ")
+    assert message.startswith(
+        f"export of block with the {exporter} exporter failed: an operator with no ONNX translation: "
+    )
     assert "omskills_test" in message and str(log) in message and "\n" not in message
     assert "Traceback" in log.read_text()
     assert not (tmp_path / "block.onnx").exists()  # nothing stale looks like this export's result
@@ -208,8 +216,9 @@ def test_inputs_that_do_not_match_the_contract_are_refused(host, contract, tmp_p
 
 
 def test_dynamic_dims_follow_the_shape_strategy(contract):
-    batch = ShapeStrategy(kind="dynamic_batch_size", input_shapes={"x": [-1, 4], "pair_0": [-1, 3]},
-                          gears=[[1], [2]], rationale="test")
+    batch = ShapeStrategy(
+        kind="dynamic_batch_size", input_shapes={"x": [-1, 4], "pair_0": [-1, 3]}, gears=[[1], [2]], rationale="test"
+    )
     assert dynamic_dims_from_strategy(contract, batch) == {"x": {0: "batch"}, "pair_0": {0: "batch"}}
     dims = ShapeStrategy(kind="dynamic_dims", input_shapes={"x": [-1, -1]}, gears=[[1, 4]], rationale="test")
     assert dynamic_dims_from_strategy(contract, dims) == {"x": {0: "x_d0", 1: "x_d1"}}
@@ -314,10 +323,13 @@ def test_exports_build_the_torchlib_registry_once_and_keep_their_custom_translat
         assert "InstanceNormalization" not in ops and "ReduceMean" in ops
         session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         with torch.no_grad():
-            np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0],
-                                       host(x).numpy(), atol=1e-5)
+            np.testing.assert_allclose(
+                session.run(None, {session.get_inputs()[0].name: x.numpy()})[0], host(x).numpy(), atol=1e-5
+            )
     [shared] = export_module._TORCHLIB_REGISTRIES.values()
-    assert not any(meta.is_custom for metas in shared.functions.values() for meta in metas)  # kept out of the shared one
+    assert not any(
+        meta.is_custom for metas in shared.functions.values() for meta in metas
+    )  # kept out of the shared one
     assert _registration.ONNXRegistry.from_torchlib is counted  # put back after each export
 
 
@@ -346,7 +358,11 @@ def test_the_exporter_optimises_without_rules_quadratic_in_the_graph(tmp_path, m
     from onnxscript import rewriter
 
     def several_ends(rules):
-        return [rule for rule in rules if hasattr(rule, "_target_pattern") and not rule._target_pattern.has_single_output_node]
+        return [
+            rule
+            for rule in rules
+            if hasattr(rule, "_target_pattern") and not rule._target_pattern.has_single_output_node
+        ]
 
     seen: list[tuple] = []
     original_init = rewriter.RewritePass.__init__

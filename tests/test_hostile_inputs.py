@@ -37,17 +37,25 @@ def _dead_pid() -> int:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(st.text(min_size=1, max_size=300),
-                 st.lists(st.sampled_from(["..", ".", "/", ":", "\x00", "a", "é", "-", "_", "~", "\\"]),
-                          min_size=1, max_size=12).map("".join)))
+@given(
+    st.one_of(
+        st.text(min_size=1, max_size=300),
+        st.lists(
+            st.sampled_from(["..", ".", "/", ":", "\x00", "a", "é", "-", "_", "~", "\\"]), min_size=1, max_size=12
+        ).map("".join),
+    )
+)
 def test_a_name_the_record_accepts_is_a_file_name_inside_the_run_folder(name):
     run = Path("/work/run")
     try:
         safe_name(name)
     except ValueError:
         return  # refused when the record loads, with the field's name
-    for path in (run / "onnx" / name / f"{name}.onnx", run / "om" / name / f"convert_{name}.sh",
-                 run / "samples" / f"{name}_0.npz"):
+    for path in (
+        run / "onnx" / name / f"{name}.onnx",
+        run / "om" / name / f"convert_{name}.sh",
+        run / "samples" / f"{name}_0.npz",
+    ):
         assert Path(os.path.normpath(path)).is_relative_to(run) and path.name.encode().__len__() <= 255
 
 
@@ -60,8 +68,12 @@ def _free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
-INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-    "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "probe", "version": "1"}}}
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "probe", "version": "1"}},
+}
 
 
 async def _post(url: str, host_header: str, origin: str | None, deadline: float) -> int:
@@ -83,8 +95,22 @@ def test_any_loopback_spelling_refuses_a_rebound_host_and_serves_its_own(tmp_pat
     write_toy_skill(tmp_path / "skills")
     port = _free_port(host)
     bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    server = subprocess.Popen([sys.executable, "-c", CLI, "serve", "--http", bound, "--workspace", str(tmp_path),
-                               "--skills-dir", str(tmp_path / "skills")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "serve",
+            "--http",
+            bound,
+            "--workspace",
+            str(tmp_path),
+            "--skills-dir",
+            str(tmp_path / "skills"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         url = f"http://{bound}/mcp"
         rebound = anyio.run(_post, url, f"evil.example:{port}", "http://evil.example", time.monotonic() + 60)
@@ -101,10 +127,15 @@ def test_a_port_in_use_is_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-c", CLI, "serve", "--http", f"127.0.0.1:{port}", "--workspace", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", CLI, "serve", "--http", f"127.0.0.1:{port}", "--workspace", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        f"omskills: error: --http 127.0.0.1:{port}: cannot listen there (Address already in use)"]
+        f"omskills: error: --http 127.0.0.1:{port}: cannot listen there (Address already in use)"
+    ]
 
 
 # -- bundles -----------------------------------------------------------------------------------
@@ -145,13 +176,38 @@ def bundle(tmp_path) -> Path:
     onnx = root / "graphs" / "g" / "g.onnx"
     onnx.write_bytes(b"graph bytes")
     spec = {"name": "x", "tree_path": "args[0]", "shape": [1], "dtype": "float32", "dynamic_dims": {}, "device": "cpu"}
-    contract = {"candidate": "g", "module_path": "g", "module_class": "M", "parent_path": "", "attribute": "g", "calls": 1,
-                "in_spec": "", "out_spec": "", "inputs": [spec], "outputs": [{**spec, "name": "y", "tree_path": "out"}]}
+    contract = {
+        "candidate": "g",
+        "module_path": "g",
+        "module_class": "M",
+        "parent_path": "",
+        "attribute": "g",
+        "calls": 1,
+        "in_spec": "",
+        "out_spec": "",
+        "inputs": [spec],
+        "outputs": [{**spec, "name": "y", "tree_path": "out"}],
+    }
     manifest = {
-        "format": BUNDLE_FORMAT, "contract_schema": SCHEMA_VERSION, "omskills_version": "0", "task_id": "t", "created": "now",
-        "intake": {"model": {"family": "sam3"}}, "weights": "random", "verified": "pass",
-        "graphs": [{"name": "g", "plan_candidate": "g", "module_path": "g", "contract": contract,
-                    "onnx": {"files": [{"path": "graphs/g/g.onnx", "bytes": onnx.stat().st_size, "sha256": sha256_file(onnx)}]}}],
+        "format": BUNDLE_FORMAT,
+        "contract_schema": SCHEMA_VERSION,
+        "omskills_version": "0",
+        "task_id": "t",
+        "created": "now",
+        "intake": {"model": {"family": "sam3"}},
+        "weights": "random",
+        "verified": "pass",
+        "graphs": [
+            {
+                "name": "g",
+                "plan_candidate": "g",
+                "module_path": "g",
+                "contract": contract,
+                "onnx": {
+                    "files": [{"path": "graphs/g/g.onnx", "bytes": onnx.stat().st_size, "sha256": sha256_file(onnx)}]
+                },
+            }
+        ],
     }
     (root / "bundle.json").write_text(json.dumps(manifest))
     return root
@@ -167,13 +223,16 @@ def test_a_bundle_reads_when_intact(bundle):
     assert [g.name for g in read_bundle(bundle).graphs] == ["g"]
 
 
-@pytest.mark.parametrize("tamper, refused", [
-    ("artefact-symlink", "is a symbolic link"),
-    ("graphs-folder-symlink", "is a symbolic link"),
-    ("path-through-symlinked-folder", "is a symbolic link"),
-    ("null-hash", "records no sha256"),
-    ("path-climbs", "not a path inside the folder"),
-])
+@pytest.mark.parametrize(
+    "tamper, refused",
+    [
+        ("artefact-symlink", "is a symbolic link"),
+        ("graphs-folder-symlink", "is a symbolic link"),
+        ("path-through-symlinked-folder", "is a symbolic link"),
+        ("null-hash", "records no sha256"),
+        ("path-climbs", "not a path inside the folder"),
+    ],
+)
 def test_a_tampered_bundle_is_refused(bundle, tmp_path, tamper, refused):
     from omskills.deploy.manifest import DeployError, read_bundle
 
@@ -217,9 +276,13 @@ def test_external_data_outside_the_models_folder_is_refused_not_measured(tmp_pat
     weight.ClearField("raw_data")
     for key, value in (("location", "../../../../etc/passwd"), ("offset", "0"), ("length", "64")):
         weight.external_data.add(key=key, value=value)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [weight],
+    )
     path = tmp_path / "model.onnx"
     onnx.save(helper.make_model(graph), str(path))
     with pytest.raises(InputError, match="names external data '../../../../etc/passwd': not a path inside the folder"):
@@ -317,8 +380,10 @@ def test_a_record_with_a_byte_order_mark_reads_and_keeps_its_comments(tmp_path):
     from omskills.records.task import load_record, updating
 
     task = tmp_path / "task.yaml"
-    task.write_text("\ufeff# my model, tried on Tuesday\nid: t\nintake:\n  model:\n    family: sam3  # the flagship\n",
-                    encoding="utf-8")
+    task.write_text(
+        "\ufeff# my model, tried on Tuesday\nid: t\nintake:\n  model:\n    family: sam3  # the flagship\n",
+        encoding="utf-8",
+    )
     assert load_record(task).id == "t"
     with updating(task) as record:
         record.decide("test", "a decision", "to make the record save")
@@ -328,17 +393,32 @@ def test_a_record_with_a_byte_order_mark_reads_and_keeps_its_comments(tmp_path):
 
 def test_a_full_disk_on_save_is_one_line_and_the_record_stays_as_it_was(tmp_path):
     task = tmp_path / "task.yaml"
-    task.write_text(yaml.safe_dump({"id": "t", "intake": {"model": {"family": "sam3", "scale": "tiny"},
-                                                         "inputs": {"video": "builtin:shapes", "prompt": "x", "frames": 1}}}))
+    task.write_text(
+        yaml.safe_dump(
+            {
+                "id": "t",
+                "intake": {
+                    "model": {"family": "sam3", "scale": "tiny"},
+                    "inputs": {"video": "builtin:shapes", "prompt": "x", "frames": 1},
+                },
+            }
+        )
+    )
     before = task.read_bytes()
-    full_disk = ("import errno, sys\n"
-                 "import omskills.files, omskills.records.task as task\n"
-                 "def full(path, text): raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
-                 "task.atomic_write_text = full\n"
-                 "from omskills.orchestrator.cli import main\n"
-                 "sys.exit(main(sys.argv[1:]))\n")
-    done = subprocess.run([sys.executable, "-c", full_disk, "tool", "check_environment", "--task", str(task)],
-                          capture_output=True, text=True, timeout=300)
+    full_disk = (
+        "import errno, sys\n"
+        "import omskills.files, omskills.records.task as task\n"
+        "def full(path, text): raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
+        "task.atomic_write_text = full\n"
+        "from omskills.orchestrator.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", full_disk, "tool", "check_environment", "--task", str(task)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "No space left on device" in lines[0], done.stderr[-2000:]
     assert task.read_bytes() == before

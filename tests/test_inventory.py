@@ -24,13 +24,15 @@ TOOL = load_tool(SCRIPT).func
 
 
 def write_record(folder: Path, source: str = "package", builder: str = "build_sam3_video_model") -> Path:
-    record = TaskRecord.model_validate({
-        "id": "inventory-test",
-        "intake": {
-            "model": {"family": "sam3", "source": source, "builder": builder, "scale": "tiny"},
-            "inputs": {"video": "builtin:shapes", "prompt": "objects"},
-        },
-    })
+    record = TaskRecord.model_validate(
+        {
+            "id": "inventory-test",
+            "intake": {
+                "model": {"family": "sam3", "source": source, "builder": builder, "scale": "tiny"},
+                "inputs": {"video": "builtin:shapes", "prompt": "objects"},
+            },
+        }
+    )
     path = folder / "task.yaml"
     save_record(record, path)
     return path
@@ -48,6 +50,7 @@ def sam3_inventory(tmp_path_factory) -> tuple[Inventory, Path]:
 
 
 # --- the installed SAM 3 package --------------------------------------------------------
+
 
 def test_finds_the_configured_builder_with_its_signature(sam3_inventory):
     inventory, _ = sam3_inventory
@@ -91,16 +94,19 @@ def test_tokenizer_and_session_store_are_control_plane(sam3_inventory):
     assert "PromptEncoder" not in {c.name for c in inventory.control_plane}
 
 
-@pytest.mark.parametrize("kind, file, token", [
-    ("cuda_call", "sam3/model/sam3_video_predictor.py", ".cuda()"),
-    ("device_cuda", "sam3/model/position_encoding.py", 'device="cuda"'),
-    ("pin_memory", "sam3/model/geometry_encoders.py", "pin_memory()"),
-    ("triton", "sam3/model/edt.py", "import triton"),
-    ("autocast", "sam3/model/sam3_video_inference.py", "torch.autocast"),
-    ("cuda_query", "sam3/model/sam3_video_predictor.py", "torch.cuda."),
-    ("flash_attention", "sam3/sam/transformer.py", "fa3"),
-    ("bf16_cast", "sam3/model/sam3_tracking_predictor.py", "torch.bfloat16"),
-])
+@pytest.mark.parametrize(
+    "kind, file, token",
+    [
+        ("cuda_call", "sam3/model/sam3_video_predictor.py", ".cuda()"),
+        ("device_cuda", "sam3/model/position_encoding.py", 'device="cuda"'),
+        ("pin_memory", "sam3/model/geometry_encoders.py", "pin_memory()"),
+        ("triton", "sam3/model/edt.py", "import triton"),
+        ("autocast", "sam3/model/sam3_video_inference.py", "torch.autocast"),
+        ("cuda_query", "sam3/model/sam3_video_predictor.py", "torch.cuda."),
+        ("flash_attention", "sam3/sam/transformer.py", "fa3"),
+        ("bf16_cast", "sam3/model/sam3_tracking_predictor.py", "torch.bfloat16"),
+    ],
+)
 def test_cuda_only_sites_are_portability_findings_with_file_line(sam3_inventory, kind, file, token):
     inventory, _ = sam3_inventory
     found = [f for f in inventory.portability if f.kind == kind and f.file == file]
@@ -125,12 +131,15 @@ def test_the_inventory_is_written_to_the_task_record(sam3_inventory):
 
 def test_the_tool_runs_as_a_cli_and_prints_json_only(tmp_path):
     path = write_record(tmp_path)
-    done = subprocess.run([sys.executable, str(SCRIPT), "--task", str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--task", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["builder"] == "build_sam3_video_model"
 
 
 # --- bad input --------------------------------------------------------------------------
+
 
 def test_a_source_path_that_does_not_exist_is_an_error_and_the_record_stays_untouched(tmp_path):
     path = write_record(tmp_path, source=str(tmp_path / "missing-checkout"))
@@ -221,8 +230,11 @@ def test_a_checkout_path_relative_to_the_record_is_scanned(checkout):
     assert inventory.source_root == str(checkout.resolve())
     assert package_root(str(checkout / "sam3"), "sam3") == checkout.resolve()
     routes = {(r.request_type, r.method) for r in inventory.predictor("ToyPredictor").routes}
-    assert routes == {("start_session", "start_session"), ("close_session", "close_session"),
-                      ("propagate_in_video", "propagate_in_video")}
+    assert routes == {
+        ("start_session", "start_session"),
+        ("close_session", "close_session"),
+        ("propagate_in_video", "propagate_in_video"),
+    }
     assert [c.name for c in inventory.control("session_store")] == ["_SESSIONS"]
     kinds = {(f.kind, f.file, f.line) for f in inventory.portability}
     assert ("device_cuda", "sam3/model/sites.py", 5) in kinds
@@ -235,8 +247,13 @@ def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkou
     import torch
     from omskills.source.portability import DevicePortability
 
-    inventory = scan_source(checkout, "sam3", "build_sam3_video_model", family="sam3",
-                            entry_methods=("handle_request", "handle_stream_request"))
+    inventory = scan_source(
+        checkout,
+        "sam3",
+        "build_sam3_video_model",
+        family="sam3",
+        entry_methods=("handle_request", "handle_stream_request"),
+    )
     spec = importlib.util.spec_from_file_location("toy_sites", checkout / "sam3/model/sites.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -246,8 +263,13 @@ def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkou
     runtime = layer.findings()
     assert {(f.file, f.line) for f in runtime} >= {("sam3/model/sites.py", 5), ("sam3/model/sites.py", 8)}
 
-    extra = PortabilityFinding(file=str(checkout / "sam3/model/other.py"), line=3, kind="cuda_query",
-                               detail="torch.cuda.current_device()", seen_at_runtime=True)
+    extra = PortabilityFinding(
+        file=str(checkout / "sam3/model/other.py"),
+        line=3,
+        kind="cuda_query",
+        detail="torch.cuda.current_device()",
+        seen_at_runtime=True,
+    )
     inventory.merge_runtime_findings(runtime + [extra])
     seen = {(f.kind, f.line): f for f in inventory.portability if f.file == "sam3/model/sites.py"}
     assert seen[("device_cuda", 5)].seen_at_runtime and "cpu" in seen[("device_cuda", 5)].action
@@ -259,6 +281,7 @@ def test_runtime_findings_of_the_portability_layer_mark_the_static_sites(checkou
 
 
 # --- report -----------------------------------------------------------------------------
+
 
 def test_renders_a_markdown_report_with_a_compute_share_chart(sam3_inventory, tmp_path):
     import torch
@@ -272,8 +295,10 @@ def test_renders_a_markdown_report_with_a_compute_share_chart(sam3_inventory, tm
             net(torch.zeros(1, 4))
             profiler.mark_frame()
     profile = profiler.report()
-    rows = [("vision_backbone", 0.62, "selected", "largest share | every frame"),
-            ("text_encoder", 0.03, "deferred", "once per prompt")]
+    rows = [
+        ("vision_backbone", 0.62, "selected", "largest share | every frame"),
+        ("text_encoder", 0.03, "deferred", "once per prompt"),
+    ]
     report = render_inventory_report(inventory, profile, rows, tmp_path / "report")
     text = report.read_text()
     assert report.name == "inventory_report.md"
@@ -286,11 +311,13 @@ def test_renders_a_markdown_report_with_a_compute_share_chart(sam3_inventory, tm
 
 # --- the skill ----------------------------------------------------------------------------
 
+
 def test_the_om_deployer_skill_passes_agentskills_validate():
     agentskills = Path(sys.executable).parent / "agentskills"
     command = str(agentskills) if agentskills.exists() else shutil.which("agentskills")
     assert command, "skills-ref's agentskills command is not installed"
-    done = subprocess.run([command, "validate", str(repo_root() / "skills" / "om-deployer")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [command, "validate", str(repo_root() / "skills" / "om-deployer")], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Valid skill" in done.stdout

@@ -25,8 +25,10 @@ GE_TYPES = {"MatMul": "BatchMatMulV2", "Add": "Add", "Relu": "Relu", "Softmax": 
 def mlp(tmp_path):
     """x -> MatMul -> Add -> Relu -> MatMul -> Softmax, with ONNX-exporter-like node names."""
     rng = np.random.default_rng(0)
-    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
-               for name, shape in (("w1", (8, 16)), ("b1", (16,)), ("w2", (16, 4)))]
+    weights = [
+        numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+        for name, shape in (("w1", (8, 16)), ("b1", (16,)), ("w2", (16, 4)))
+    ]
     nodes = [
         helper.make_node("MatMul", ["x", "w1"], ["h0"], name=NODES[0]),
         helper.make_node("Add", ["h0", "b1"], ["h1"], name=NODES[1]),
@@ -35,8 +37,9 @@ def mlp(tmp_path):
         helper.make_node("Softmax", ["logits"], ["y"], name=NODES[4], axis=-1),
     ]
     vi = helper.make_tensor_value_info
-    graph = helper.make_graph(nodes, "mlp", [vi("x", TensorProto.FLOAT, [2, 8])], [vi("y", TensorProto.FLOAT, [2, 4])],
-                              initializer=weights)
+    graph = helper.make_graph(
+        nodes, "mlp", [vi("x", TensorProto.FLOAT, [2, 8])], [vi("y", TensorProto.FLOAT, [2, 4])], initializer=weights
+    )
     path = tmp_path / "mlp.onnx"
     onnx.save(helper.make_model(graph, opset_imports=OPSET), str(path))
     return prepare(path), {"x": rng.standard_normal((2, 8)).astype(np.float32)}
@@ -49,9 +52,16 @@ def _npu_run(prepared, feeds, wrong: str | None = None):
     values.update({t.name: numpy_helper.to_array(t) for t in prepared.graph.initializer})
     record = {}
     for node in prepared.graph.node:
-        single = with_nodes(prepared.model, [node], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in node.output],
-                            inputs=[helper.make_tensor_value_info(i, TensorProto.FLOAT, values[i].shape) for i in node.input
-                                    if i not in {t.name for t in prepared.graph.initializer}])
+        single = with_nodes(
+            prepared.model,
+            [node],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in node.output],
+            inputs=[
+                helper.make_tensor_value_info(i, TensorProto.FLOAT, values[i].shape)
+                for i in node.input
+                if i not in {t.name for t in prepared.graph.initializer}
+            ],
+        )
         out = run_beside(prepared.path, single, values)[node.output[0]]
         if node.name == wrong:
             out = out * 1.33 + 0.5
@@ -79,10 +89,18 @@ def _write_dump(folder, prepared, record, *, with_inputs=True, leave_out=(), ren
 
 def test_an_npu_dump_that_agrees_flags_nothing_and_skips_what_atc_added(mlp, tmp_path):
     prepared, feeds = mlp
-    dump = read_dump(_write_dump(tmp_path / "dump" / "20260101000000_npy", prepared, _npu_run(prepared, feeds)), prepared)
+    dump = read_dump(
+        _write_dump(tmp_path / "dump" / "20260101000000_npy", prepared, _npu_run(prepared, feeds)), prepared
+    )
     assert dump.skipped == 1 and len(dump.observed) == len(NODES)
-    result = compare_observed(prepared, dump.observed, feeds, reference="onnxruntime fp32", candidate="NPU dump",
-                              backend="OM on an Ascend NPU")
+    result = compare_observed(
+        prepared,
+        dump.observed,
+        feeds,
+        reference="onnxruntime fp32",
+        candidate="NPU dump",
+        backend="OM on an Ascend NPU",
+    )
     assert result.nodes_compared == len(NODES) and result.nodes_flagged == 0 and result.first is None
     assert result.outputs_pass and result.outputs[0].tensor == "y" and result.outputs[0].cosine > 0.9999
 
@@ -91,8 +109,14 @@ def test_the_first_op_the_npu_computes_differently_is_named_and_found_local(mlp,
     prepared, feeds = mlp
     record = _npu_run(prepared, feeds, wrong="/enc/act/Relu")
     dump = read_dump(_write_dump(tmp_path / "dump", prepared, record), prepared)
-    result = compare_observed(prepared, dump.observed, feeds, reference="onnxruntime fp32", candidate="NPU dump",
-                              backend="OM on an Ascend NPU")
+    result = compare_observed(
+        prepared,
+        dump.observed,
+        feeds,
+        reference="onnxruntime fp32",
+        candidate="NPU dump",
+        backend="OM on an Ascend NPU",
+    )
     assert result.first.node == "/enc/act/Relu" and result.first.op_type == "Relu"
     # Fed the NPU's own input of it, ONNX's Relu still disagrees with the NPU's output: the op itself.
     assert result.first.origin == "local" and result.first.local.cosine < 0.999
@@ -104,8 +128,14 @@ def test_an_error_carried_in_from_an_op_not_dumped_is_accumulated(mlp, tmp_path)
     prepared, feeds = mlp
     record = _npu_run(prepared, feeds, wrong="/enc/act/Relu")
     dump = read_dump(_write_dump(tmp_path / "dump", prepared, record, leave_out={"/enc/act/Relu"}), prepared)
-    result = compare_observed(prepared, dump.observed, feeds, reference="onnxruntime fp32", candidate="NPU dump",
-                              backend="OM on an Ascend NPU")
+    result = compare_observed(
+        prepared,
+        dump.observed,
+        feeds,
+        reference="onnxruntime fp32",
+        candidate="NPU dump",
+        backend="OM on an Ascend NPU",
+    )
     # The MatMul is first over the gate, but on the NPU's own (already wrong) input it agrees.
     assert result.first.node == "/head/MatMul" and result.first.origin == "accumulated"
     assert result.first.local.cosine > 0.999
@@ -122,9 +152,25 @@ def test_an_output_only_dump_leaves_the_origin_undetermined(mlp, tmp_path):
 def _fused_json(path):
     """An OM graph JSON (atc --mode=1) where ATC fused the MatMul and the Add into one op."""
     original = {"key": "_datadump_original_op_names", "value": {"list": {"s": ["/enc/fc1/MatMul", "/enc/fc1/Add"]}}}
-    path.write_text(json.dumps({"graph": [{"name": "g", "op": [
-        {"name": "fc1_fused", "type": "MatMulV2", "attr": [original], "output_desc": [{"attr": []}]},
-    ]}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "graph": [
+                    {
+                        "name": "g",
+                        "op": [
+                            {
+                                "name": "fc1_fused",
+                                "type": "MatMulV2",
+                                "attr": [original],
+                                "output_desc": [{"attr": []}],
+                            },
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     return path
 
 
@@ -132,9 +178,13 @@ def test_a_fused_op_is_matched_through_the_om_graph_json_and_unmatched_without_i
     prepared, feeds = mlp
     record = _npu_run(prepared, feeds)
     record["/enc/fc1/Add"] = (record["/enc/fc1/MatMul"][0], record["/enc/fc1/Add"][1])
-    folder = _write_dump(tmp_path / "dump", prepared, record, leave_out={"/enc/fc1/MatMul"}, rename={"/enc/fc1/Add": "fc1_fused"})
+    folder = _write_dump(
+        tmp_path / "dump", prepared, record, leave_out={"/enc/fc1/MatMul"}, rename={"/enc/fc1/Add": "fc1_fused"}
+    )
     without = read_dump(folder, prepared)
-    plain = compare_observed(prepared, without.observed, feeds, reference="r", candidate="c", backend="b", notes=without.notes)
+    plain = compare_observed(
+        prepared, without.observed, feeds, reference="r", candidate="c", backend="b", notes=without.notes
+    )
     assert plain.unmatched == 1 and any("om_json" in n for n in plain.notes)
     with_json = read_dump(folder, prepared, _fused_json(tmp_path / "model.json"))
     mapped = compare_observed(prepared, with_json.observed, feeds, reference="r", candidate="c", backend="b")
@@ -150,8 +200,11 @@ def test_a_raw_dump_not_yet_converted_to_npy_says_how_to_convert_it(mlp, tmp_pat
     with pytest.raises(InputError, match=r"dump_dir: .*1 raw dump file.*msaccucmp.py convert"):
         read_dump(raw, prepared)
     with pytest.raises(InputError, match="om_json: .*does not exist"):
-        read_dump(_write_dump(tmp_path / "d", prepared, _npu_run(prepared, {"x": np.ones((2, 8), np.float32)})),
-                  prepared, tmp_path / "missing.json")
+        read_dump(
+            _write_dump(tmp_path / "d", prepared, _npu_run(prepared, {"x": np.ones((2, 8), np.float32)})),
+            prepared,
+            tmp_path / "missing.json",
+        )
 
 
 def test_ascends_5d_layout_is_brought_back_to_nchw():
@@ -194,8 +247,15 @@ def exported_net(request, tmp_path_factory):
 def _against_module(net, x, path):
     prepared = prepare(path)
     observed, notes = module_observations(net, [x], prepared, 1 << 30)
-    return observed, compare_observed(prepared, observed, {"x": x.numpy()}, reference="onnx", candidate="pytorch",
-                                      backend="pytorch eager (CPU)", notes=notes)
+    return observed, compare_observed(
+        prepared,
+        observed,
+        {"x": x.numpy()},
+        reference="onnx",
+        candidate="pytorch",
+        backend="pytorch eager (CPU)",
+        notes=notes,
+    )
 
 
 def test_every_submodule_output_is_matched_to_its_onnx_node_and_agrees(exported_net):

@@ -30,7 +30,9 @@ def test_main_path_tracks_forced_objects_and_reports_random_weights(two_runs):
     report = json.loads((two_runs[0] / "main_path.json").read_text())
     assert report["weights"] == "random" and report["scale"] == "tiny" and report["step_name"] == "frame"
     assert report["num_steps"] == 2 and [s["index"] for s in report["steps"]] == [0, 1]
-    assert all(_outputs(step)["obj_ids"]["values"] for step in report["steps"]), "an object is tracked through every frame"
+    assert all(_outputs(step)["obj_ids"]["values"] for step in report["steps"]), (
+        "an object is tracked through every frame"
+    )
     masks = _outputs(report["steps"][0])["masks"]
     assert masks["dtype"] == "bool" and masks["shape"][1:] == [480, 640] and masks["true_count"] > 0
     assert any("force_top_k_detections=2" in line for line in report["verification"])
@@ -60,13 +62,19 @@ def _write(tmp_path: Path, change) -> Path:
     return path
 
 
-@pytest.mark.parametrize("change, expected", [
-    (lambda d: d["intake"]["inputs"].update(video="/no/such/video.mp4"), "video not found: /no/such/video.mp4"),
-    (lambda d: d["intake"]["inputs"].update(frames="many"), "intake.inputs.frames"),
-    (lambda d: d["intake"]["model"].update(colour="red"), "intake.model.colour: unknown field"),
-    (lambda d: d["intake"]["model"].update(checkpoint="/no/such/sam3.pt"), "checkpoint file not found: /no/such/sam3.pt"),
-    (lambda d: d.pop("intake"), "intake: field required"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda d: d["intake"]["inputs"].update(video="/no/such/video.mp4"), "video not found: /no/such/video.mp4"),
+        (lambda d: d["intake"]["inputs"].update(frames="many"), "intake.inputs.frames"),
+        (lambda d: d["intake"]["model"].update(colour="red"), "intake.model.colour: unknown field"),
+        (
+            lambda d: d["intake"]["model"].update(checkpoint="/no/such/sam3.pt"),
+            "checkpoint file not found: /no/such/sam3.pt",
+        ),
+        (lambda d: d.pop("intake"), "intake: field required"),
+    ],
+)
 def test_bad_input_is_one_clear_line_and_non_zero_exit(tmp_path, change, expected):
     result = omskills("main-path", str(_write(tmp_path, change)), "--scale", "tiny", "--out", str(tmp_path / "out"))
     assert result.returncode != 0

@@ -71,17 +71,22 @@ def test_a_job_outlives_the_server_that_started_it_and_any_server_follows_or_can
 
     async def first() -> None:
         async with connect(task.parent, read_timeout_seconds=REQUEST_TIMEOUT) as client:
-            env = await _call(client, "start_job", {"tool": "check_environment", "arguments": {"task": "task.yaml"}}, messages)
+            env = await _call(
+                client, "start_job", {"tool": "check_environment", "arguments": {"task": "task.yaml"}}, messages
+            )
             seen["environment"] = await _until_ended(client, env, messages)
-            seen["job"] = await _call(client, "start_job", {"tool": "profile_main_path", "arguments": {"task": "task.yaml"}}, messages)
+            seen["job"] = await _call(
+                client, "start_job", {"tool": "profile_main_path", "arguments": {"task": "task.yaml"}}, messages
+            )
             seen["servers"] = {p.pid for p in psutil.Process().children(recursive=True)}
 
     async def second() -> None:
         async with connect(task.parent, read_timeout_seconds=REQUEST_TIMEOUT) as client:
             seen["listed"] = (await _call(client, "list_jobs", {}, messages))["jobs"]
             seen["ended"] = await _until_ended(client, seen["job"], messages)
-            seen["to cancel"] = await _call(client, "start_job", {"tool": "profile_main_path",
-                                                                  "arguments": {"task": "other/task.yaml"}}, messages)
+            seen["to cancel"] = await _call(
+                client, "start_job", {"tool": "profile_main_path", "arguments": {"task": "other/task.yaml"}}, messages
+            )
 
     async def third() -> None:
         async with connect(task.parent, read_timeout_seconds=REQUEST_TIMEOUT) as client:
@@ -94,8 +99,12 @@ def test_a_job_outlives_the_server_that_started_it_and_any_server_follows_or_can
             seen["cancelled"] = await _until_ended(client, job, messages)
 
     anyio.run(first)
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                   and "serve" in " ".join(psutil.Process(pid).cmdline()) for pid in seen["servers"])  # the first server is gone
+    assert not any(
+        psutil.pid_exists(pid)
+        and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        and "serve" in " ".join(psutil.Process(pid).cmdline())
+        for pid in seen["servers"]
+    )  # the first server is gone
     anyio.run(second)
     anyio.run(third)
 
@@ -110,7 +119,9 @@ def test_a_job_outlives_the_server_that_started_it_and_any_server_follows_or_can
     cancelled = seen["cancelled"]
     assert cancelled["state"] == "cancelled" and "cancelled" in cancelled["error"], cancelled
     interrupted = load_record(other)  # loads: every save was atomic
-    assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith("cancelled (Cancelled")
+    assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith(
+        "cancelled (Cancelled"
+    )
     assert interrupted.profile is None and not interrupted.contracts
     # Progress reached the clients while they polled: the tool's phases and heartbeats.
     assert any("profile_main_path: study run" in m for m in messages), messages[-20:]
@@ -127,11 +138,17 @@ def test_a_job_whose_process_died_is_failed_with_why_and_its_step_is_not_left_ru
 
     async def scenario() -> dict[str, Any]:
         async with connect(workspace, skills, read_timeout_seconds=REQUEST_TIMEOUT) as client:
-            job = await _call(client, "start_job", {"tool": "toy_stage", "arguments": {"task": "rec/task.yaml", "seconds": 120}},
-                              messages)
+            job = await _call(
+                client,
+                "start_job",
+                {"tool": "toy_stage", "arguments": {"task": "rec/task.yaml", "seconds": 120}},
+                messages,
+            )
             while job["progress"]["message"] != "toy work":
                 job = await _call(client, "job_status", {"job_id": job["job_id"], "wait_seconds": 0.5}, messages)
-            runner = next(p for p in psutil.process_iter(["cmdline"]) if job["job_id"] in " ".join(p.info["cmdline"] or []))
+            runner = next(
+                p for p in psutil.process_iter(["cmdline"]) if job["job_id"] in " ".join(p.info["cmdline"] or [])
+            )
             runner.kill()  # kill -9: it writes nothing
             runner.wait(10)
             return await _call(client, "job_status", {"job_id": job["job_id"], "wait_seconds": 0}, messages)
@@ -171,7 +188,7 @@ _SPAWNING_TOOL = '''
         return Spawned(pid=child.pid)
 '''
 
-_PARENT = '''
+_PARENT = """
 import sys, anyio
 from omskills.orchestrator.mcp_client import connect
 
@@ -181,7 +198,7 @@ async def main():
         await client.call("toy_spawn", {})
 
 anyio.run(main)
-'''
+"""
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -228,7 +245,9 @@ def _kill_and_expect_no_survivors(parent: subprocess.Popen, tree: list[psutil.Pr
     parent.kill()  # SIGKILL: no clean-up of its own
     parent.wait(timeout=10)
     _, alive = psutil.wait_procs(tree, timeout=5)
-    survivors = [f"{p.pid} {' '.join(p.cmdline()[:6])}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    survivors = [
+        f"{p.pid} {' '.join(p.cmdline()[:6])}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
     # Processes started after the snapshot of the tree are not in it: look for them by workspace.
     late = [p for p in _working_in(workspace) if p.pid != os.getpid()]
     for proc in [*alive, *late]:  # leave nothing behind whatever the outcome
@@ -245,10 +264,15 @@ def test_kill_9_of_the_client_ends_the_server_and_its_children(tmp_path):
     (tmp_path / "ws").mkdir()
     script = tmp_path / "parent.py"
     script.write_text(_PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ws"), str(skills)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ws"), str(skills)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert parent.stdout.readline().strip() == "connected"
+
         # The server (child) and the tool's `sleep` (grandchild) both exist.
         def spawned() -> list[psutil.Process] | None:
             tree = _tree(parent.pid)
@@ -263,10 +287,26 @@ def test_kill_9_of_the_client_ends_the_server_and_its_children(tmp_path):
 
 def test_kill_9_of_omskills_adapt_leaves_no_process(tmp_path):
     run = tmp_path / "run"
-    adapt = subprocess.Popen([sys.executable, "-c", _CLI, "adapt", str(_tiny_task(tmp_path / "in", frames=1)),
-                              "--scale", "tiny", "--frames", "1", "--out", str(run)],
-                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    adapt = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _CLI,
+            "adapt",
+            str(_tiny_task(tmp_path / "in", frames=1)),
+            "--scale",
+            "tiny",
+            "--frames",
+            "1",
+            "--out",
+            str(run),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def serving() -> list[psutil.Process] | None:
             tree = _tree(adapt.pid)
             servers = [p for p in tree if "serve" in _command_line(p)]

@@ -11,9 +11,9 @@ import contextlib
 import functools
 import os
 import socket
-import threading
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -178,13 +178,21 @@ def test_stdout_noise_from_a_tool_goes_to_stderr_not_the_protocol(served):
     outcome = served.call("toy_write", {"out": "noise.txt", "text": "x"})
     assert not outcome.is_error  # the stdio stream stayed parseable
     log = served.errlog.read_text()
-    for noise in ("import-time noise", "import-time fd noise", "python-level noise", "fd-level noise", "child-process noise"):
+    for noise in (
+        "import-time noise",
+        "import-time fd noise",
+        "python-level noise",
+        "fd-level noise",
+        "child-process noise",
+    ):
         assert noise in log
 
 
 def test_skill_documents_and_task_records_are_resources(served):
     listed = {r.uri: r for r in served.portal.call(served.client.session.list_resources).resources}
-    assert {f"skill://{TOY_SKILL}/SKILL.md", f"skill://{TOY_SKILL}/references/toy.md", "task://rec/task.yaml"} <= set(listed)
+    assert {f"skill://{TOY_SKILL}/SKILL.md", f"skill://{TOY_SKILL}/references/toy.md", "task://rec/task.yaml"} <= set(
+        listed
+    )
     # Described from the frontmatter / first heading, not left empty.
     assert "Toy tools for testing" in listed[f"skill://{TOY_SKILL}/SKILL.md"].description
     assert "Toy reference" in listed[f"skill://{TOY_SKILL}/references/toy.md"].description
@@ -234,9 +242,20 @@ def _http_server(workspace: Path) -> Iterator[str]:
     write_toy_skill(skills)
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-         "serve", "--http", f"127.0.0.1:{port}", "--workspace", str(workspace), "--skills-dir", str(skills)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+            "serve",
+            "--http",
+            f"127.0.0.1:{port}",
+            "--workspace",
+            str(workspace),
+            "--skills-dir",
+            str(skills),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         yield f"http://127.0.0.1:{port}/mcp"
@@ -302,8 +321,10 @@ def test_start_job_answers_at_once_and_job_status_gives_the_result(served):
 def test_start_job_checks_arguments_exactly_as_a_direct_call(served):
     bad = served.call("start_job", {"tool": "toy_add", "arguments": {"a": "two", "zz": 1}})
     assert bad.is_error
-    assert bad.text.splitlines() == ["toy_add: argument 'zz': unknown (this tool takes a, b)",
-                                     "toy_add: argument 'a': input should be a valid integer, unable to parse string as an integer"]
+    assert bad.text.splitlines() == [
+        "toy_add: argument 'zz': unknown (this tool takes a, b)",
+        "toy_add: argument 'a': input should be a valid integer, unable to parse string as an integer",
+    ]
     outside = served.call("start_job", {"tool": "toy_write", "arguments": {"out": "../escaped.txt", "text": "no"}})
     assert outside.is_error and "argument 'out': ../escaped.txt is outside the workspace" in outside.text
     assert not (served.workspace.parent / "escaped.txt").exists()
@@ -331,7 +352,9 @@ def _until_message(served, job: dict, message: str) -> dict:
 def test_cancel_job_stops_the_work_and_a_rerun_finishes_it(served):
     record = served.workspace / "rec" / "cancelled.yaml"
     write_task_record(record)
-    started = _status(served, "start_job", {"tool": "toy_stage", "arguments": {"task": "rec/cancelled.yaml", "seconds": 60}})
+    started = _status(
+        served, "start_job", {"tool": "toy_stage", "arguments": {"task": "rec/cancelled.yaml", "seconds": 60}}
+    )
     assert started["task"] == "rec/cancelled.yaml"
     # One job per task record: a second start says which job holds it.
     second = served.call("start_job", {"tool": "toy_stage", "arguments": {"task": "rec/cancelled.yaml"}})
@@ -396,8 +419,9 @@ def test_a_client_cancel_of_a_direct_call_stops_its_job(served):
     async def call_with_timeout() -> None:
         # The SDK client sends notifications/cancelled when its request times out.
         with pytest.raises(MCPError, match="[Tt]imed out"):
-            await served.client.session.call_tool("toy_stage", {"task": "rec/timed-out.yaml", "seconds": 60},
-                                                  read_timeout_seconds=1.5)
+            await served.client.session.call_tool(
+                "toy_stage", {"task": "rec/timed-out.yaml", "seconds": 60}, read_timeout_seconds=1.5
+            )
 
     served.portal.call(call_with_timeout)
     deadline = time.monotonic() + 15
@@ -422,7 +446,9 @@ def _write_run(served) -> Path:
         "id": "r1",
         "intake": {"model": {"family": "sam3"}},
         "plan": {"candidates": [{"name": "vision_backbone"}, {"name": "mask_decoder"}]},
-        "stages": {"export:vision_backbone": {"status": "failed", "error": "StageError: aten::roll has no ONNX translation"}},
+        "stages": {
+            "export:vision_backbone": {"status": "failed", "error": "StageError: aten::roll has no ONNX translation"}
+        },
     }
     import yaml
 
@@ -444,7 +470,9 @@ def test_run_outputs_are_listed_and_read_with_their_mime_types(served):
     assert listed["run://runs/r1/pictures/frame_0000.png"].mime_type == "image/png"
     assert "run://runs/r1/.secret.md" not in listed
     templates = served.portal.call(served.client.session.list_resource_templates).resource_templates
-    assert all(t.description for t in templates) and {"task://{+path}", "run://{+path}.png"} <= {t.uri_template for t in templates}
+    assert all(t.description for t in templates) and {"task://{+path}", "run://{+path}.png"} <= {
+        t.uri_template for t in templates
+    }
 
     read = served.portal.call(served.client.session.read_resource, "run://runs/r1/pictures/frame_0000.png").contents[0]
     assert read.mime_type == "image/png" and base64.b64decode(read.blob) == b"\x89PNG\r\n\x1a\nfake"
@@ -454,8 +482,15 @@ def test_run_outputs_are_listed_and_read_with_their_mime_types(served):
     assert note.mime_type == "text/markdown" and note.text == "# Delivery\n"
 
 
-@pytest.mark.parametrize("uri", ["run://runs/r1/.secret.md", "task://linked-out.yaml", "run://runs/r1/linked-out.yaml",
-                                 "task://../elsewhere/task.yaml"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "run://runs/r1/.secret.md",
+        "task://linked-out.yaml",
+        "run://runs/r1/linked-out.yaml",
+        "task://../elsewhere/task.yaml",
+    ],
+)
 def test_resources_outside_the_workspace_or_hidden_are_refused(served, uri):
     run = _write_run(served)
     for link in (served.workspace / "linked-out.yaml", run / "linked-out.yaml"):
@@ -477,8 +512,11 @@ def test_prompts_guide_to_the_tools_and_complete_their_arguments(served):
     adapt = served.portal.call(served.client.session.get_prompt, "adapt_task", {"task": "runs/r1/task.yaml"})
     text = adapt.messages[0].content.text
     assert "check_environment" in text and "start_job" in text and "task://runs/r1/task.yaml" in text
-    why = served.portal.call(served.client.session.get_prompt, "why_candidate_failed",
-                             {"task": "runs/r1/task.yaml", "candidate": "vision_backbone"})
+    why = served.portal.call(
+        served.client.session.get_prompt,
+        "why_candidate_failed",
+        {"task": "runs/r1/task.yaml", "candidate": "vision_backbone"},
+    )
     text = why.messages[0].content.text
     assert "export:vision_backbone: failed — StageError: aten::roll has no ONNX translation" in text
     assert "run://runs/r1/onnx/vision_backbone/vision_backbone.onnx.export.log" in text
@@ -486,9 +524,14 @@ def test_prompts_guide_to_the_tools_and_complete_their_arguments(served):
     ref = types.PromptReference(name="why_candidate_failed")
     tasks = served.portal.call(served.client.session.complete, ref, {"name": "task", "value": "runs/"})
     assert tasks.completion.values == ["runs/r1/task.yaml"]
-    candidates = served.portal.call(functools.partial(
-        served.client.session.complete, ref, {"name": "candidate", "value": "ma"},
-        context_arguments={"task": "runs/r1/task.yaml"}))
+    candidates = served.portal.call(
+        functools.partial(
+            served.client.session.complete,
+            ref,
+            {"name": "candidate", "value": "ma"},
+            context_arguments={"task": "runs/r1/task.yaml"},
+        )
+    )
     assert candidates.completion.values == ["mask_decoder"]
 
 
@@ -560,14 +603,17 @@ def test_job_tool_arguments_are_read_and_worded_as_skill_tool_arguments(served):
     # Lists and objects sent as JSON strings (as some model clients do) are parsed first, as the SDK does.
     as_text = served.call("start_job", {"tool": "toy_add", "arguments": '{"a": 1, "b": 2}'})
     assert not as_text.is_error, as_text.text
-    assert _status(served, "job_status", {"job_id": as_text.structured["job_id"], "wait_seconds": 10})["result"] == {"total": 3}
+    assert _status(served, "job_status", {"job_id": as_text.structured["job_id"], "wait_seconds": 10})["result"] == {
+        "total": 3
+    }
     nested = served.call("start_job", {"tool": "toy_add", "arguments": '{"a": "x"}'})
     assert nested.is_error and nested.text.startswith("toy_add: argument 'a': input should be a valid integer")
     # The job tools' own arguments: the toolkit's wording, no pydantic dump.
     bad = served.call("job_status", {"job_id": "job-1", "wait_seconds": -1, "zz": 0})
     assert bad.is_error and bad.text.splitlines() == [
         "job_status: argument 'zz': unknown (this tool takes job_id, wait_seconds)",
-        "job_status: argument 'wait_seconds': input should be greater than or equal to 0"]
+        "job_status: argument 'wait_seconds': input should be greater than or equal to 0",
+    ]
 
 
 def test_the_orchestrator_client_can_call_a_tool_as_a_job(served):
@@ -593,11 +639,13 @@ def test_the_plan_log_shows_each_phase_once_without_heartbeats_or_a_second_elaps
     stream = io.StringIO()
     display = ToolCallDisplay("[1/1] study", "profile_main_path", stream)
     # What the server sends, worded by the same module the display reads them with.
-    sent = [(0.0, "profile_main_path: started"),
-            (3.2, progress.phase_line("profile_main_path", "study run (1/2)", 3.2)),
-            (5.3, progress.heartbeat_line("profile_main_path", 5.3, "study run")),
-            (6.1, progress.phase_line("profile_main_path", "study run (1/2)", 6.1)),
-            (7.4, progress.phase_line("profile_main_path", "study run (2/2)", 7.4))]
+    sent = [
+        (0.0, "profile_main_path: started"),
+        (3.2, progress.phase_line("profile_main_path", "study run (1/2)", 3.2)),
+        (5.3, progress.heartbeat_line("profile_main_path", 5.3, "study run")),
+        (6.1, progress.phase_line("profile_main_path", "study run (1/2)", 6.1)),
+        (7.4, progress.phase_line("profile_main_path", "study run (2/2)", 7.4)),
+    ]
 
     async def replay() -> None:
         for done, message in sent:
@@ -626,8 +674,10 @@ def test_a_cancel_ends_the_child_process_a_tool_waits_for():
 def test_task_uris_serve_only_task_records_outside_hidden_folders(served):
     hidden = write_task_record(served.workspace / ".private" / "task.yaml")
     (served.workspace / "notes.yaml").write_text("just: notes\n")
-    for uri, why in [("task://.private/task.yaml", "hidden files are not served"),
-                     ("task://notes.yaml", "not a task record")]:
+    for uri, why in [
+        ("task://.private/task.yaml", "hidden files are not served"),
+        ("task://notes.yaml", "not a task record"),
+    ]:
         with pytest.raises(MCPError, match=why):
             served.portal.call(served.client.session.read_resource, uri)
     assert hidden.is_file()  # refused for where it is, not for being missing

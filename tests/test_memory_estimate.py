@@ -63,7 +63,9 @@ def attention_task(tmp_path_factory):
             for batch in BATCHES:
                 host(torch.randn(batch, TOKENS, DIM))
 
-    path = one_graph_task(folder, host, "attn", run, [torch.randn(2, TOKENS, DIM)], {"x": {0: "batch"}}, "memory-estimate-test")
+    path = one_graph_task(
+        folder, host, "attn", run, [torch.randn(2, TOKENS, DIM)], {"x": {0: "batch"}}, "memory-estimate-test"
+    )
     return path, host
 
 
@@ -103,11 +105,18 @@ def test_constants_folded_at_load_count_as_weights_not_activations(tmp_path):
 
     # y = x @ concat(w, w)^T: ONNX Runtime computes concat(w, w) and its transpose once, at load.
     w = helper.make_tensor("w", TensorProto.FLOAT, [256, 512], [0.0] * (256 * 512))
-    nodes = [helper.make_node("Concat", ["w", "w"], ["ww"], axis=0),
-             helper.make_node("Transpose", ["ww"], ["wt"], perm=[1, 0]),
-             helper.make_node("MatMul", ["x", "wt"], ["y"])]
-    graph = helper.make_graph(nodes, "folded", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 512])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 512])], initializer=[w])
+    nodes = [
+        helper.make_node("Concat", ["w", "w"], ["ww"], axis=0),
+        helper.make_node("Transpose", ["ww"], ["wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wt"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "folded",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 512])],
+        initializer=[w],
+    )
     path = tmp_path / "folded.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
 
@@ -158,8 +167,9 @@ def test_the_probe_splits_the_batch_from_the_prediction_without_a_child_dying(at
     task = _copy(attention_task, tmp_path)
     record = load_record(task)
     graph = _onnx((task, None))
-    biggest = sample_sizes(max((tmp_path / p for p in record.contracts["attn"].samples),
-                               key=lambda p: sample_sizes(p).input_bytes))
+    biggest = sample_sizes(
+        max((tmp_path / p for p in record.contracts["attn"].samples), key=lambda p: sample_sizes(p).input_bytes)
+    )
     # The budget a chunk of 2 (the smaller gear) needs: the whole batch of 5 is predicted over it.
     chunked = choose_batch_chunk(graph, biggest.inputs, {"x": 0}, [2], 0, biggest)
     assert chunked.batch == 5 and chunked.whole_bytes > chunked.chunk_bytes
@@ -172,8 +182,10 @@ def test_the_probe_splits_the_batch_from_the_prediction_without_a_child_dying(at
     assert report.verdict == "pass" and report.batch_chunks_of == 2
     split = load_record(task).toolchain["attn"].batch_split
     assert split.max_batch == 2 and split.input_axes == {"x": 0}
-    assert split.reason.startswith(f"predicted peak {chunked.whole_bytes / 2**30:.2f} GB on a batch of 5 > budget "
-                                   f"{chunked.chunk_bytes / 2**30:.2f} GB; chunks of 2 predicted")
+    assert split.reason.startswith(
+        f"predicted peak {chunked.whole_bytes / 2**30:.2f} GB on a batch of 5 > budget "
+        f"{chunked.chunk_bytes / 2**30:.2f} GB; chunks of 2 predicted"
+    )
     assert "still over the budget" not in split.reason  # the chunk of 2 fits the budget
     assert "died" not in split.reason  # no child died: the prediction chose the split
     assert "batch in chunks of 2: predicted peak" in load_record(task).decisions[-1].why

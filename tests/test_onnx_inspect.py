@@ -20,15 +20,23 @@ REPO = Path(__file__).resolve().parents[1]
 def small_model(with_if: bool = False) -> onnx.ModelProto:
     """x[batch, 4] @ w[4, 4] -> Relu -> y[batch, 4], with an optional If whose branches hold nodes."""
     weight = numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(4, 4), "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["y"], name="relu")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+    ]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])]
     if with_if:
         branch = lambda op: helper.make_graph(  # noqa: E731
-            [helper.make_node(op, ["h"], ["b"], name=f"in_{op}")], op, [], [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)]
+            [helper.make_node(op, ["h"], ["b"], name=f"in_{op}")],
+            op,
+            [],
+            [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)],
         )
         inputs.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
-        nodes.append(helper.make_node("If", ["flag"], ["z"], name="branch", then_branch=branch("Neg"), else_branch=branch("Abs")))
+        nodes.append(
+            helper.make_node("If", ["flag"], ["z"], name="branch", then_branch=branch("Neg"), else_branch=branch("Abs"))
+        )
         outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
     graph = helper.make_graph(nodes, "small", inputs, outputs, [weight])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tests")
@@ -102,6 +110,8 @@ def test_skill_script_prints_the_summary_as_json(tmp_path):
     onnx.save(small_model(), path)
     script = REPO / "skills" / "onnx-atc-pipeline" / "scripts" / "inspect_onnx.py"
 
-    proc = subprocess.run([sys.executable, str(script), "--path", str(path)], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--path", str(path)], capture_output=True, text=True, check=True
+    )
 
     assert json.loads(proc.stdout)["op_histogram"] == {"MatMul": 1, "Relu": 1}

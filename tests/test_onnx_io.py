@@ -18,16 +18,27 @@ def _exported(folder):
     bias = rng.standard_normal(8).astype(np.float32)
     shift = rng.standard_normal(8).astype(np.float32)
     graph = helper.make_graph(
-        [helper.make_node("Constant", [], ["shift"], value=numpy_helper.from_array(shift)),
-         helper.make_node("Gemm", ["x", "w", "b"], ["g"]),
-         helper.make_node("Add", ["g", "shift"], ["y"])],
-        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [
+            helper.make_node("Constant", [], ["shift"], value=numpy_helper.from_array(shift)),
+            helper.make_node("Gemm", ["x", "w", "b"], ["g"]),
+            helper.make_node("Add", ["g", "shift"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
-        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")])
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     folder.mkdir()
-    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=0, convert_attribute=True)
+    onnx.save_model(
+        model,
+        str(folder / "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=0,
+        convert_attribute=True,
+    )
     x = rng.standard_normal((2, 16)).astype(np.float32)
     return onnx.load(str(folder / "model.onnx"), load_external_data=False), x, x @ weight + bias + shift
 

@@ -30,8 +30,15 @@ class Norms(nn.Module):
 
 def _export_and_run(module: nn.Module, x: torch.Tensor, tmp_path) -> tuple[np.ndarray, onnx.ModelProto]:
     path = tmp_path / "norm.onnx"
-    torch.onnx.export(module.eval(), (x,), str(path), dynamo=True, opset_version=18, verbose=False,
-                      custom_translation_table=translation_table())
+    torch.onnx.export(
+        module.eval(),
+        (x,),
+        str(path),
+        dynamo=True,
+        opset_version=18,
+        verbose=False,
+        custom_translation_table=translation_table(),
+    )
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return session.run(None, {session.get_inputs()[0].name: x.numpy()})[0], onnx.load(str(path))
 

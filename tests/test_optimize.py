@@ -44,7 +44,9 @@ def exported(tmp_path_factory):
     model = Tiny().eval()
     path = folder / "tiny.onnx"
     x0 = torch.randn(2, 3, 8, 8)
-    torch.onnx.export(model, (x0,), str(path), input_names=["x"], output_names=["logits", "score"], dynamo=False, opset_version=17)
+    torch.onnx.export(
+        model, (x0,), str(path), input_names=["x"], output_names=["logits", "score"], dynamo=False, opset_version=17
+    )
     samples = []
     for seed in (1, 2):
         x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
@@ -70,7 +72,12 @@ def test_every_variant_is_built_checked_and_probed(exported, tmp_path, capfd):
     # onnxslim removes the exporter's Constant/Shape noise.
     assert variants["onnxslim"].node_count < variants["original"].node_count
     # auto_optimizer reports what each knowledge did; on the export as it is, KnowledgeTypeCast applies.
-    assert {k.outcome for k in variants["auto_optimizer"].knowledges} <= {"applied", "not_matched", "failed", "rejected"}
+    assert {k.outcome for k in variants["auto_optimizer"].knowledges} <= {
+        "applied",
+        "not_matched",
+        "failed",
+        "rejected",
+    }
     assert len(variants["auto_optimizer"].knowledges) >= 5
     assert "KnowledgeTypeCast" in [k.name for k in variants["auto_optimizer"].knowledges if k.outcome == "applied"]
     assert auto.preferred == "auto_optimizer" and auto.preferred_path == variants["auto_optimizer"].path
@@ -120,7 +127,9 @@ def test_the_most_optimised_variant_is_probed_first_and_the_one_under_it_only_if
     path, samples = exported
     original = optimize.check_variant("original", path, samples)
     slim = optimize._build("onnxslim", path, tmp_path / "tiny.onnxslim.onnx", None)
-    auto = optimize._build("auto_optimizer", path, tmp_path / "tiny.auto_optimizer.onnx", None)  # KnowledgeTypeCast applies
+    auto = optimize._build(
+        "auto_optimizer", path, tmp_path / "tiny.auto_optimizer.onnx", None
+    )  # KnowledgeTypeCast applies
     assert slim.status == auto.status == "ok" and not slim.checks and not auto.checks  # built, not yet probed
 
     checked = optimize._check_most_optimised_first([original, slim, auto], samples, None, isolate=False)
@@ -153,8 +162,9 @@ def test_a_big_graph_is_rewritten_without_its_weights_and_keeps_their_bytes(tmp_
 
     model = Weighty().eval()
     path = tmp_path / "weighty.onnx"
-    torch.onnx.export(model, (torch.randn(2, 64),), str(path), input_names=["x"], output_names=["y"], dynamo=False,
-                      opset_version=17)
+    torch.onnx.export(
+        model, (torch.randn(2, 64),), str(path), input_names=["x"], output_names=["y"], dynamo=False, opset_version=17
+    )
     if stored == "external":  # as a model too big for one protobuf is saved
         save_onnx(onnx.load(str(path)), path, size=2**31)
         assert path.with_name("weighty.onnx.data").is_file()
@@ -169,15 +179,19 @@ def test_a_big_graph_is_rewritten_without_its_weights_and_keeps_their_bytes(tmp_
     assert slim.node_count < result.variants[0].node_count
     variant = onnx.load(slim.path, load_external_data=False)
     weights = [t for t in variant.graph.initializer if t.data_location == TensorProto.EXTERNAL]
-    assert {t.name for t in weights} == {"a.weight", "b.weight"} and {e.value for t in weights for e in t.external_data if e.key == "location"} == {
-        "weighty.onnxslim.onnx.data"}
+    assert {t.name for t in weights} == {"a.weight", "b.weight"} and {
+        e.value for t in weights for e in t.external_data if e.key == "location"
+    } == {"weighty.onnxslim.onnx.data"}
     assert {i.name for i in variant.graph.input} == {"x"}  # the detached weights are initializers again
     data = (tmp_path / "weighty.onnxslim.onnx.data").read_bytes()
     original = onnx.load(str(path))
     for tensor in weights:  # each weight's bytes where its entry says, equal to the original's
         entries = {e.key: int(e.value) for e in tensor.external_data if e.key in ("offset", "length")}
         expected = next(t for t in original.graph.initializer if t.name == tensor.name)
-        assert data[entries["offset"]:entries["offset"] + entries["length"]] == onnx.numpy_helper.to_array(expected).tobytes()
+        assert (
+            data[entries["offset"] : entries["offset"] + entries["length"]]
+            == onnx.numpy_helper.to_array(expected).tobytes()
+        )
 
 
 def test_auto_optimizer_reports_unavailable_when_not_importable(exported, tmp_path, monkeypatch):
@@ -221,7 +235,10 @@ def test_graph_output_that_no_node_produces_fails_the_variant(tmp_path):
         [helper.make_node("Relu", ["x"], ["y"], name="relu")],
         "dangling",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]), helper.make_tensor_value_info("ghost", TensorProto.FLOAT, [2])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("ghost", TensorProto.FLOAT, [2]),
+        ],
     )
     path = tmp_path / "dangling.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
@@ -245,7 +262,9 @@ def test_a_less_accurate_variant_is_not_preferred():
     def variant(name, verdict):
         return VariantResult(name=name, status="ok", parity_verdict=verdict, path=f"{name}.onnx")
 
-    chosen, why = choose_preferred([variant("original", "pass"), variant("onnxslim", "pass"), variant("auto_optimizer", "review")])
+    chosen, why = choose_preferred(
+        [variant("original", "pass"), variant("onnxslim", "pass"), variant("auto_optimizer", "review")]
+    )
 
     assert chosen.name == "onnxslim"
     assert "auto_optimizer: parity review is worse than the original's" in why
@@ -276,7 +295,9 @@ def _consecutive_concat_model(path):
         helper.make_node("Concat", ["c", "y"], ["z"], axis=1, name="concat2"),
     ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])],
         [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 12, 4])],
         [ints("s1", [1]), ints("e1", [5]), ints("a1", [1]), ints("s2", [2]), ints("e2", [6]), ints("a2", [2])],
     )
@@ -306,7 +327,9 @@ def test_a_knowledge_that_raises_is_recorded_and_the_next_one_still_applies(tmp_
     path = tmp_path / "concat.onnx"
     _consecutive_concat_model(path)
 
-    _, outcomes = apply_knowledges(load_auto_optimizer(), path, ["KnowledgeMergeConsecutiveSlice", "KnowledgeMergeConsecutiveConcat"])
+    _, outcomes = apply_knowledges(
+        load_auto_optimizer(), path, ["KnowledgeMergeConsecutiveSlice", "KnowledgeMergeConsecutiveConcat"]
+    )
 
     assert outcomes[0].outcome == "failed" and "IndexError" in outcomes[0].error
     assert outcomes[1].outcome == "applied"
@@ -321,8 +344,11 @@ def test_a_knowledge_that_breaks_the_graph_is_undone(tmp_path):
         helper.make_node("ReduceSum", ["y", "one"], ["z"], name="sum", keepdims=0),
     ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])], [ints("zero", [0]), ints("four", [4]), ints("one", [1])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])],
+        [ints("zero", [0]), ints("four", [4]), ints("one", [1])],
     )
     path = tmp_path / "shared_index.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
@@ -351,7 +377,9 @@ def test_a_variant_that_drops_an_unused_input_is_probed_on_the_inputs_it_takes(t
     model.ir_version = 8
     onnx.save(model, tmp_path / "m.onnx")
     x = np.ones(2, np.float32)
-    result = optimize_variants(tmp_path / "m.onnx", tmp_path, [({"a": x, "b": x}, {"y": 2 * x})], variants=("original", "onnxslim"))
+    result = optimize_variants(
+        tmp_path / "m.onnx", tmp_path, [({"a": x, "b": x}, {"y": 2 * x})], variants=("original", "onnxslim")
+    )
     assert [v.status for v in result.variants] == ["ok", "ok"]
     assert result.preferred == "onnxslim"
 
@@ -413,9 +441,15 @@ def test_captured_samples_are_probed_in_a_child_process_and_its_death_is_an_erro
     path, samples = exported
     saved = []
     for k, (feeds, reference) in enumerate(samples):
-        saved.append(save_sample(tmp_path / f"tiny_{k}.npz", "tiny", k,
-                                 inputs={n: torch.from_numpy(v) for n, v in feeds.items()},
-                                 outputs={n: torch.from_numpy(v) for n, v in reference.items()}))
+        saved.append(
+            save_sample(
+                tmp_path / f"tiny_{k}.npz",
+                "tiny",
+                k,
+                inputs={n: torch.from_numpy(v) for n, v in feeds.items()},
+                outputs={n: torch.from_numpy(v) for n, v in reference.items()},
+            )
+        )
 
     reports = run_in_child(probe_samples, path, saved)
 

@@ -43,8 +43,14 @@ def test_a_step_that_failed_for_one_graph_is_not_shown_as_ok(tmp_path: Path):
     scripts.mkdir(parents=True)
     (scripts / "half_done.py").write_text(HALF_DONE)
     shown = io.StringIO()
-    result = asyncio.run(run_plan([PlanStep(tool="half_done", stage="s", label="precision")], workspace=tmp_path,
-                                  skills_dir=tmp_path / "skills", stream=shown))
+    result = asyncio.run(
+        run_plan(
+            [PlanStep(tool="half_done", stage="s", label="precision")],
+            workspace=tmp_path,
+            skills_dir=tmp_path / "skills",
+            stream=shown,
+        )
+    )
     assert result.ok  # the plan goes on: the other graphs are fine
     lines = shown.getvalue().splitlines()
     assert lines[-2].startswith("[1/1] precision: ok, 1 graph(s) FAILED in ")

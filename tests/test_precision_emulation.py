@@ -11,7 +11,13 @@ import onnx
 import pytest
 from omskills.ascend.atc import AtcOptions, build_atc_command
 from omskills.ascend.emulation import (
-    compare_layers, emulated_model, precisions_for, prepare, rounded_weights_path, run_emulated, run_emulated_with_overflow,
+    compare_layers,
+    emulated_model,
+    precisions_for,
+    prepare,
+    rounded_weights_path,
+    run_emulated,
+    run_emulated_with_overflow,
     save_emulated,
 )
 from omskills.ascend.pitfalls import check_pitfalls, load_pitfalls
@@ -37,8 +43,14 @@ def _vi(name, shape):
 def matmul_beyond_fp16(tmp_path):
     """60 x 300 summed over 4 = 72000: above fp16's 65504."""
     weight = numpy_helper.from_array(np.full((4, 4), 300.0, np.float32), "w")
-    path = _save(tmp_path, "mm", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-                 [_vi("x", [2, 4])], [_vi("y", [2, 4])], [weight])
+    path = _save(
+        tmp_path,
+        "mm",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        [_vi("x", [2, 4])],
+        [_vi("y", [2, 4])],
+        [weight],
+    )
     return path, {"x": np.full((2, 4), 60.0, np.float32)}
 
 
@@ -82,8 +94,14 @@ def test_the_report_proposes_exactly_the_overflowing_node_and_atc_gets_exactly_i
     assert report.chosen_mode == "force_fp16" and report.chosen_keep == ["mm"]
     keep_file = write_keep_dtype(report.chosen_keep, tmp_path / "om", "mm")
     assert keep_file.read_text() == "mm\n"
-    options = AtcOptions.checked(model=str(path), output=str(tmp_path / "om" / "mm"), soc_version="Ascend910B4",
-                                 input_shapes={"x": [2, 4]}, precision_mode=report.chosen_mode, keep_dtype=str(keep_file))
+    options = AtcOptions.checked(
+        model=str(path),
+        output=str(tmp_path / "om" / "mm"),
+        soc_version="Ascend910B4",
+        input_shapes={"x": [2, 4]},
+        precision_mode=report.chosen_mode,
+        keep_dtype=str(keep_file),
+    )
     command = build_atc_command(options)
     assert "--precision_mode=force_fp16" in command and f"--keep_dtype={keep_file}" in command
 
@@ -92,8 +110,14 @@ def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothin
     from omskills.ascend import emulation
 
     weight = numpy_helper.from_array(np.full((64, 64), 300.0, np.float32), "w")  # 16 KB: a weight, not a shape constant
-    path = _save(tmp_path, "inline", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-                 [_vi("x", [2, 64])], [_vi("y", [2, 64])], [weight])
+    path = _save(
+        tmp_path,
+        "inline",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        [_vi("x", [2, 64])],
+        [_vi("y", [2, 64])],
+        [weight],
+    )
     before = path.read_bytes()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / f".inline.onnx.{dead.stdout.strip()}.weights").write_bytes(b"left by a child the OOM killer took")
@@ -107,7 +131,9 @@ def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothin
     monkeypatch.setattr(emulation, "run_beside", recording)
     report = precision_report(path, {"x": np.full((2, 64), 60.0, np.float32)}, sample="s0")
     fp16 = report.mode("force_fp16")
-    assert fp16.result.overflow == 128 and report.chosen_keep == ["mm"] and fp16.with_keep.passed  # 60 x 300 x 64 > 65504
+    assert (
+        fp16.result.overflow == 128 and report.chosen_keep == ["mm"] and fp16.with_keep.passed
+    )  # 60 x 300 x 64 > 65504
     assert len(graphs_run) >= 3 and max(graphs_run) < weight.ByteSize()  # each graph reads the weight from a file
     assert [p.name for p in tmp_path.iterdir()] == ["inline.onnx"] and path.read_bytes() == before
 
@@ -119,11 +145,14 @@ def test_a_resize_keeps_its_scales_unrounded_and_readable_by_shape_inference(tmp
     weight = numpy_helper.from_array(np.full((64, 64), 0.01, np.float32), "w")
     bias = numpy_helper.from_array(np.full((64,), 0.3, np.float32), "b")  # 256 bytes: a small constant
     scales = numpy_helper.from_array(np.array([1.0, 1.0, 1.0001, 3.0], np.float32), "scales")  # 1.0001 is 1.0 in fp16
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("Add", ["h", "b"], ["hb"], name="add"),
-             helper.make_node("Resize", ["hb", "", "scales"], ["y"], name="resize", mode="nearest")]
-    path = _save(tmp_path, "resize", nodes, [_vi("x", [1, 1, 3, 64])], [_vi("y", [1, 1, 3, 192])],
-                 [weight, bias, scales])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Add", ["h", "b"], ["hb"], name="add"),
+        helper.make_node("Resize", ["hb", "", "scales"], ["y"], name="resize", mode="nearest"),
+    ]
+    path = _save(
+        tmp_path, "resize", nodes, [_vi("x", [1, 1, 3, 64])], [_vi("y", [1, 1, 3, 192])], [weight, bias, scales]
+    )
     report = precision_report(path, {"x": np.ones((1, 1, 3, 64), np.float32)}, sample="s0")
     fp16 = report.mode("force_fp16")
     assert fp16.result.passed and fp16.result.cosine > 0.9999, fp16.result
@@ -154,7 +183,9 @@ def test_keeping_the_named_node_fixes_the_chain_and_the_mode_is_chosen_with_it(l
     assert "not emulated, as slower: allow_mix_precision, allow_fp32_to_fp16" in report.why
 
 
-def test_allow_fp32_to_fp16_rounds_only_the_cube_ops_and_must_keep_origin_dtype_none(layernorm_softmax, matmul_beyond_fp16):
+def test_allow_fp32_to_fp16_rounds_only_the_cube_ops_and_must_keep_origin_dtype_none(
+    layernorm_softmax, matmul_beyond_fp16
+):
     ln = prepare(layernorm_softmax[0])
     assert set(precisions_for(ln, "allow_fp32_to_fp16").values()) == {"fp32"}
     assert set(precisions_for(ln, "force_fp16").values()) == {"fp16"}
@@ -168,8 +199,14 @@ def test_allow_fp32_to_fp16_rounds_only_the_cube_ops_and_must_keep_origin_dtype_
 
 def test_weights_beyond_fp16_are_clipped_as_atc_does_not_turned_to_inf(tmp_path):
     scale = numpy_helper.from_array(np.array([1e6], np.float32), "scale")
-    path = _save(tmp_path, "scale", [helper.make_node("Mul", ["x", "scale"], ["y"], name="mul")],
-                 [_vi("x", [3])], [_vi("y", [3])], [scale])
+    path = _save(
+        tmp_path,
+        "scale",
+        [helper.make_node("Mul", ["x", "scale"], ["y"], name="mul")],
+        [_vi("x", [3])],
+        [_vi("y", [3])],
+        [scale],
+    )
     prepared = prepare(path)
     out = save_emulated(prepared, precisions_for(prepared, "force_fp16"), tmp_path / "scale.emu.onnx")
     y = run_emulated(out, {"x": np.array([1e-3, 0.5, 0.0], np.float32)})["y"]
@@ -183,8 +220,14 @@ def test_a_saved_emulated_graph_reads_its_weights_already_rounded_from_a_file_be
     # original and the rounded copy of every weight: gigabytes for a full-scale backbone.
     rng = np.random.default_rng(0)
     w = rng.normal(size=(64, 64)).astype(np.float32)
-    path = _save(tmp_path, "big", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-                 [_vi("x", [2, 64])], [_vi("y", [2, 64])], [numpy_helper.from_array(w, "w")])
+    path = _save(
+        tmp_path,
+        "big",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        [_vi("x", [2, 64])],
+        [_vi("y", [2, 64])],
+        [numpy_helper.from_array(w, "w")],
+    )
     out = tmp_path / "big.emu.onnx"
     for _ in range(2):  # saved again, the weights file is rewritten, not appended to
         prepared = prepare(path)
@@ -201,8 +244,14 @@ def test_a_saved_emulated_graph_reads_its_weights_already_rounded_from_a_file_be
 
 def test_a_convtranspose_neck_is_flagged_for_the_mixed_modes_with_its_source(tmp_path):
     weight = numpy_helper.from_array(np.ones((4, 2, 2, 2), np.float32), "w")
-    path = _save(tmp_path, "neck", [helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="neck/up", strides=[2, 2])],
-                 [_vi("x", [1, 4, 3, 3])], [_vi("y", [1, 2, 6, 6])], [weight])
+    path = _save(
+        tmp_path,
+        "neck",
+        [helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="neck/up", strides=[2, 2])],
+        [_vi("x", [1, 4, 3, 3])],
+        [_vi("y", [1, 2, 6, 6])],
+        [weight],
+    )
     hit = next(h for h in check_pitfalls(path) if h.id == "fpn_convtranspose_collapse")
     assert hit.nodes == ["neck/up"] and hit.keep_nodes == ["neck/up"]
     assert {"allow_mix_precision", "allow_fp32_to_fp16"} <= set(hit.modes) and "force_fp16" not in hit.modes
@@ -224,8 +273,10 @@ def test_nothing_emulated_is_called_an_npu_result(matmul_beyond_fp16):
 def test_the_overflow_count_is_the_elements_fp16_rounding_made_infinite_and_no_others(tmp_path):
     """x * 2: +-40000 -> +-80000 overflow; an inf already in x stays inf and is not counted, nor
     are the infs the Relu passes on. On inputs within fp16's range no mask is built at all."""
-    nodes = [helper.make_node("Mul", ["x", "two"], ["doubled"], name="double"),
-             helper.make_node("Relu", ["doubled"], ["y"], name="relu")]
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["doubled"], name="double"),
+        helper.make_node("Relu", ["doubled"], ["y"], name="relu"),
+    ]
     two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
     path = _save(tmp_path, "double", nodes, [_vi("x", [5])], [_vi("y", [5])], [two])
     prepared = prepare(path)
@@ -243,8 +294,14 @@ def test_the_overflow_count_is_the_elements_fp16_rounding_made_infinite_and_no_o
 
 def test_keep_dtype_under_must_keep_origin_dtype_is_refused(tmp_path, matmul_beyond_fp16):
     with pytest.raises(InputError, match="keep_dtype has no effect"):
-        AtcOptions.checked(model=str(matmul_beyond_fp16[0]), output=str(tmp_path / "mm"), soc_version="Ascend910B4",
-                           input_shapes={"x": [2, 4]}, precision_mode="must_keep_origin_dtype", keep_dtype="k.cfg")
+        AtcOptions.checked(
+            model=str(matmul_beyond_fp16[0]),
+            output=str(tmp_path / "mm"),
+            soc_version="Ascend910B4",
+            input_shapes={"x": [2, 4]},
+            precision_mode="must_keep_origin_dtype",
+            keep_dtype="k.cfg",
+        )
 
 
 def test_the_layer_figures_of_finite_tensors_are_those_numpy_computes_from_the_two_runs(tmp_path):
@@ -252,8 +309,14 @@ def test_the_layer_figures_of_finite_tensors_are_those_numpy_computes_from_the_t
     the product in fp32. The graph's figures (taken on the light branch, as nothing is inf)
     equal numpy's in float64."""
     scale = numpy_helper.from_array(np.array(1.37, np.float32), "scale")
-    path = _save(tmp_path, "mul", [helper.make_node("Mul", ["x", "scale"], ["y"], name="mul")],
-                 [_vi("x", [3, 5, 7])], [_vi("y", [3, 5, 7])], [scale])
+    path = _save(
+        tmp_path,
+        "mul",
+        [helper.make_node("Mul", ["x", "scale"], ["y"], name="mul")],
+        [_vi("x", [3, 5, 7])],
+        [_vi("y", [3, 5, 7])],
+        [scale],
+    )
     x = np.random.default_rng(3).standard_normal((3, 5, 7)).astype(np.float32) * 10
     prepared = prepare(path)
 
@@ -273,8 +336,10 @@ def test_the_layer_figures_of_finite_tensors_are_those_numpy_computes_from_the_t
 def test_a_mask_that_is_minus_inf_in_fp32_too_is_compared_over_its_finite_elements(tmp_path):
     """An attention mask adds -inf in both runs: that is no overflow, and the rest is compared."""
     mask = numpy_helper.from_array(np.where(np.arange(8) % 2, -np.inf, 0.0).astype(np.float32).reshape(1, 8), "mask")
-    nodes = [helper.make_node("Add", ["x", "mask"], ["masked"], name="add_mask"),
-             helper.make_node("Mul", ["masked", "x"], ["y"], name="scale")]
+    nodes = [
+        helper.make_node("Add", ["x", "mask"], ["masked"], name="add_mask"),
+        helper.make_node("Mul", ["masked", "x"], ["y"], name="scale"),
+    ]
     path = _save(tmp_path, "masked", nodes, [_vi("x", [2, 8])], [_vi("y", [2, 8])], [mask])
     prepared = prepare(path)
     x = {"x": np.linspace(0.5, 3.0, 16, dtype=np.float32).reshape(2, 8)}
@@ -293,7 +358,10 @@ def test_the_modes_are_compared_with_the_pytorch_outputs_the_study_captured_when
 
     report = precision_report(path, feeds, sample="s0", outputs=captured)
     assert report.reference == "PyTorch's outputs for the sample"
-    assert report.chosen_mode == "force_fp16" and report.chosen_keep == precision_report(path, feeds, sample="s0").chosen_keep
+    assert (
+        report.chosen_mode == "force_fp16"
+        and report.chosen_keep == precision_report(path, feeds, sample="s0").chosen_keep
+    )
 
     # Outputs that are not the graph's (another contract's names) are not used: the graph runs in fp32.
     other = precision_report(path, feeds, sample="s0", outputs={"logits": captured["y"]})
@@ -309,14 +377,26 @@ def test_a_small_graph_is_emulated_in_process_and_a_big_or_unreadable_one_in_a_c
     assert runner is not run_in_child
     assert runner(precision_report, small, feeds, "sample").chosen_mode  # a plain call here
     # An attention-sized score matrix: 8 x 4096 x 4096 fp32 is 512 MB, and an emulation holds several.
-    scores = _save(tmp_path, "scores", [helper.make_node("MatMul", ["q", "k"], ["s"], name="qk"),
-                                        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1)],
-                   [_vi("q", [8, 4096, 16]), _vi("k", [8, 16, 4096])], [_vi("p", [8, 4096, 4096])])
+    scores = _save(
+        tmp_path,
+        "scores",
+        [
+            helper.make_node("MatMul", ["q", "k"], ["s"], name="qk"),
+            helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        ],
+        [_vi("q", [8, 4096, 16]), _vi("k", [8, 16, 4096])],
+        [_vi("p", [8, 4096, 4096])],
+    )
     big_feeds = {"q": np.zeros((8, 4096, 16), np.float32), "k": np.zeros((8, 16, 4096), np.float32)}
     assert emulation_runner(scores, big_feeds) is run_in_child
     # A node of a domain shape inference cannot read: sizes unknown, so the safe place.
-    custom = _save(tmp_path, "custom", [helper.make_node("Mystery", ["x"], ["y"], name="m", domain="vendor")],
-                   [_vi("x", [2, 4])], [_vi("y", None)])
+    custom = _save(
+        tmp_path,
+        "custom",
+        [helper.make_node("Mystery", ["x"], ["y"], name="m", domain="vendor")],
+        [_vi("x", [2, 4])],
+        [_vi("y", None)],
+    )
     assert emulation_runner(custom, {"x": np.zeros((2, 4), np.float32)}) is run_in_child
 
 
@@ -325,13 +405,21 @@ def test_an_emulated_graph_of_an_inline_source_reads_the_weights_it_keeps_in_fp3
     # its emulated graph was built; `prepare(weights_to=...)` moves them to a file first.
     rng = np.random.default_rng(1)
     w = rng.normal(size=(64, 64)).astype(np.float32)
-    path = _save(tmp_path, "inline", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-                 [_vi("x", [2, 64])], [_vi("y", [2, 64])], [numpy_helper.from_array(w, "w")])
+    path = _save(
+        tmp_path,
+        "inline",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        [_vi("x", [2, 64])],
+        [_vi("y", [2, 64])],
+        [numpy_helper.from_array(w, "w")],
+    )
     weights = tmp_path / "inline.emulated.fp32.weights"
     prepared = prepare(path, weights_to=weights)
     out = tmp_path / "inline.emulated.onnx"
     save_emulated(prepared, precisions_for(prepared, "must_keep_origin_dtype"), out)
     assert weights.stat().st_size == w.nbytes and out.stat().st_size < w.nbytes  # the graph holds no weight bytes
-    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].raw_data == w.tobytes()  # source untouched
+    assert (
+        onnx.load(str(path), load_external_data=False).graph.initializer[0].raw_data == w.tobytes()
+    )  # source untouched
     x = rng.normal(size=(2, 64)).astype(np.float32)
     np.testing.assert_allclose(run_emulated(out, {"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)

@@ -202,7 +202,12 @@ def test_small_deep_nodes_are_dropped_but_totals_stay_right():
 
 
 def test_seeds_of_a_fast_model_come_from_warm_passes_and_a_slow_model_is_profiled_once():
-    from omskills.profiling.discovery import COLD_PASS_LIMIT_SECONDS, MIN_TIMED_SECONDS, MIN_WARM_PASSES, discovery_profile
+    from omskills.profiling.discovery import (
+        COLD_PASS_LIMIT_SECONDS,
+        MIN_TIMED_SECONDS,
+        MIN_WARM_PASSES,
+        discovery_profile,
+    )
 
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     passes = []
@@ -302,7 +307,8 @@ def test_a_model_whose_time_is_in_no_weighted_subtree_gives_no_seed_and_says_wha
     assert seeds_from_profile(profile) == []
     assert why_no_seeds(profile) == (
         "a pass of the main path took 1001.00 ms, 1001.00 ms of it in the model's modules; the heaviest subtrees "
-        "with parameters within 3 calls of the root, as shares of the model's time (a seed needs 2%): small 0.1%")
+        "with parameters within 3 calls of the root, as shares of the model's time (a seed needs 2%): small 0.1%"
+    )
 
 
 def test_a_subtree_the_user_names_for_deployment_is_a_seed_however_small_its_measured_share():
@@ -310,7 +316,9 @@ def test_a_subtree_the_user_names_for_deployment_is_a_seed_however_small_its_mea
 
     profile = run_frames(Glue(), frames=1)  # small: 0.1% of the model's time, far below a seed's 2%
     seeds = seeds_from_profile(profile, named=["small", "nothing_by_that_name"])
-    assert [s.module_path for s in seeds] == ["small"] and seeds[0].description.startswith("Sleeper, 0.1% of the model's time")
+    assert [s.module_path for s in seeds] == ["small"] and seeds[0].description.startswith(
+        "Sleeper, 0.1% of the model's time"
+    )
 
 
 class Stack(nn.Module):
@@ -345,4 +353,9 @@ def test_seed_depth_counts_calls_not_the_dots_of_containers_never_called():
     profile = run_frames(Outer(), frames=1)
     assert call_depths(profile)["decoder.blocks.1.layer.1"] == 2  # five dots, two calls below the root
     assert {s.module_path for s in seeds_from_profile(profile)} == {
-        "decoder", "decoder.blocks.0.layer.0", "decoder.blocks.0.layer.1", "decoder.blocks.1.layer.0", "decoder.blocks.1.layer.1"}
+        "decoder",
+        "decoder.blocks.0.layer.0",
+        "decoder.blocks.0.layer.1",
+        "decoder.blocks.1.layer.0",
+        "decoder.blocks.1.layer.1",
+    }

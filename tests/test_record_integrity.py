@@ -42,6 +42,7 @@ def graphs_by_size(task: Path) -> list[str]:
 async def _mcp_prechecks(workspace: Path, task: Path, graphs: list[str], errlog) -> list[bool]:
     errors: list[bool] = []
     async with connect(workspace, errlog=errlog) as client:
+
         async def one(graph: str) -> None:
             outcome = await client.call("precheck_ops", {"task": str(task), "candidate": graph})
             errors.append(outcome.is_error)
@@ -67,12 +68,32 @@ def test_concurrent_cli_and_mcp_writers_keep_every_result(tiny_adaptation, tmp_p
     cli_graphs, mcp_graphs = graphs[:WRITERS_CLI], graphs[WRITERS_CLI:]
     script = REPO / "skills" / "onnx-atc-pipeline" / "scripts" / "precheck_ops.py"
     # Half through `omskills tool`, half through the script itself: both are ways users call tools.
-    cli = [subprocess.Popen([sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
-                             "tool", "precheck_ops", "--task", str(task), "--candidate", g],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) if i % 2 == 0 else
-           subprocess.Popen([sys.executable, str(script), "--task", str(task), "--candidate", g],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i, g in enumerate(cli_graphs)]
+    cli = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from omskills.orchestrator.cli import main; sys.exit(main())",
+                "tool",
+                "precheck_ops",
+                "--task",
+                str(task),
+                "--candidate",
+                g,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if i % 2 == 0
+        else subprocess.Popen(
+            [sys.executable, str(script), "--task", str(task), "--candidate", g],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, g in enumerate(cli_graphs)
+    ]
     with (tmp_path / "server.stderr").open("w") as errlog:
         mcp_errors = anyio.run(_mcp_prechecks, run, task, mcp_graphs, errlog)
     outs = [p.communicate(timeout=600) for p in cli]
@@ -188,8 +209,12 @@ def test_a_copied_run_folder_works_on_its_own_files(tiny_adaptation, tmp_path):
     shutil.rmtree(original / "onnx")
     task = copy / "task.yaml"
     graph = graphs_by_size(task)[0]
-    for name, args in [("optimize_onnx", ["--candidate", graph]), ("probe_onnx", ["--candidate", graph]),
-                       ("precheck_ops", ["--candidate", graph]), ("convert_atc", ["--candidate", graph])]:
+    for name, args in [
+        ("optimize_onnx", ["--candidate", graph]),
+        ("probe_onnx", ["--candidate", graph]),
+        ("precheck_ops", ["--candidate", graph]),
+        ("convert_atc", ["--candidate", graph]),
+    ]:
         result = tool(name, task, *args)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
     text = task.read_text()
@@ -274,6 +299,9 @@ def _umask() -> int:
 
 @pytest.mark.parametrize("section", ["intake", "contracts"])
 def test_stages_are_written_after_the_results_they_summarise(tiny_adaptation, section):
-    keys = [line.split(":")[0] for line in (tiny_adaptation / "task.yaml").read_text().splitlines()
-            if line and line[0].isalpha()]
+    keys = [
+        line.split(":")[0]
+        for line in (tiny_adaptation / "task.yaml").read_text().splitlines()
+        if line and line[0].isalpha()
+    ]
     assert keys[-1] == "stages" and keys.index(section) < keys.index("stages")

@@ -48,11 +48,17 @@ def fake_checkout(root: Path) -> Path:
 
 
 def omskills_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from omskills.orchestrator.cli import main; sys.exit(main())", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 # -- where the checkout comes from ---------------------------------------------------------
+
 
 def test_family_sam31_gets_the_multiplex_driver_through_its_entry_point():
     assert isinstance(family_driver("sam3.1"), Sam31Driver)
@@ -108,7 +114,9 @@ def test_the_checkout_goes_first_on_sys_path(tmp_path, monkeypatch):
 
 def test_cli_without_a_checkout_fails_in_one_line_naming_clone_field_and_variable(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != SOURCE_ENV}
-    result = omskills_cli("main-path", str(TASK), "--scale", "tiny", "--frames", "1", "--out", str(tmp_path / "out"), env=env)
+    result = omskills_cli(
+        "main-path", str(TASK), "--scale", "tiny", "--frames", "1", "--out", str(tmp_path / "out"), env=env
+    )
     assert result.returncode != 0
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("omskills: error:")]
     assert len(error_lines) == 1, result.stderr[-2000:]
@@ -117,6 +125,7 @@ def test_cli_without_a_checkout_fails_in_one_line_naming_clone_field_and_variabl
 
 
 # -- portability pieces SAM 3.1 needs ---------------------------------------------------------
+
 
 def _import_from_model_source(source: Path, module_name: str, body: str) -> ModuleType:
     (source / f"{module_name}.py").write_text(textwrap.dedent(body))
@@ -132,9 +141,15 @@ def test_a_missing_module_imported_by_the_model_gets_a_stand_in_and_a_finding(tm
     stand_in = ModuleType("omskills_absent_lib")
     stand_in.answer = 42
     portability = DevicePortability("cpu", tmp_path)
-    portability.watch_import(WatchedImport("omskills_absent_lib", "absent_lib", "not on this host", lambda: {"omskills_absent_lib": stand_in}))
+    portability.watch_import(
+        WatchedImport(
+            "omskills_absent_lib", "absent_lib", "not on this host", lambda: {"omskills_absent_lib": stand_in}
+        )
+    )
     with portability:
-        module = _import_from_model_source(tmp_path, "model_a", "import os\nimport omskills_absent_lib\nVALUE = omskills_absent_lib.answer\n")
+        module = _import_from_model_source(
+            tmp_path, "model_a", "import os\nimport omskills_absent_lib\nVALUE = omskills_absent_lib.answer\n"
+        )
     assert module.VALUE == 42
     assert "omskills_absent_lib" not in sys.modules  # the stand-in lives only while the layer is active
     [finding] = portability.findings()
@@ -144,7 +159,9 @@ def test_a_missing_module_imported_by_the_model_gets_a_stand_in_and_a_finding(tm
 
 def test_an_installed_watched_module_is_recorded_and_left_alone(tmp_path):
     portability = DevicePortability("cpu", tmp_path)
-    portability.watch_import(WatchedImport("json", "json_kind", "watched for the test", lambda: pytest.fail("json is installed")))
+    portability.watch_import(
+        WatchedImport("json", "json_kind", "watched for the test", lambda: pytest.fail("json is installed"))
+    )
     with portability:
         module = _import_from_model_source(tmp_path, "model_b", "import json\nDUMPS = json.dumps\n")
     assert module.DUMPS is json.dumps
@@ -187,17 +204,22 @@ def test_fp32_addmm_act_is_the_fused_op_in_fp32(activation):
     linear = torch.nn.Linear(24, 40)
     x = torch.randn(2, 5, 24)
     used, y = _fp32_addmm_act(lambda *a: pytest.fail("the bf16 original must not run"))(activation, linear, x)
-    fused = torch.ops.aten._addmm_activation(linear.bias, x.view(-1, 24), linear.weight.t(), use_gelu=activation is torch.nn.GELU)
+    fused = torch.ops.aten._addmm_activation(
+        linear.bias, x.view(-1, 24), linear.weight.t(), use_gelu=activation is torch.nn.GELU
+    )
     assert used and y.dtype == torch.float32
     torch.testing.assert_close(y, fused.view(2, 5, 40), rtol=0, atol=1e-6)
 
 
 # -- verification settings on toy inputs -----------------------------------------------------
 
+
 def test_forced_detections_keep_exactly_the_top_k_of_the_prompted_frame_only():
     model = SimpleNamespace(score_threshold_detection=0.4, new_det_thresh=0.65)
     forced = MultiplexForcedDetections(model, k=2, prompt_frame=0)
-    nothing_kept = lambda pred_probs, pred_masks, prob_threshold, iou_threshold, **_: torch.zeros_like(pred_probs, dtype=torch.bool)
+    nothing_kept = lambda pred_probs, pred_masks, prob_threshold, iou_threshold, **_: torch.zeros_like(
+        pred_probs, dtype=torch.bool
+    )
     probs = torch.tensor([[0.10, 0.30, 0.20, 0.05], [0.9, 0.8, 0.7, 0.6]])
     nms = forced._nms(nothing_kept)
     forced._nms_frames = [0, 1]  # a batched chunk: rows are frames 0 and 1
@@ -213,7 +235,9 @@ def test_forced_detections_lower_thresholds_only_while_detecting_the_prompted_fr
     forced = MultiplexForcedDetections(model, k=2)
     forced.forced_threshold[0] = 0.2
     seen = []
-    detect = forced._detection(lambda **kw: seen.append((kw["frame_idx"], model.score_threshold_detection, model.new_det_thresh)))
+    detect = forced._detection(
+        lambda **kw: seen.append((kw["frame_idx"], model.score_threshold_detection, model.new_det_thresh))
+    )
     detect(frame_idx=0)
     detect(frame_idx=1)
     assert seen == [(0, 0.2, 0.2), (1, 0.4, 0.65)]
@@ -229,7 +253,9 @@ def test_keep_objects_visible_takes_the_absolute_visibility_logit_of_both_decode
 
 def test_start_session_keywords_the_multiplex_init_state_lacks_are_dropped():
     calls = []
-    model = SimpleNamespace(init_state=lambda resource_path, offload_video_to_cpu=False: calls.append((resource_path, offload_video_to_cpu)))
+    model = SimpleNamespace(
+        init_state=lambda resource_path, offload_video_to_cpu=False: calls.append((resource_path, offload_video_to_cpu))
+    )
     with _init_state_accepting_known_kwargs(model) as dropped:
         model.init_state(resource_path="frames", offload_video_to_cpu=True, offload_state_to_cpu=False)
     assert calls == [("frames", True)] and dropped == {"offload_state_to_cpu"}
@@ -237,10 +263,16 @@ def test_start_session_keywords_the_multiplex_init_state_lacks_are_dropped():
 
 # -- source limits behind the propagation candidates' shapes ------------------------------
 
+
 def _built_model(max_num_objects=16, stride=1):
-    tracker = SimpleNamespace(multiplex_controller=SimpleNamespace(multiplex_count=16), sam_image_embedding_size=72,
-                              num_maskmem=7, max_obj_ptrs_in_encoder=16, max_cond_frames_in_attn=4,
-                              memory_temporal_stride_for_eval=stride)
+    tracker = SimpleNamespace(
+        multiplex_controller=SimpleNamespace(multiplex_count=16),
+        sam_image_embedding_size=72,
+        num_maskmem=7,
+        max_obj_ptrs_in_encoder=16,
+        max_cond_frames_in_attn=4,
+        memory_temporal_stride_for_eval=stride,
+    )
     root = SimpleNamespace(max_num_objects=max_num_objects, tracker=SimpleNamespace(model=tracker))
     return SimpleNamespace(root=root)
 
@@ -249,15 +281,22 @@ def test_bucket_count_follows_max_num_objects_over_multiplex_count():
     limits = Sam31Driver().source_limits(_built_model(max_num_objects=40))
     [decoder_buckets] = limits["mask_decoder"]
     assert (decoder_buckets.quantity, decoder_buckets.low, decoder_buckets.high) == ("num_buckets", 1, 3)
-    assert {d.input for d in decoder_buckets.dims} == {"image_embeddings", "high_res_features_0",
-                                                         "high_res_features_1", "extra_per_object_embeddings"}
+    assert {d.input for d in decoder_buckets.dims} == {
+        "image_embeddings",
+        "high_res_features_0",
+        "high_res_features_1",
+        "extra_per_object_embeddings",
+    }
     assert Sam31Driver().source_limits(_built_model())["mask_memory_encoder"][0].high == 1  # 16 objects: 1 bucket
 
 
 def test_memory_length_grows_by_image_tokens_per_frame_and_16_tokens_per_pointer_frame():
-    limits = {getattr(q, "quantity", "schedule"): q for q in Sam31Driver().source_limits(_built_model())["memory_attention"]}
+    limits = {
+        getattr(q, "quantity", "schedule"): q for q in Sam31Driver().source_limits(_built_model())["memory_attention"]
+    }
     assert {(d.input, d.scale) for d in limits["memory_frames"].dims} == {
-        (name, 72 * 72) for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")}
+        (name, 72 * 72) for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")
+    }
     assert {(d.input, d.scale) for d in limits["object_pointer_frames"].dims} == {("memory", 16), ("memory_pos", 16)}
     rows = limits["schedule"].rows
     assert rows[:3] == [[1, 1], [2, 2], [3, 3]] and rows[6:8] == [[7, 7], [7, 8]] and rows[-1] == [7, 16]
@@ -268,15 +307,20 @@ def test_memory_length_grows_by_image_tokens_per_frame_and_16_tokens_per_pointer
 
 # -- opt-in: tiny SAM 3.1 on CPU -------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_31_adaptation(tmp_path_factory) -> Path:
     """`omskills adapt` on tiny SAM 3.1 (the record's 4 frames) in a fresh process: the run folder."""
     source = os.environ.get(SOURCE_ENV)
     if not source:
-        pytest.skip(f"{SOURCE_ENV} is not set: point it at a SAM 3.1 checkout "
-                    "(git clone https://github.com/facebookresearch/sam3) to run the SAM 3.1 tests")
+        pytest.skip(
+            f"{SOURCE_ENV} is not set: point it at a SAM 3.1 checkout "
+            "(git clone https://github.com/facebookresearch/sam3) to run the SAM 3.1 tests"
+        )
     out = tmp_path_factory.mktemp("sam31") / "adapt"
-    result = omskills_cli("adapt", str(TASK), "--scale", "tiny", "--out", str(out), env={**os.environ, SOURCE_ENV: source})
+    result = omskills_cli(
+        "adapt", str(TASK), "--scale", "tiny", "--out", str(out), env={**os.environ, SOURCE_ENV: source}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -297,14 +341,17 @@ def test_tiny_31_tracks_objects_on_every_frame(tiny_31_main_path):
 
 
 @pytest.mark.sam31
-@pytest.mark.parametrize("file, kind", [
-    ("model/sam3_multiplex_base.py", "cuda_query"),  # CUDA device query at import time
-    ("model/sam3_multiplex_tracking.py", "pin_memory"),  # pin_memory=True kwargs
-    ("model/vitdet.py", "bf16_cast"),  # ViT MLP addmm_act bf16 path
-    ("model/edt.py", "triton"),
-    ("model_builder.py", "pkg_resources"),
-    ("model_builder.py", "cuda_call"),  # demo_model.cuda()
-])
+@pytest.mark.parametrize(
+    "file, kind",
+    [
+        ("model/sam3_multiplex_base.py", "cuda_query"),  # CUDA device query at import time
+        ("model/sam3_multiplex_tracking.py", "pin_memory"),  # pin_memory=True kwargs
+        ("model/vitdet.py", "bf16_cast"),  # ViT MLP addmm_act bf16 path
+        ("model/edt.py", "triton"),
+        ("model_builder.py", "pkg_resources"),
+        ("model_builder.py", "cuda_call"),  # demo_model.cuda()
+    ],
+)
 def test_tiny_31_portability_findings_name_the_31_sites(tiny_31_main_path, file, kind):
     sites = [(f["file"], f["line"]) for f in tiny_31_main_path["portability_findings"] if f["kind"] == kind]
     assert any(site_file == file and line > 0 for site_file, line in sites), sites

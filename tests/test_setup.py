@@ -43,8 +43,9 @@ def one_tool_skills(tmp_path_factory) -> Path:
     skill = tmp_path_factory.mktemp("skills") / "drivers-only"
     (skill / "scripts").mkdir(parents=True)
     shutil.copy2(skills_root() / "om-deployer" / "scripts" / "list_drivers.py", skill / "scripts")
-    (skill / "SKILL.md").write_text("---\nname: drivers-only\ndescription: Lists model drivers. Tests only.\n---\n\n"
-                                    "Call `list_drivers`.\n")
+    (skill / "SKILL.md").write_text(
+        "---\nname: drivers-only\ndescription: Lists model drivers. Tests only.\n---\n\nCall `list_drivers`.\n"
+    )
     return skill.parent
 
 
@@ -86,16 +87,29 @@ def test_before_the_install_the_launcher_says_what_to_do(tmp_path):
     shutil.copy2(REPO / "scripts" / "omskills-mcp", clone / "scripts" / "omskills-mcp")
     server = _mcp_json_server()
     bare_path = os.pathsep.join(p for p in ("/usr/bin", "/bin") if not (Path(p) / "omskills").exists())
-    result = subprocess.run([server["command"], *server["args"]], cwd=clone / "docs", capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, env={"PATH": bare_path, "HOME": str(tmp_path)}, timeout=60)
+    result = subprocess.run(
+        [server["command"], *server["args"]],
+        cwd=clone / "docs",
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={"PATH": bare_path, "HOME": str(tmp_path)},
+        timeout=60,
+    )
     assert result.returncode == 1 and result.stdout == ""  # stdout is the protocol's
     assert f"omskills is not installed: run `make install` in {clone}" in result.stderr, result.stderr
 
 
 def test_the_project_mcp_json_copied_outside_a_checkout_says_what_to_run(tmp_path):
     server = _mcp_json_server()
-    result = subprocess.run([server["command"], *server["args"]], cwd=tmp_path, capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, timeout=60)
+    result = subprocess.run(
+        [server["command"], *server["args"]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
     assert result.returncode == 1 and result.stdout == ""
     [line] = result.stderr.splitlines()
     assert f"{tmp_path} is not inside one" in line and "omskills install-client claude-code" in line
@@ -200,15 +214,20 @@ def test_install_client_cli_exits_non_zero_naming_force(tmp_path):
 
 
 def test_version_comes_from_the_package_metadata_without_heavy_imports():
-    probe = ("import sys; from omskills.orchestrator.cli import main\n"
-             "try:\n    main(['--version'])\nexcept SystemExit as done:\n    code = done.code\n"
-             "print('heavy:', sorted(m for m in ('torch', 'numpy', 'mcp', 'onnx', 'anthropic') if m in sys.modules), code)")
+    probe = (
+        "import sys; from omskills.orchestrator.cli import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit as done:\n    code = done.code\n"
+        "print('heavy:', sorted(m for m in ('torch', 'numpy', 'mcp', 'onnx', 'anthropic') if m in sys.modules), code)"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert result.stdout.splitlines() == [f"omskills {importlib.metadata.version('omskills')}", "heavy: [] 0"], result.stderr
+    assert result.stdout.splitlines() == [f"omskills {importlib.metadata.version('omskills')}", "heavy: [] 0"], (
+        result.stderr
+    )
 
 
 def test_main_path_says_what_it_does_from_its_first_line(tmp_path):
-    (tmp_path / "net_driver.py").write_text(textwrap.dedent('''
+    (tmp_path / "net_driver.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def build_model(spec):
@@ -216,24 +235,33 @@ def test_main_path_says_what_it_does_from_its_first_line(tmp_path):
 
         def run_main_path(model, inputs):
             return {"scores": model(torch.ones(1, 4))}
-    '''))
+    """)
+    )
     (tmp_path / "task.yaml").write_text("id: phase-lines\nintake:\n  model:\n    driver: net_driver.py\n")
     # Note whether torch was imported when the first phase line came out.
-    probe = ("import sys\nfrom omskills.orchestrator import job_commands\nshow = job_commands.PhaseLines.__call__\n"
-             "def spy(self, done, total, message):\n"
-             "    if not hasattr(spy, 'said'):\n        spy.said = print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
-             "    show(self, done, total, message)\n"
-             "job_commands.PhaseLines.__call__ = spy\n"
-             "from omskills.orchestrator.cli import main\nsys.exit(main())")
-    result = subprocess.run([sys.executable, "-c", probe, "main-path", "task.yaml", "--out", "out"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    probe = (
+        "import sys\nfrom omskills.orchestrator import job_commands\nshow = job_commands.PhaseLines.__call__\n"
+        "def spy(self, done, total, message):\n"
+        "    if not hasattr(spy, 'said'):\n        spy.said = print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+        "    show(self, done, total, message)\n"
+        "job_commands.PhaseLines.__call__ = spy\n"
+        "from omskills.orchestrator.cli import main\nsys.exit(main())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "main-path", "task.yaml", "--out", "out"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0] == "torch imported: False"
     phases = [line.split("] ", 1)[1] for line in lines if line.startswith("[")]
     assert phases[0] == "reading task.yaml and loading its model driver..."
     # Then the model's own phases (inputs, build: open_model reports them), then the main path's, last.
-    tail = phases[phases.index("running the main path: setup and step 1..."):]
+    tail = phases[phases.index("running the main path: setup and step 1...") :]
     assert tail[:2] == ["running the main path: setup and step 1...", "running the main path: step 1 done"], phases
     assert len(tail) == 3 and tail[2].startswith("main path done (1 step(s) in "), phases
     assert tail[2].endswith("); writing outputs and pictures to out..."), phases

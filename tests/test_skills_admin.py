@@ -33,12 +33,17 @@ def skills_copy(tmp_path: Path) -> Path:
 
 
 def test_new_skill_is_served_and_callable_with_no_other_change(skills_copy, tmp_path):
-    made = omskills("new-skill", "demo-model", "--description", "Demo: adapt the demo model.", "--skills-dir", str(skills_copy))
+    made = omskills(
+        "new-skill", "demo-model", "--description", "Demo: adapt the demo model.", "--skills-dir", str(skills_copy)
+    )
     assert made.returncode == 0, made.stderr
     folder = skills_copy / "demo-model"
     tool = "demo_model_task_summary"
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
-        "SKILL.md", "references/README.md", f"scripts/{tool}.py", f"tests/test_{tool}.py",
+        "SKILL.md",
+        "references/README.md",
+        f"scripts/{tool}.py",
+        f"tests/test_{tool}.py",
     ]
     workspace = tmp_path / "ws"
     task = write_task_record(workspace / "task.yaml", record_id="demo")
@@ -60,8 +65,12 @@ def test_the_scaffold_passes_the_gate_and_its_own_tests(tmp_path):
     report = validate_skills([created.folder])
     assert report.ok, report.problems
     assert (report.skills, report.tools) == (["demo-model"], 1)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(created.folder / "tests")],
-                           capture_output=True, text=True, timeout=300)
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(created.folder / "tests")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert tests.returncode == 0, tests.stdout + tests.stderr
     assert "2 passed" in tests.stdout
 
@@ -90,42 +99,61 @@ def _break_frontmatter_name(skill: Path) -> None:
 
 
 def _untyped_parameter(skill: Path) -> None:
-    write_tool(skill, "demo_model_task_summary", '''
+    write_tool(
+        skill,
+        "demo_model_task_summary",
+        '''
         def demo_model_task_summary(task) -> dict:
             """Summarise."""
             return {}
-        ''')
+        ''',
+    )
 
 
 def _untyped_return(skill: Path) -> None:
-    write_tool(skill, "demo_model_task_summary", '''
+    write_tool(
+        skill,
+        "demo_model_task_summary",
+        '''
         def demo_model_task_summary(task: str):
             """Summarise."""
             return {}
-        ''')
+        ''',
+    )
 
 
 def _no_docstring(skill: Path) -> None:
-    write_tool(skill, "demo_model_task_summary", '''
+    write_tool(
+        skill,
+        "demo_model_task_summary",
+        """
         from omskills.host.toolkit import TaskPath, tool_hints
 
         @tool_hints(title="Summarise", read_only=True)
         def demo_model_task_summary(task: TaskPath) -> dict:
             return {}
-        ''')
+        """,
+    )
 
 
 def _duplicate_tool_name(skill: Path) -> None:
     other = new_skill("other-model", None, skill.parent)
-    write_tool(other.folder, "demo_model_task_summary", '''
+    write_tool(
+        other.folder,
+        "demo_model_task_summary",
+        '''
         def demo_model_task_summary(task: str) -> dict:
             """Same name as demo-model's tool."""
             return {}
-        ''')
+        ''',
+    )
 
 
 def _unnamed_in_skill_md(skill: Path) -> None:
-    write_tool(skill, "extra_tool", '''
+    write_tool(
+        skill,
+        "extra_tool",
+        '''
         from typing import Annotated
 
         from pydantic import Field
@@ -136,7 +164,8 @@ def _unnamed_in_skill_md(skill: Path) -> None:
         def extra_tool(x: Annotated[int, Field(description="A number.")]) -> int:
             """A tool SKILL.md never mentions."""
             return x
-        ''')
+        ''',
+    )
 
 
 def _invalid_tool_name(skill: Path) -> None:
@@ -153,7 +182,11 @@ BREAKAGES = {
     "untyped parameter": (_untyped_parameter, "demo_model_task_summary.py", "parameter 'task' has no type annotation"),
     "untyped return": (_untyped_return, "demo_model_task_summary.py", "the return type is not annotated"),
     "missing docstring": (_no_docstring, "demo_model_task_summary.py", "has no docstring"),
-    "duplicate tool name": (_duplicate_tool_name, "demo_model_task_summary.py", "tool name 'demo_model_task_summary' is also defined in"),
+    "duplicate tool name": (
+        _duplicate_tool_name,
+        "demo_model_task_summary.py",
+        "tool name 'demo_model_task_summary' is also defined in",
+    ),
     "SKILL.md not naming a tool": (_unnamed_in_skill_md, "SKILL.md", "does not name the tool 'extra_tool'"),
     "invalid tool name": (_invalid_tool_name, "bad.name.py", "is not valid for MCP/Anthropic"),
     "CLI --help failing": (_help_fails, "demo_model_task_summary.py", "--help` failed (exit 3)"),
@@ -190,14 +223,19 @@ def test_install_skills_copies_skill_md_references_and_scripts(tmp_path):
     target = tmp_path / "claude" / "skills"
     assert install_skills(target, source).installed == [target / "demo-model"]
     installed = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
-    assert installed == ["demo-model/.omskills-install.json", "demo-model/SKILL.md", "demo-model/references/README.md",
-                         "demo-model/scripts/demo_model_task_summary.py"]
+    assert installed == [
+        "demo-model/.omskills-install.json",
+        "demo-model/SKILL.md",
+        "demo-model/references/README.md",
+        "demo-model/scripts/demo_model_task_summary.py",
+    ]
     # An update of the source reaches an install nobody edited, without --force; the rest is not touched.
     (source / "demo-model" / "references" / "README.md").write_text("# Updated upstream\n")
     os.utime(target / "demo-model" / "SKILL.md", ns=(1, 1))  # copying it again would restore the source's time
     update = install_skills(target, source)
     assert update.written and [(c.path.name, c.change, c.local_edit) for c in update.skills[0].changes] == [
-        ("README.md", "update", False)]
+        ("README.md", "update", False)
+    ]
     assert (target / "demo-model" / "references" / "README.md").read_text() == "# Updated upstream\n"
     assert (target / "demo-model" / "SKILL.md").stat().st_mtime_ns == 1
     # A folder that is not a skill is left alone.
@@ -219,7 +257,10 @@ def test_install_skills_never_overwrites_local_edits_silently(tmp_path):
 
     refused = install_skills(target, source)
     assert not refused.written and refused.installed == []
-    assert sorted((c.path.name, c.change) for c in refused.local_edits) == [("SKILL.md", "update"), ("mine.py", "remove")]
+    assert sorted((c.path.name, c.change) for c in refused.local_edits) == [
+        ("SKILL.md", "update"),
+        ("mine.py", "remove"),
+    ]
     assert "My own note." in skill_md.read_text() and (target / "demo-model" / "scripts" / "mine.py").exists()
     diff = next(c.diff for c in refused.local_edits if c.path == skill_md)
     assert diff.startswith(f"--- {skill_md} (installed)\n+++ {skill_md} (omskills ") and "\n-My own note.\n" in diff
@@ -233,12 +274,21 @@ def test_install_skills_never_overwrites_local_edits_silently(tmp_path):
 def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "HOME": str(home)}
-    run = lambda *args: subprocess.run([*CLI, "install-skills", *args], capture_output=True, text=True, timeout=300,  # noqa: E731
-                                       env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    run = lambda *args: subprocess.run(
+        [*CLI, "install-skills", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,  # noqa: E731
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
     first = run("--user")
     assert first.returncode == 0, first.stderr
     installed = home / ".claude" / "skills"
-    assert sorted(p.name for p in installed.iterdir()) == sorted(p.name for p in skills_root().iterdir() if (p / "SKILL.md").is_file())
+    assert sorted(p.name for p in installed.iterdir()) == sorted(
+        p.name for p in skills_root().iterdir() if (p / "SKILL.md").is_file()
+    )
     skill_md = installed / "om-deployer" / "SKILL.md"
     assert "## Running the scripts" in skill_md.read_text()  # the installed skills say how to run their tools
     assert run("--user").stdout.count("already up to date") == len(list(installed.iterdir()))
@@ -257,5 +307,7 @@ def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
     skill_md.write_text(skill_md.read_text().replace("## Running the scripts", "## Scripts (older wording)"))
     older = run("--user")
     assert older.returncode == 1 and "local edits" not in older.stderr
-    assert older.stderr.strip() == (f"omskills: error: {skill_md.parent} installed by an older omskills (no install manifest, "
-                                    "diff above): nothing was installed; rerun with --force to update")
+    assert older.stderr.strip() == (
+        f"omskills: error: {skill_md.parent} installed by an older omskills (no install manifest, "
+        "diff above): nothing was installed; rerun with --force to update"
+    )

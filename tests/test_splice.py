@@ -133,12 +133,16 @@ def test_a_shape_strategy_decides_which_sizes_the_backend_takes(host, contract, 
             host(torch.randn(batch, 4))
     [stats] = handle.stats()
     assert (stats.backend_calls, stats.fallbacks) == (2, 1)
-    assert stats.fallback_reasons == ["dynamic dims x[0]=2, pair_0[0]=2, pair_1[0]=2 match no dynamic_batch_size gear "
-                                      "of [[3], [8]]"]
+    assert stats.fallback_reasons == [
+        "dynamic dims x[0]=2, pair_0[0]=2, pair_1[0]=2 match no dynamic_batch_size gear of [[3], [8]]"
+    ]
 
-    ranges = ShapeStrategy(kind="dynamic_shape", input_shapes=shapes,
-                           ranges={name: [[1, 4], [shape[1], shape[1]]] for name, shape in shapes.items()},
-                           rationale="test")
+    ranges = ShapeStrategy(
+        kind="dynamic_shape",
+        input_shapes=shapes,
+        ranges={name: [[1, 4], [shape[1], shape[1]]] for name, shape in shapes.items()},
+        rationale="test",
+    )
     with splice(host, [(contract, double)], strategies={"head": ranges}) as handle, torch.no_grad():
         for batch in (1, 4, 5):
             host(torch.randn(batch, 4))

@@ -96,7 +96,8 @@ def test_the_link_time_is_predicted_from_calls_and_bytes_and_hand_offs_on_the_de
     assert report.handed_in_per_step == pytest.approx(handed, abs=0.1)
     kept_on_device = 6 - 1 / 3
     assert report.predicted_link_s_per_step_handed_off == pytest.approx(
-        kept_on_device * 100e-6 + (crossing - handed) / 10e9, abs=1e-6)
+        kept_on_device * 100e-6 + (crossing - handed) / 10e9, abs=1e-6
+    )
     shared_memory = traffic_report(handle.traffic.steps(), link.model_copy(update={"bandwidth_gb_s": None}))
     assert shared_memory.predicted_link_s_per_step == pytest.approx(6 * 100e-6, abs=1e-9)
     assert [(g.graph, g.calls) for g in report.per_graph] == [("enc", 3), ("dec", 3)]
@@ -147,10 +148,20 @@ def test_graphs_called_unequally_or_fed_by_several_graphs_are_not_proposed():
 
     def graph(name, calls, handed_from=None):
         handed = handed_from or {}
-        return GraphTraffic(graph=name, calls=calls, bytes_in=sum(handed.values()) or 8, bytes_out=8,
-                            handed_in=sum(handed.values()), handed_from=handed)
+        return GraphTraffic(
+            graph=name,
+            calls=calls,
+            bytes_in=sum(handed.values()) or 8,
+            bytes_out=8,
+            handed_in=sum(handed.values()),
+            handed_from=handed,
+        )
 
-    steps = [StepTraffic(step=0, graphs=[graph("a", 1), graph("b", 1), graph("c", 3, {"a": 8}), graph("d", 1, {"a": 8, "b": 8})])]
+    steps = [
+        StepTraffic(
+            step=0, graphs=[graph("a", 1), graph("b", 1), graph("c", 3, {"a": 8}), graph("d", 1, {"a": 8, "b": 8})]
+        )
+    ]
     merges = {m.graph: m for m in traffic_report(steps, _link()).merges}
     assert not merges["c"].mergeable and merges["c"].reason == "called 3 times against 1 calls of a"
     assert not merges["d"].mergeable and merges["d"].reason.startswith("fed by several graphs (a, b)")
@@ -194,15 +205,24 @@ def onnx_pair(onnx_pair_folder):
     with torch.no_grad():
         first, second = capture_contracts(host, {"first": "first", "second": "second"}, lambda: host(x))
     for contract, module in ((first, host.first), (second, host.second)):
-        torch.onnx.export(module, (x,), str(folder / f"{contract.candidate}.onnx"), dynamo=False,
-                          input_names=[contract.inputs[0].name], output_names=[contract.outputs[0].name])
+        torch.onnx.export(
+            module,
+            (x,),
+            str(folder / f"{contract.candidate}.onnx"),
+            dynamo=False,
+            input_names=[contract.inputs[0].name],
+            output_names=[contract.outputs[0].name],
+        )
     backends = {name: open_backend(folder / f"{name}.onnx", "onnxruntime") for name in ("first", "second")}
     return host, x, (first, second), backends
 
 
 def _run_pair(onnx_pair, resident: bool, glue: bool = False):
     host, x, (first, second), backends = onnx_pair
-    with splice(host, [(first, backends["first"]), (second, backends["second"])], resident=resident) as handle, torch.no_grad():
+    with (
+        splice(host, [(first, backends["first"]), (second, backends["second"])], resident=resident) as handle,
+        torch.no_grad(),
+    ):
         results = []
         for index in range(3):
             results.append(host(x, glue).clone())
@@ -223,7 +243,10 @@ def test_an_output_read_unchanged_by_the_next_graph_is_handed_on_as_the_sessions
     torch.testing.assert_close(resident[0], x * 3.0 - 1.0)
     # Everything else counted as before: calls, copies and bytes that would cross a link.
     assert (report.calls_per_step, report.copies_per_step, report.bytes_per_step) == (
-        plain.calls_per_step, plain.copies_per_step, plain.bytes_per_step)
+        plain.calls_per_step,
+        plain.copies_per_step,
+        plain.bytes_per_step,
+    )
 
 
 def test_an_output_the_host_computed_on_is_given_as_a_host_array(onnx_pair):
@@ -272,7 +295,11 @@ def test_a_graph_reading_its_own_previous_output_counts_it_as_a_hand_off_but_pro
     torch.testing.assert_close(result, x * 27.0)
     report = traffic_report(handle.traffic.steps(), _link())
     [graph] = report.per_graph
-    assert graph.handed_from == {"first": 2 * x.nbytes} and graph.resident_copies == 2 and graph.resident_in == 2 * x.nbytes
+    assert (
+        graph.handed_from == {"first": 2 * x.nbytes}
+        and graph.resident_copies == 2
+        and graph.resident_in == 2 * x.nbytes
+    )
     [merge] = report.merges
     assert not merge.mergeable and merge.upstream is None and "its own earlier outputs" in merge.reason
 
@@ -280,7 +307,9 @@ def test_a_graph_reading_its_own_previous_output_counts_it_as_a_hand_off_but_pro
 # --------------------------------------------------------------------------- merged graphs
 
 
-def test_a_graph_fed_only_by_anothers_unchanged_outputs_runs_inside_its_call_once_merged(onnx_pair, onnx_pair_folder, tmp_path):
+def test_a_graph_fed_only_by_anothers_unchanged_outputs_runs_inside_its_call_once_merged(
+    onnx_pair, onnx_pair_folder, tmp_path
+):
     from omskills.convert.compose import compose_chain, composed_prefix
     from omskills.runtime import open_backend
 
@@ -291,8 +320,12 @@ def test_a_graph_fed_only_by_anothers_unchanged_outputs_runs_inside_its_call_onc
     assert proposal.io_map == {second.inputs[0].name: first.outputs[0].name}
 
     prefix = composed_prefix("second")
-    outputs = compose_chain([onnx_pair_folder / "first.onnx", onnx_pair_folder / "second.onnx"], ["first", "second"],
-                            [proposal.io_map], tmp_path / "first_to_second.onnx")
+    outputs = compose_chain(
+        [onnx_pair_folder / "first.onnx", onnx_pair_folder / "second.onnx"],
+        ["first", "second"],
+        [proposal.io_map],
+        tmp_path / "first_to_second.onnx",
+    )
     assert outputs == [first.outputs[0].name, prefix + second.outputs[0].name]
     composed = open_backend(tmp_path / "first_to_second.onnx", "onnxruntime")
     for glue, answered in ((False, 3), (True, 0)):
@@ -322,13 +355,30 @@ def test_mergeable_graphs_link_into_chains_and_a_graph_runs_inside_one_others_ca
     from omskills.stages.merged_graphs import merge_chains
 
     def proposal(graph, upstream, mergeable=True):
-        return MergeProposal(graph=graph, upstream=upstream, mergeable=mergeable, reason="",
-                             io_map={"x": f"{upstream}_out"} if mergeable else {})
+        return MergeProposal(
+            graph=graph,
+            upstream=upstream,
+            mergeable=mergeable,
+            reason="",
+            io_map={"x": f"{upstream}_out"} if mergeable else {},
+        )
 
-    chains, not_taken = merge_chains([proposal("a", None, False), proposal("b", "a"), proposal("c", "b"),
-                                      proposal("d", "c"), proposal("e", "b"), proposal("g", "f"),
-                                      proposal("q", "p"), proposal("p", "q")])  # p and q: a loop, no first member
-    assert chains == [(["a", "b", "c", "d"], [{"x": "a_out"}, {"x": "b_out"}, {"x": "c_out"}]), (["f", "g"], [{"x": "f_out"}])]
+    chains, not_taken = merge_chains(
+        [
+            proposal("a", None, False),
+            proposal("b", "a"),
+            proposal("c", "b"),
+            proposal("d", "c"),
+            proposal("e", "b"),
+            proposal("g", "f"),
+            proposal("q", "p"),
+            proposal("p", "q"),
+        ]
+    )  # p and q: a loop, no first member
+    assert chains == [
+        (["a", "b", "c", "d"], [{"x": "a_out"}, {"x": "b_out"}, {"x": "c_out"}]),
+        (["f", "g"], [{"x": "f_out"}]),
+    ]
     assert not_taken == {"e": "b already runs c inside its calls"}
 
 
@@ -338,7 +388,9 @@ def test_a_chain_with_a_graph_run_in_batch_chunks_is_not_composed(tmp_path):
     from omskills.records.toolchain import BatchSplit
     from omskills.stages.merged_graphs import _composed
 
-    chunked = {"b": BatchSplit(max_batch=2, input_axes={"x": 0}, output_axes={"y": 0}, reason="the whole batch does not fit")}
+    chunked = {
+        "b": BatchSplit(max_batch=2, input_axes={"x": 0}, output_axes={"y": 0}, reason="the whole batch does not fit")
+    }
     record = SimpleNamespace(batch_split_of=chunked.get)
     graph = _composed(record, tmp_path, ["a", "b"], [{"x": "y"}])
     assert graph.status == "refused" and graph.reason.startswith("b run(s) the batch in chunks on the CPU")

@@ -78,14 +78,22 @@ def test_every_tool_has_a_title_and_annotations(listed):
         assert tool.title, name
         assert tool.annotations is not None, name
         assert tool.annotations.title == tool.title, name
-        flags = (tool.annotations.read_only_hint, tool.annotations.destructive_hint,
-                 tool.annotations.idempotent_hint, tool.annotations.open_world_hint)
+        flags = (
+            tool.annotations.read_only_hint,
+            tool.annotations.destructive_hint,
+            tool.annotations.idempotent_hint,
+            tool.annotations.open_world_hint,
+        )
         assert all(isinstance(flag, bool) for flag in flags), (name, flags)
 
 
 def test_every_input_parameter_has_a_description(listed):
-    missing = [f"{name}.{param}" for name, tool in listed.items()
-               for param, schema in tool.input_schema.get("properties", {}).items() if not schema.get("description")]
+    missing = [
+        f"{name}.{param}"
+        for name, tool in listed.items()
+        for param, schema in tool.input_schema.get("properties", {}).items()
+        if not schema.get("description")
+    ]
     assert not missing
 
 
@@ -99,17 +107,20 @@ def _enum(schema: dict[str, Any]) -> list[Any] | None:
     return _enum(schema["items"]) if "items" in schema else None
 
 
-@pytest.mark.parametrize(("tool", "param", "values"), [
-    ("convert_atc", "precision_mode", list(PRECISION_MODES)),
-    ("precheck_ops", "soc", list(KNOWN_SOCS)),
-    ("emulate_precision", "modes", list(get_args(EmulatedMode))),
-    ("compare_layers", "mode", list(get_args(EmulatedMode))),
-    ("compare_layers", "against", ["emulated", "npu_dump", "pytorch"]),
-    ("export_onnx", "exporter", ["dynamo", "legacy"]),
-    ("probe_onnx", "variant", ["original", "onnxslim", "auto_optimizer"]),
-    ("verify_main_path", "precision", ["fp32", "emulated"]),
-    ("write_bundle", "artifact", ["auto", "onnx", "om"]),
-])
+@pytest.mark.parametrize(
+    ("tool", "param", "values"),
+    [
+        ("convert_atc", "precision_mode", list(PRECISION_MODES)),
+        ("precheck_ops", "soc", list(KNOWN_SOCS)),
+        ("emulate_precision", "modes", list(get_args(EmulatedMode))),
+        ("compare_layers", "mode", list(get_args(EmulatedMode))),
+        ("compare_layers", "against", ["emulated", "npu_dump", "pytorch"]),
+        ("export_onnx", "exporter", ["dynamo", "legacy"]),
+        ("probe_onnx", "variant", ["original", "onnxslim", "auto_optimizer"]),
+        ("verify_main_path", "precision", ["fp32", "emulated"]),
+        ("write_bundle", "artifact", ["auto", "onnx", "om"]),
+    ],
+)
 def test_parameters_with_known_values_carry_an_enum(listed, tool, param, values):
     assert _enum(listed[tool].input_schema["properties"][param]) == values
 
@@ -135,18 +146,29 @@ def _toy_workspace(folder: Path) -> Path:
 
     folder.mkdir(parents=True)
     (folder / "toy_driver.py").write_text(TOY_DRIVER)
-    (folder / "task.yaml").write_text("id: toy\nintake:\n  model:\n    driver: toy_driver.py\n    scale: tiny\n  inputs: {}\n")
+    (folder / "task.yaml").write_text(
+        "id: toy\nintake:\n  model:\n    driver: toy_driver.py\n    scale: tiny\n  inputs: {}\n"
+    )
     graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["n"]), helper.make_node("Abs", ["n"], ["y"])],
-        "toy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Neg", ["r"], ["n"]),
+            helper.make_node("Abs", ["n"], ["y"]),
+        ],
+        "toy",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "toy.onnx")
     return folder
 
 
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def _without_times(record_text: str) -> Any:
@@ -170,8 +192,12 @@ def test_read_only_tools_leave_every_file_as_it_was(listed, surface, tmp_path, m
     folder = _toy_workspace(tmp_path / "ws")
     monkeypatch.chdir(folder)
     task = str(folder / "task.yaml")
-    arguments = {"inspect_onnx": {"path": str(folder / "toy.onnx")}, "list_drivers": {},
-                 "validate_driver": {"task": task}, NEW_TOOL: {"task": task}}
+    arguments = {
+        "inspect_onnx": {"path": str(folder / "toy.onnx")},
+        "list_drivers": {},
+        "validate_driver": {"task": task},
+        NEW_TOOL: {"task": task},
+    }
     read_only = {name for name, t in _skill_tools(listed).items() if t.annotations.read_only_hint}
     assert read_only == set(arguments), "a read-only tool without a case here: add one"
     scripts = {p.stem: p for p in (surface / "skills").glob("*/scripts/*.py")}
@@ -227,9 +253,12 @@ def test_every_tool_result_describes_its_fields(listed):
     assert {"start_job", "job_status", "cancel_job", "list_jobs", NEW_TOOL} <= set(listed)
     unschemed = [name for name, tool in listed.items() if not (tool.output_schema or {}).get("properties")]
     assert not unschemed
-    undescribed = [f"{name}.{field}" for name, tool in sorted(listed.items())
-                   for field, schema in tool.output_schema["properties"].items()
-                   if not _field_description(schema, tool.output_schema)]
+    undescribed = [
+        f"{name}.{field}"
+        for name, tool in sorted(listed.items())
+        for field, schema in tool.output_schema["properties"].items()
+        if not _field_description(schema, tool.output_schema)
+    ]
     assert not undescribed
 
 
@@ -298,18 +327,23 @@ def test_tool_list_prints_each_whole_summary():
     for _, info in discover_tools().items():
         assert info.summary and info.summary in flat, info.name
         assert info.hints is not None and info.hints.title in proc.stdout
-    assert all(len(line) <= 80 for line in tool_listing([info for _, info in discover_tools().items()], width=80).splitlines())
+    assert all(
+        len(line) <= 80 for line in tool_listing([info for _, info in discover_tools().items()], width=80).splitlines()
+    )
 
 
 def test_a_bad_call_is_exit_2_with_one_line_per_argument():
-    proc = run(*CLI, "tool", "convert_atc", "--args", json.dumps({"precision_mode": "fp8", "colour": "red", "candidate": 3}))
+    proc = run(
+        *CLI, "tool", "convert_atc", "--args", json.dumps({"precision_mode": "fp8", "colour": "red", "candidate": 3})
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == [
         "error: argument 'colour': unknown (this tool takes task, candidate, precision_mode)",
         "error: argument 'task': required",
         "error: argument 'candidate': input should be a valid string",
-        "error: argument 'precision_mode': must be one of " + ", ".join(repr(m) for m in PRECISION_MODES[:-1])
+        "error: argument 'precision_mode': must be one of "
+        + ", ".join(repr(m) for m in PRECISION_MODES[:-1])
         + f" or {PRECISION_MODES[-1]!r}",
     ]
     assert proc.stdout == ""
@@ -320,7 +354,8 @@ def test_a_script_run_directly_refuses_a_bad_list_item_the_same_way():
     proc = run(sys.executable, str(script), "--task", "t.yaml", "--modes", '["force_fp16", "fp8"]')
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: argument 'modes'[1]: must be one of " + ", ".join(repr(m) for m in get_args(EmulatedMode)[:-1])
+        "error: argument 'modes'[1]: must be one of "
+        + ", ".join(repr(m) for m in get_args(EmulatedMode)[:-1])
         + f" or {get_args(EmulatedMode)[-1]!r}",
     ]
 
@@ -332,11 +367,15 @@ def test_the_scaffold_passes_and_validate_names_missing_hints_and_descriptions(t
     created = new_skill(NEW_SKILL, "Demo: summarise a task.", tmp_path)
     assert validate_skills([created.folder], run_help=False).ok
     assert load_tool(created.folder / "scripts" / f"{NEW_TOOL}.py").hints is not None
-    write_tool(created.folder, NEW_TOOL, '''
+    write_tool(
+        created.folder,
+        NEW_TOOL,
+        '''
         def demo_surface_task_summary(task: str, depth: int = 1) -> dict:
             """Summarise."""
             return {}
-        ''')
+        ''',
+    )
     problems = [p.message for p in validate_skills([created.folder], run_help=False).problems]
     assert any("parameter 'task' has no description" in p for p in problems), problems
     assert any("parameter 'depth' has no description" in p for p in problems), problems

@@ -80,7 +80,9 @@ def test_the_detectors_tensor_only_subtrees_run_on_onnxruntime_and_its_control_p
     spliced = {c.name: c for c in record.verification.candidates}
     assert {"backbone", "rpn_head"} <= set(spliced)  # rpn_head named in intake.target.deploy
     assert "named in intake.target.deploy" in record.plan.candidate("rpn_head").reason
-    assert all(c.status == "integrated" and c.backend.startswith("onnxruntime:") and c.fallbacks == 0 for c in spliced.values())
+    assert all(
+        c.status == "integrated" and c.backend.startswith("onnxruntime:") and c.fallbacks == 0 for c in spliced.values()
+    )
     # The RPN takes an ImageList object: not a graph; its head (tensors in, tensors out) is.
     rpn = record.plan.candidate("rpn")
     assert rpn.status == "excluded" and "a ImageList object" in rpn.reason
@@ -99,14 +101,21 @@ def test_the_rpn_head_fed_only_by_the_backbone_runs_inside_its_call_once_the_two
 
     report = report_of(detector)
     proposals = {m["graph"]: m for m in report["traffic"]["merges"]}
-    assert proposals["rpn_head"]["mergeable"] and set(proposals["rpn_head"]["io_map"].values()) <= {"out_0", "out_1", "pool"}
+    assert proposals["rpn_head"]["mergeable"] and set(proposals["rpn_head"]["io_map"].values()) <= {
+        "out_0",
+        "out_1",
+        "pool",
+    }
     merged = report["merged"]
     (graph,) = merged["graphs"]
     assert (graph["graphs"], graph["status"]) == (["backbone", "rpn_head"], "verified")
     assert merged["verdict"] == "pass" and merged["fallbacks"] == 0
     assert (detector / graph["onnx_path"]).is_file()
     script = (detector / graph["atc_script"]).read_text()
-    assert "--model=../../onnx/merged/backbone_to_rpn_head.onnx" in script and "--input_shape=x:1,3,256~320,320~640" in script
+    assert (
+        "--model=../../onnx/merged/backbone_to_rpn_head.onnx" in script
+        and "--input_shape=x:1,3,256~320,320~640" in script
+    )
     # One launch per image fewer; the rpn head's inputs (the backbone's features) no longer cross.
     before, after = report["traffic"], merged["traffic"]
     assert after["calls_per_step"] == before["calls_per_step"] - 1
@@ -132,7 +141,9 @@ def test_when_the_roi_heads_do_not_export_their_box_head_is_deployed_in_their_pl
     graphs = [c.candidate for c in record.contracts_of("roi_heads")]  # one per image size it was called with
     assert graphs and all((detector / record.stages[f"export:{g}"].logs[0]).is_file() for g in graphs)  # logs kept
     # The later steps skip them (nothing to work on) instead of failing on each one by one.
-    assert not [step for step in record.stages if step.split(":")[0] != "export" and set(step.split(":")[1:2]) & set(graphs)]
+    assert not [
+        step for step in record.stages if step.split(":")[0] != "export" and set(step.split(":")[1:2]) & set(graphs)
+    ]
     box_head = record.plan.candidate("roi_heads_box_head")
     assert box_head.status == "integrated" and "roi_heads could not be deployed whole" in box_head.reason
     assert "roi_heads_box_head" in record.verification.backend_per_candidate

@@ -18,16 +18,35 @@ import time
 from pathlib import Path
 
 import torch
-from omskills.models.kit import LoadedModel, MainPathRun, ModelDriver, ModelSpec, OutputCheck, RunHooks, StepOutput, package_root
+from omskills.models.kit import (
+    LoadedModel,
+    MainPathRun,
+    ModelDriver,
+    ModelSpec,
+    OutputCheck,
+    RunHooks,
+    StepOutput,
+    package_root,
+)
 from pydantic import BaseModel, ConfigDict, Field
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-WORDS = ("the a an is was on in of and to it cat dog bird sat ran flew mat house tree car road sky big small red "
-         "blue green fast slow old new").split()
+WORDS = (
+    "the a an is was on in of and to it cat dog bird sat ran flew mat house tree car road sky big small red "
+    "blue green fast slow old new"
+).split()
 PIECES = ["##s", "##ed", "##ing", "##er", "##ly", "##est"]
-VOCAB = SPECIALS + WORDS + PIECES + list(string.ascii_lowercase) + [f"##{c}" for c in string.ascii_lowercase] + list(".,!?'")
-TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                   max_position_embeddings=128)
+VOCAB = (
+    SPECIALS
+    + WORDS
+    + PIECES
+    + list(string.ascii_lowercase)
+    + [f"##{c}" for c in string.ascii_lowercase]
+    + list(".,!?'")
+)
+TINY_CONFIG = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, max_position_embeddings=128
+)
 
 
 class FillMaskInputs(BaseModel):
@@ -59,8 +78,13 @@ class BertFillMaskDriver(ModelDriver):
         config = BertConfig(vocab_size=len(VOCAB), **(TINY_CONFIG | spec.builder_kwargs))
         model = BertForMaskedLM(config).eval().to(spec.device)
         fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, device=torch.device(spec.device))
-        return LoadedModel(entry=fill, root=model, source_root=self.source_root(spec), weights="random",
-                           notes=[f"random weights (seed {spec.seed}); vocab.txt of {len(VOCAB)} tokens written by the driver"])
+        return LoadedModel(
+            entry=fill,
+            root=model,
+            source_root=self.source_root(spec),
+            weights="random",
+            notes=[f"random weights (seed {spec.seed}); vocab.txt of {len(VOCAB)} tokens written by the driver"],
+        )
 
     def load_inputs(self, inputs: FillMaskInputs, base_dir: Path) -> list[str]:
         missing = [s for s in inputs.sentences if s.count("[MASK]") != 1]
@@ -68,20 +92,30 @@ class BertFillMaskDriver(ModelDriver):
             raise ValueError(f"intake.inputs.sentences: each needs exactly one [MASK]: {missing}")
         return inputs.sentences
 
-    def run_main_path(self, loaded: LoadedModel, data: list[str], inputs: FillMaskInputs, verification: BaseModel,
-                      hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self, loaded: LoadedModel, data: list[str], inputs: FillMaskInputs, verification: BaseModel, hooks: RunHooks
+    ) -> MainPathRun:
         steps, start = [], time.perf_counter()
         with torch.no_grad():
             for index, sentence in enumerate(data):
                 t0 = time.perf_counter()
                 found = loaded.entry(sentence, top_k=inputs.top_k)
-                outputs = {"scores": torch.tensor([f["score"] for f in found]),
-                           "token_ids": torch.tensor([f["token"] for f in found])}
-                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0,
-                                        outputs={k: v.numpy() for k, v in outputs.items()}))
+                outputs = {
+                    "scores": torch.tensor([f["score"] for f in found]),
+                    "token_ids": torch.tensor([f["token"] for f in found]),
+                }
+                steps.append(
+                    StepOutput(
+                        index=index,
+                        seconds=time.perf_counter() - t0,
+                        outputs={k: v.numpy() for k, v in outputs.items()},
+                    )
+                )
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 
     def comparison(self, verification: BaseModel) -> list[OutputCheck]:
-        return [OutputCheck(output="scores", metric="tensor", label="top-k scores"),
-                OutputCheck(output="token_ids", metric="exact", label="top-k token ids")]
+        return [
+            OutputCheck(output="scores", metric="tensor", label="top-k scores"),
+            OutputCheck(output="token_ids", metric="exact", label="top-k token ids"),
+        ]

@@ -44,8 +44,13 @@ COMPARISON = [
 
 def build_model(spec):
     tokenizer = ByT5Tokenizer()
-    config = T5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      decoder_start_token_id=tokenizer.pad_token_id, **(TINY_CONFIG | spec.builder_kwargs))
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        **(TINY_CONFIG | spec.builder_kwargs),
+    )
     return T5ForConditionalGeneration(config)
 
 
@@ -53,7 +58,14 @@ def run_main_path(model, inputs: Inputs):
     tokenizer = ByT5Tokenizer()
     for prompt in inputs.prompts:
         encoded = tokenizer([prompt], return_tensors="pt").to(model.device)
-        out = model.generate(**encoded, max_new_tokens=inputs.max_new_tokens, num_beams=inputs.num_beams, do_sample=False,
-                             suppress_tokens=[tokenizer.pad_token_id], no_repeat_ngram_size=2,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            **encoded,
+            max_new_tokens=inputs.max_new_tokens,
+            num_beams=inputs.num_beams,
+            do_sample=False,
+            suppress_tokens=[tokenizer.pad_token_id],
+            no_repeat_ngram_size=2,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         yield {"logits": torch.stack(out.logits, 1)[0], "sequences": out.sequences[0]}

@@ -20,13 +20,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omskills.models.kit import LoadedModel, MainPathRun, ModelDriver, ModelSpec, OutputCheck, RunHooks, StepOutput, package_root
+from omskills.models.kit import (
+    LoadedModel,
+    MainPathRun,
+    ModelDriver,
+    ModelSpec,
+    OutputCheck,
+    RunHooks,
+    StepOutput,
+    package_root,
+)
 from pydantic import BaseModel, ConfigDict, Field
 
 SAMPLE_RATE = 16000
 VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|", *"abcdefghijklmnopqrstuvwxyz'"]
-TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, conv_dim=(32,) * 7,
-                   num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
+TINY_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    conv_dim=(32,) * 7,
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+)
 
 
 class SpeechInputs(BaseModel):
@@ -55,28 +71,48 @@ class Wav2Vec2CtcDriver(ModelDriver):
         return package_root(spec.source, "transformers")
 
     def load(self, spec: ModelSpec) -> LoadedModel:
-        from transformers import Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC, Wav2Vec2Processor
+        from transformers import (
+            Wav2Vec2Config,
+            Wav2Vec2CTCTokenizer,
+            Wav2Vec2FeatureExtractor,
+            Wav2Vec2ForCTC,
+            Wav2Vec2Processor,
+        )
 
         with tempfile.TemporaryDirectory() as folder:  # the tokenizer keeps its vocabulary in memory
             vocab = Path(folder) / "vocab.json"
             vocab.write_text(json.dumps({c: i for i, c in enumerate(VOCAB)}), encoding="utf-8")
             tokenizer = Wav2Vec2CTCTokenizer(str(vocab), unk_token="<unk>", pad_token="<pad>", word_delimiter_token="|")
-        features = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=SAMPLE_RATE, padding_value=0.0, do_normalize=True,
-                                            return_attention_mask=False)
+        features = Wav2Vec2FeatureExtractor(
+            feature_size=1, sampling_rate=SAMPLE_RATE, padding_value=0.0, do_normalize=True, return_attention_mask=False
+        )
         processor = Wav2Vec2Processor(feature_extractor=features, tokenizer=tokenizer)
         torch.manual_seed(spec.seed)
-        config = Wav2Vec2Config(vocab_size=len(VOCAB), pad_token_id=tokenizer.pad_token_id, **(TINY_CONFIG | spec.builder_kwargs))
+        config = Wav2Vec2Config(
+            vocab_size=len(VOCAB), pad_token_id=tokenizer.pad_token_id, **(TINY_CONFIG | spec.builder_kwargs)
+        )
         model = Wav2Vec2ForCTC(config).eval().to(spec.device)
-        return LoadedModel(entry=(processor, model), root=model, source_root=self.source_root(spec), weights="random",
-                           notes=[f"random weights (seed {spec.seed}); vocab.json of {len(VOCAB)} characters written by the driver"])
+        return LoadedModel(
+            entry=(processor, model),
+            root=model,
+            source_root=self.source_root(spec),
+            weights="random",
+            notes=[f"random weights (seed {spec.seed}); vocab.json of {len(VOCAB)} characters written by the driver"],
+        )
 
     def load_inputs(self, inputs: SpeechInputs, base_dir: Path) -> list[np.ndarray]:
         if any(s < 0.1 for s in inputs.seconds):
             raise ValueError(f"intake.inputs.seconds: clips must be at least 0.1 s long, got {inputs.seconds}")
         return [synth_clip(i, s) for i, s in enumerate(inputs.seconds)]
 
-    def run_main_path(self, loaded: LoadedModel, data: list[np.ndarray], inputs: SpeechInputs, verification: BaseModel,
-                      hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[np.ndarray],
+        inputs: SpeechInputs,
+        verification: BaseModel,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         processor, model = loaded.entry
         steps, start = [], time.perf_counter()
         with torch.no_grad():
@@ -86,13 +122,23 @@ class Wav2Vec2CtcDriver(ModelDriver):
                 logits = model(**features).logits
                 ids = logits.argmax(-1)
                 [text] = processor.batch_decode(ids)
-                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0,
-                                        outputs={"logits": logits[0].cpu().numpy(), "ids": ids[0].cpu().numpy(),
-                                                 "text": np.asarray(text)}))
+                steps.append(
+                    StepOutput(
+                        index=index,
+                        seconds=time.perf_counter() - t0,
+                        outputs={
+                            "logits": logits[0].cpu().numpy(),
+                            "ids": ids[0].cpu().numpy(),
+                            "text": np.asarray(text),
+                        },
+                    )
+                )
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 
     def comparison(self, verification: BaseModel) -> list[OutputCheck]:
-        return [OutputCheck(output="logits", metric="tensor", label="CTC frame logits"),
-                OutputCheck(output="ids", metric="exact", label="greedy CTC ids per frame"),
-                OutputCheck(output="text", metric="exact", label="decoded text")]
+        return [
+            OutputCheck(output="logits", metric="tensor", label="CTC frame logits"),
+            OutputCheck(output="ids", metric="exact", label="greedy CTC ids per frame"),
+            OutputCheck(output="text", metric="exact", label="decoded text"),
+        ]

@@ -47,17 +47,36 @@ def _tiny_sam():
 
     grid = IMAGE_SIZE // PATCH
     return Sam(
-        image_encoder=ImageEncoderViT(img_size=IMAGE_SIZE, patch_size=PATCH, embed_dim=64, depth=2, num_heads=2,
-                                      mlp_ratio=4.0, out_chans=PROMPT_DIM, qkv_bias=True,
-                                      norm_layer=partial(torch.nn.LayerNorm, eps=1e-6), use_rel_pos=True,
-                                      window_size=4, global_attn_indexes=(1,)),
-        prompt_encoder=PromptEncoder(embed_dim=PROMPT_DIM, image_embedding_size=(grid, grid),
-                                     input_image_size=(IMAGE_SIZE, IMAGE_SIZE), mask_in_chans=4),
-        mask_decoder=MaskDecoder(num_multimask_outputs=3, transformer_dim=PROMPT_DIM, iou_head_depth=3,
-                                 iou_head_hidden_dim=32,
-                                 transformer=TwoWayTransformer(depth=2, embedding_dim=PROMPT_DIM, mlp_dim=64,
-                                                               num_heads=2)),
-        pixel_mean=[123.675, 116.28, 103.53], pixel_std=[58.395, 57.12, 57.375])
+        image_encoder=ImageEncoderViT(
+            img_size=IMAGE_SIZE,
+            patch_size=PATCH,
+            embed_dim=64,
+            depth=2,
+            num_heads=2,
+            mlp_ratio=4.0,
+            out_chans=PROMPT_DIM,
+            qkv_bias=True,
+            norm_layer=partial(torch.nn.LayerNorm, eps=1e-6),
+            use_rel_pos=True,
+            window_size=4,
+            global_attn_indexes=(1,),
+        ),
+        prompt_encoder=PromptEncoder(
+            embed_dim=PROMPT_DIM,
+            image_embedding_size=(grid, grid),
+            input_image_size=(IMAGE_SIZE, IMAGE_SIZE),
+            mask_in_chans=4,
+        ),
+        mask_decoder=MaskDecoder(
+            num_multimask_outputs=3,
+            transformer_dim=PROMPT_DIM,
+            iou_head_depth=3,
+            iou_head_hidden_dim=32,
+            transformer=TwoWayTransformer(depth=2, embedding_dim=PROMPT_DIM, mlp_dim=64, num_heads=2),
+        ),
+        pixel_mean=[123.675, 116.28, 103.53],
+        pixel_std=[58.395, 57.12, 57.375],
+    )
 
 
 class _SamDriver(ModelDriver):
@@ -82,8 +101,13 @@ class _SamDriver(ModelDriver):
         return sam.eval().to(spec.device)
 
     def _loaded(self, spec: ModelSpec, entry, sam) -> LoadedModel:
-        return LoadedModel(entry=entry, root=sam, source_root=self.source_root(spec), weights=spec.checkpoint or "random",
-                           notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"])
+        return LoadedModel(
+            entry=entry,
+            root=sam,
+            source_root=self.source_root(spec),
+            weights=spec.checkpoint or "random",
+            notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"],
+        )
 
     def load_inputs(self, inputs: BaseModel, base_dir: Path) -> list[np.ndarray]:
         frames = load_video(inputs.images, inputs.count, base_dir=base_dir, field="images")
@@ -125,8 +149,14 @@ class SamPredictorDriver(_SamDriver):
         sam = self._sam(spec)
         return self._loaded(spec, SamPredictor(sam), sam)
 
-    def run_main_path(self, loaded: LoadedModel, data: list[np.ndarray], inputs: PredictorInputs,
-                      verification: BaseModel, hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[np.ndarray],
+        inputs: PredictorInputs,
+        verification: BaseModel,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         predictor, steps = loaded.entry, []
         start = time.perf_counter()
         with torch.no_grad():
@@ -134,11 +164,16 @@ class SamPredictorDriver(_SamDriver):
                 t0 = time.perf_counter()
                 predictor.set_image(image)
                 coords, labels = _points(inputs.points, *image.shape[:2])
-                masks, scores, low_res = predictor.predict(point_coords=coords, point_labels=labels,
-                                                           multimask_output=True, return_logits=True)
-                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0,
-                                        outputs={"mask_logits": masks, "iou_predictions": scores,
-                                                 "low_res_logits": low_res}))
+                masks, scores, low_res = predictor.predict(
+                    point_coords=coords, point_labels=labels, multimask_output=True, return_logits=True
+                )
+                steps.append(
+                    StepOutput(
+                        index=index,
+                        seconds=time.perf_counter() - t0,
+                        outputs={"mask_logits": masks, "iou_predictions": scores, "low_res_logits": low_res},
+                    )
+                )
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 
@@ -151,8 +186,13 @@ class SamPredictorDriver(_SamDriver):
 
     def picture(self, data: list[np.ndarray], step: StepOutput, title: str) -> Image.Image:
         masks = step.outputs["mask_logits"] > 0
-        return draw_instances(Image.fromarray(data[step.index]), list(range(len(masks))), masks, [],
-                              f"{title}: {len(masks)} masks (logits > 0)")
+        return draw_instances(
+            Image.fromarray(data[step.index]),
+            list(range(len(masks))),
+            masks,
+            [],
+            f"{title}: {len(masks)} masks (logits > 0)",
+        )
 
 
 # -- SamAutomaticMaskGenerator ----------------------------------------------------------------
@@ -194,14 +234,25 @@ class SamMaskGeneratorDriver(_SamDriver):
     def load(self, spec: ModelSpec) -> LoadedModel:
         return self._loaded(spec, None, self._sam(spec))  # the generator takes its settings from the inputs
 
-    def run_main_path(self, loaded: LoadedModel, data: list[np.ndarray], inputs: GeneratorInputs,
-                      verification: BaseModel, hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[np.ndarray],
+        inputs: GeneratorInputs,
+        verification: BaseModel,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         from segment_anything import SamAutomaticMaskGenerator
 
         generator = SamAutomaticMaskGenerator(
-            loaded.root, points_per_side=inputs.points_per_side, points_per_batch=inputs.points_per_batch,
-            pred_iou_thresh=inputs.pred_iou_thresh, stability_score_thresh=inputs.stability_score_thresh,
-            box_nms_thresh=inputs.box_nms_thresh, output_mode="binary_mask")
+            loaded.root,
+            points_per_side=inputs.points_per_side,
+            points_per_batch=inputs.points_per_batch,
+            pred_iou_thresh=inputs.pred_iou_thresh,
+            stability_score_thresh=inputs.stability_score_thresh,
+            box_nms_thresh=inputs.box_nms_thresh,
+            output_mode="binary_mask",
+        )
         steps = []
         start = time.perf_counter()
         for index, image in enumerate(data):
@@ -222,13 +273,22 @@ class SamMaskGeneratorDriver(_SamDriver):
     def comparison(self, verification: BaseModel) -> list[OutputCheck]:
         return [
             OutputCheck(output="mask_ids", metric="exact", label="masks kept (grid point, rank)"),
-            OutputCheck(output="predicted_iou", metric="max_abs", threshold=1e-4, key="mask_ids", label="predicted IoU"),
-            OutputCheck(output="stability_score", metric="max_abs", threshold=1e-3, key="mask_ids",
-                        label="stability score"),
+            OutputCheck(
+                output="predicted_iou", metric="max_abs", threshold=1e-4, key="mask_ids", label="predicted IoU"
+            ),
+            OutputCheck(
+                output="stability_score", metric="max_abs", threshold=1e-3, key="mask_ids", label="stability score"
+            ),
             OutputCheck(output="segmentations", metric="iou", threshold=0.99, key="mask_ids", label="masks"),
         ]
 
     def picture(self, data: list[np.ndarray], step: StepOutput, title: str) -> Image.Image:
         ids = [int(i) for i in step.outputs["mask_ids"]]
-        return draw_instances(Image.fromarray(data[step.index]), ids, step.outputs["segmentations"],
-                              step.outputs["boxes"].tolist(), f"{title}: {len(ids)} masks", normalised=False)
+        return draw_instances(
+            Image.fromarray(data[step.index]),
+            ids,
+            step.outputs["segmentations"],
+            step.outputs["boxes"].tolist(),
+            f"{title}: {len(ids)} masks",
+            normalised=False,
+        )

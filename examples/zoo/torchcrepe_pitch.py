@@ -70,7 +70,15 @@ def run_main_path(torchcrepe, inputs: Inputs):
     # generator, which the engine does not seed (it seeds torch's): seeded here, so runs compare.
     np.random.seed(0)
     audio = torch.from_numpy(_glide(inputs.seconds, inputs.sample_rate))[None]
-    pitch, periodicity = torchcrepe.predict(audio, inputs.sample_rate, inputs.hop_length, inputs.fmin, inputs.fmax,
-                                            model=CAPACITY, batch_size=inputs.batch_size, device="cpu",
-                                            return_periodicity=True)
+    pitch, periodicity = torchcrepe.predict(
+        audio,
+        inputs.sample_rate,
+        inputs.hop_length,
+        inputs.fmin,
+        inputs.fmax,
+        model=CAPACITY,
+        batch_size=inputs.batch_size,
+        device="cpu",
+        return_periodicity=True,
+    )
     return {"pitch": pitch, "periodicity": periodicity}

@@ -110,33 +110,52 @@ class TorchvisionDetector(ModelDriver):
             load_state_dict(model, Path(spec.checkpoint), spec.device)
         model = model.eval().to(spec.device)
         notes = [] if spec.checkpoint else [f"random weights (seed {spec.seed})"]
-        return LoadedModel(entry=model, root=model, source_root=self.source_root(spec),
-                           weights=spec.checkpoint or "random", notes=notes)
+        return LoadedModel(
+            entry=model,
+            root=model,
+            source_root=self.source_root(spec),
+            weights=spec.checkpoint or "random",
+            notes=notes,
+        )
 
     def load_inputs(self, inputs: DetectionInputs, base_dir: Path) -> list[Image.Image]:
         frames = load_video(inputs.images, inputs.count, base_dir=base_dir, field="intake.inputs.images")
         return [frame.resize((inputs.width, inputs.height), Image.BILINEAR) for frame in frames]
 
-    def prepare(self, loaded: LoadedModel, data: list[Image.Image], inputs: DetectionInputs,
-                verification: DetectionVerification) -> list[str]:
+    def prepare(
+        self, loaded: LoadedModel, data: list[Image.Image], inputs: DetectionInputs, verification: DetectionVerification
+    ) -> list[str]:
         if not verification.calibrate_batch_norm:
             return []
         layers = calibrate_batch_norm(loaded.root, lambda: loaded.entry([_tensor(image) for image in data]))
         return [f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images"]
 
-    def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: DetectionInputs,
-                      verification: DetectionVerification, hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[Image.Image],
+        inputs: DetectionInputs,
+        verification: DetectionVerification,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         model, steps = loaded.entry, []
         post = _postprocessor(model)
         start = time.perf_counter()
-        with mock.patch.object(post, "score_thresh", verification.min_score), \
-                mock.patch.object(post, "detections_per_img", verification.detections_per_image), \
-                torch.no_grad():
+        with (
+            mock.patch.object(post, "score_thresh", verification.min_score),
+            mock.patch.object(post, "detections_per_img", verification.detections_per_image),
+            torch.no_grad(),
+        ):
             for index, image in enumerate(data):
                 t0 = time.perf_counter()
                 [found] = model([_tensor(image)])
-                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0,
-                                        outputs={name: value.cpu().numpy() for name, value in found.items()}))
+                steps.append(
+                    StepOutput(
+                        index=index,
+                        seconds=time.perf_counter() - t0,
+                        outputs={name: value.cpu().numpy() for name, value in found.items()},
+                    )
+                )
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 
@@ -152,8 +171,10 @@ class TorchvisionDetector(ModelDriver):
         ]
 
     def settings_notes(self, verification: DetectionVerification) -> list[str]:
-        notes = [f"min_score={verification.min_score}, detections_per_image={verification.detections_per_image}: "
-                 "the best detections are kept whatever their score"]
+        notes = [
+            f"min_score={verification.min_score}, detections_per_image={verification.detections_per_image}: "
+            "the best detections are kept whatever their score"
+        ]
         if verification.calibrate_batch_norm:
             notes.append("calibrate_batch_norm: BatchNorm statistics estimated from the task's images")
         return notes
@@ -161,8 +182,14 @@ class TorchvisionDetector(ModelDriver):
     def picture(self, data: list[Image.Image], step: StepOutput, title: str) -> Image.Image:
         boxes = step.outputs["boxes"]
         xywh = [[x0, y0, x1 - x0, y1 - y0] for x0, y0, x1, y1 in boxes.tolist()]
-        return draw_instances(data[step.index], [int(label) for label in step.outputs["labels"]], None, xywh,
-                              f"{title} labels {step.outputs['labels'].tolist()}", normalised=False)
+        return draw_instances(
+            data[step.index],
+            [int(label) for label in step.outputs["labels"]],
+            None,
+            xywh,
+            f"{title} labels {step.outputs['labels'].tolist()}",
+            normalised=False,
+        )
 
 
 class TorchvisionMaskDetector(TorchvisionDetector):

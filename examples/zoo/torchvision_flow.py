@@ -47,10 +47,12 @@ class FlowInputs(BaseModel):
     num_flow_updates: int = Field(4, ge=1)
 
     @model_validator(mode="after")
-    def _raft_sizes(self) -> "FlowInputs":
+    def _raft_sizes(self) -> FlowInputs:
         # RAFT works at 1/8 resolution and its correlation pyramid needs 16 cells there.
         if self.width % 8 or self.height % 8 or min(self.width, self.height) < 128:
-            raise ValueError(f"width and height must be multiples of 8 and at least 128, got {self.width}x{self.height}")
+            raise ValueError(
+                f"width and height must be multiples of 8 and at least 128, got {self.width}x{self.height}"
+            )
         return self
 
 
@@ -87,22 +89,32 @@ class RaftDriver(ModelDriver):
         if spec.checkpoint:
             load_state_dict(model, Path(spec.checkpoint), spec.device)
         model = model.eval().to(spec.device)
-        return LoadedModel(entry=model, root=model, source_root=self.source_root(spec), weights=spec.checkpoint or "random",
-                           notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"])
+        return LoadedModel(
+            entry=model,
+            root=model,
+            source_root=self.source_root(spec),
+            weights=spec.checkpoint or "random",
+            notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"],
+        )
 
     def load_inputs(self, inputs: FlowInputs, base_dir: Path) -> list[Image.Image]:
         frames = load_video(inputs.video, inputs.frames, base_dir=base_dir)
         return [frame.resize((inputs.width, inputs.height), Image.BILINEAR) for frame in frames]
 
-    def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: FlowInputs, verification: BaseModel,
-                      hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self, loaded: LoadedModel, data: list[Image.Image], inputs: FlowInputs, verification: BaseModel, hooks: RunHooks
+    ) -> MainPathRun:
         steps = []
         start = time.perf_counter()
         with torch.no_grad():
             for index, (first, second) in enumerate(zip(data, data[1:])):
                 t0 = time.perf_counter()
                 flows = loaded.entry(_tensor(first), _tensor(second), num_flow_updates=inputs.num_flow_updates)
-                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs={"flow": flows[-1][0].cpu().numpy()}))
+                steps.append(
+                    StepOutput(
+                        index=index, seconds=time.perf_counter() - t0, outputs={"flow": flows[-1][0].cpu().numpy()}
+                    )
+                )
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 

@@ -102,28 +102,47 @@ class TorchvisionSegmenter(ModelDriver):
             load_state_dict(model, Path(spec.checkpoint), spec.device)
         model = model.eval().to(spec.device)
         entry = Segmenter(model, get_model_weights(name).DEFAULT.transforms)
-        return LoadedModel(entry=entry, root=model, source_root=self.source_root(spec), weights=spec.checkpoint or "random",
-                           notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"])
+        return LoadedModel(
+            entry=entry,
+            root=model,
+            source_root=self.source_root(spec),
+            weights=spec.checkpoint or "random",
+            notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"],
+        )
 
     def load_inputs(self, inputs: SegmentationInputs, base_dir: Path) -> list[Image.Image]:
         return load_video(inputs.images, inputs.count, base_dir=base_dir, field="intake.inputs.images")
 
-    def prepare(self, loaded: LoadedModel, data: list[Image.Image], inputs: SegmentationInputs,
-                verification: SegmentationVerification) -> list[str]:
+    def prepare(
+        self,
+        loaded: LoadedModel,
+        data: list[Image.Image],
+        inputs: SegmentationInputs,
+        verification: SegmentationVerification,
+    ) -> list[str]:
         if not verification.calibrate_batch_norm:
             return []
         layers = calibrate_batch_norm(loaded.root, lambda: loaded.entry(data, inputs.size))
         return [f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images"]
 
-    def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: SegmentationInputs,
-                      verification: SegmentationVerification, hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[Image.Image],
+        inputs: SegmentationInputs,
+        verification: SegmentationVerification,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         start = time.perf_counter()
         with torch.no_grad():
             outputs = loaded.entry(data, inputs.size)
         seconds = time.perf_counter() - start
         hooks.step(0)
-        return MainPathRun(steps=[StepOutput(index=0, seconds=seconds, outputs={k: v.cpu().numpy() for k, v in outputs.items()})],
-                           setup_seconds=0.0, total_seconds=seconds)
+        return MainPathRun(
+            steps=[StepOutput(index=0, seconds=seconds, outputs={k: v.cpu().numpy() for k, v in outputs.items()})],
+            setup_seconds=0.0,
+            total_seconds=seconds,
+        )
 
     def comparison(self, verification: SegmentationVerification) -> list[OutputCheck]:
         return [
@@ -135,7 +154,9 @@ class TorchvisionSegmenter(ModelDriver):
         ]
 
     def settings_notes(self, verification: SegmentationVerification) -> list[str]:
-        return ["calibrate_batch_norm: BatchNorm statistics estimated from the task's images"] * verification.calibrate_batch_norm
+        return [
+            "calibrate_batch_norm: BatchNorm statistics estimated from the task's images"
+        ] * verification.calibrate_batch_norm
 
     def picture(self, data: list[Image.Image], step: StepOutput, title: str) -> Image.Image:
         classes = step.outputs["classes"][0]

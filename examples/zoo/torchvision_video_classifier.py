@@ -48,8 +48,10 @@ def build_model(spec):
 
 def run_main_path(classifier, inputs):
     # The recipe's default (resize 128x171, crop 112) scaled to the asked crop size.
-    preprocess = classifier.recipe(crop_size=(inputs.size, inputs.size),
-                              resize_size=(round(inputs.size * 128 / 112), round(inputs.size * 171 / 112)))
+    preprocess = classifier.recipe(
+        crop_size=(inputs.size, inputs.size),
+        resize_size=(round(inputs.size * 128 / 112), round(inputs.size * 171 / 112)),
+    )
     frames = load_video(inputs.video, inputs.clips * inputs.frames, field="intake.inputs.video")
     pixels = torch.from_numpy(np.stack([np.asarray(frame) for frame in frames])).permute(0, 3, 1, 2)  # T, C, H, W uint8
     clips = preprocess(pixels.reshape(inputs.clips, inputs.frames, *pixels.shape[1:]))  # N, C, T, H, W

@@ -78,7 +78,9 @@ def _bgr(image: Image.Image) -> np.ndarray:
 
 class YoloDriver(ModelDriver):
     family = "ultralytics-yolo"
-    description = "ultralytics YOLO detectors from their model yaml: images in, boxes/scores/classes out (NMS in Python)"
+    description = (
+        "ultralytics YOLO detectors from their model yaml: images in, boxes/scores/classes out (NMS in Python)"
+    )
     inputs_model = YoloInputs
     verification_model = YoloVerification
     step_name = "image"
@@ -106,41 +108,63 @@ class YoloDriver(ModelDriver):
         # The first predict makes the predictor and its fused copy of the model: the module users run.
         yolo.predict(np.zeros((64, 64, 3), np.uint8), imgsz=64, device=spec.device, verbose=False)
         root = yolo.predictor.model.backend.model
-        return LoadedModel(entry=yolo, root=root, source_root=self.source_root(spec), weights=spec.checkpoint or "random",
-                           notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"])
+        return LoadedModel(
+            entry=yolo,
+            root=root,
+            source_root=self.source_root(spec),
+            weights=spec.checkpoint or "random",
+            notes=[] if spec.checkpoint else [f"random weights (seed {spec.seed})"],
+        )
 
     def load_inputs(self, inputs: YoloInputs, base_dir: Path) -> list[Image.Image]:
         return load_video(inputs.images, inputs.count, base_dir=base_dir, field="images")
 
-    def prepare(self, loaded: LoadedModel, data: list[Image.Image], inputs: YoloInputs,
-                verification: YoloVerification) -> list[str]:
+    def prepare(
+        self, loaded: LoadedModel, data: list[Image.Image], inputs: YoloInputs, verification: YoloVerification
+    ) -> list[str]:
         if not verification.calibrate_batch_norm:
             return []
         from ultralytics.data.augment import LetterBox
 
         yolo = loaded.entry
         letterbox = LetterBox((inputs.imgsz, inputs.imgsz), auto=True, stride=32)
-        batch = torch.stack([torch.from_numpy(letterbox(image=_bgr(image))[..., ::-1].copy()).permute(2, 0, 1)
-                             for image in data]).float() / 255.0
+        batch = (
+            torch.stack(
+                [torch.from_numpy(letterbox(image=_bgr(image))[..., ::-1].copy()).permute(2, 0, 1) for image in data]
+            ).float()
+            / 255.0
+        )
         layers = calibrate_batch_norm(yolo.model, lambda: yolo.model(batch.to(next(yolo.model.parameters()).device)))
         fused = copy.deepcopy(yolo.model).fuse(verbose=False)
         network = yolo.predictor.model.backend.model
         network = network.network if isinstance(network, _Holder) else network
         network.load_state_dict(fused.state_dict())  # same structure: the predictor's copy was fused alike
-        return [f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images, "
-                "then fused into the predictor's model"]
+        return [
+            f"BatchNorm statistics of {layers} layers estimated from the {len(data)} task images, "
+            "then fused into the predictor's model"
+        ]
 
-    def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: YoloInputs,
-                      verification: YoloVerification, hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[Image.Image],
+        inputs: YoloInputs,
+        verification: YoloVerification,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         steps = []
         start = time.perf_counter()
         for index, image in enumerate(data):
             t0 = time.perf_counter()
-            [result] = loaded.entry.predict(_bgr(image), imgsz=inputs.imgsz, conf=inputs.conf, iou=inputs.iou,
-                                            max_det=inputs.max_det, verbose=False)
+            [result] = loaded.entry.predict(
+                _bgr(image), imgsz=inputs.imgsz, conf=inputs.conf, iou=inputs.iou, max_det=inputs.max_det, verbose=False
+            )
             boxes = result.boxes
-            outputs = {"boxes": boxes.xyxy.cpu().numpy(), "scores": boxes.conf.cpu().numpy(),
-                       "classes": boxes.cls.cpu().numpy().astype(np.int64)}
+            outputs = {
+                "boxes": boxes.xyxy.cpu().numpy(),
+                "scores": boxes.conf.cpu().numpy(),
+                "classes": boxes.cls.cpu().numpy().astype(np.int64),
+            }
             steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs=outputs))
             hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)

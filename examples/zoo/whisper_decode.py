@@ -21,8 +21,18 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 SAMPLE_RATE = 16000
-DIMS = dict(n_mels=80, n_audio_ctx=100, n_audio_state=64, n_audio_head=2, n_audio_layer=2,
-            n_vocab=51865, n_text_ctx=64, n_text_state=64, n_text_head=2, n_text_layer=2)
+DIMS = dict(
+    n_mels=80,
+    n_audio_ctx=100,
+    n_audio_state=64,
+    n_audio_head=2,
+    n_audio_layer=2,
+    n_vocab=51865,
+    n_text_ctx=64,
+    n_text_state=64,
+    n_text_head=2,
+    n_text_layer=2,
+)
 COMPARISON = [
     {"output": "audio_features", "metric": "tensor", "label": "encoder output"},
     {"output": "avg_logprob", "metric": "max_abs", "threshold": 1e-4, "label": "average log-probability"},
@@ -30,8 +40,9 @@ COMPARISON = [
     {"output": "tokens", "metric": "exact", "label": "decoded tokens"},
 ]
 
-SEED_CANDIDATES = [("encoder", "encoder")] + [(f"decoder_mlp_{i}", f"decoder.blocks.{i}.mlp")
-                                             for i in range(DIMS["n_text_layer"])]
+SEED_CANDIDATES = [("encoder", "encoder")] + [
+    (f"decoder_mlp_{i}", f"decoder.blocks.{i}.mlp") for i in range(DIMS["n_text_layer"])
+]
 
 
 class Inputs(BaseModel):
@@ -62,15 +73,23 @@ def run_main_path(model, inputs: Inputs):
     import whisper
 
     frames = 2 * model.dims.n_audio_ctx  # the encoder's two strided convolutions halve the frames
-    mel = torch.stack([whisper.pad_or_trim(whisper.log_mel_spectrogram(_clip(i, inputs.seconds), model.dims.n_mels),
-                                           frames) for i in range(inputs.clips)])
-    options = whisper.DecodingOptions(task="transcribe", language="en", fp16=False, without_timestamps=True,
-                                      sample_len=inputs.sample_len)
+    mel = torch.stack(
+        [
+            whisper.pad_or_trim(whisper.log_mel_spectrogram(_clip(i, inputs.seconds), model.dims.n_mels), frames)
+            for i in range(inputs.clips)
+        ]
+    )
+    options = whisper.DecodingOptions(
+        task="transcribe", language="en", fp16=False, without_timestamps=True, sample_len=inputs.sample_len
+    )
     results = whisper.decode(model, mel, options)
     width = max(len(r.tokens) for r in results)
     tokens = np.full((len(results), width), -1, np.int64)  # ragged token lists, padded with -1
     for row, result in zip(tokens, results):
-        row[:len(result.tokens)] = result.tokens
-    return {"audio_features": torch.stack([r.audio_features for r in results]), "tokens": tokens,
-            "avg_logprob": np.array([r.avg_logprob for r in results], np.float32),
-            "no_speech_prob": np.array([r.no_speech_prob for r in results], np.float32)}
+        row[: len(result.tokens)] = result.tokens
+    return {
+        "audio_features": torch.stack([r.audio_features for r in results]),
+        "tokens": tokens,
+        "avg_logprob": np.array([r.avg_logprob for r in results], np.float32),
+        "no_speech_prob": np.array([r.no_speech_prob for r in results], np.float32),
+    }

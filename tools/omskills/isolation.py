@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from omskills import progress
 from omskills.errors import OmskillsError

@@ -20,7 +20,8 @@ import contextvars
 import re
 import sys
 import threading
-from typing import Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from tqdm import tqdm
 

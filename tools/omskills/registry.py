@@ -75,7 +75,9 @@ class Registry(Generic[T]):
 
     def entries(self) -> list[RegistryEntry]:
         """Every entry, those registered in code first; an installed entry point wins a name clash."""
-        found = {name: RegistryEntry(name, reference, "registered in code") for name, (_, reference) in self._code.items()}
+        found = {
+            name: RegistryEntry(name, reference, "registered in code") for name, (_, reference) in self._code.items()
+        }
         for name, ep in self._entry_points().items():
             dist = ep.dist.name if ep.dist is not None else "an installed distribution"
             found[name] = RegistryEntry(name, ep.value, f"entry point of {dist}")

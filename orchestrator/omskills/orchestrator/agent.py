@@ -78,7 +78,10 @@ class AgentSettings(BaseModel):
 
 
 def agent_settings(
-    model: str | None = None, max_turns: int | None = None, max_tokens: int | None = None, retry_seconds: float | None = None
+    model: str | None = None,
+    max_turns: int | None = None,
+    max_tokens: int | None = None,
+    retry_seconds: float | None = None,
 ) -> AgentSettings:
     """Settings from the command line, then the environment, then the defaults."""
     values: dict[str, Any] = {"model": model or os.environ.get("OMSKILLS_MODEL") or DEFAULT_MODEL}
@@ -91,7 +94,9 @@ def agent_settings(
         try:
             values["api_retry"] = RetryPolicy(total_seconds=float(retry))
         except ValueError:
-            raise OmskillsError(f"API retry time (--retry-seconds / OMSKILLS_API_RETRY_SECONDS): {retry!r} is not a number of seconds >= 0") from None
+            raise OmskillsError(
+                f"API retry time (--retry-seconds / OMSKILLS_API_RETRY_SECONDS): {retry!r} is not a number of seconds >= 0"
+            ) from None
     return AgentSettings(**values)
 
 
@@ -172,7 +177,9 @@ class AgentResult(BaseModel):
 
 def require_api_key() -> None:
     if not (os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")):
-        raise OmskillsError("ANTHROPIC_API_KEY is not set: export it (and ANTHROPIC_BASE_URL for a proxy), or use `--agent plan`")
+        raise OmskillsError(
+            "ANTHROPIC_API_KEY is not set: export it (and ANTHROPIC_BASE_URL for a proxy), or use `--agent plan`"
+        )
 
 
 # --------------------------------------------------------------------------- prompt and tools
@@ -211,9 +218,17 @@ class SkillLibrary(BaseModel):
 
 
 def system_prompt(library: SkillLibrary, task: Path | None, workspace: Path) -> str:
-    others = [f"- {name}: {_frontmatter_description(text)}" for name, text in sorted(library.documents.items()) if name != ENTRY_SKILL]
+    others = [
+        f"- {name}: {_frontmatter_description(text)}"
+        for name, text in sorted(library.documents.items())
+        if name != ENTRY_SKILL
+    ]
     entry = library.documents.get(ENTRY_SKILL)
-    task_line = f"The task record is {task}; pass this path as `task` to every tool that takes one." if task else "No task record is open yet; ask for one or create it with the tools if the user wants to adapt a model."
+    task_line = (
+        f"The task record is {task}; pass this path as `task` to every tool that takes one."
+        if task
+        else "No task record is open yet; ask for one or create it with the tools if the user wants to adapt a model."
+    )
     parts = [
         "You are the omskills agent. You adapt PyTorch models (a model family with a driver, or the user's own code through a new driver) to Huawei Ascend NPUs along the "
         "OM route by calling the omskills tools, which read and update a task record (YAML) at every stage.",
@@ -230,7 +245,7 @@ def system_prompt(library: SkillLibrary, task: Path | None, workspace: Path) -> 
     if others:
         parts.append("Other skills (load with `load_skill`):\n" + "\n".join(others))
     if entry:
-        parts.append(f"<skill name=\"{ENTRY_SKILL}\">\n{entry}\n</skill>")
+        parts.append(f'<skill name="{ENTRY_SKILL}">\n{entry}\n</skill>')
     else:
         parts.append(f"(The {ENTRY_SKILL} skill has no SKILL.md in this installation; use the tools' descriptions.)")
     return "\n\n".join(parts)
@@ -251,7 +266,10 @@ def local_tools(library: SkillLibrary, with_task: bool) -> list[dict[str, Any]]:
                 "type": "object",
                 "properties": {
                     "skill": {"type": "string", "enum": skills, "description": "skill name"},
-                    "reference": {"type": "string", "description": "a file name under the skill's references/ (omit for SKILL.md)"},
+                    "reference": {
+                        "type": "string",
+                        "description": "a file name under the skill's references/ (omit for SKILL.md)",
+                    },
                 },
                 "required": ["skill"],
             },
@@ -282,10 +300,14 @@ class _ToolAnswer(BaseModel):
 
 TextSink = Callable[[str], None]
 
-_CONTINUE = ("(omskills: your reply reached the output limit of {limit} tokens and was cut there; continue exactly "
-             "where it stopped, without repeating what you already wrote.)")
-_CALL_CUT = ("(omskills: your reply reached the output limit of {limit} tokens inside a call to {names}, so that call "
-             "was not run. Make it again with shorter arguments, or split the work into smaller calls.)")
+_CONTINUE = (
+    "(omskills: your reply reached the output limit of {limit} tokens and was cut there; continue exactly "
+    "where it stopped, without repeating what you already wrote.)"
+)
+_CALL_CUT = (
+    "(omskills: your reply reached the output limit of {limit} tokens inside a call to {names}, so that call "
+    "was not run. Make it again with shorter arguments, or split the work into smaller calls.)"
+)
 
 
 class _Exchange(BaseModel):
@@ -360,13 +382,17 @@ class AgentSession:
     ) -> AgentSession:
         library = await SkillLibrary.load(client)
         specs = await client.list_tools()
-        return cls(client, llm, settings, library, specs, task, workspace, run_dir, on_text, progress_stream or sys.stderr)
+        return cls(
+            client, llm, settings, library, specs, task, workspace, run_dir, on_text, progress_stream or sys.stderr
+        )
 
     # ---- persistence and what the human sees
 
     def save(self) -> Path:
         self.transcript_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.transcript_path, json.dumps(self.transcript.model_dump(mode="json"), indent=2, ensure_ascii=False))
+        atomic_write_text(
+            self.transcript_path, json.dumps(self.transcript.model_dump(mode="json"), indent=2, ensure_ascii=False)
+        )
         return self.transcript_path
 
     def _tell(self, line: str) -> None:
@@ -386,9 +412,20 @@ class AgentSession:
         messages = self.transcript.messages
         unanswered = _unanswered_tool_uses(messages)
         if unanswered:  # the last exchange was cancelled while its tools ran: the API needs their results
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": use_id, "is_error": True, "content": "cancelled by the user (Ctrl-C)"}
-                for use_id in unanswered]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": use_id,
+                            "is_error": True,
+                            "content": "cancelled by the user (Ctrl-C)",
+                        }
+                        for use_id in unanswered
+                    ],
+                }
+            )
         if messages and messages[-1]["role"] == "user":
             # The last exchange stopped after tool results or a refused request: keep user/assistant alternation.
             content = messages[-1]["content"]
@@ -477,13 +514,17 @@ class AgentSession:
         """
         turn = self.transcript.turns
         cut_calls = [b for b in blocks if b.get("type") == "tool_use"]
-        kept = [b for b in blocks if b.get("type") != "tool_use" and not (b.get("type") == "text" and not b.get("text"))]
+        kept = [
+            b for b in blocks if b.get("type") != "tool_use" and not (b.get("type") == "text" and not b.get("text"))
+        ]
         if kept:
             self.transcript.messages.append({"role": "assistant", "content": kept})
         self._show(_said(kept), exchange)
         names = ", ".join(f"`{b.get('name')}`" for b in cut_calls)
         if cut_calls:
-            self._event("cut_tool_call", f"reply cut at {output_cap} output tokens inside a call to {names}: not run", turn)
+            self._event(
+                "cut_tool_call", f"reply cut at {output_cap} output tokens inside a call to {names}: not run", turn
+            )
             self._tell(f"[turn {turn}] reply cut by the output limit ({output_cap} tokens) inside {names}: not run")
         if exchange.continuations >= self.settings.max_continuations:
             return False
@@ -491,13 +532,20 @@ class AgentSession:
         exchange.continuing_text = not cut_calls
         nudge = _CALL_CUT.format(limit=output_cap, names=names) if cut_calls else _CONTINUE.format(limit=output_cap)
         self._append_user_text(nudge)
-        self._event("continued", f"continuation {exchange.continuations} of at most {self.settings.max_continuations}", turn)
+        self._event(
+            "continued", f"continuation {exchange.continuations} of at most {self.settings.max_continuations}", turn
+        )
         return True
 
     async def _ask(self, max_tokens: int) -> anthropic.types.Message:
         request = cached_request(self.transcript.system, self.tool_defs, self.transcript.messages)
         response = await create_message(
-            self.llm, self.settings.api_retry, self._announce_retry, model=self.settings.model, max_tokens=max_tokens, **request
+            self.llm,
+            self.settings.api_retry,
+            self._announce_retry,
+            model=self.settings.model,
+            max_tokens=max_tokens,
+            **request,
         )
         self.transcript.usage.add(response.usage)
         return response
@@ -514,7 +562,10 @@ class AgentSession:
             if local:
                 answer = await self._local_tool(name, arguments)
             else:
-                answer = _ToolAnswer(text=f"unknown tool {name!r}; available: {', '.join(t['name'] for t in self.tool_defs)}", is_error=True)
+                answer = _ToolAnswer(
+                    text=f"unknown tool {name!r}; available: {', '.join(t['name'] for t in self.tool_defs)}",
+                    is_error=True,
+                )
             self._show_call(turn, name, arguments, answer, time.perf_counter() - started)
         self.transcript.tool_calls.append(
             ToolCallRecord(
@@ -528,7 +579,12 @@ class AgentSession:
                 local=local,
             )
         )
-        return {"type": "tool_result", "tool_use_id": use["id"], "content": self.pager.fit(use["id"], answer.text), "is_error": answer.is_error}
+        return {
+            "type": "tool_result",
+            "tool_use_id": use["id"],
+            "content": self.pager.fit(use["id"], answer.text),
+            "is_error": answer.is_error,
+        }
 
     def _show_call(self, turn: int, name: str, arguments: dict[str, Any], answer: _ToolAnswer, seconds: float) -> None:
         """One line for a call the orchestrator answered itself (MCP calls have ToolCallDisplay)."""
@@ -537,14 +593,21 @@ class AgentSession:
         self._tell(f"[turn {turn}] {name} {shown}: {status}")
 
     async def _mcp_tool(self, name: str, arguments: dict[str, Any], turn: int) -> _ToolAnswer:
-        display = ToolCallDisplay(f"[turn {turn}] {name}", json.dumps(arguments, ensure_ascii=False)[:200], self.progress_stream)
+        display = ToolCallDisplay(
+            f"[turn {turn}] {name}", json.dumps(arguments, ensure_ascii=False)[:200], self.progress_stream
+        )
         started = time.perf_counter()
         try:
             outcome = await self.client.call(name, arguments, on_progress=display.on_progress)
         except MCPError as err:
             # The server answered with a protocol error or is gone (killed for memory?): the model reads it as a failed call.
-            outcome = ToolCallOutcome(name=name, arguments=arguments, is_error=True, seconds=round(time.perf_counter() - started, 3),
-                                      text=f"the tool server failed during {name}: {err}")
+            outcome = ToolCallOutcome(
+                name=name,
+                arguments=arguments,
+                is_error=True,
+                seconds=round(time.perf_counter() - started, 3),
+                text=f"the tool server failed during {name}: {err}",
+            )
         display.finish(outcome)
         return _ToolAnswer(text=outcome.text, is_error=outcome.is_error)
 
@@ -562,13 +625,18 @@ class AgentSession:
     async def _load_skill(self, arguments: dict[str, Any]) -> _ToolAnswer:
         skill = str(arguments.get("skill", ""))
         if skill not in self.library.documents:
-            return _ToolAnswer(text=f"no skill {skill!r}; skills: {', '.join(sorted(self.library.documents))}", is_error=True)
+            return _ToolAnswer(
+                text=f"no skill {skill!r}; skills: {', '.join(sorted(self.library.documents))}", is_error=True
+            )
         reference = arguments.get("reference")
         if not reference:
             return _ToolAnswer(text=self.library.documents[skill], is_error=False)
         known = self.library.references.get(skill, [])
         if reference not in known:
-            return _ToolAnswer(text=f"skill {skill!r} has no reference {reference!r}; it has: {', '.join(known) or 'none'}", is_error=True)
+            return _ToolAnswer(
+                text=f"skill {skill!r} has no reference {reference!r}; it has: {', '.join(known) or 'none'}",
+                is_error=True,
+            )
         return _ToolAnswer(text=await self.client.read_text(f"skill://{skill}/references/{reference}"), is_error=False)
 
     def _record_decision(self, arguments: dict[str, Any]) -> _ToolAnswer:
@@ -604,7 +672,9 @@ def file_run_in_record(task: Path, result: AgentResult, settings: AgentSettings,
     finished = result.stop == "end_turn"
     why = result.final_text or "(the agent gave no summary)"
     if result.error:
-        why = f"the API failed: {result.error}" + (f". The agent's last text: {result.final_text}" if result.final_text else "")
+        why = f"the API failed: {result.error}" + (
+            f". The agent's last text: {result.final_text}" if result.final_text else ""
+        )
     usage = result.usage
     with updating(task) as record:
         record.decide(
@@ -620,8 +690,10 @@ def file_run_in_record(task: Path, result: AgentResult, settings: AgentSettings,
             # Relative to the run folder, like every path in the record, so a moved run still finds it.
             artifacts=[Artifact(path=relative_to_run(str(result.transcript_path), TaskRecord.workdir(task)) or "")],
             error=None if finished else f"stopped: {result.stop}" + (f": {result.error}" if result.error else ""),
-            note=(f"tokens in/out {usage.input_tokens}/{usage.output_tokens}, "
-                  f"cache read/written {usage.cache_read_input_tokens}/{usage.cache_creation_input_tokens}"),
+            note=(
+                f"tokens in/out {usage.input_tokens}/{usage.output_tokens}, "
+                f"cache read/written {usage.cache_read_input_tokens}/{usage.cache_creation_input_tokens}"
+            ),
         )
 
 
@@ -721,7 +793,11 @@ async def _send_cancellable(session: AgentSession, line: str, stdout: TextIO) ->
         presses += 1
         if presses > 1:
             _quit_now(session, stdout)
-        print("\n(cancelling: the running tool stops at its next progress point; Ctrl-C again quits)", file=stdout, flush=True)
+        print(
+            "\n(cancelling: the running tool stops at its next progress point; Ctrl-C again quits)",
+            file=stdout,
+            flush=True,
+        )
         sending.cancel()
 
     with _on_ctrl_c(on_ctrl_c):
@@ -773,8 +849,12 @@ async def chat(
     async def converse(mcp: OmskillsClient, server_log: Path | None = None) -> Path:
         session = await AgentSession.open(mcp, llm, settings, task, root, folder, show, progress_stream)
         logged = f"; the server's messages go to {server_log}" if server_log else ""
-        print(f"omskills chat ({settings.model}, {len(session.mcp_tools)} tools); `exit` to quit, Ctrl-C cancels a "
-              f"running tool{logged}", file=stdout, flush=True)
+        print(
+            f"omskills chat ({settings.model}, {len(session.mcp_tools)} tools); `exit` to quit, Ctrl-C cancels a "
+            f"running tool{logged}",
+            file=stdout,
+            flush=True,
+        )
         while True:
             print("you> ", end="", file=stdout, flush=True)
             with _on_ctrl_c(lambda: _quit_now(session, stdout)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from omskills.errors import OmskillsError, one_line
 from omskills.orchestrator.version import installed_version
@@ -24,8 +24,11 @@ def command(name: str, configure: Callable[[argparse.ArgumentParser], None]) -> 
 def _tool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="list the tools and exit")
     p.add_argument("name", help="tool name (see `omskills tool --list`)", nargs="?")
-    p.add_argument("tool_args", nargs=argparse.REMAINDER,
-                   help="the tool's arguments: --args '{...}' or one flag per parameter (--task T)")
+    p.add_argument(
+        "tool_args",
+        nargs=argparse.REMAINDER,
+        help="the tool's arguments: --args '{...}' or one flag per parameter (--task T)",
+    )
 
 
 @command("tool", _tool_args)
@@ -47,7 +50,10 @@ def _load_subcommand_modules() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     _load_subcommand_modules()
-    parser = argparse.ArgumentParser(prog="omskills", description="Adapt PyTorch models to Huawei Ascend OM: cut, export, convert, splice back, verify.")
+    parser = argparse.ArgumentParser(
+        prog="omskills",
+        description="Adapt PyTorch models to Huawei Ascend OM: cut, export, convert, splice back, verify.",
+    )
     parser.add_argument("--version", action="version", version=f"omskills {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (configure, handler) in _COMMANDS.items():

@@ -34,9 +34,13 @@ def _agent_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Claude model id (default: $OMSKILLS_MODEL or the built-in default)")
     p.add_argument("--max-turns", type=int, default=None, help="stop after this many model turns")
     p.add_argument("--max-tokens", type=int, default=None, help="total token budget (input + output) for the run")
-    p.add_argument("--retry-seconds", type=float, default=None,
-                   help="how long to keep retrying an overloaded (429/529/5xx) or unreachable API before a line gives up "
-                        "(default: $OMSKILLS_API_RETRY_SECONDS or 600)")
+    p.add_argument(
+        "--retry-seconds",
+        type=float,
+        default=None,
+        help="how long to keep retrying an overloaded (429/529/5xx) or unreachable API before a line gives up "
+        "(default: $OMSKILLS_API_RETRY_SECONDS or 600)",
+    )
 
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +57,9 @@ def _chat(ns: argparse.Namespace) -> int:
 
     from .agent import agent_settings, chat
 
-    settings = agent_settings(model=ns.model, max_turns=ns.max_turns, max_tokens=ns.max_tokens, retry_seconds=ns.retry_seconds)
+    settings = agent_settings(
+        model=ns.model, max_turns=ns.max_turns, max_tokens=ns.max_tokens, retry_seconds=ns.retry_seconds
+    )
     asyncio.run(chat(ns.task, workspace=Path(ns.workspace), settings=settings))
     return 0
 
@@ -102,7 +108,9 @@ def _install_skills_args(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--target", help="where to install (default: .claude/skills under the current folder)")
     where.add_argument("--user", action="store_true", help="install for all your projects: ~/.claude/skills")
-    p.add_argument("--force", action="store_true", help="overwrite installed files that were edited since (shown as a diff)")
+    p.add_argument(
+        "--force", action="store_true", help="overwrite installed files that were edited since (shown as a diff)"
+    )
 
 
 @command("install-skills", _install_skills_args)
@@ -121,16 +129,24 @@ def _install_skills(ns: argparse.Namespace) -> int:
         older = [str(s.dest) for s in report.skills if s.older_install and s.local_edits]
         edited = [c for s in report.skills if not s.older_install for c in s.local_edits]
         if older:
-            print(f"omskills: error: {', '.join(older)} installed by an older omskills (no install manifest, diff above): "
-                  "nothing was installed; rerun with --force to update", file=sys.stderr)
+            print(
+                f"omskills: error: {', '.join(older)} installed by an older omskills (no install manifest, diff above): "
+                "nothing was installed; rerun with --force to update",
+                file=sys.stderr,
+            )
         if edited:
-            print(f"omskills: error: {len(edited)} installed file(s) differ from what omskills installed (local edits, "
-                  f"diff above): nothing was installed; rerun with --force to overwrite them", file=sys.stderr)
+            print(
+                f"omskills: error: {len(edited)} installed file(s) differ from what omskills installed (local edits, "
+                f"diff above): nothing was installed; rerun with --force to overwrite them",
+                file=sys.stderr,
+            )
         return 1
     for skill in report.skills:
         counts = {kind: sum(c.change == kind for c in skill.changes) for kind in ("add", "update", "remove")}
-        done = ", ".join(f"{n} file(s) {verb}" for verb, n in
-                         zip(("added", "updated", "removed"), counts.values()) if n) or "already up to date"
+        done = (
+            ", ".join(f"{n} file(s) {verb}" for verb, n in zip(("added", "updated", "removed"), counts.values()) if n)
+            or "already up to date"
+        )
         print(f"installed {skill.dest}: {done}")
     for change in edits:
         print(f"  overwrote local edits: {change.path} ({change.change})")
@@ -139,10 +155,16 @@ def _install_skills(ns: argparse.Namespace) -> int:
 
 def _install_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("client", choices=get_args(Client), help="the MCP client to configure")
-    p.add_argument("--workspace", help="root folder the server's path arguments must stay inside (default: the "
-                                       "current folder, written as an absolute path)")
-    p.add_argument("--scope", choices=get_args(Scope),
-                   help="claude-code only: WORKSPACE/.mcp.json (project, default) or ~/.claude.json (user)")
+    p.add_argument(
+        "--workspace",
+        help="root folder the server's path arguments must stay inside (default: the "
+        "current folder, written as an absolute path)",
+    )
+    p.add_argument(
+        "--scope",
+        choices=get_args(Scope),
+        help="claude-code only: WORKSPACE/.mcp.json (project, default) or ~/.claude.json (user)",
+    )
     p.add_argument("--force", action="store_true", help="replace a different omskills entry already there")
 
 
@@ -158,12 +180,16 @@ def _install_client(ns: argparse.Namespace) -> int:
     sys.stdout.write(result.diff)
     where = f"mcpServers.omskills in {result.config_path}"
     if result.status == "refused":
-        print(f"omskills: error: {where} is a different server (diff above); rerun with --force to replace it",
-              file=sys.stderr)
+        print(
+            f"omskills: error: {where} is a different server (diff above); rerun with --force to replace it",
+            file=sys.stderr,
+        )
         return 1
     print(f"{result.status}: {where}")
-    print(f"workspace: {result.entry['args'][result.entry['args'].index('--workspace') + 1]} (the server reads and "
-          "writes only inside it; --workspace DIR to choose another)")
+    print(
+        f"workspace: {result.entry['args'][result.entry['args'].index('--workspace') + 1]} (the server reads and "
+        "writes only inside it; --workspace DIR to choose another)"
+    )
     if result.status != "unchanged":
         then = "restart Claude Desktop" if ns.client == "claude-desktop" else "in Claude Code, run /mcp to connect it"
         print(f"next: {then}; the server starts with: {result.entry['command']} {' '.join(result.entry['args'])}")

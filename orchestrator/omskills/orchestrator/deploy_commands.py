@@ -17,13 +17,22 @@ from .cli import command
 def _bundle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("task", help="the run's task record (runs/<task>/task.yaml), verified")
     p.add_argument("--out", help="bundle folder (default: <run>/bundle); an earlier bundle there is replaced")
-    p.add_argument("--artifact", choices=get_args(BundleArtifact), default="auto",
-                   help="auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come")
+    p.add_argument(
+        "--artifact",
+        choices=get_args(BundleArtifact),
+        default="auto",
+        help="auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come",
+    )
     p.add_argument("--no-weights", action="store_true", help="do not copy the checkpoint (the loader must be given it)")
-    p.add_argument("--precompute", action="append", default=[], metavar="FIELD=VALUE",
-                   help="an input the deployment will meet (a field of intake.inputs, e.g. 'prompt=a red car'; the value "
-                        "read as JSON when it is JSON); repeatable. The main path runs once on each, and graphs fed from "
-                        "user inputs alone (a text encoder) carry their outputs, answered from memory when deployed")
+    p.add_argument(
+        "--precompute",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an input the deployment will meet (a field of intake.inputs, e.g. 'prompt=a red car'; the value "
+        "read as JSON when it is JSON); repeatable. The main path runs once on each, and graphs fed from "
+        "user inputs alone (a text encoder) carry their outputs, answered from memory when deployed",
+    )
 
 
 @command("bundle", _bundle_args)
@@ -31,10 +40,18 @@ def _bundle(ns: argparse.Namespace) -> int:
     """Write a self-contained, movable deployment bundle of a verified adaptation."""
     from omskills.deploy.bundle import write_bundle
 
-    summary = write_bundle(Path(ns.task), Path(ns.out) if ns.out else None, artifact=ns.artifact, weights=not ns.no_weights,
-                           precompute=[_input_set(given) for given in ns.precompute])
-    print(f"{len(summary.graphs)} graph(s), {summary.files} files, {summary.bytes / 1e6:.1f} MB; "
-          f"OM for {summary.om_graphs or 'none'}", file=sys.stderr)
+    summary = write_bundle(
+        Path(ns.task),
+        Path(ns.out) if ns.out else None,
+        artifact=ns.artifact,
+        weights=not ns.no_weights,
+        precompute=[_input_set(given) for given in ns.precompute],
+    )
+    print(
+        f"{len(summary.graphs)} graph(s), {summary.files} files, {summary.bytes / 1e6:.1f} MB; "
+        f"OM for {summary.om_graphs or 'none'}",
+        file=sys.stderr,
+    )
     for name, why in summary.not_deployed.items():
         print(f"  {name} stays in PyTorch: {why}", file=sys.stderr)
     for what, hint in summary.required.items():
@@ -63,8 +80,11 @@ def _npu_check(ns: argparse.Namespace) -> int:
     from .npu_check import npu_check
 
     figures = npu_check(Path(ns.task))
-    print(f"verify --backend om: {figures.verdict} ({figures.summary}); example {figures.example.s_per_step:.3f} s per step, "
-          f"outputs equal to verify's: {figures.example_matches_verify}", file=sys.stderr)
+    print(
+        f"verify --backend om: {figures.verdict} ({figures.summary}); example {figures.example.s_per_step:.3f} s per step, "
+        f"outputs equal to verify's: {figures.example_matches_verify}",
+        file=sys.stderr,
+    )
     for name, backend in figures.backend_per_candidate.items():
         print(f"  {name}: {backend}", file=sys.stderr)
     print(Path(ns.task).resolve().parent / figures.figures_md)

@@ -22,8 +22,14 @@ def _drivers(ns: argparse.Namespace) -> int:
 
 def _new_driver_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="driver name: lowercase letters, digits, underscores (e.g. resnet18)")
-    p.add_argument("--entry", required=True, help="what builds the model, as package.module:callable (e.g. torchvision.models:resnet18)")
-    p.add_argument("--shape", default="1,3,224,224", help="shape of the random input run_main_path feeds (default 1,3,224,224)")
+    p.add_argument(
+        "--entry",
+        required=True,
+        help="what builds the model, as package.module:callable (e.g. torchvision.models:resnet18)",
+    )
+    p.add_argument(
+        "--shape", default="1,3,224,224", help="shape of the random input run_main_path feeds (default 1,3,224,224)"
+    )
     p.add_argument("--dir", default=".", help="where to write the driver file, task record and test (default: cwd)")
 
 
@@ -51,16 +57,22 @@ def _validate_driver(ns: argparse.Namespace) -> int:
     from omskills.stages.driver_check import check_driver
 
     report = check_driver(Path(ns.task))
-    print(f"driver {report.driver} (family {report.family}): {report.steps} {report.step_name}(s), "
-          f"{report.modules} modules, {report.parameters:,} parameters", file=sys.stderr)
+    print(
+        f"driver {report.driver} (family {report.family}): {report.steps} {report.step_name}(s), "
+        f"{report.modules} modules, {report.parameters:,} parameters",
+        file=sys.stderr,
+    )
     for output in report.outputs:
         print(f"  output {output.name}: {output.dtype}{output.shape}", file=sys.stderr)
     if report.comparison:
         print(f"  compared by: {'; '.join(report.comparison)}", file=sys.stderr)
     for cand in report.candidates:
         verdict = "exportable" if cand.exportable else "not exportable"
-        print(f"  candidate {cand.name} ({cand.module_path}): {cand.share:.1%} of the main path, {cand.calls} calls, "
-              f"{cand.graphs} graph(s), {verdict}: {cand.reason}", file=sys.stderr)
+        print(
+            f"  candidate {cand.name} ({cand.module_path}): {cand.share:.1%} of the main path, {cand.calls} calls, "
+            f"{cand.graphs} graph(s), {verdict}: {cand.reason}",
+            file=sys.stderr,
+        )
     for note in report.notes:
         print(f"  note: {note}", file=sys.stderr)
     for problem in report.problems:

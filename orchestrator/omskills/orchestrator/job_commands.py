@@ -81,16 +81,21 @@ def _main_path(ns: argparse.Namespace) -> int:
             raise InputError(f"--out: {out} is a file, not a folder")
         report, _ = run_and_report(record, base, out)
     unit = report.step_name
-    print(f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_steps} {unit}s "
-          f"in {report.total_seconds:.1f} s ({report.seconds_per_step:.2f} s/{unit}) | load {report.load_seconds:.1f} s "
-          f"| peak RSS {report.peak_rss_mb / 1024:.2f} GB", file=sys.stderr)
+    print(
+        f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_steps} {unit}s "
+        f"in {report.total_seconds:.1f} s ({report.seconds_per_step:.2f} s/{unit}) | load {report.load_seconds:.1f} s "
+        f"| peak RSS {report.peak_rss_mb / 1024:.2f} GB",
+        file=sys.stderr,
+    )
     for line in report.verification:
         print(f"  verification: {line}", file=sys.stderr)
     for line in report.notes:
         print(f"  note: {line}", file=sys.stderr)
     for step in report.steps:
-        shown = ", ".join(f"{o.name} {o.values if o.values is not None and len(str(o.values)) < 60 else o.shape}"
-                          for o in step.outputs)
+        shown = ", ".join(
+            f"{o.name} {o.values if o.values is not None and len(str(o.values)) < 60 else o.shape}"
+            for o in step.outputs
+        )
         print(f"  {unit} {step.index}: {shown}", file=sys.stderr)
     print(f"  {len(report.portability_findings)} portability sites touched; outputs in {out}", file=sys.stderr)
     print(str(out / "main_path.json"))
@@ -116,8 +121,12 @@ def adaptation_plan(task: str, precision_budget: int | None = None) -> list:
         step("probe_onnx", "3 ONNX -> OM", "probe ONNX Runtime against PyTorch"),
         step("optimize_onnx", "3 ONNX -> OM", "onnxslim / auto_optimizer variants"),
         step("emulate_precision", "3 ONNX -> OM", "ATC precision modes emulated on CPU, keep lists"),
-        step("check_precision_plan", "3 ONNX -> OM", "precision plan checked end to end (emulated), fixed if it fails",
-             **({"budget": precision_budget} if precision_budget is not None else {})),
+        step(
+            "check_precision_plan",
+            "3 ONNX -> OM",
+            "precision plan checked end to end (emulated), fixed if it fails",
+            **({"budget": precision_budget} if precision_budget is not None else {}),
+        ),
         step("precheck_ops", "3 ONNX -> OM", "operator precheck and known precision pitfalls"),
         step("convert_atc", "3 ONNX -> OM", "ATC command (run where CANN exists)"),
         step("verify_main_path", "4 splice & verify", "spliced vs PyTorch main path"),
@@ -138,9 +147,14 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
     _override_args(p)
     p.add_argument("--out", help="run folder (default: runs/<task id>-<scale>); a rerun resumes there")
     p.add_argument("--agent", choices=["plan", "claude"], default="plan", help="built-in deterministic plan, or Claude")
-    p.add_argument("--precision-budget", type=_precision_budget, default=None, metavar="N",
-                   help="spliced main-path runs the end-to-end precision check may make, attribution and fixes "
-                        "included (default 8; each is one full pass of the main path)")
+    p.add_argument(
+        "--precision-budget",
+        type=_precision_budget,
+        default=None,
+        metavar="N",
+        help="spliced main-path runs the end-to-end precision check may make, attribution and fixes "
+        "included (default 8; each is one full pass of the main path)",
+    )
     _agent_limits(p)
 
 
@@ -167,7 +181,10 @@ def _adapt(ns: argparse.Namespace) -> int:
         with updating(task) as record:
             record.intake = intake
             for step in reap_interrupted(record, str(task.resolve())):
-                print(f"omskills: step {step} was left running by a process that is gone: marked failed, this run redoes it", file=sys.stderr)
+                print(
+                    f"omskills: step {step} was left running by a process that is gone: marked failed, this run redoes it",
+                    file=sys.stderr,
+                )
     else:
         source.intake = intake
         save_record(source, task)
@@ -198,30 +215,50 @@ def _print_summary(task: Path) -> None:
         return
     verification = record.verification
     # One row per graph: a candidate dispatched on a non-tensor argument has one per value.
-    rows = [(cand, graph) for cand in record.plan.candidates
-            for graph in ([c.candidate for c in record.contracts_of(cand.name)] or [cand.name])]
-    backends = {graph: verification.backend_per_candidate.get(graph, verification.backend_per_candidate.get(cand.name, "-"))
-                if verification else "-" for cand, graph in rows}
+    rows = [
+        (cand, graph)
+        for cand in record.plan.candidates
+        for graph in ([c.candidate for c in record.contracts_of(cand.name)] or [cand.name])
+    ]
+    backends = {
+        graph: verification.backend_per_candidate.get(graph, verification.backend_per_candidate.get(cand.name, "-"))
+        if verification
+        else "-"
+        for cand, graph in rows
+    }
     width = max([31, *map(len, backends.values())])  # a label may say "(batch in chunks of 1)"
     name_width = max([22, *(len(graph) for _, graph in rows)])
-    failed = {row.graph: [c.stage for c in row.cells if c.status == "failed"] for row in stage_status(record, verification)}
+    failed = {
+        row.graph: [c.stage for c in row.cells if c.status == "failed"] for row in stage_status(record, verification)
+    }
     modes = {graph: p.chosen_mode for graph, chain in record.toolchain.items() if (p := chain.precision)}
     mode_width = max([22, *map(len, modes.values())])
-    print(f"\n{'candidate':{name_width}s} status       share   {'backend':{width}s} probe    cos        max abs  "
-          f"{'ATC precision mode':{mode_width}s} failed stages", file=sys.stderr)
+    print(
+        f"\n{'candidate':{name_width}s} status       share   {'backend':{width}s} probe    cos        max abs  "
+        f"{'ATC precision mode':{mode_width}s} failed stages",
+        file=sys.stderr,
+    )
     for cand, graph in rows:
         probe = record.toolchain_of(graph).probes.get("original")
-        print(f"{graph:{name_width}s} {cand.status:12s} {cand.share:6.1%}  {backends[graph]:{width}s} "
-              f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
-              f"{f'{probe.worst_max_abs:.1e}' if probe else '-':8s} {modes.get(graph, '-'):{mode_width}s} "
-              f"{', '.join(failed.get(graph, [])) or '-'}", file=sys.stderr)
+        print(
+            f"{graph:{name_width}s} {cand.status:12s} {cand.share:6.1%}  {backends[graph]:{width}s} "
+            f"{probe.verdict if probe else '-':8s} {f'{probe.worst_cosine:.6f}' if probe else '-':10s} "
+            f"{f'{probe.worst_max_abs:.1e}' if probe else '-':8s} {modes.get(graph, '-'):{mode_width}s} "
+            f"{', '.join(failed.get(graph, [])) or '-'}",
+            file=sys.stderr,
+        )
     if verification:
         m, unit = verification.main_path, verification.step_name
-        print(f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "
-              f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, spliced {m.spliced_s_per_step:.2f} s/{unit} "
-              f"(ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}", file=sys.stderr)
+        print(
+            f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "
+            f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, spliced {m.spliced_s_per_step:.2f} s/{unit} "
+            f"(ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}",
+            file=sys.stderr,
+        )
     plan, emulated = record.precision_plan, record.verification_emulated
     if plan is not None:
         figures = f" | {emulated.main_path.summary()}" if emulated is not None else ""
-        print(f"precision plan end to end (Ascend modes emulated on CPU, not an NPU): {plan.verdict}{figures} | {plan.why}",
-              file=sys.stderr)
+        print(
+            f"precision plan end to end (Ascend modes emulated on CPU, not an NPU): {plan.verdict}{figures} | {plan.why}",
+            file=sys.stderr,
+        )

@@ -89,7 +89,9 @@ class OmskillsClient:
             ]
         return [t for t in self._tools if t.skill is not None]
 
-    async def call(self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None) -> ToolCallOutcome:
+    async def call(
+        self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None
+    ) -> ToolCallOutcome:
         """Call a tool. A tool failure is an outcome with `is_error`, not an exception."""
         started = time.perf_counter()
         result = await self.session.call_tool(name, arguments, progress_callback=on_progress)
@@ -107,8 +109,9 @@ class OmskillsClient:
             seconds=round(time.perf_counter() - started, 3),
         )
 
-    async def call_as_job(self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None,
-                          poll_seconds: float = 5.0) -> ToolCallOutcome:
+    async def call_as_job(
+        self, name: str, arguments: dict[str, Any], on_progress: ProgressFn | None = None, poll_seconds: float = 5.0
+    ) -> ToolCallOutcome:
         """Call a tool through start_job / job_status: no request lasts longer than `poll_seconds`
         (plus the answer's way back), for sessions with a short `read_timeout_seconds`.
 
@@ -124,8 +127,9 @@ class OmskillsClient:
             timeouts = 0
             while status["state"] == "running":
                 try:
-                    polled = await self.call("job_status", {"job_id": status["job_id"], "wait_seconds": poll_seconds},
-                                             on_progress)
+                    polled = await self.call(
+                        "job_status", {"job_id": status["job_id"], "wait_seconds": poll_seconds}, on_progress
+                    )
                 except MCPError as err:
                     if err.code == types.CONNECTION_CLOSED:
                         await self._cancel_job(status["job_id"])  # over HTTP the server may outlive the link
@@ -171,7 +175,9 @@ class OmskillsClient:
         return "\n".join(parts)
 
 
-def server_parameters(workspace: Path, skills_dir: Path | None = None, env: dict[str, str] | None = None) -> StdioServerParameters:
+def server_parameters(
+    workspace: Path, skills_dir: Path | None = None, env: dict[str, str] | None = None
+) -> StdioServerParameters:
     """How to start `omskills serve` with this interpreter (works without the console script)."""
     # `-c` rather than `-m omskills.orchestrator.cli`: run as __main__, cli.py would be a second
     # module instance whose command table the subcommand modules never register into.
@@ -193,7 +199,9 @@ async def _initialized(session: ClientSession, server: str) -> OmskillsClient:
     try:
         await session.initialize()
     except MCPError as err:
-        raise OmskillsError(f"the MCP server ({server}) did not start: {err.error.message} (its stderr says why)") from None
+        raise OmskillsError(
+            f"the MCP server ({server}) did not start: {err.error.message} (its stderr says why)"
+        ) from None
     return OmskillsClient(session)
 
 

@@ -53,8 +53,10 @@ class RetryNotice(BaseModel):
 
     def line(self, policy: RetryPolicy) -> str:
         why = " (retry-after)" if self.server_asked else ""
-        return (f"Anthropic API {self.status}: {self.detail} — retry {self.attempt} in {self.wait:.1f}s{why}; "
-                f"giving up after {policy.total_seconds:.0f}s")
+        return (
+            f"Anthropic API {self.status}: {self.detail} — retry {self.attempt} in {self.wait:.1f}s{why}; "
+            f"giving up after {policy.total_seconds:.0f}s"
+        )
 
 
 Notify = Callable[[RetryNotice], None]
@@ -96,15 +98,22 @@ def failure_of(err: BaseException, model: str, retried_for: float) -> ApiFailure
     after = f" (after retrying for {retried_for:.0f}s)" if retried_for >= 1 else ""
     if isinstance(err, anthropic.APIStatusError):
         kind, detail = _describe(err)
-        return ApiFailure(f"api_error_{err.status_code}", f"Anthropic API error {kind} for model {model!r}{after}: {detail}")
-    return ApiFailure("api_connection_error", f"cannot reach the Anthropic API{after} ({err}); check ANTHROPIC_BASE_URL and the network")
+        return ApiFailure(
+            f"api_error_{err.status_code}", f"Anthropic API error {kind} for model {model!r}{after}: {detail}"
+        )
+    return ApiFailure(
+        "api_connection_error",
+        f"cannot reach the Anthropic API{after} ({err}); check ANTHROPIC_BASE_URL and the network",
+    )
 
 
 class _Backoff:
     """Exponential backoff with jitter, or the server's retry-after when it asks for longer."""
 
     def __init__(self, policy: RetryPolicy) -> None:
-        self.exponential = wait_exponential_jitter(multiplier=policy.first_wait, max=policy.max_wait, jitter=policy.first_wait)
+        self.exponential = wait_exponential_jitter(
+            multiplier=policy.first_wait, max=policy.max_wait, jitter=policy.first_wait
+        )
 
     def __call__(self, state: RetryCallState) -> float:
         ours = self.exponential(state)
@@ -137,7 +146,9 @@ def cached_request(system: str, tools: list[dict[str, Any]], messages: list[dict
     }
 
 
-async def create_message(llm: AsyncAnthropic, policy: RetryPolicy, notify: Notify, **request: Any) -> anthropic.types.Message:
+async def create_message(
+    llm: AsyncAnthropic, policy: RetryPolicy, notify: Notify, **request: Any
+) -> anthropic.types.Message:
     """`llm.messages.create(**request)` under the retry policy; ApiFailure when it fails for good."""
     backoff = _Backoff(policy)
     started = time.monotonic()
@@ -149,8 +160,15 @@ async def create_message(llm: AsyncAnthropic, policy: RetryPolicy, notify: Notif
         status, detail = _describe(err)
         asked = server_retry_after(err)
         wait = state.upcoming_sleep
-        notify(RetryNotice(attempt=state.attempt_number, status=status, detail=detail, wait=wait,
-                           server_asked=asked is not None and wait <= asked))
+        notify(
+            RetryNotice(
+                attempt=state.attempt_number,
+                status=status,
+                detail=detail,
+                wait=wait,
+                server_asked=asked is not None and wait <= asked,
+            )
+        )
 
     retrying = AsyncRetrying(
         retry=retry_if_exception(is_transient),

@@ -51,8 +51,11 @@ def npu_check(task_path: Path, timeout: float | None = None) -> NpuFigures:
     task_path = Path(task_path)
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
-    unbuilt = {name: tc.atc.script if tc.atc else "convert_atc" for name, tc in record.toolchain.items()
-               if name in record.exports and not (tc.atc and tc.atc.status == "converted")}
+    unbuilt = {
+        name: tc.atc.script if tc.atc else "convert_atc"
+        for name, tc in record.toolchain.items()
+        if name in record.exports and not (tc.atc and tc.atc.status == "converted")
+    }
     if unbuilt:
         listed = "; ".join(f"{name}: {script}" for name, script in unbuilt.items())
         raise StageError(f"no OM for {sorted(unbuilt)}: run convert_atc (or the scripts) on this host first ({listed})")
@@ -64,35 +67,53 @@ def npu_check(task_path: Path, timeout: float | None = None) -> NpuFigures:
     example = _run_example(Path(bundle.path) / "example.py", outputs, timeout)
     matches = _same_outputs(load_run(outputs), load_run(workdir / str(report.outputs_spliced)))
     figures = NpuFigures(
-        task_id=record.id, verdict=report.verdict, summary=report.main_path.summary(),
-        latency_ratio=report.main_path.latency_ratio, backend_per_candidate=report.backend_per_candidate,
-        backend_ms_per_call={c.name: c.backend_ms_per_call for c in report.candidates}, bundle=bundle.path,
-        example=example, example_matches_verify=matches, figures_json="npu/figures.json", figures_md="npu/FIGURES.md")
+        task_id=record.id,
+        verdict=report.verdict,
+        summary=report.main_path.summary(),
+        latency_ratio=report.main_path.latency_ratio,
+        backend_per_candidate=report.backend_per_candidate,
+        backend_ms_per_call={c.name: c.backend_ms_per_call for c in report.candidates},
+        bundle=bundle.path,
+        example=example,
+        example_matches_verify=matches,
+        figures_json="npu/figures.json",
+        figures_md="npu/FIGURES.md",
+    )
     (out / "figures.json").write_text(figures.model_dump_json(indent=2))
     (out / "FIGURES.md").write_text(_markdown(figures))
     return figures
 
 
 def _run_example(script: Path, outputs: Path, timeout: float | None) -> ExampleRun:
-    proc = subprocess.run([sys.executable, str(script), "--backend", "om", "--outputs", str(outputs)],
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--backend", "om", "--outputs", str(outputs)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if proc.returncode != 0:
         raise StageError(f"the bundle's example failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
     start = proc.stdout.find("\n{")
-    return ExampleRun.model_validate(json.loads(proc.stdout[start + 1:]))
+    return ExampleRun.model_validate(json.loads(proc.stdout[start + 1 :]))
 
 
 def _same_outputs(a: dict[int, dict[str, np.ndarray]], b: dict[int, dict[str, np.ndarray]]) -> bool:
     return a.keys() == b.keys() and all(
-        a[i].keys() == b[i].keys() and all(np.array_equal(a[i][k], b[i][k]) for k in a[i]) for i in a)
+        a[i].keys() == b[i].keys() and all(np.array_equal(a[i][k], b[i][k]) for k in a[i]) for i in a
+    )
 
 
 def _markdown(f: NpuFigures) -> str:
-    rows = "\n".join(f"| {name} | {backend} | {f.backend_ms_per_call.get(name) or '-'} |"
-                     for name, backend in f.backend_per_candidate.items())
-    return (f"# {f.task_id} on the OM backend\n\n"
-            f"verify_main_path --backend om: **{f.verdict}** ({f.summary}); spliced/PyTorch per step {f.latency_ratio:.2f}.\n\n"
-            f"| graph | backend (as the runtime reported it) | ms per call |\n|---|---|---|\n{rows}\n\n"
-            f"Bundle example (`{f.bundle}/example.py --backend om`, a fresh process): import {f.example.import_s:.2f} s, "
-            f"load {f.example.load_s:.2f} s, {f.example.s_per_step:.3f} s per step over {f.example.steps} steps, "
-            f"{f.example.fallbacks} fallbacks; outputs equal to verify's: {f.example_matches_verify}.\n")
+    rows = "\n".join(
+        f"| {name} | {backend} | {f.backend_ms_per_call.get(name) or '-'} |"
+        for name, backend in f.backend_per_candidate.items()
+    )
+    return (
+        f"# {f.task_id} on the OM backend\n\n"
+        f"verify_main_path --backend om: **{f.verdict}** ({f.summary}); spliced/PyTorch per step {f.latency_ratio:.2f}.\n\n"
+        f"| graph | backend (as the runtime reported it) | ms per call |\n|---|---|---|\n{rows}\n\n"
+        f"Bundle example (`{f.bundle}/example.py --backend om`, a fresh process): import {f.example.import_s:.2f} s, "
+        f"load {f.example.load_s:.2f} s, {f.example.s_per_step:.3f} s per step over {f.example.steps} steps, "
+        f"{f.example.fallbacks} fallbacks; outputs equal to verify's: {f.example_matches_verify}.\n"
+    )

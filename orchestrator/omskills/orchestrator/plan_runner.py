@@ -78,8 +78,14 @@ class ToolCallDisplay:
                 print(f"{self.prefix}: [{done:6.1f} s] {phase}", file=self.stream, flush=True)
             return
         if self.bar is None:
-            self.bar = tqdm(total=total, desc=self.prefix, file=self.stream, leave=False, dynamic_ncols=True,
-                            bar_format="{desc}: {elapsed} {postfix}" if total is None else None)
+            self.bar = tqdm(
+                total=total,
+                desc=self.prefix,
+                file=self.stream,
+                leave=False,
+                dynamic_ncols=True,
+                bar_format="{desc}: {elapsed} {postfix}" if total is None else None,
+            )
         if total is not None:
             self.bar.total = total
             self.bar.n = done
@@ -107,7 +113,11 @@ def failed_graphs(outcome: ToolCallOutcome) -> list[tuple[str, str]]:
     """The graphs a per-graph step reports as failed (its `failed` list), while the others went on."""
     structured = outcome.structured if isinstance(outcome.structured, dict) else {}
     failed = structured.get("failed")
-    return [(str(f.get("candidate")), str(f.get("error"))) for f in failed if isinstance(f, dict)] if isinstance(failed, list) else []
+    return (
+        [(str(f.get("candidate")), str(f.get("error"))) for f in failed if isinstance(f, dict)]
+        if isinstance(failed, list)
+        else []
+    )
 
 
 async def _run_steps(steps: Sequence[PlanStep], client: OmskillsClient, stream: TextIO) -> PlanResult:
@@ -119,9 +129,15 @@ async def _run_steps(steps: Sequence[PlanStep], client: OmskillsClient, stream: 
             outcome = await client.call(step.tool, step.args, on_progress=progress)
         except MCPError as err:
             # The server process is gone (e.g. killed for memory); say so instead of a traceback.
-            outcome = ToolCallOutcome(name=step.tool, arguments=step.args, is_error=True, seconds=0.0, structured=None,
-                                      text=f"the tool server stopped during {step.tool} ({err}); it may have been "
-                                           "killed (out of memory?). The task record keeps what finished: rerun to resume.")
+            outcome = ToolCallOutcome(
+                name=step.tool,
+                arguments=step.args,
+                is_error=True,
+                seconds=0.0,
+                structured=None,
+                text=f"the tool server stopped during {step.tool} ({err}); it may have been "
+                "killed (out of memory?). The task record keeps what finished: rerun to resume.",
+            )
         display.finish(outcome)
         done = StepOutcome(step=step, outcome=outcome)
         if outcome.is_error:

@@ -69,20 +69,35 @@ def claim_run_folder(folder: Path, inputs_from: tuple[str | Path | None, ...] = 
         handle.seek(0)
         owner = _owner(handle.read())
         handle.close()
-        raise InputError(f"run folder {folder} is in use by omskills adapt (pid {owner.get('pid', '?')} on "
-                         f"{owner.get('host', '?')}, since {owner.get('since', '?')}); wait for it or stop it") from None
+        raise InputError(
+            f"run folder {folder} is in use by omskills adapt (pid {owner.get('pid', '?')} on "
+            f"{owner.get('host', '?')}, since {owner.get('since', '?')}); wait for it or stop it"
+        ) from None
     handle.seek(0)
     previous = _owner(handle.read())
     if previous.get("pid") is not None:
-        state = "still running, without the lock" if process_alive(previous["pid"]) and previous.get("host") == socket.gethostname() \
+        state = (
+            "still running, without the lock"
+            if process_alive(previous["pid"]) and previous.get("host") == socket.gethostname()
             else "no longer running"
-        print(f"omskills: taking over run folder {folder} from pid {previous['pid']} ({state}; since "
-              f"{previous.get('since', '?')})", file=sys.stderr)
+        )
+        print(
+            f"omskills: taking over run folder {folder} from pid {previous['pid']} ({state}; since "
+            f"{previous.get('since', '?')})",
+            file=sys.stderr,
+        )
     handle.seek(0)
     handle.truncate(0)
-    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "since": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                             "command": " ".join(sys.argv)}))
+    handle.write(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                "command": " ".join(sys.argv),
+            }
+        )
+    )
     handle.flush()
     lock = RunLock(folder=folder, handle=handle)
     _held.append(lock)

@@ -86,7 +86,9 @@ def new_skill(name: str, description: str | None = None, skills_dir: Path | None
     tool = example_tool_name(name)
     _check_new_skill(name, description, root, tool)
     source = _templates_dir()
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(source), undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(source), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+    )
     # A JSON string is a valid double-quoted YAML scalar: safe for any description (": " included).
     env.filters["yaml_string"] = lambda text: json.dumps(text, ensure_ascii=False)
     values = {
@@ -160,8 +162,10 @@ def signature_problems(func: object) -> list[str]:
         elif pname not in hints:
             problems.append(f"parameter {pname!r} has no type annotation")
         elif parameter_description(hints[pname]) is None:
-            problems.append(f"parameter {pname!r} has no description: annotate it "
-                            f"Annotated[T, Field(description=...)] (pydantic Field; clients show it)")
+            problems.append(
+                f"parameter {pname!r} has no description: annotate it "
+                f"Annotated[T, Field(description=...)] (pydantic Field; clients show it)"
+            )
         if pname.startswith("_"):
             problems.append(f"parameter {pname!r}: names starting with '_' are not allowed by MCP")
     if "return" not in hints:
@@ -169,15 +173,21 @@ def signature_problems(func: object) -> list[str]:
     if not (inspect.getdoc(func) or "").strip():
         problems.append("the function has no docstring (the model reads it as the tool description)")
     if hints_of(func) is None:  # type: ignore[arg-type]
-        problems.append("no @tool_hints(title=..., read_only=..., ...): clients need its title and whether it "
-                        "writes, destroys or runs long (from omskills.host.toolkit import tool_hints)")
+        problems.append(
+            "no @tool_hints(title=..., read_only=..., ...): clients need its title and whether it "
+            "writes, destroys or runs long (from omskills.host.toolkit import tool_hints)"
+        )
     return problems
 
 
 def _help_problem(script: Path) -> str | None:
     try:
         proc = subprocess.run(
-            [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=HELP_TIMEOUT_S, stdin=subprocess.DEVNULL
+            [sys.executable, str(script), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=HELP_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
         return f"`{script.name} --help` did not finish in {HELP_TIMEOUT_S}s"
@@ -245,7 +255,10 @@ def validate_skills(paths: Iterable[Path] | None = None, *, run_help: bool = Tru
             if others:
                 add(script, f"tool name {script.stem!r} is also defined in {', '.join(_where(p) for p in others)}")
             if skill_md and not _names_tool(skill_md, script.stem):
-                add(skill / "SKILL.md", f"does not name the tool {script.stem!r} that the skill ships (say when to call it)")
+                add(
+                    skill / "SKILL.md",
+                    f"does not name the tool {script.stem!r} that the skill ships (say when to call it)",
+                )
             if info is not None:
                 help_jobs.append(script)
     if run_help:
@@ -349,8 +362,9 @@ def unified_diff(before: bytes | None, after: bytes | None, before_label: str, a
         new = (after or b"").decode("utf-8").splitlines(keepends=True)
     except UnicodeDecodeError:
         return f"Binary files {before_label} and {after_label} differ\n"
-    lines = difflib.unified_diff(old, new, before_label if before is not None else "/dev/null",
-                                 after_label if after is not None else "/dev/null")
+    lines = difflib.unified_diff(
+        old, new, before_label if before is not None else "/dev/null", after_label if after is not None else "/dev/null"
+    )
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 
@@ -487,8 +501,9 @@ def write_json_keeping_mode(path: Path, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def install_client(client: Client, workspace: Path | None = None, scope: Scope | None = None,
-                   *, force: bool = False) -> ClientInstall:
+def install_client(
+    client: Client, workspace: Path | None = None, scope: Scope | None = None, *, force: bool = False
+) -> ClientInstall:
     """Add the omskills server to a client's `mcpServers`, keeping every other server and key.
 
     A different omskills entry already there is replaced only with `force`; the result carries
@@ -501,7 +516,9 @@ def install_client(client: Client, workspace: Path | None = None, scope: Scope |
     previous = data.get("mcpServers", {}).get(SERVER_NAME)
     label = f"{path} mcpServers.{SERVER_NAME}"
     as_text = lambda value: (json.dumps(value, indent=2) + "\n").encode()  # noqa: E731
-    diff = unified_diff(as_text(previous) if previous is not None else None, as_text(entry), f"{label} (now)", f"{label} (new)")
+    diff = unified_diff(
+        as_text(previous) if previous is not None else None, as_text(entry), f"{label} (now)", f"{label} (new)"
+    )
     result = ClientInstall(client=client, config_path=path, entry=entry, previous=previous, status="added", diff=diff)
     if previous == entry:
         result.status, result.diff = "unchanged", ""

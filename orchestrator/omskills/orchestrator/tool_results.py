@@ -28,7 +28,7 @@ def pager_tool_definition() -> dict[str, Any]:
         "name": PAGER_TOOL,
         "description": (
             "Read a part of an earlier tool result that was too long to send whole (its outline said so). "
-            "`path` is a JSON Pointer into the result (\"\" for the whole, \"/entries\" for a key, \"/entries/12\" for "
+            '`path` is a JSON Pointer into the result ("" for the whole, "/entries" for a key, "/entries/12" for '
             "an item); a long list, object or string comes back a page at a time: pass the page's `next_offset` as "
             "`offset` for the next one. Every page is valid JSON."
         ),
@@ -36,8 +36,15 @@ def pager_tool_definition() -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "call_id": {"type": "string", "description": "the tool_use id of the call whose result to read"},
-                "path": {"type": "string", "description": "JSON Pointer into the result, e.g. /entries/3 (default: the whole result)"},
-                "offset": {"type": "integer", "minimum": 0, "description": "first item (list), key (object) or character (text) of the page"},
+                "path": {
+                    "type": "string",
+                    "description": "JSON Pointer into the result, e.g. /entries/3 (default: the whole result)",
+                },
+                "offset": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "first item (list), key (object) or character (text) of the page",
+                },
             },
             "required": ["call_id"],
         },
@@ -115,9 +122,13 @@ def resolve_pointer(document: Any, pointer: str) -> Any:
         elif isinstance(value, list) and step.isdigit() and int(step) < len(value):
             value = value[int(step)]
         else:
-            have = (f"keys: {', '.join(list(value)[:30])}" if isinstance(value, dict)
-                    else f"a list of {len(value)} items (0..{len(value) - 1})" if isinstance(value, list)
-                    else f"a {type(value).__name__}, not a container")
+            have = (
+                f"keys: {', '.join(list(value)[:30])}"
+                if isinstance(value, dict)
+                else f"a list of {len(value)} items (0..{len(value) - 1})"
+                if isinstance(value, list)
+                else f"a {type(value).__name__}, not a container"
+            )
             raise KeyError(f"path {pointer!r}: {walked or '(the result)'} has no {step!r}; it has {have}")
         walked += "/" + raw
     return value
@@ -164,8 +175,10 @@ class ResultPager:
         room = self.limit - 200
         cut = text.rfind("\n", room // 2, room)
         end = cut + 1 if cut > 0 else room
-        return (text[:end] + f"\n[omskills: {end:,} of {len(text):,} characters shown; read on with "
-                f"{PAGER_TOOL}(call_id={call_id!r}, offset={end})]")
+        return (
+            text[:end] + f"\n[omskills: {end:,} of {len(text):,} characters shown; read on with "
+            f"{PAGER_TOOL}(call_id={call_id!r}, offset={end})]"
+        )
 
     # ---- the paging tool
 
@@ -183,7 +196,9 @@ class ResultPager:
             document = json.loads(text)
         except ValueError:
             if path:
-                return PagedAnswer(text=f"the result of {call_id} is text, not JSON: read it with offset only", is_error=True)
+                return PagedAnswer(
+                    text=f"the result of {call_id} is text, not JSON: read it with offset only", is_error=True
+                )
             document = text
         try:
             value = resolve_pointer(document, path)
@@ -200,14 +215,28 @@ class ResultPager:
             end = min(len(value), offset + room)
             while end > offset + 1 and len(_dumps(value[offset:end])) > room:  # JSON escapes lengthen some characters
                 end = offset + (end - offset) // 2
-            return head | {"string_length": len(value), "offset": offset, "text": value[offset:end],
-                           "next_offset": end if end < len(value) else None}
+            return head | {
+                "string_length": len(value),
+                "offset": offset,
+                "text": value[offset:end],
+                "next_offset": end if end < len(value) else None,
+            }
         if isinstance(value, list):
             shown, next_offset = _fill(list(enumerate(value)), offset, room, path)
-            return head | {"list_length": len(value), "offset": offset, "items": [v for _, v in shown], "next_offset": next_offset}
+            return head | {
+                "list_length": len(value),
+                "offset": offset,
+                "items": [v for _, v in shown],
+                "next_offset": next_offset,
+            }
         if isinstance(value, dict):
             shown, next_offset = _fill(list(value.items()), offset, room, path)
-            return head | {"keys_total": len(value), "offset": offset, "entries": dict(shown), "next_offset": next_offset}
+            return head | {
+                "keys_total": len(value),
+                "offset": offset,
+                "entries": dict(shown),
+                "next_offset": next_offset,
+            }
         return head | {"value": value}
 
 

@@ -11,8 +11,12 @@ from pydantic import Field
 
 
 @tool_hints(title="Inventory the model source", read_only=False, idempotent=True)
-def inventory_entries(task: TaskPath) -> Annotated[Inventory | None, Field(
-        description="The inventory stored in the task record, or null when the driver names no source package.")]:
+def inventory_entries(
+    task: TaskPath,
+) -> Annotated[
+    Inventory | None,
+    Field(description="The inventory stored in the task record, or null when the driver names no source package."),
+]:
     """Scan the model source named in the task record, without importing it, for the entries users
     call, the Python control plane and the CUDA-only sites; null when the driver names no source
     package.

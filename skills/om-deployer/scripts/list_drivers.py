@@ -8,7 +8,8 @@ from pydantic import BaseModel, Field
 class Drivers(BaseModel):
     drivers: list[DriverListing] = Field(
         description="Each installed driver: its model family, class reference, the distribution that registered it, "
-                    "what it adapts, or why it cannot be loaded here.")
+        "what it adapts, or why it cannot be loaded here."
+    )
 
 
 @tool_hints(title="List the model drivers", read_only=True)

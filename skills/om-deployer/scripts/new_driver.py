@@ -12,10 +12,20 @@ from pydantic import Field
 
 @tool_hints(title="Scaffold a model driver", read_only=False, destructive=False, idempotent=True)
 def new_driver(
-    name: Annotated[str, Field(description="Lowercase identifier of the model, letters, digits and underscores (e.g. resnet18).")],
-    entry: Annotated[str, Field(description='What builds the model, "package.module:callable" (e.g. "torchvision.models:resnet18").')],
-    out_dir: Annotated[WorkspacePath, Field(description="Folder for the three files (created if missing); existing files are never overwritten.")] = ".",
-    shape: Annotated[list[int] | None, Field(description="Shape of the random input run_main_path feeds the model (default [1, 3, 224, 224]).")] = None,
+    name: Annotated[
+        str, Field(description="Lowercase identifier of the model, letters, digits and underscores (e.g. resnet18).")
+    ],
+    entry: Annotated[
+        str, Field(description='What builds the model, "package.module:callable" (e.g. "torchvision.models:resnet18").')
+    ],
+    out_dir: Annotated[
+        WorkspacePath,
+        Field(description="Folder for the three files (created if missing); existing files are never overwritten."),
+    ] = ".",
+    shape: Annotated[
+        list[int] | None,
+        Field(description="Shape of the random input run_main_path feeds the model (default [1, 3, 224, 224])."),
+    ] = None,
 ) -> ScaffoldedDriver:
     """Write a two-function driver for a model with no driver yet, its task record and a test:
     `<name>_driver.py`, `<name>.yaml` and `test_<name>_driver.py`.

@@ -15,11 +15,21 @@ from pydantic import Field
 @tool_hints(title="Verify the main path", read_only=False, idempotent=False, long_running=True)
 def verify_main_path(
     task: TaskPath,
-    backend: Annotated[str, Field(description='Registered runtime backend the graphs run on: "onnxruntime", or "om" '
-                                             "(ais_bench, on an Ascend host), or a third party's.")] = "onnxruntime",
-    precision: Annotated[VerifyPrecision, Field(description='"fp32": the graphs as exported; "emulated" (after '
-                                                            "emulate_precision): each graph in its chosen ATC precision "
-                                                            "mode emulated on ONNX Runtime CPU.")] = "fp32",
+    backend: Annotated[
+        str,
+        Field(
+            description='Registered runtime backend the graphs run on: "onnxruntime", or "om" '
+            "(ais_bench, on an Ascend host), or a third party's."
+        ),
+    ] = "onnxruntime",
+    precision: Annotated[
+        VerifyPrecision,
+        Field(
+            description='"fp32": the graphs as exported; "emulated" (after '
+            "emulate_precision): each graph in its chosen ATC precision "
+            "mode emulated on ONNX Runtime CPU."
+        ),
+    ] = "fp32",
 ) -> VerifyReport:
     """Run the same inputs through the PyTorch reference and through the pipeline with every
     exported, probed graph spliced in, and judge every step by the driver's output checks.

@@ -15,16 +15,36 @@ from pydantic import Field
 @tool_hints(title="Write the deployment bundle", read_only=False, destructive=True, idempotent=True)
 def write_bundle(
     task: TaskPath,
-    out: Annotated[WorkspacePath | None, Field(description="Bundle folder (default <run>/bundle); an existing bundle "
-                                                           "there is replaced, any other non-empty folder refused.")] = None,
-    artifact: Annotated[BundleArtifact, Field(description='"auto": the OMs ATC built plus every ONNX; "om": an OM for every '
-                                                          'graph (refused if one is missing); "onnx": no OMs.')] = "auto",
-    weights: Annotated[bool, Field(description="Copy the checkpoint into the bundle; false leaves it out (the loader "
-                                               "must then be given it).")] = True,
-    precompute: Annotated[list[dict[str, Any]] | None, Field(description=(
-        'Input sets the deployment will meet, each fields of intake.inputs (e.g. [{"prompt": "a red car"}]): the main '
-        "path runs once on each (ONNX Runtime CPU), and graphs fed from user inputs alone (a text encoder) carry "
-        "their outputs in the bundle, answered from memory when deployed."))] = None,
+    out: Annotated[
+        WorkspacePath | None,
+        Field(
+            description="Bundle folder (default <run>/bundle); an existing bundle "
+            "there is replaced, any other non-empty folder refused."
+        ),
+    ] = None,
+    artifact: Annotated[
+        BundleArtifact,
+        Field(
+            description='"auto": the OMs ATC built plus every ONNX; "om": an OM for every '
+            'graph (refused if one is missing); "onnx": no OMs.'
+        ),
+    ] = "auto",
+    weights: Annotated[
+        bool,
+        Field(
+            description="Copy the checkpoint into the bundle; false leaves it out (the loader must then be given it)."
+        ),
+    ] = True,
+    precompute: Annotated[
+        list[dict[str, Any]] | None,
+        Field(
+            description=(
+                'Input sets the deployment will meet, each fields of intake.inputs (e.g. [{"prompt": "a red car"}]): the main '
+                "path runs once on each (ONNX Runtime CPU), and graphs fed from user inputs alone (a text encoder) carry "
+                "their outputs in the bundle, answered from memory when deployed."
+            )
+        ),
+    ] = None,
 ) -> BundleSummary:
     """Write one self-contained, movable folder to deploy the verified adaptation from, with a
     README and an example.py that runs the user's main path through the public API.
@@ -36,7 +56,9 @@ def write_bundle(
     and names what is missing or changed."""
     from omskills.deploy.bundle import write_bundle as _write
 
-    return _write(Path(task), Path(out) if out else None, artifact=artifact, weights=weights, precompute=precompute or [])
+    return _write(
+        Path(task), Path(out) if out else None, artifact=artifact, weights=weights, precompute=precompute or []
+    )
 
 
 if __name__ == "__main__":

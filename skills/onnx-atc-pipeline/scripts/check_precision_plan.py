@@ -13,8 +13,15 @@ from pydantic import Field
 @tool_hints(title="Check the precision plan end to end", read_only=False, idempotent=True, long_running=True)
 def check_precision_plan(
     task: TaskPath,
-    budget: Annotated[int, Field(ge=1, le=64, description="Spliced main-path runs the check may make, finding the "
-                                                          "graphs at fault included (each is one run of the model).")] = 8,
+    budget: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=64,
+            description="Spliced main-path runs the check may make, finding the "
+            "graphs at fault included (each is one run of the model).",
+        ),
+    ] = 8,
 ) -> PrecisionPlan:
     """Run the main path with every deployed graph emulated in the ATC precision mode its own
     emulation chose (emulate_precision), against PyTorch, judged by the driver's checks. When it

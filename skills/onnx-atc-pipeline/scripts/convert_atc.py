@@ -15,8 +15,10 @@ from pydantic import Field
 def convert_atc(
     task: TaskPath,
     candidate: CandidateName = None,
-    precision_mode: Annotated[PrecisionMode | None, Field(description="ATC --precision_mode; default: the mode "
-                                                                      "emulate_precision chose, else ATC's own default.")] = None,
+    precision_mode: Annotated[
+        PrecisionMode | None,
+        Field(description="ATC --precision_mode; default: the mode emulate_precision chose, else ATC's own default."),
+    ] = None,
 ) -> AtcBatch:
     """Build the ATC command (framework 5, SoC, input shapes, exactly one shape strategy from the
     boundary analysis, optional precision mode) and run it where CANN atc exists; elsewhere write
@@ -27,7 +29,9 @@ def convert_atc(
     from omskills.stages.toolchain import convert_candidate, for_each_candidate
 
     path = Path(task)
-    return for_each_candidate(path, candidate, AtcBatch(), lambda name: convert_candidate(path, name, precision_mode), "convert_atc")
+    return for_each_candidate(
+        path, candidate, AtcBatch(), lambda name: convert_candidate(path, name, precision_mode), "convert_atc"
+    )
 
 
 if __name__ == "__main__":

@@ -15,9 +15,14 @@ from pydantic import Field
 def emulate_precision(
     task: TaskPath,
     candidate: CandidateName = None,
-    modes: Annotated[list[EmulatedMode] | None, Field(description="ATC precision modes to emulate; default: force_fp16, "
-                                                                  "allow_mix_precision, allow_fp32_to_fp16, "
-                                                                  "must_keep_origin_dtype.")] = None,
+    modes: Annotated[
+        list[EmulatedMode] | None,
+        Field(
+            description="ATC precision modes to emulate; default: force_fp16, "
+            "allow_mix_precision, allow_fp32_to_fp16, "
+            "must_keep_origin_dtype."
+        ),
+    ] = None,
 ) -> PrecisionBatch:
     """Emulate ATC's precision modes on ONNX Runtime CPU for the preferred variant and record the
     mode convert_atc will use. Emulated, never an NPU result.
@@ -30,8 +35,14 @@ def emulate_precision(
     from omskills.stages.toolchain import for_each_candidate
 
     path = Path(task)
-    return for_each_candidate(path, candidate, PrecisionBatch(), lambda name: emulate_candidate(path, name, modes),
-                              "emulate_precision", advisory=True)
+    return for_each_candidate(
+        path,
+        candidate,
+        PrecisionBatch(),
+        lambda name: emulate_candidate(path, name, modes),
+        "emulate_precision",
+        advisory=True,
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ from pydantic import Field
 def export_onnx(
     task: TaskPath,
     candidate: CandidateName = None,
-    exporter: Annotated[ExporterName, Field(description='"dynamo": the torch.export-based exporter; "legacy": the '
-                                                        "TorchScript one.")] = "dynamo",
+    exporter: Annotated[
+        ExporterName, Field(description='"dynamo": the torch.export-based exporter; "legacy": the TorchScript one.')
+    ] = "dynamo",
 ) -> ExportBatch:
     """Export each candidate to ONNX through a wrapper built from its contract, in fp32 with opset
     <= 18 for ATC, and record which exporter ran.
@@ -31,8 +32,15 @@ def export_onnx(
     from omskills.stages.toolchain import export_candidate, for_each_candidate
 
     path = Path(task)
-    return for_each_candidate(path, candidate, ExportBatch(), lambda name: export_candidate(path, name, exporter), "export_onnx",
-                              promote_inner=True, needs_export=False)
+    return for_each_candidate(
+        path,
+        candidate,
+        ExportBatch(),
+        lambda name: export_candidate(path, name, exporter),
+        "export_onnx",
+        promote_inner=True,
+        needs_export=False,
+    )
 
 
 if __name__ == "__main__":

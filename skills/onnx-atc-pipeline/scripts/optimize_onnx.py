@@ -22,7 +22,9 @@ def optimize_onnx(task: TaskPath, candidate: CandidateName = None) -> OptimizeBa
     from omskills.stages.toolchain import for_each_candidate, optimize_candidate
 
     path = Path(task)
-    return for_each_candidate(path, candidate, OptimizeBatch(), lambda name: optimize_candidate(path, name), "optimize_onnx")
+    return for_each_candidate(
+        path, candidate, OptimizeBatch(), lambda name: optimize_candidate(path, name), "optimize_onnx"
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ from pydantic import Field
 def precheck_ops(
     task: TaskPath,
     candidate: CandidateName = None,
-    soc: Annotated[Soc | None, Field(description="Target SoC (ATC --soc_version: 'Ascend' + the Name `npu-smi info` "
-                                                 "shows); default: the task record's target.")] = None,
+    soc: Annotated[
+        Soc | None,
+        Field(
+            description="Target SoC (ATC --soc_version: 'Ascend' + the Name `npu-smi info` "
+            "shows); default: the task record's target."
+        ),
+    ] = None,
 ) -> PrecheckBatch:
     """Compare every operator of the preferred variant (op type and opset) with the ONNX operators
     ATC supports (CANN 8.0.0 list shipped in the repo); report unsupported and constrained ops with
@@ -27,7 +32,9 @@ def precheck_ops(
     from omskills.stages.toolchain import for_each_candidate, precheck_candidate
 
     path = Path(task)
-    return for_each_candidate(path, candidate, PrecheckBatch(), lambda name: precheck_candidate(path, name, soc), "precheck_ops")
+    return for_each_candidate(
+        path, candidate, PrecheckBatch(), lambda name: precheck_candidate(path, name, soc), "precheck_ops"
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from pydantic import Field
 def probe_onnx(
     task: TaskPath,
     candidate: CandidateName = None,
-    variant: Annotated[VariantName, Field(description="Which ONNX variant to run: the export as is, or an "
-                                                      "optimize_onnx variant.")] = "original",
+    variant: Annotated[
+        VariantName, Field(description="Which ONNX variant to run: the export as is, or an optimize_onnx variant.")
+    ] = "original",
 ) -> ProbeBatch:
     """Run ONNX Runtime on the captured samples and compare with the captured PyTorch outputs:
     cosine, max abs and max relative error per output; pass (cosine >= 0.9999, max abs < 1e-4),
@@ -27,7 +28,9 @@ def probe_onnx(
     from omskills.stages.toolchain import for_each_candidate, probe_candidate
 
     path = Path(task)
-    return for_each_candidate(path, candidate, ProbeBatch(), lambda name: probe_candidate(path, name, variant), "probe_onnx")
+    return for_each_candidate(
+        path, candidate, ProbeBatch(), lambda name: probe_candidate(path, name, variant), "probe_onnx"
+    )
 
 
 if __name__ == "__main__":

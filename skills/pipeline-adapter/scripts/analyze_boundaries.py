@@ -14,11 +14,21 @@ from pydantic import Field
 @tool_hints(title="Analyse the boundaries", read_only=False, idempotent=True, long_running=True)
 def analyze_boundaries(
     task: TaskPath,
-    candidate: Annotated[SafeName | None, Field(description="One candidate (graph) to analyse, as capture_contracts names "
-                                                       "it; default: the plan's first batch and the candidates "
-                                                       "deferred inside it.")] = None,
-    trial_export: Annotated[bool, Field(description="Also try torch.export on each candidate and replay it on the "
-                                                    "captured samples (loads the model; minutes at full scale).")] = False,
+    candidate: Annotated[
+        SafeName | None,
+        Field(
+            description="One candidate (graph) to analyse, as capture_contracts names "
+            "it; default: the plan's first batch and the candidates "
+            "deferred inside it."
+        ),
+    ] = None,
+    trial_export: Annotated[
+        bool,
+        Field(
+            description="Also try torch.export on each candidate and replay it on the "
+            "captured samples (loads the model; minutes at full scale)."
+        ),
+    ] = False,
 ) -> BoundariesResult:
     """Per selected candidate: an exportability verdict with reasons, the control plane that stays in
     Python, exactly one proposed ATC shape strategy and merge suggestions.

@@ -14,8 +14,10 @@ from pydantic import Field
 @tool_hints(title="Capture the I/O contracts", read_only=False, idempotent=True, long_running=True)
 def capture_contracts(
     task: TaskPath,
-    candidate: Annotated[SafeName | None, Field(description="One candidate to report, as plan_candidates names it; "
-                                                       "default: the plan's first batch.")] = None,
+    candidate: Annotated[
+        SafeName | None,
+        Field(description="One candidate to report, as plan_candidates names it; default: the plan's first batch."),
+    ] = None,
 ) -> ContractsResult:
     """The real I/O contracts of each selected candidate (or the one named), with npz samples of real
     calls. Comes from the same instrumented run as profile_main_path (run if not done yet).

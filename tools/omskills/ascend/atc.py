@@ -22,8 +22,8 @@ from typing import Literal
 from omskills.errors import InputError
 from omskills.files import sha256_file
 from omskills.records.base import Record
-from omskills.records.contracts import ShapeStrategy
 from omskills.records.choices import PRECISION_MODES, PrecisionMode  # noqa: F401 (re-exported)
+from omskills.records.contracts import ShapeStrategy
 from omskills.records.intake import KNOWN_SOCS  # the --soc_version names, kept where records can read them
 from omskills.records.toolchain import AtcErrorAdvice, AtcInstall, AtcResult
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -102,16 +102,24 @@ class AtcOptions(Record):
     def _valid_shapes(cls, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
         for name, dims in shapes.items():
             if not _NAME_RE.match(name):
-                raise ValueError(f"input name {name!r} cannot be passed to --input_shape (no ':', ';', ',', quotes or spaces)")
+                raise ValueError(
+                    f"input name {name!r} cannot be passed to --input_shape (no ':', ';', ',', quotes or spaces)"
+                )
             if any(d < -1 or d == 0 for d in dims):
                 raise ValueError(f"input {name!r}: dims must be positive or -1, got {dims}")
         return shapes
 
     @model_validator(mode="after")
-    def _one_strategy(self) -> "AtcOptions":
-        given = [k for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims", "dynamic_shape") if getattr(self, k) is not None]
+    def _one_strategy(self) -> AtcOptions:
+        given = [
+            k
+            for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims", "dynamic_shape")
+            if getattr(self, k) is not None
+        ]
         if len(given) > 1:
-            raise ValueError(f"shape strategies {given} given together; ATC accepts exactly one (or none, for static shapes)")
+            raise ValueError(
+                f"shape strategies {given} given together; ATC accepts exactly one (or none, for static shapes)"
+            )
         check = {
             "static": self._check_static,
             "dynamic_batch_size": self._check_batch,
@@ -172,14 +180,18 @@ class AtcOptions(Record):
             raise ValueError("dynamic_dims: input_shapes has no -1; mark the dims that vary with -1")
         bad = [g for g in gears if len(g) != wanted or min(g) <= 0]
         if bad:
-            raise ValueError(f"dynamic_dims: each gear needs {wanted} positive value(s), one per -1 in input_shapes; bad gears {bad}")
+            raise ValueError(
+                f"dynamic_dims: each gear needs {wanted} positive value(s), one per -1 in input_shapes; bad gears {bad}"
+            )
         if self.input_format not in (None, "ND"):
             raise ValueError(f"dynamic_dims needs input_format ND, got {self.input_format}")
 
     def _check_ranges(self) -> None:
         ranges = self.dynamic_shape or {}
         if self.input_shapes and set(ranges) != set(self.input_shapes):
-            raise ValueError(f"dynamic_shape: inputs {sorted(ranges)} differ from input_shapes {sorted(self.input_shapes)}")
+            raise ValueError(
+                f"dynamic_shape: inputs {sorted(ranges)} differ from input_shapes {sorted(self.input_shapes)}"
+            )
         for name, dims in ranges.items():
             if not _NAME_RE.match(name):
                 raise ValueError(f"dynamic_shape: input name {name!r} cannot be passed to --input_shape")
@@ -188,10 +200,12 @@ class AtcOptions(Record):
                     raise ValueError(f"dynamic_shape: input {name!r}: each dim is [n], [min, max] or [-1], got {dim}")
             declared = self.input_shapes.get(name)
             if declared is not None and len(declared) != len(dims):
-                raise ValueError(f"dynamic_shape: input {name!r} has rank {len(dims)}, input_shapes says {len(declared)}")
+                raise ValueError(
+                    f"dynamic_shape: input {name!r} has rank {len(dims)}, input_shapes says {len(declared)}"
+                )
 
     @classmethod
-    def checked(cls, **fields: object) -> "AtcOptions":
+    def checked(cls, **fields: object) -> AtcOptions:
         """Build and validate; a problem raises InputError with one line naming the field."""
         try:
             return cls(**fields)
@@ -204,7 +218,9 @@ class AtcOptions(Record):
             raise InputError("atc options: " + "; ".join(problems)) from None
 
     @classmethod
-    def from_strategy(cls, strategy: ShapeStrategy, model: str, output: str, soc_version: str, **options: object) -> "AtcOptions":
+    def from_strategy(
+        cls, strategy: ShapeStrategy, model: str, output: str, soc_version: str, **options: object
+    ) -> AtcOptions:
         """Options from the boundary analysis's shape strategy (records.contracts.ShapeStrategy)."""
         fields: dict[str, object] = {"input_shapes": strategy.input_shapes}
         if strategy.kind == "dynamic_batch_size":
@@ -240,7 +256,9 @@ def build_atc_command(options: AtcOptions, atc: str = "atc") -> list[str]:
         f"{SOC_FLAG}{options.soc_version}",
     ]
     if options.dynamic_shape is not None:
-        shape = ";".join(f"{name}:{','.join(_range_text(d) for d in dims)}" for name, dims in options.dynamic_shape.items())
+        shape = ";".join(
+            f"{name}:{','.join(_range_text(d) for d in dims)}" for name, dims in options.dynamic_shape.items()
+        )
         cmd.append(f"--input_shape={shape}")
     elif options.input_shapes:
         cmd.append("--input_shape=" + ";".join(f"{name}:{_join(dims)}" for name, dims in options.input_shapes.items()))
@@ -287,22 +305,40 @@ def find_atc(env: Mapping[str, str] | None = None, toolkit_homes: tuple[str, ...
 # Error codes and messages seen from ATC, with what to do. Codes and texts from CANN's error
 # code reference ("GE Errors", maintenref/troubleshooting/atlaserrorcode_15_*).
 _ADVICE: tuple[tuple[str, re.Pattern[str], str], ...] = (
-    ("E19010", re.compile(r"\bE19010\b|\bEZ9010\b|No parser is registered for Op", re.I),
-     "ATC's ONNX parser has no entry for this op at the model's opset (the optype in the message reads "
-     "ai.onnx::<opset>::<Op>). Export at opset <= 18 or convert down with onnx.version_converter, or "
-     "replace the op; run precheck_ops to see every such op before converting."),
-    ("E10001", re.compile(r"\bE10001\b"),
-     "An argument value is invalid; the message names the parameter and the reason. Fix that option."),
-    ("E10014", re.compile(r"\bE1000[3]\b|\bE1001[45]\b"),
-     "A --parameter value is invalid; run `atc -h` and check the option named in the message "
-     "(shape string syntax, gear list, soc_version)."),
-    ("E10054", re.compile(r"\bE10054\b"),
-     "A required ATC parameter is empty, or a value was not quoted (quote --input_shape and gear lists in a shell)."),
-    ("E19999", re.compile(r"\bE[0-9A-Z]9999\b"),
-     "Internal error of a CANN module: read the lines before it in the log and the plog "
-     "($HOME/ascend/log); re-run with --log=info for detail."),
-    ("message", re.compile(r"soc_version.*(invalid|not support)|not support.*soc", re.I),
-     "The --soc_version is not supported by this CANN installation: use the exact name from `npu-smi info`."),
+    (
+        "E19010",
+        re.compile(r"\bE19010\b|\bEZ9010\b|No parser is registered for Op", re.I),
+        "ATC's ONNX parser has no entry for this op at the model's opset (the optype in the message reads "
+        "ai.onnx::<opset>::<Op>). Export at opset <= 18 or convert down with onnx.version_converter, or "
+        "replace the op; run precheck_ops to see every such op before converting.",
+    ),
+    (
+        "E10001",
+        re.compile(r"\bE10001\b"),
+        "An argument value is invalid; the message names the parameter and the reason. Fix that option.",
+    ),
+    (
+        "E10014",
+        re.compile(r"\bE1000[3]\b|\bE1001[45]\b"),
+        "A --parameter value is invalid; run `atc -h` and check the option named in the message "
+        "(shape string syntax, gear list, soc_version).",
+    ),
+    (
+        "E10054",
+        re.compile(r"\bE10054\b"),
+        "A required ATC parameter is empty, or a value was not quoted (quote --input_shape and gear lists in a shell).",
+    ),
+    (
+        "E19999",
+        re.compile(r"\bE[0-9A-Z]9999\b"),
+        "Internal error of a CANN module: read the lines before it in the log and the plog "
+        "($HOME/ascend/log); re-run with --log=info for detail.",
+    ),
+    (
+        "message",
+        re.compile(r"soc_version.*(invalid|not support)|not support.*soc", re.I),
+        "The --soc_version is not supported by this CANN installation: use the exact name from `npu-smi info`.",
+    ),
 )
 
 
@@ -327,12 +363,14 @@ def advise(log_text: str) -> list[AtcErrorAdvice]:
 def conversion_script(options: AtcOptions, install: AtcInstall | None, folder: Path) -> str:
     """A bash script in `folder` that runs the same conversion on a machine with CANN. Its paths
     are relative to its own folder, which it runs from, so it moves with the run folder."""
-    return atc_script(paths_relative_to(build_atc_command(options), folder), install.set_env if install else None,
-                      from_own_folder=".")
+    return atc_script(
+        paths_relative_to(build_atc_command(options), folder), install.set_env if install else None, from_own_folder="."
+    )
 
 
 def paths_relative_to(command: list[str], folder: Path) -> list[str]:
     """`--flag=/abs/path` arguments rewritten relative to `folder` (`--model=../../onnx/a.onnx`)."""
+
     def relative(arg: str) -> str:
         flag, sep, value = arg.partition("=")
         if sep and value.startswith("/"):
@@ -375,7 +413,9 @@ def run_atc(options: AtcOptions, workdir: str | Path, timeout: float | None = No
     return _execute(options, install, command, script, work / f"atc_{name}.log", timeout)
 
 
-def _execute(options: AtcOptions, install: AtcInstall, command: list[str], script: Path, log: Path, timeout: float | None) -> AtcResult:
+def _execute(
+    options: AtcOptions, install: AtcInstall, command: list[str], script: Path, log: Path, timeout: float | None
+) -> AtcResult:
     argv = [install.atc, *command[1:]]
     if install.set_env:
         argv = ["bash", "-c", f"source {shlex.quote(install.set_env)} && exec {shlex.join(argv)}"]
@@ -388,19 +428,42 @@ def _execute(options: AtcOptions, install: AtcInstall, command: list[str], scrip
         try:
             proc = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
-            return AtcResult(status="failed", reason=f"atc timed out after {timeout} s", seconds=round(time.time() - started, 1), **base)
+            return AtcResult(
+                status="failed",
+                reason=f"atc timed out after {timeout} s",
+                seconds=round(time.time() - started, 1),
+                **base,
+            )
     seconds = round(time.time() - started, 1)
     errors = advise(log.read_text(errors="replace"))
     if proc.returncode != 0:
-        return AtcResult(status="failed", reason=f"atc exited {proc.returncode}", exit_code=proc.returncode, seconds=seconds, errors=errors, **base)
+        return AtcResult(
+            status="failed",
+            reason=f"atc exited {proc.returncode}",
+            exit_code=proc.returncode,
+            seconds=seconds,
+            errors=errors,
+            **base,
+        )
     om = _produced_om(options.output, started)
     if om is None:
         return AtcResult(
-            status="failed", reason=f"atc exited 0 but wrote no {options.output}.om", exit_code=0, seconds=seconds, errors=errors, **base
+            status="failed",
+            reason=f"atc exited 0 but wrote no {options.output}.om",
+            exit_code=0,
+            seconds=seconds,
+            errors=errors,
+            **base,
         )
     return AtcResult(
-        status="converted", exit_code=0, seconds=seconds, om_path=str(om), om_sha256=sha256_file(om), om_bytes=om.stat().st_size,
-        errors=errors, **base,
+        status="converted",
+        exit_code=0,
+        seconds=seconds,
+        om_path=str(om),
+        om_sha256=sha256_file(om),
+        om_bytes=om.stat().st_size,
+        errors=errors,
+        **base,
     )
 
 
@@ -412,5 +475,3 @@ def _produced_om(output: str, since: float) -> Path | None:
     prefix = Path(output)
     fresh = [p for p in prefix.parent.glob(prefix.name + "*.om") if p.stat().st_mtime >= since - 1]
     return max(fresh, key=lambda p: p.stat().st_mtime) if fresh else None
-
-

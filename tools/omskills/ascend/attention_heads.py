@@ -44,9 +44,37 @@ _CONCAT_NAME = re.compile(r"^attention_heads_\d+_concat$")
 # Operators that compute each element from the elements at the same position of their inputs
 # (broadcast), or along the last axis only: applied per head, they give the same values.
 _ELEMENTWISE = {
-    "Abs", "Add", "And", "Cast", "Clip", "Div", "Equal", "Erf", "Exp", "Greater", "GreaterOrEqual", "Identity",
-    "IsInf", "IsNaN", "Less", "LessOrEqual", "Log", "Max", "Min", "Mul", "Neg", "Not", "Or", "Pow", "Reciprocal",
-    "Relu", "Sigmoid", "Sqrt", "Sub", "Tanh", "Where",
+    "Abs",
+    "Add",
+    "And",
+    "Cast",
+    "Clip",
+    "Div",
+    "Equal",
+    "Erf",
+    "Exp",
+    "Greater",
+    "GreaterOrEqual",
+    "Identity",
+    "IsInf",
+    "IsNaN",
+    "Less",
+    "LessOrEqual",
+    "Log",
+    "Max",
+    "Min",
+    "Mul",
+    "Neg",
+    "Not",
+    "Or",
+    "Pow",
+    "Reciprocal",
+    "Relu",
+    "Sigmoid",
+    "Sqrt",
+    "Sub",
+    "Tanh",
+    "Where",
 }
 _LAST_AXIS = {"Softmax", "LogSoftmax"}
 
@@ -118,7 +146,7 @@ def _reads(node: onnx.NodeProto) -> set[str]:
     (they see the enclosing graph's tensors without listing them as inputs)."""
     names = set(node.input)
     for attribute in node.attribute:
-        for body in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)):
+        for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
             for inner in body.node:
                 names |= _reads(inner)
     return names
@@ -133,8 +161,9 @@ def _separable(node: onnx.NodeProto) -> bool:
     return False
 
 
-def _regions(nodes: list[onnx.NodeProto], shapes: dict, outputs: set[str], min_bytes: int,
-             slice_bytes: int) -> list[_Region]:
+def _regions(
+    nodes: list[onnx.NodeProto], shapes: dict, outputs: set[str], min_bytes: int, slice_bytes: int
+) -> list[_Region]:
     """Connected groups of separable nodes whose outputs are all score tensors of one head count."""
     heads_of = {}
     for node in nodes:
@@ -157,7 +186,9 @@ def _regions(nodes: list[onnx.NodeProto], shapes: dict, outputs: set[str], min_b
     return found
 
 
-def _grow(start: onnx.NodeProto, heads_of: dict, producer: dict, consumers: dict, seen: set[int]) -> list[onnx.NodeProto]:
+def _grow(
+    start: onnx.NodeProto, heads_of: dict, producer: dict, consumers: dict, seen: set[int]
+) -> list[onnx.NodeProto]:
     group, todo = [], [start]
     seen.add(id(start))
     while todo:
@@ -171,8 +202,15 @@ def _grow(start: onnx.NodeProto, heads_of: dict, producer: dict, consumers: dict
     return group
 
 
-def _region(group: list[onnx.NodeProto], nodes: list[onnx.NodeProto], shapes: dict, consumers: dict,
-            outputs: set[str], heads: int, slice_bytes: int) -> _Region | None:
+def _region(
+    group: list[onnx.NodeProto],
+    nodes: list[onnx.NodeProto],
+    shapes: dict,
+    consumers: dict,
+    outputs: set[str],
+    heads: int,
+    slice_bytes: int,
+) -> _Region | None:
     inside = {id(n) for n in group}
     made = {o for n in group for o in n.output}
     if made & outputs:
@@ -231,8 +269,12 @@ def _sliced(region: _Region, index: int, graph: onnx.GraphProto) -> list[onnx.No
     prefix = f"attention_heads_{index}"
     sizes = f"{prefix}_sizes"
     graph.initializer.append(numpy_helper.from_array(np.full(count, region.slice_heads, dtype=np.int64), sizes))
-    block = [helper.make_node("Split", [name, sizes], [f"{name}__{prefix}_{k}" for k in range(count)],
-                              name=f"{prefix}_split_{j}", axis=1) for j, name in enumerate(region.split)]
+    block = [
+        helper.make_node(
+            "Split", [name, sizes], [f"{name}__{prefix}_{k}" for k in range(count)], name=f"{prefix}_split_{j}", axis=1
+        )
+        for j, name in enumerate(region.split)
+    ]
     local = {o for n in (*region.nodes, region.exit) for o in n.output} | set(region.split)
     for k in range(count):
         for node in (*region.nodes, region.exit):
@@ -243,6 +285,9 @@ def _sliced(region: _Region, index: int, graph: onnx.GraphProto) -> list[onnx.No
             copy.output[:] = [f"{o}__{prefix}_{k}" for o in node.output]
             block.append(copy)
     out = region.exit.output[0]
-    block.append(helper.make_node("Concat", [f"{out}__{prefix}_{k}" for k in range(count)], [out],
-                                  name=f"{prefix}_concat", axis=1))
+    block.append(
+        helper.make_node(
+            "Concat", [f"{out}__{prefix}_{k}" for k in range(count)], [out], name=f"{prefix}_concat", axis=1
+        )
+    )
     return block

@@ -33,7 +33,13 @@ from omskills.convert.detached_weights import move_inline_weights
 from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.files import process_alive
 from omskills.records.precision import (
-    EMULATED_BACKEND, LayerComparison, LayerFinding, NodeComparison, NodePrecision, PrecisionGates, TensorError,
+    EMULATED_BACKEND,
+    LayerComparison,
+    LayerFinding,
+    NodeComparison,
+    NodePrecision,
+    PrecisionGates,
+    TensorError,
 )
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
@@ -97,8 +103,11 @@ class PreparedGraph:
                 offset = handle.tell()
                 handle.write(rounded.tobytes())
             tensor.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", self.rounded_weights_file.name), ("offset", str(offset)),
-                               ("length", str(rounded.nbytes))):
+            for key, value in (
+                ("location", self.rounded_weights_file.name),
+                ("offset", str(offset)),
+                ("length", str(rounded.nbytes)),
+            ):
                 tensor.external_data.add(key=key, value=value)
             self._rounded_weights[name] = tensor
         return self._rounded_weights[name]
@@ -132,8 +141,9 @@ def _prepared(model: ModelProto, path: Path) -> PreparedGraph:
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
     ranks.update({t.name: len(t.dims) for t in model.graph.initializer})
     producers = {o: n for n in model.graph.node for o in n.output}
-    return PreparedGraph(path=path, model=model, float_tensors=float_tensors, producers=producers, elem_types=elem_types,
-                         ranks=ranks)
+    return PreparedGraph(
+        path=path, model=model, float_tensors=float_tensors, producers=producers, elem_types=elem_types, ranks=ranks
+    )
 
 
 @contextmanager
@@ -159,7 +169,7 @@ def prepared_light(path: str | Path) -> Iterator[PreparedGraph]:
 def _remove_orphaned_weights(path: Path) -> None:
     """The weight files of emulations whose process is gone (a child the OOM killer took)."""
     for stale in path.parent.glob(f".{path.name}.*.weights"):
-        pid = stale.name[len(path.name) + 2:].split(".")[0]
+        pid = stale.name[len(path.name) + 2 :].split(".")[0]
         if pid.isdigit() and not process_alive(int(pid)):
             stale.unlink(missing_ok=True)
 
@@ -172,7 +182,9 @@ class _Rewriter:
     """Emits the nodes of one copy of the graph: tensor names mapped by `suffix` (graph inputs
     and initializers shared), fp16 roundings where the node's precision asks for them."""
 
-    def __init__(self, prepared: PreparedGraph, nodes: list[NodeProto], suffix: str, count_overflow: bool = False) -> None:
+    def __init__(
+        self, prepared: PreparedGraph, nodes: list[NodeProto], suffix: str, count_overflow: bool = False
+    ) -> None:
         self.prepared, self.nodes, self.suffix = prepared, nodes, suffix
         # Counted right after each rounding, so the raw output can go at once: counted at the
         # end, every activation of the graph would stay alive until then.
@@ -181,7 +193,9 @@ class _Rewriter:
         self.shared = {i.name for i in prepared.graph.input} | {t.name for t in prepared.graph.initializer}
         self.weights = {t.name for t in prepared.graph.initializer}
         self.rounded: dict[str, str] = {}
-        self.rounded_weights: dict[str, TensorProto] = {}  # initializers this copy reads (`PreparedGraph.rounded_weight`)
+        self.rounded_weights: dict[
+            str, TensorProto
+        ] = {}  # initializers this copy reads (`PreparedGraph.rounded_weight`)
         self._limits: tuple[str, str] | None = None
         self._outer: dict[str, str] | None = None
 
@@ -189,8 +203,15 @@ class _Rewriter:
         if self._limits is None:
             low, high = f"__fp16_min{self.suffix}", f"__fp16_max{self.suffix}"
             for name, value in ((low, -FP16_MAX), (high, FP16_MAX)):
-                self.nodes.append(helper.make_node("Constant", [], [name], name=f"{name}__const",
-                                                   value=helper.make_tensor("v", TensorProto.FLOAT, [], [value])))
+                self.nodes.append(
+                    helper.make_node(
+                        "Constant",
+                        [],
+                        [name],
+                        name=f"{name}__const",
+                        value=helper.make_tensor("v", TensorProto.FLOAT, [], [value]),
+                    )
+                )
             self._limits = (low, high)
         return self._limits
 
@@ -211,7 +232,9 @@ class _Rewriter:
                 # ATC clips fp32 weights to fp16's range before casting them (--is_weight_clip=1,
                 # its default): a weight beyond it becomes +-65504, not inf.
                 source = f"{tensor}__clipped{self.suffix}"
-                self.nodes.append(helper.make_node("Clip", [tensor, *self._fp16_limits()], [source], name=f"{source}__clip"))
+                self.nodes.append(
+                    helper.make_node("Clip", [tensor, *self._fp16_limits()], [source], name=f"{source}__clip")
+                )
             self.nodes.append(helper.make_node("Cast", [source], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"))
             self.nodes.append(helper.make_node("Cast", [half], [back], to=TensorProto.FLOAT, name=f"{back}__cast"))
             self.rounded[tensor] = back
@@ -222,8 +245,10 @@ class _Rewriter:
         floats = self.prepared.float_tensors
         if precision != "fp32":
             parameters = PARAMETER_INPUTS.get(node.op_type, set())
-            inputs = [self.round(mapped) if original in floats and mapped and k not in parameters else mapped
-                      for k, (original, mapped) in enumerate(zip(node.input, inputs))]
+            inputs = [
+                self.round(mapped) if original in floats and mapped and k not in parameters else mapped
+                for k, (original, mapped) in enumerate(zip(node.input, inputs))
+            ]
         outputs = [self.name(o) + tag if o else "" for o in node.output]
         raw = [f"{o}__raw" if precision == "fp16" and orig in floats else o for o, orig in zip(outputs, node.output)]
         copy = onnx.NodeProto()
@@ -237,11 +262,18 @@ class _Rewriter:
         self.nodes.append(copy)
         for produced, final in zip(raw, outputs):
             if produced != final:
-                checks = (_OverflowChecks(self.nodes, produced, final, limit=self._fp16_limits()[1])
-                          if self.count_overflow else None)
+                checks = (
+                    _OverflowChecks(self.nodes, produced, final, limit=self._fp16_limits()[1])
+                    if self.count_overflow
+                    else None
+                )
                 half = f"{final}__to_fp16"
-                self.nodes.append(helper.make_node("Cast", [produced], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"))
-                self.nodes.append(helper.make_node("Cast", [half], [final], to=TensorProto.FLOAT, name=f"{final}__cast"))
+                self.nodes.append(
+                    helper.make_node("Cast", [produced], [half], to=TensorProto.FLOAT16, name=f"{half}__cast")
+                )
+                self.nodes.append(
+                    helper.make_node("Cast", [half], [final], to=TensorProto.FLOAT, name=f"{final}__cast")
+                )
                 self.rounded[final] = final  # already fp16-valued: consumers need not round it again
                 if checks is not None:
                     self.overflow_counts.append(checks.new_infinities())
@@ -270,8 +302,9 @@ def _rename_outer_references(node: NodeProto, mapping: Mapping[str, str]) -> Non
 OVERFLOW_OUTPUT = "__fp16_overflow"
 
 
-def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
-                   count_overflow: bool = False) -> ModelProto:
+def emulated_model(
+    prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], count_overflow: bool = False
+) -> ModelProto:
     """The graph as the mode computes it, with the original input and output names; with
     `count_overflow`, one more output: how many elements fp16 rounding turned into inf."""
     nodes: list[NodeProto] = []
@@ -281,10 +314,17 @@ def emulated_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisi
     outputs = list(prepared.graph.output)
     if count_overflow:
         counts = writer.overflow_counts
-        zero = helper.make_node("Constant", [], [f"{OVERFLOW_OUTPUT}__0"], name=f"{OVERFLOW_OUTPUT}__zero",
-                                value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))
+        zero = helper.make_node(
+            "Constant",
+            [],
+            [f"{OVERFLOW_OUTPUT}__0"],
+            name=f"{OVERFLOW_OUTPUT}__zero",
+            value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]),
+        )
         nodes.append(zero)
-        nodes.append(helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum"))
+        nodes.append(
+            helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum")
+        )
         outputs.append(helper.make_tensor_value_info(OVERFLOW_OUTPUT, TensorProto.FLOAT, []))
     model = _derived(prepared, nodes, outputs, writer)
     # The roundings hide attention from ONNX Runtime's fusion: its score tensors are computed a few
@@ -327,20 +367,35 @@ class _OverflowChecks:
         out = f"{self.name}__{suffix}"
         is_inf, as_float, count = f"{out}__is_inf", f"{out}__f", f"{out}__count"
         counted = helper.make_graph(
-            [helper.make_node("IsInf", [tensor], [is_inf], name=is_inf),
-             helper.make_node("Cast", [is_inf], [as_float], to=TensorProto.FLOAT, name=as_float),
-             helper.make_node("ReduceSum", [as_float], [count], keepdims=0, name=count)],
-            f"{out}__counted", [], [helper.make_tensor_value_info(count, TensorProto.FLOAT, [])])
+            [
+                helper.make_node("IsInf", [tensor], [is_inf], name=is_inf),
+                helper.make_node("Cast", [is_inf], [as_float], to=TensorProto.FLOAT, name=as_float),
+                helper.make_node("ReduceSum", [as_float], [count], keepdims=0, name=count),
+            ],
+            f"{out}__counted",
+            [],
+            [helper.make_tensor_value_info(count, TensorProto.FLOAT, [])],
+        )
         zero = f"{out}__zero"
         skipped = helper.make_graph(
-            [helper.make_node("Constant", [], [zero], name=zero, value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0]))],
-            f"{out}__skipped", [], [helper.make_tensor_value_info(zero, TensorProto.FLOAT, [])])
-        self.nodes.append(helper.make_node("If", [self.reaches], [out], name=out, then_branch=counted, else_branch=skipped))
+            [
+                helper.make_node(
+                    "Constant", [], [zero], name=zero, value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0])
+                )
+            ],
+            f"{out}__skipped",
+            [],
+            [helper.make_tensor_value_info(zero, TensorProto.FLOAT, [])],
+        )
+        self.nodes.append(
+            helper.make_node("If", [self.reaches], [out], name=out, then_branch=counted, else_branch=skipped)
+        )
         return out
 
 
-def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
-                               feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+def run_emulated_with_overflow(
+    prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], feeds: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], int]:
     """The emulated graph's outputs and its fp16 overflow count, in one run. Attention is split by
     heads first (`_split_by_heads`): the counts read every rounded tensor, so split afterwards a
     region would stay whole, each score tensor alive with its copies (gigabytes at full scale)."""
@@ -351,8 +406,9 @@ def run_emulated_with_overflow(prepared: PreparedGraph, precisions: Mapping[str,
     return {k: v for k, v in values.items() if k != OVERFLOW_OUTPUT}, int(values[OVERFLOW_OUTPUT])
 
 
-def _split_by_heads(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]
-                    ) -> tuple[PreparedGraph, dict[str, NodePrecision]] | None:
+def _split_by_heads(
+    prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]
+) -> tuple[PreparedGraph, dict[str, NodePrecision]] | None:
     """The fp32 graph with its large attention split by heads, and the precisions of its nodes:
     each slice computes as the node it was copied from, the Splits and the Concat as fp32 (they
     move values already rounded, so the emulation is the same bit for bit). None: nothing to split."""
@@ -360,8 +416,11 @@ def _split_by_heads(prepared: PreparedGraph, precisions: Mapping[str, NodePrecis
     model.CopyFrom(prepared.model)  # its weights are external: a copy of the graph alone
     if not split_attention_heads(model):
         return None
-    split = replace(_prepared(model, prepared.path), rounded_weights_file=prepared.rounded_weights_file,
-                    _rounded_weights=prepared._rounded_weights)
+    split = replace(
+        _prepared(model, prepared.path),
+        rounded_weights_file=prepared.rounded_weights_file,
+        _rounded_weights=prepared._rounded_weights,
+    )
     mapped: dict[str, NodePrecision] = {}
     for node in model.graph.node:
         origin = node.name if node.name in precisions else sliced_from(node.name)
@@ -381,7 +440,9 @@ def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisio
     with it. Rounded in the graph instead, every session of it would hold both copies of each
     weight (see `PreparedGraph.rounded_weight`)."""
     if prepared.rounded_weights_file is not None:
-        raise ValueError(f"{prepared.path.name}: a graph to keep needs `prepare`: `prepared_light` deletes its weight files")
+        raise ValueError(
+            f"{prepared.path.name}: a graph to keep needs `prepare`: `prepared_light` deletes its weight files"
+        )
     if out.parent.resolve() != prepared.path.parent.resolve():
         raise ValueError(f"{out}: an emulated graph must sit beside {prepared.path.name} to find its weights")
     weights = rounded_weights_path(out)
@@ -396,32 +457,45 @@ def rounded_weights_path(emulated: Path) -> Path:
     return emulated.with_name(f"{emulated.stem}.fp16.weights")
 
 
-def compare_layers(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision],
-                   feeds: Mapping[str, np.ndarray], gates: PrecisionGates | None = None,
-                   candidate: str = "emulated") -> LayerComparison:
+def compare_layers(
+    prepared: PreparedGraph,
+    precisions: Mapping[str, NodePrecision],
+    feeds: Mapping[str, np.ndarray],
+    gates: PrecisionGates | None = None,
+    candidate: str = "emulated",
+) -> LayerComparison:
     """Run fp32 and emulated side by side on `feeds`; every float node output compared. The
     first node over the gate is run once more alone on the fp32 inputs (local or accumulated)."""
     gates = gates or PrecisionGates()
     model, stats = _comparison_model(prepared, precisions)
     values = run_beside(prepared.path, model, feeds)
     nodes = _node_comparisons(prepared, precisions, stats, values, gates)
-    outputs = [tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output
-               if f"stat__{o.name}" in values]
+    outputs = [
+        tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output if f"stat__{o.name}" in values
+    ]
     outputs_pass = all(passes_output_gate(e, gates) for e in outputs)
     flagged = [n for n in nodes if n.flagged]
     if flagged:
         flagged[0] = flagged[0].model_copy(update={"local": _local_error(prepared, precisions, flagged[0].node, feeds)})
     first = _finding(flagged[0], gates) if flagged else None
     return LayerComparison(
-        model=str(prepared.path), reference="onnxruntime fp32", candidate=candidate, backend=EMULATED_BACKEND,
-        nodes_compared=len(nodes), nodes_flagged=len(flagged), first=first, outputs=outputs,
-        outputs_pass=outputs_pass, overflow=sum(n.worst.overflow for n in nodes),
+        model=str(prepared.path),
+        reference="onnxruntime fp32",
+        candidate=candidate,
+        backend=EMULATED_BACKEND,
+        nodes_compared=len(nodes),
+        nodes_flagged=len(flagged),
+        first=first,
+        outputs=outputs,
+        outputs_pass=outputs_pass,
+        overflow=sum(n.worst.overflow for n in nodes),
         flagged=sorted(flagged, key=lambda n: n.worst.cosine)[:MAX_FLAGGED_LISTED],
     )
 
 
-def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], name: str,
-                 feeds: Mapping[str, np.ndarray]) -> TensorError | None:
+def _local_error(
+    prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], name: str, feeds: Mapping[str, np.ndarray]
+) -> TensorError | None:
     """The node emulated alone on the fp32 run's inputs: the graph up to it in fp32, and one
     emulated copy of it beside the fp32 one."""
     precision = precisions.get(name, "fp32")
@@ -436,8 +510,11 @@ def _local_error(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision
         if before.name == name:
             break
     local_out = local.emit(node, precision, list(node.input), tag="")
-    stats = [_stat_nodes(prepared, nodes, o, lo, f"stat__{name}:{k}__local")
-             for k, (o, lo) in enumerate(zip(node.output, local_out)) if o in prepared.float_tensors]
+    stats = [
+        _stat_nodes(prepared, nodes, o, lo, f"stat__{name}:{k}__local")
+        for k, (o, lo) in enumerate(zip(node.output, local_out))
+        if o in prepared.float_tensors
+    ]
     outputs = [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in stats]
     values = run_beside(prepared.path, _derived(prepared, nodes, outputs, local), feeds)
     return min((tensor_error(s, values[s]) for s in stats), key=badness, default=None)
@@ -451,13 +528,33 @@ class _Stats:
 
 
 def _stat_constants() -> list[NodeProto]:
-    return [helper.make_node("Constant", [], [_ONE], name=f"{_ONE}__const", value=helper.make_tensor("v", TensorProto.INT64, [1], [1])),
-            helper.make_node("Constant", [], [_ZERO], name=f"{_ZERO}__const", value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0])),
-            helper.make_node("Constant", [], [_LAST_AXIS], name=f"{_LAST_AXIS}__const", value=helper.make_tensor("v", TensorProto.INT64, [1], [-1])),
-            helper.make_node("Constant", [], [_NO_COUNTS], name=f"{_NO_COUNTS}__const", value=helper.make_tensor("v", TensorProto.DOUBLE, [4], [0.0] * 4))]
+    return [
+        helper.make_node(
+            "Constant", [], [_ONE], name=f"{_ONE}__const", value=helper.make_tensor("v", TensorProto.INT64, [1], [1])
+        ),
+        helper.make_node(
+            "Constant", [], [_ZERO], name=f"{_ZERO}__const", value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0])
+        ),
+        helper.make_node(
+            "Constant",
+            [],
+            [_LAST_AXIS],
+            name=f"{_LAST_AXIS}__const",
+            value=helper.make_tensor("v", TensorProto.INT64, [1], [-1]),
+        ),
+        helper.make_node(
+            "Constant",
+            [],
+            [_NO_COUNTS],
+            name=f"{_NO_COUNTS}__const",
+            value=helper.make_tensor("v", TensorProto.DOUBLE, [4], [0.0] * 4),
+        ),
+    ]
 
 
-def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]) -> tuple[ModelProto, dict[str, _Stats]]:
+def _comparison_model(
+    prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]
+) -> tuple[ModelProto, dict[str, _Stats]]:
     nodes: list[NodeProto] = _stat_constants()
     reference = _Rewriter(prepared, nodes, suffix="")
     emulated = _Rewriter(prepared, nodes, suffix="__emu")
@@ -474,7 +571,9 @@ def _comparison_model(prepared: PreparedGraph, precisions: Mapping[str, NodePrec
                 continue
             name = original if original in graph_outputs else f"{node.name}:{k}"
             entry.emulated[original] = _stat_nodes(prepared, nodes, original, emu_out[k], f"stat__{name}")
-        outputs += [helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in entry.emulated.values()]
+        outputs += [
+            helper.make_tensor_value_info(s, TensorProto.DOUBLE, [len(_STAT_FIELDS)]) for s in entry.emulated.values()
+        ]
     return _derived(prepared, nodes, outputs, emulated), stats
 
 
@@ -493,9 +592,15 @@ def _stat_nodes(prepared: PreparedGraph, nodes: list[NodeProto], ref: str, emu: 
         nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
         return name
 
-    total = add("Add", [add("ReduceSum", [ref], "ref_sum", keepdims=0), add("ReduceSum", [emu], "emu_sum", keepdims=0)], "sum")
-    finite = add("Not", [add("Or", [add("IsInf", [total], "sum_inf"), add("IsNaN", [total], "sum_nan")], "sum_bad")], "finite")
-    light = _branch(f"{out}__finite", lambda add: _finite_stats(add, ref, emu, prepared.ranks.get(ref), _opset(prepared.model)))
+    total = add(
+        "Add", [add("ReduceSum", [ref], "ref_sum", keepdims=0), add("ReduceSum", [emu], "emu_sum", keepdims=0)], "sum"
+    )
+    finite = add(
+        "Not", [add("Or", [add("IsInf", [total], "sum_inf"), add("IsNaN", [total], "sum_nan")], "sum_bad")], "finite"
+    )
+    light = _branch(
+        f"{out}__finite", lambda add: _finite_stats(add, ref, emu, prepared.ranks.get(ref), _opset(prepared.model))
+    )
     exact = _branch(f"{out}__masked", lambda add: _masked_stats(add, ref, emu))
     nodes.append(helper.make_node("If", [finite], [out], name=out, then_branch=light, else_branch=exact))
     return out
@@ -511,7 +616,9 @@ def _branch(name: str, build: Callable[[Callable[..., str]], list[str]]) -> Grap
         return out
 
     concat = add("Concat", build(add), "stats", axis=0)
-    return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(concat, TensorProto.DOUBLE, [len(_STAT_FIELDS)])])
+    return helper.make_graph(
+        nodes, name, [], [helper.make_tensor_value_info(concat, TensorProto.DOUBLE, [len(_STAT_FIELDS)])]
+    )
 
 
 def _as64(add: Callable[..., str], x: str, suffix: str) -> str:
@@ -525,12 +632,31 @@ def _finite_stats(add: Callable[..., str], ref: str, emu: str, rank: int | None,
 
     def sum_of_squares(x: str, suffix: str) -> str:
         if not rank:
-            return _as64(add, add("ReduceSumSquare", [add("Cast", [x], f"{suffix}_full64", to=TensorProto.DOUBLE)],
-                                  f"{suffix}_s", keepdims=0), suffix)
+            return _as64(
+                add,
+                add(
+                    "ReduceSumSquare",
+                    [add("Cast", [x], f"{suffix}_full64", to=TensorProto.DOUBLE)],
+                    f"{suffix}_s",
+                    keepdims=0,
+                ),
+                suffix,
+            )
         axes = {"axes": [-1]} if opset < 18 else {}
         rows = add("ReduceSumSquare", [x, *([_LAST_AXIS] if opset >= 18 else [])], f"{suffix}_rows", keepdims=1, **axes)
-        return add("Reshape", [add("ReduceSum", [add("Cast", [rows], f"{suffix}_rows64", to=TensorProto.DOUBLE)],
-                                   f"{suffix}_s", keepdims=0), _ONE], suffix)
+        return add(
+            "Reshape",
+            [
+                add(
+                    "ReduceSum",
+                    [add("Cast", [rows], f"{suffix}_rows64", to=TensorProto.DOUBLE)],
+                    f"{suffix}_s",
+                    keepdims=0,
+                ),
+                _ONE,
+            ],
+            suffix,
+        )
 
     def largest_magnitude(x: str, suffix: str) -> str:
         high, low = add("ReduceMax", [x], f"{suffix}_hi", keepdims=0), add("ReduceMin", [x], f"{suffix}_lo", keepdims=0)
@@ -538,7 +664,14 @@ def _finite_stats(add: Callable[..., str], ref: str, emu: str, rank: int | None,
 
     diff = add("Sub", [emu, ref], "d")
     dd, max_abs = sum_of_squares(diff, "dd"), largest_magnitude(diff, "max_abs")  # the error's uses first: it can go
-    return [dd, sum_of_squares(ref, "aa"), sum_of_squares(emu, "bb"), max_abs, largest_magnitude(ref, "ref_max_abs"), _NO_COUNTS]
+    return [
+        dd,
+        sum_of_squares(ref, "aa"),
+        sum_of_squares(emu, "bb"),
+        max_abs,
+        largest_magnitude(ref, "ref_max_abs"),
+        _NO_COUNTS,
+    ]
 
 
 def _masked_stats(add: Callable[..., str], ref: str, emu: str) -> list[str]:
@@ -546,7 +679,11 @@ def _masked_stats(add: Callable[..., str], ref: str, emu: str) -> list[str]:
     too), sums of squares in float64; the infinite and NaN elements counted apart."""
 
     def count(mask: str, suffix: str) -> str:
-        return _as64(add, add("ReduceSum", [add("Cast", [mask], f"{suffix}_f", to=TensorProto.FLOAT)], f"{suffix}_n", keepdims=0), suffix)
+        return _as64(
+            add,
+            add("ReduceSum", [add("Cast", [mask], f"{suffix}_f", to=TensorProto.FLOAT)], f"{suffix}_n", keepdims=0),
+            suffix,
+        )
 
     def masks(x: str, suffix: str) -> tuple[str, str, str]:
         """Where `x` is infinite, NaN, finite."""
@@ -559,12 +696,21 @@ def _masked_stats(add: Callable[..., str], ref: str, emu: str) -> list[str]:
     ref_f, emu_f = add("Where", [both, ref, _ZERO], "a_f"), add("Where", [both, emu, _ZERO], "b_f")
     diff = add("Sub", [emu_f, ref_f], "d")
     return [
-        _as64(add, add("ReduceSumSquare", [add("Cast", [diff], "d64", to=TensorProto.DOUBLE)], "dd_s", keepdims=0), "dd"),
-        _as64(add, add("ReduceSumSquare", [add("Cast", [ref_f], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"),
-        _as64(add, add("ReduceSumSquare", [add("Cast", [emu_f], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"),
+        _as64(
+            add, add("ReduceSumSquare", [add("Cast", [diff], "d64", to=TensorProto.DOUBLE)], "dd_s", keepdims=0), "dd"
+        ),
+        _as64(
+            add, add("ReduceSumSquare", [add("Cast", [ref_f], "a64", to=TensorProto.DOUBLE)], "aa_s", keepdims=0), "aa"
+        ),
+        _as64(
+            add, add("ReduceSumSquare", [add("Cast", [emu_f], "b64", to=TensorProto.DOUBLE)], "bb_s", keepdims=0), "bb"
+        ),
         _as64(add, add("ReduceMax", [add("Abs", [diff], "ad")], "max_abs_s", keepdims=0), "max_abs"),
         _as64(add, add("ReduceMax", [add("Abs", [ref_f], "aabs")], "ref_max_s", keepdims=0), "ref_max_abs"),
-        count(b_inf, "b_inf_n"), count(b_nan, "b_nan_n"), count(a_inf, "a_inf_n"), count(a_nan, "a_nan_n"),
+        count(b_inf, "b_inf_n"),
+        count(b_nan, "b_nan_n"),
+        count(a_inf, "a_inf_n"),
+        count(a_nan, "a_nan_n"),
     ]
 
 
@@ -583,19 +729,30 @@ def has_subgraph(node: NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
-def _derived(prepared: PreparedGraph, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto],
-             writer: _Rewriter) -> ModelProto:
+def _derived(
+    prepared: PreparedGraph, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto], writer: _Rewriter
+) -> ModelProto:
     """A graph of `nodes` over `prepared`'s inputs and weights, and the rounded weights `writer` reads."""
-    return with_nodes(prepared.model, nodes, outputs,
-                      initializers=[*prepared.graph.initializer, *writer.rounded_weights.values()])
+    return with_nodes(
+        prepared.model, nodes, outputs, initializers=[*prepared.graph.initializer, *writer.rounded_weights.values()]
+    )
 
 
-def with_nodes(model: ModelProto, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto],
-               inputs: list[onnx.ValueInfoProto] | None = None,
-               initializers: list[TensorProto] | None = None) -> ModelProto:
+def with_nodes(
+    model: ModelProto,
+    nodes: list[NodeProto],
+    outputs: list[onnx.ValueInfoProto],
+    inputs: list[onnx.ValueInfoProto] | None = None,
+    initializers: list[TensorProto] | None = None,
+) -> ModelProto:
     """`model`'s opsets and functions around other nodes (by default its inputs and weights)."""
-    graph = helper.make_graph(nodes, model.graph.name, list(model.graph.input) if inputs is None else inputs, outputs,
-                              initializer=list(model.graph.initializer) if initializers is None else initializers)
+    graph = helper.make_graph(
+        nodes,
+        model.graph.name,
+        list(model.graph.input) if inputs is None else inputs,
+        outputs,
+        initializer=list(model.graph.initializer) if initializers is None else initializers,
+    )
     result = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     result.functions.extend(model.functions)
     return result
@@ -650,16 +807,28 @@ def tensor_error(tensor: str, stat: np.ndarray) -> TensorError:
     return TensorError(tensor=tensor, cosine=cosine, max_abs=max_abs, ref_max_abs=ref_max)
 
 
-def _node_comparisons(prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], stats: dict[str, _Stats],
-                      values: Mapping[str, np.ndarray], gates: PrecisionGates) -> list[NodeComparison]:
+def _node_comparisons(
+    prepared: PreparedGraph,
+    precisions: Mapping[str, NodePrecision],
+    stats: dict[str, _Stats],
+    values: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+) -> list[NodeComparison]:
     result = []
     for node in prepared.graph.node:
         entry = stats.get(node.name)
         if entry is None or not entry.emulated:
             continue
         worst = min((tensor_error(t, values[s]) for t, s in entry.emulated.items()), key=badness)
-        result.append(NodeComparison(node=node.name, op_type=node.op_type, precision=precisions.get(node.name, "fp32"),
-                                     worst=worst, flagged=crosses(worst, gates)))
+        result.append(
+            NodeComparison(
+                node=node.name,
+                op_type=node.op_type,
+                precision=precisions.get(node.name, "fp32"),
+                worst=worst,
+                flagged=crosses(worst, gates),
+            )
+        )
     return result
 
 

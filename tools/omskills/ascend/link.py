@@ -17,9 +17,11 @@ PCIE3_X16_GB_S = 15.75  # 8 GT/s x 16 lanes x 128/130 encoding / 8 bits, per dir
 PCIE4_X16_GB_S = 31.5  # 16 GT/s x 16 lanes x 128/130 encoding / 8 bits, per direction
 
 ROUND_TRIP_US = 9.5
-ROUND_TRIP_SOURCE = ("round trip: a synchronous aclrtMemcpy of 4 to 64 bytes, ~9.5 us on Atlas A2/A3 with CANN 9.0.0 "
-                     "(github.com/hw-native-sys/simpler, pull request 2234); no published launch overhead of "
-                     "aclmdlExecute was found, so a launch is counted as one such round trip")
+ROUND_TRIP_SOURCE = (
+    "round trip: a synchronous aclrtMemcpy of 4 to 64 bytes, ~9.5 us on Atlas A2/A3 with CANN 9.0.0 "
+    "(github.com/hw-native-sys/simpler, pull request 2234); no published launch overhead of "
+    "aclmdlExecute was found, so a launch is counted as one such round trip"
+)
 
 
 @dataclass(frozen=True)
@@ -31,14 +33,28 @@ class FamilyLink:
 
 # Most specific prefix first.
 FAMILY_LINKS = (
-    FamilyLink("Ascend310B", None, "Atlas 200I/500 A2 (Ascend 310B): host CPU and NPU share the SoC's memory and a "
-                                   "host<->device copy runs device to device (CANN runtime API, aclrtMemcpyAsync, RC mode)"),
-    FamilyLink("Ascend310P", PCIE4_X16_GB_S, "Atlas 300I Pro / 300I Duo (Ascend 310P) specifications: PCIe Gen 4.0 x16"),
-    FamilyLink("Ascend910B", PCIE4_X16_GB_S, "Atlas 800T A2 / 800I A2 (Ascend 910B) specifications: each NPU linked to the "
-                                             "CPU by PCIe 4.0 x16 (an Atlas 300I A2 card is PCIe 5.0 x16: set "
-                                             "intake.target.link_gb_s to 63)"),
-    FamilyLink("Ascend910", PCIE4_X16_GB_S, "assumed PCIe 4.0 x16: no published host link figure was found for this SoC"),
-    FamilyLink("Ascend310", PCIE3_X16_GB_S, "assumed PCIe 3.0 x16: no published host link figure was found for this SoC"),
+    FamilyLink(
+        "Ascend310B",
+        None,
+        "Atlas 200I/500 A2 (Ascend 310B): host CPU and NPU share the SoC's memory and a "
+        "host<->device copy runs device to device (CANN runtime API, aclrtMemcpyAsync, RC mode)",
+    ),
+    FamilyLink(
+        "Ascend310P", PCIE4_X16_GB_S, "Atlas 300I Pro / 300I Duo (Ascend 310P) specifications: PCIe Gen 4.0 x16"
+    ),
+    FamilyLink(
+        "Ascend910B",
+        PCIE4_X16_GB_S,
+        "Atlas 800T A2 / 800I A2 (Ascend 910B) specifications: each NPU linked to the "
+        "CPU by PCIe 4.0 x16 (an Atlas 300I A2 card is PCIe 5.0 x16: set "
+        "intake.target.link_gb_s to 63)",
+    ),
+    FamilyLink(
+        "Ascend910", PCIE4_X16_GB_S, "assumed PCIe 4.0 x16: no published host link figure was found for this SoC"
+    ),
+    FamilyLink(
+        "Ascend310", PCIE3_X16_GB_S, "assumed PCIe 3.0 x16: no published host link figure was found for this SoC"
+    ),
 )
 
 

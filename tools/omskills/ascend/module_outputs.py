@@ -78,8 +78,11 @@ def _regions(prepared: PreparedGraph, scopes: dict[str, list[str]]) -> dict[str,
     for path, region in regions.items():
         inside = [prepared.node_named[n] for n in region.nodes]
         produced = {o: (n.name, k) for n in inside for k, o in enumerate(n.output) if o}
-        leaving = [o for o in produced if o in prepared.float_tensors
-                   and (o in graph_outputs or readers.get(o, set()) - set(region.nodes))]
+        leaving = [
+            o
+            for o in produced
+            if o in prepared.float_tensors and (o in graph_outputs or readers.get(o, set()) - set(region.nodes))
+        ]
         if not leaving:
             continue
         region.output = produced[leaving[-1]]
@@ -90,8 +93,9 @@ def _regions(prepared: PreparedGraph, scopes: dict[str, list[str]]) -> dict[str,
     return {path: regions[path] for path in innermost.values()}
 
 
-def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepared: PreparedGraph,
-                        budget_bytes: int) -> tuple[list[Observed], list[str]]:
+def module_observations(
+    root: nn.Module, inputs: Sequence[torch.Tensor], prepared: PreparedGraph, budget_bytes: int
+) -> tuple[list[Observed], list[str]]:
     """Run `root` (the module exactly as exported: the contract wrapper) on `inputs` with a hook
     on every submodule that has nodes in the graph; returns what they made, and notes."""
     modules = dict(root.named_modules())
@@ -119,6 +123,7 @@ def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepare
             over_budget.discard(path)
             captured[path] = (_numpy(out), [_numpy(t) for t in tensors])
             kept[0] += size
+
         return capture
 
     handles = [modules[p].register_forward_hook(hook(p), with_kwargs=True) for p in regions]
@@ -129,17 +134,27 @@ def module_observations(root: nn.Module, inputs: Sequence[torch.Tensor], prepare
         for handle in handles:
             handle.remove()
     if over_budget:
-        notes.append(f"{len(over_budget)} module output(s) past the {budget_bytes / 2**30:.1f} GiB budget not compared, "
-                     f"e.g. {sorted(over_budget)[0]}")
+        notes.append(
+            f"{len(over_budget)} module output(s) past the {budget_bytes / 2**30:.1f} GiB budget not compared, "
+            f"e.g. {sorted(over_budget)[0]}"
+        )
     observed = []
     for path, (output, taken) in captured.items():
         region = regions[path]
         node, index = region.output
         once = calls.get(path) == 1
         given = dict(zip(region.entering, taken)) if once and len(taken) == len(region.entering) else {}
-        observed.append(Observed(node=node, index=index, source=f"module {path}", load=_constant(output),
-                                 nbytes=output.nbytes, region=region.nodes if once else [],
-                                 region_inputs={t: _constant(v) for t, v in given.items()}))
+        observed.append(
+            Observed(
+                node=node,
+                index=index,
+                source=f"module {path}",
+                load=_constant(output),
+                nbytes=output.nbytes,
+                region=region.nodes if once else [],
+                region_inputs={t: _constant(v) for t, v in given.items()},
+            )
+        )
     return observed, notes
 
 

@@ -29,8 +29,10 @@ from omskills.ascend.emulation import PreparedGraph
 from omskills.ascend.observed import Observed
 from omskills.errors import InputError
 
-NPU_FILE = re.compile(r"^(?P<op_type>[^.]+)\.(?P<op_name>[^.]+)\.(?P<task>\d+)\.(?P<stream>\d+)\.(?P<ts>\d+)"
-                      r"\.(?P<kind>input|output)\.(?P<index>\d+)\.npy$")
+NPU_FILE = re.compile(
+    r"^(?P<op_type>[^.]+)\.(?P<op_name>[^.]+)\.(?P<task>\d+)\.(?P<stream>\d+)\.(?P<ts>\d+)"
+    r"\.(?P<kind>input|output)\.(?P<index>\d+)\.npy$"
+)
 ONNX_FILE = re.compile(r"^(?P<op_name>[^.]+)\.(?P<index>\d+)\.(?P<ts>\d+)\.npy$")
 RAW_NPU_FILE = re.compile(r"^[^.]+\.[^.]+\.\d+\.\d+\.\d+$")
 ATC_PLUMBING = {"Data", "NetOutput", "TransData", "TransDataRNN", "Cast", "AtomicAddrClean", "MemSet", "Const"}
@@ -74,8 +76,14 @@ def read_dump(folder: Path, prepared: PreparedGraph, om_json: Path | None = None
     files = _dump_files(folder)
     if not files:
         raw = sum(1 for p in folder.rglob("*") if p.is_file() and RAW_NPU_FILE.match(p.name))
-        hint = (f"it holds {raw} raw dump file(s): convert them to .npy with `msit benchmark ... --dump 1 --dump-npy 1` "
-                f"or CANN's `msaccucmp.py convert -d <dump> -out <folder>`") if raw else "it holds no dump file"
+        hint = (
+            (
+                f"it holds {raw} raw dump file(s): convert them to .npy with `msit benchmark ... --dump 1 --dump-npy 1` "
+                f"or CANN's `msaccucmp.py convert -d <dump> -out <folder>`"
+            )
+            if raw
+            else "it holds no dump file"
+        )
         raise InputError(f"dump_dir: no .npy dump under {folder}; {hint}")
     origins = _origins(prepared, om_json)
     earliest: dict[tuple[str, str, int], _DumpFile] = {}
@@ -99,11 +107,21 @@ def read_dump(folder: Path, prepared: PreparedGraph, om_json: Path | None = None
         unknown += origin is None
         node, out_index = origin.outputs.get(index, (origin.node, index)) if origin else (op_name, index)
         inputs = {} if origin is None or origin.fused else _inputs_of(prepared, origin.node, op_name, earliest)
-        observed.append(Observed(node=node, index=out_index, source=str(f.path.relative_to(folder)),
-                                 load=_loader(f.path), nbytes=_nbytes(f.path), region_inputs=inputs))
+        observed.append(
+            Observed(
+                node=node,
+                index=out_index,
+                source=str(f.path.relative_to(folder)),
+                load=_loader(f.path),
+                nbytes=_nbytes(f.path),
+                region_inputs=inputs,
+            )
+        )
     if unknown and om_json is None:
-        notes.append(f"{unknown} dumped op(s) match no ONNX node by name; fused ones are mapped by om_json "
-                     "(`atc --mode=1 --om=<model>.om --json=<model>.json`)")
+        notes.append(
+            f"{unknown} dumped op(s) match no ONNX node by name; fused ones are mapped by om_json "
+            "(`atc --mode=1 --om=<model>.om --json=<model>.json`)"
+        )
     return NpuDump(observed=observed, skipped=skipped, repeats=repeats, notes=notes)
 
 
@@ -137,7 +155,9 @@ def _origins(prepared: PreparedGraph, om_json: Path | None) -> dict[str, _Origin
 
 def _om_ops(om_json: Path) -> list[dict]:
     if not om_json.is_file():
-        raise InputError(f"om_json: {om_json} does not exist (make it with `atc --mode=1 --om=<model>.om --json={om_json.name}`)")
+        raise InputError(
+            f"om_json: {om_json} does not exist (make it with `atc --mode=1 --om=<model>.om --json={om_json.name}`)"
+        )
     try:
         graph = json.loads(om_json.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -150,8 +170,11 @@ def _attr(attrs: list[dict], key: str) -> dict | None:
 
 
 def _om_origin(op: dict, known: set[str]) -> _Origin | None:
-    originals = [n for n in ((_attr(op.get("attr", []), "_datadump_original_op_names") or {}).get("list", {}).get("s") or [])
-                 if n in known]
+    originals = [
+        n
+        for n in ((_attr(op.get("attr", []), "_datadump_original_op_names") or {}).get("list", {}).get("s") or [])
+        if n in known
+    ]
     outputs = {}
     for k, desc in enumerate(op.get("output_desc", []) or []):
         name = (_attr(desc.get("attr", []), "_datadump_origin_name") or {}).get("s")
@@ -164,13 +187,17 @@ def _om_origin(op: dict, known: set[str]) -> _Origin | None:
     return _Origin(node=node, outputs=outputs, fused=len(originals) > 1)
 
 
-def _inputs_of(prepared: PreparedGraph, node_name: str, op_name: str,
-               files: dict[tuple[str, str, int], _DumpFile]) -> dict:
+def _inputs_of(
+    prepared: PreparedGraph, node_name: str, op_name: str, files: dict[tuple[str, str, int], _DumpFile]
+) -> dict:
     node = prepared.node_named.get(node_name)
     if node is None:
         return {}
-    return {tensor: _loader(files[(op_name, "input", k)].path) for k, tensor in enumerate(node.input)
-            if tensor and (op_name, "input", k) in files}
+    return {
+        tensor: _loader(files[(op_name, "input", k)].path)
+        for k, tensor in enumerate(node.input)
+        if tensor and (op_name, "input", k) in files
+    }
 
 
 def _loader(path: Path):

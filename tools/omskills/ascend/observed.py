@@ -21,8 +21,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 from omskills.ascend.emulation import (
-    MAX_FLAGGED_LISTED, PreparedGraph, badness, crosses, has_subgraph, passes_output_gate, run_beside, session_beside,
-    tensor_error, with_nodes,
+    MAX_FLAGGED_LISTED,
+    PreparedGraph,
+    badness,
+    crosses,
+    has_subgraph,
+    passes_output_gate,
+    run_beside,
+    session_beside,
+    tensor_error,
+    with_nodes,
 )
 from omskills.records.precision import LayerComparison, LayerFinding, NodeComparison, PrecisionGates, TensorError
 from onnx import NodeProto, helper
@@ -71,11 +79,19 @@ def numpy_stat(reference: np.ndarray, observed: np.ndarray) -> np.ndarray:
     both = np.isfinite(ref) & np.isfinite(obs)
     ref_f, obs_f = np.where(both, ref, 0.0), np.where(both, obs, 0.0)
     diff = obs_f - ref_f
-    return np.array([
-        np.sum(diff * diff), np.sum(ref_f * ref_f), np.sum(obs_f * obs_f),
-        np.max(np.abs(diff), initial=0.0), np.max(np.abs(ref_f), initial=0.0),
-        np.isinf(obs).sum(), np.isnan(obs).sum(), np.isinf(ref).sum(), np.isnan(ref).sum(),
-    ])
+    return np.array(
+        [
+            np.sum(diff * diff),
+            np.sum(ref_f * ref_f),
+            np.sum(obs_f * obs_f),
+            np.max(np.abs(diff), initial=0.0),
+            np.max(np.abs(ref_f), initial=0.0),
+            np.isinf(obs).sum(),
+            np.isnan(obs).sum(),
+            np.isinf(ref).sum(),
+            np.isnan(ref).sum(),
+        ]
+    )
 
 
 @dataclass
@@ -85,16 +101,28 @@ class _Matched:
     order: int
 
 
-def compare_observed(prepared: PreparedGraph, observed: list[Observed], feeds: Mapping[str, np.ndarray], *,
-                     reference: str, candidate: str, backend: str, gates: PrecisionGates | None = None,
-                     budget_bytes: int = DEFAULT_BUDGET_BYTES, notes: list[str] | None = None) -> LayerComparison:
+def compare_observed(
+    prepared: PreparedGraph,
+    observed: list[Observed],
+    feeds: Mapping[str, np.ndarray],
+    *,
+    reference: str,
+    candidate: str,
+    backend: str,
+    gates: PrecisionGates | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    notes: list[str] | None = None,
+) -> LayerComparison:
     """fp32 ONNX on `feeds` against `observed`, node by node (see the module's docstring)."""
     gates = gates or PrecisionGates()
     notes = list(notes or [])
     matched, unmatched = _match(prepared, observed, notes)
     errors: dict[int, TensorError] = {}
-    model = with_nodes(prepared.model, list(prepared.graph.node),
-                       [helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in _unique(m.tensor for m in matched)])
+    model = with_nodes(
+        prepared.model,
+        list(prepared.graph.node),
+        [helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in _unique(m.tensor for m in matched)],
+    )
     with session_beside(prepared.path, model) as session:
         wanted = {i.name for i in session.get_inputs()}
         fed = {k: v for k, v in feeds.items() if k in wanted}
@@ -113,17 +141,30 @@ def compare_observed(prepared: PreparedGraph, observed: list[Observed], feeds: M
     flagged = [n for n in nodes if n.flagged]
     first = None
     if flagged:
-        worst_of_first = min((m for m in matched if m.observed.node == flagged[0].node and id(m) in errors),
-                             key=lambda m: badness(errors[id(m)]))
+        worst_of_first = min(
+            (m for m in matched if m.observed.node == flagged[0].node and id(m) in errors),
+            key=lambda m: badness(errors[id(m)]),
+        )
         flagged[0] = flagged[0].model_copy(update={"local": _region_error(prepared, worst_of_first, fed)})
         first = _finding(flagged[0], gates)
-    outputs = [errors[id(m)] for m in matched if id(m) in errors and m.tensor in {o.name for o in prepared.graph.output}]
+    outputs = [
+        errors[id(m)] for m in matched if id(m) in errors and m.tensor in {o.name for o in prepared.graph.output}
+    ]
     # With graph outputs observed they decide; without (a dump of inner nodes only), every node must pass.
     outputs_pass = all(passes_output_gate(e, gates) for e in outputs) if outputs else not flagged
     return LayerComparison(
-        model=str(prepared.path), reference=reference, candidate=candidate, backend=backend,
-        nodes_compared=len(nodes), nodes_flagged=len(flagged), first=first, outputs=outputs, outputs_pass=outputs_pass,
-        overflow=sum(n.worst.overflow for n in nodes), unmatched=unmatched, notes=notes,
+        model=str(prepared.path),
+        reference=reference,
+        candidate=candidate,
+        backend=backend,
+        nodes_compared=len(nodes),
+        nodes_flagged=len(flagged),
+        first=first,
+        outputs=outputs,
+        outputs_pass=outputs_pass,
+        overflow=sum(n.worst.overflow for n in nodes),
+        unmatched=unmatched,
+        notes=notes,
         flagged=sorted(flagged, key=lambda n: n.worst.cosine)[:MAX_FLAGGED_LISTED],
     )
 
@@ -154,8 +195,9 @@ def _groups(matched: list[_Matched], budget_bytes: int) -> list[list[_Matched]]:
     return [g for g in groups if g]
 
 
-def _node_comparisons(prepared: PreparedGraph, matched: list[_Matched], errors: dict[int, TensorError],
-                      gates: PrecisionGates) -> list[NodeComparison]:
+def _node_comparisons(
+    prepared: PreparedGraph, matched: list[_Matched], errors: dict[int, TensorError], gates: PrecisionGates
+) -> list[NodeComparison]:
     per_node: dict[str, list[_Matched]] = {}
     for m in matched:
         if id(m) in errors:
@@ -164,8 +206,15 @@ def _node_comparisons(prepared: PreparedGraph, matched: list[_Matched], errors: 
     for name, entries in per_node.items():  # graph order: `matched` is sorted
         worst = min(entries, key=lambda m: badness(errors[id(m)]))
         error = errors[id(worst)]
-        result.append(NodeComparison(node=name, op_type=prepared.node_named[name].op_type, source=worst.observed.source,
-                                     worst=error, flagged=crosses(error, gates)))
+        result.append(
+            NodeComparison(
+                node=name,
+                op_type=prepared.node_named[name].op_type,
+                source=worst.observed.source,
+                worst=error,
+                flagged=crosses(error, gates),
+            )
+        )
     return result
 
 
@@ -197,8 +246,13 @@ def _region_error(prepared: PreparedGraph, matched: _Matched, fed: Mapping[str, 
         values[tensor] = value
     used = {i for n in region for i in n.input}
     model = with_nodes(
-        prepared.model, region, [helper.make_tensor_value_info(matched.tensor, onnx.TensorProto.FLOAT, None)],
-        inputs=[helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(values[t].dtype), values[t].shape) for t in entering],
+        prepared.model,
+        region,
+        [helper.make_tensor_value_info(matched.tensor, onnx.TensorProto.FLOAT, None)],
+        inputs=[
+            helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(values[t].dtype), values[t].shape)
+            for t in entering
+        ],
         initializers=[t for t in prepared.graph.initializer if t.name in used],
     )
     out = run_beside(prepared.path, model, values)[matched.tensor]

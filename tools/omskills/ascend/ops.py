@@ -23,7 +23,9 @@ from omskills.records.toolchain import OpCheckRow, OpPrecheck, OpStatus
 from onnx import NodeProto
 
 TABLE_FILE = "atc_onnx_ops.csv"
-TABLE_DOCUMENT = "CANN 8.0.0 支持ONNX算子清单 (operatorlist_00176), see tools/omskills/ascend/data/atc_onnx_ops.README.md"
+TABLE_DOCUMENT = (
+    "CANN 8.0.0 支持ONNX算子清单 (operatorlist_00176), see tools/omskills/ascend/data/atc_onnx_ops.README.md"
+)
 MAX_NODE_NAMES = 50
 
 
@@ -91,16 +93,24 @@ def precheck_ops(model_path: str | Path, soc: str) -> OpPrecheck:
     rows = [_check_group(domain, op_type, nodes, opset, table) for (domain, op_type), nodes in groups.items()]
     order = {"unsupported": 0, "constrained": 1, "supported": 2}
     rows.sort(key=lambda r: (order[r.status], r.op_type))
-    counts = {status: sum(1 for r in rows if r.status == status) for status in ("supported", "constrained", "unsupported")}
+    counts = {
+        status: sum(1 for r in rows if r.status == status) for status in ("supported", "constrained", "unsupported")
+    }
     verdict = "fail" if counts["unsupported"] else "review" if counts["constrained"] else "pass"
-    return OpPrecheck(model=str(model_path), soc=soc, opset=opset, table=TABLE_DOCUMENT, verdict=verdict, counts=counts, rows=rows)
+    return OpPrecheck(
+        model=str(model_path), soc=soc, opset=opset, table=TABLE_DOCUMENT, verdict=verdict, counts=counts, rows=rows
+    )
 
 
 def _check_group(domain: str, op_type: str, nodes: list[NodeProto], opset: int, table: dict[str, AtcOp]) -> OpCheckRow:
     names = [n.name or f"<unnamed {op_type}>" for n in nodes[:MAX_NODE_NAMES]]
     base = dict(op_type=op_type, domain=domain, count=len(nodes), nodes=names)
     if domain:
-        return OpCheckRow(**base, status="unsupported", reason=f"custom domain {domain!r}: ATC's ONNX list covers the default domain only")
+        return OpCheckRow(
+            **base,
+            status="unsupported",
+            reason=f"custom domain {domain!r}: ATC's ONNX list covers the default domain only",
+        )
     entry = table.get(op_type)
     if entry is None:
         return OpCheckRow(**base, status="unsupported", reason="not in CANN's supported ONNX operator list")
@@ -122,7 +132,11 @@ def _constraints(entry: AtcOp, nodes: list[NodeProto], opset: int) -> tuple[OpSt
         where = "documented" if entry.range_from == "op page" else "assumed"
         reasons.append(f"model opset {opset} is outside the {where} range {entry.opsets_text}")
     if entry.allowed_attr:
-        off = [n.name or "<unnamed>" for n in nodes if _attr_value(n, entry.allowed_attr) not in (None, *entry.allowed_values)]
+        off = [
+            n.name or "<unnamed>"
+            for n in nodes
+            if _attr_value(n, entry.allowed_attr) not in (None, *entry.allowed_values)
+        ]
         if off:
             reasons.append(f"{entry.allowed_attr} outside the documented values in node(s) {off[:10]}")
     if entry.constraints:

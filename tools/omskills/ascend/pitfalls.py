@@ -55,16 +55,27 @@ def check_pitfalls(model_path: str | Path, precision: PrecisionReport | None = N
     for pitfall in load_pitfalls():
         matched = _matched_nodes(pitfall, model, nodes, precision)
         if matched:
-            hits.append(PitfallHit(
-                id=pitfall.id, count=len(matched), nodes=matched[:MAX_NODES_LISTED], modes=pitfall.modes,
-                symptom=pitfall.symptom, workaround=pitfall.workaround,
-                keep_nodes=matched if pitfall.keep else [], source=pitfall.source,
-                note=None if pitfall.match != "ops" else "emulation cannot show this: it is ATC's lowering; check on the NPU"))
+            hits.append(
+                PitfallHit(
+                    id=pitfall.id,
+                    count=len(matched),
+                    nodes=matched[:MAX_NODES_LISTED],
+                    modes=pitfall.modes,
+                    symptom=pitfall.symptom,
+                    workaround=pitfall.workaround,
+                    keep_nodes=matched if pitfall.keep else [],
+                    source=pitfall.source,
+                    note=None
+                    if pitfall.match != "ops"
+                    else "emulation cannot show this: it is ATC's lowering; check on the NPU",
+                )
+            )
     return hits
 
 
-def _matched_nodes(pitfall: PrecisionPitfall, model: onnx.ModelProto, nodes: list[onnx.NodeProto],
-                   precision: PrecisionReport | None) -> list[str]:
+def _matched_nodes(
+    pitfall: PrecisionPitfall, model: onnx.ModelProto, nodes: list[onnx.NodeProto], precision: PrecisionReport | None
+) -> list[str]:
     if pitfall.match == "ops":
         return [n.name for n in nodes if n.op_type in pitfall.op_types]
     if pitfall.match == "constants":
@@ -78,8 +89,14 @@ def _matched_nodes(pitfall: PrecisionPitfall, model: onnx.ModelProto, nodes: lis
 
 def _consumers_of_large_constants(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[str]:
     large = {t.name for t in model.graph.initializer if _beyond_fp16(t)}
-    large |= {o for n in nodes if n.op_type == "Constant" for a in n.attribute
-              if a.name == "value" and _beyond_fp16(a.t) for o in n.output}
+    large |= {
+        o
+        for n in nodes
+        if n.op_type == "Constant"
+        for a in n.attribute
+        if a.name == "value" and _beyond_fp16(a.t)
+        for o in n.output
+    }
     return [n.name for n in nodes if any(i in large for i in n.input)]
 
 

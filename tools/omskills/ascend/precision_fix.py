@@ -13,14 +13,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from omskills.compare.parity import cosine_of
 from omskills.ascend.emulation import (
-    PreparedGraph, compare_layers, passes_output_gate, precisions_for, prepared_light, run_emulated_with_overflow,
+    PreparedGraph,
+    compare_layers,
+    passes_output_gate,
+    precisions_for,
+    prepared_light,
+    run_emulated_with_overflow,
     run_reference,
 )
 from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
+from omskills.compare.parity import cosine_of
 from omskills.records.precision import (
-    EmulatedResult, LayerComparison, ModePrecision, PrecisionGates, PrecisionReport, TensorError,
+    EmulatedResult,
+    LayerComparison,
+    ModePrecision,
+    PrecisionGates,
+    PrecisionReport,
+    TensorError,
 )
 from omskills.records.toolchain_stage import CandidateToolchain
 
@@ -32,6 +42,7 @@ ASSUMPTIONS = (
     "rewritten operators, format changes): precheck_ops lists the known pitfalls, and compare_layers on an "
     "NPU dump is the check to run on the device."
 )
+
 
 def emulated_result(comparison: LayerComparison, fp16_nodes: int) -> EmulatedResult:
     outputs = comparison.outputs
@@ -50,9 +61,14 @@ def _fp16_count(precisions: Mapping[str, str]) -> int:
     return sum(1 for p in precisions.values() if p != "fp32")
 
 
-def emulate_mode(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.ndarray], gates: PrecisionGates,
-                 keep: Sequence[str] = (), reference: Mapping[str, np.ndarray] | None = None,
-                 ) -> tuple[EmulatedResult, LayerComparison | None]:
+def emulate_mode(
+    prepared: PreparedGraph,
+    mode: str,
+    feeds: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+    keep: Sequence[str] = (),
+    reference: Mapping[str, np.ndarray] | None = None,
+) -> tuple[EmulatedResult, LayerComparison | None]:
     """The mode emulated once (outputs and overflow count); only when that fails is the graph
     compared node by node, for the bisect."""
     precisions = precisions_for(prepared, mode, keep)
@@ -64,8 +80,13 @@ def emulate_mode(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.ndar
     errors = [_output_error(name, reference[name], outputs[name]) for name in reference]
     passed = not overflow and all(passes_output_gate(e, gates) for e in errors)
     if passed:
-        return EmulatedResult(cosine=min(e.cosine for e in errors), max_abs=max(e.max_abs for e in errors),
-                              overflow=0, passed=True, fp16_nodes=_fp16_count(precisions)), None
+        return EmulatedResult(
+            cosine=min(e.cosine for e in errors),
+            max_abs=max(e.max_abs for e in errors),
+            overflow=0,
+            passed=True,
+            fp16_nodes=_fp16_count(precisions),
+        ), None
     comparison = compare_layers(prepared, precisions, feeds, gates, candidate=f"{mode} emulated")
     return emulated_result(comparison, _fp16_count(precisions)), comparison
 
@@ -75,20 +96,35 @@ def _output_error(name: str, ref: np.ndarray, got: np.ndarray) -> TensorError:
     ref64, got64 = np.asarray(ref, np.float64).ravel(), np.asarray(got, np.float64).ravel()
     if ref.dtype.kind not in "fc":
         differs = int((ref64 != got64).sum())
-        return TensorError(tensor=name, cosine=1.0 if not differs else 0.0, max_abs=float(np.abs(ref64 - got64).max(initial=0.0)),
-                           ref_max_abs=float(np.abs(ref64).max(initial=0.0)))
+        return TensorError(
+            tensor=name,
+            cosine=1.0 if not differs else 0.0,
+            max_abs=float(np.abs(ref64 - got64).max(initial=0.0)),
+            ref_max_abs=float(np.abs(ref64).max(initial=0.0)),
+        )
     overflow = int((np.isinf(got64) & np.isfinite(ref64)).sum())
     nan = int((np.isnan(got64) & ~np.isnan(ref64)).sum())
     finite = np.isfinite(ref64) & np.isfinite(got64)
     a, b = ref64[finite], got64[finite]
     cosine = 0.0 if overflow or nan else cosine_of(a, b)
-    return TensorError(tensor=name, cosine=cosine, max_abs=float(np.abs(a - b).max(initial=0.0)),
-                       ref_max_abs=float(np.abs(a).max(initial=0.0)), overflow=overflow, nan=nan)
+    return TensorError(
+        tensor=name,
+        cosine=cosine,
+        max_abs=float(np.abs(a - b).max(initial=0.0)),
+        ref_max_abs=float(np.abs(a).max(initial=0.0)),
+        overflow=overflow,
+        nan=nan,
+    )
 
 
-def propose_keep(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.ndarray], gates: PrecisionGates,
-                 first: LayerComparison, reference: Mapping[str, np.ndarray] | None = None,
-                 ) -> tuple[list[str], EmulatedResult | None, str | None]:
+def propose_keep(
+    prepared: PreparedGraph,
+    mode: str,
+    feeds: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+    first: LayerComparison,
+    reference: Mapping[str, np.ndarray] | None = None,
+) -> tuple[list[str], EmulatedResult | None, str | None]:
     """The keep list for `mode`, grown from `first` (the mode emulated with nothing kept), and
     the emulated result with it; a note when no list makes the mode pass."""
     keep: list[str] = []
@@ -104,8 +140,11 @@ def propose_keep(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.ndar
         result, comparison = emulate_mode(prepared, mode, feeds, gates, keep, reference)
         if comparison is None or result.passed:
             return keep, result, None
-    return keep, emulated_result(comparison, _fp16_count(precisions_for(prepared, mode, keep))), (
-        f"still failing after {MAX_KEEP_ROUNDS} rounds; must_keep_origin_dtype is the safe choice")
+    return (
+        keep,
+        emulated_result(comparison, _fp16_count(precisions_for(prepared, mode, keep))),
+        (f"still failing after {MAX_KEEP_ROUNDS} rounds; must_keep_origin_dtype is the safe choice"),
+    )
 
 
 def _to_keep(prepared: PreparedGraph, mode: str, keep: list[str], node_name: str, origin: str) -> list[str]:
@@ -125,9 +164,14 @@ def op_types_of(prepared: PreparedGraph, nodes: Sequence[str]) -> list[str]:
     return sorted({n.op_type for n in prepared.graph.node if n.name in wanted})
 
 
-def precision_report(model: str | Path, feeds: Mapping[str, np.ndarray], sample: str,
-                     modes: Sequence[str] = DEFAULT_MODES, gates: PrecisionGates | None = None,
-                     outputs: Mapping[str, np.ndarray] | None = None) -> PrecisionReport:
+def precision_report(
+    model: str | Path,
+    feeds: Mapping[str, np.ndarray],
+    sample: str,
+    modes: Sequence[str] = DEFAULT_MODES,
+    gates: PrecisionGates | None = None,
+    outputs: Mapping[str, np.ndarray] | None = None,
+) -> PrecisionReport:
     """The modes in `modes` emulated on one sample, fastest first, with its keep list where one
     fails, until one passes: the slower ones would not be chosen. must_keep_origin_dtype, which
     runs nothing, is always listed."""
@@ -142,14 +186,27 @@ def precision_report(model: str | Path, feeds: Mapping[str, np.ndarray], sample:
     chosen, keep, why = _choose(results)
     if skipped:
         why += f"; not emulated, as slower: {', '.join(skipped)}"
-    return PrecisionReport(model=str(model), sample=sample, gates=gates, modes=results, chosen_mode=chosen,
-                           chosen_keep=keep, why=why, not_evaluated=skipped, assumptions=ASSUMPTIONS,
-                           reference="PyTorch's outputs for the sample" if given else "the graph in fp32 on ONNX Runtime")
+    return PrecisionReport(
+        model=str(model),
+        sample=sample,
+        gates=gates,
+        modes=results,
+        chosen_mode=chosen,
+        chosen_keep=keep,
+        why=why,
+        not_evaluated=skipped,
+        assumptions=ASSUMPTIONS,
+        reference="PyTorch's outputs for the sample" if given else "the graph in fp32 on ONNX Runtime",
+    )
 
 
-def _emulate_until_one_passes(prepared: PreparedGraph, modes: Sequence[str], feeds: Mapping[str, np.ndarray],
-                              gates: PrecisionGates, reference: Mapping[str, np.ndarray],
-                              ) -> tuple[list[ModePrecision], list[str]]:
+def _emulate_until_one_passes(
+    prepared: PreparedGraph,
+    modes: Sequence[str],
+    feeds: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+    reference: Mapping[str, np.ndarray],
+) -> tuple[list[ModePrecision], list[str]]:
     """The modes emulated fastest first; after one passes, the slower ones are skipped."""
     results, skipped = [], []
     for mode in fastest_first(modes):
@@ -168,15 +225,23 @@ def _passes(mode: ModePrecision) -> bool:
     return mode.result.passed or (mode.with_keep is not None and mode.with_keep.passed)
 
 
-def _mode_precision(prepared: PreparedGraph, mode: str, feeds: Mapping[str, np.ndarray], gates: PrecisionGates,
-                    reference: Mapping[str, np.ndarray]) -> ModePrecision:
+def _mode_precision(
+    prepared: PreparedGraph,
+    mode: str,
+    feeds: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+    reference: Mapping[str, np.ndarray],
+) -> ModePrecision:
     result, comparison = emulate_mode(prepared, mode, feeds, gates, reference=reference)
     if result.passed or comparison is None:
-        note = None if result.fp16_nodes else "no node computes in fp16 under this mode: the graph runs as exported (fp32)"
+        note = (
+            None if result.fp16_nodes else "no node computes in fp16 under this mode: the graph runs as exported (fp32)"
+        )
         return ModePrecision(mode=mode, result=result, note=note)
     keep, with_keep, note = propose_keep(prepared, mode, feeds, gates, comparison, reference)
-    return ModePrecision(mode=mode, result=result, keep=keep, keep_op_types=op_types_of(prepared, keep),
-                         with_keep=with_keep, note=note)
+    return ModePrecision(
+        mode=mode, result=result, keep=keep, keep_op_types=op_types_of(prepared, keep), with_keep=with_keep, note=note
+    )
 
 
 def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
@@ -186,8 +251,14 @@ def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
         if mode.result.passed:
             return mode.mode, [], f"{mode.mode} passes in emulation with nothing kept (fastest passing mode)"
         if mode.with_keep is not None and mode.with_keep.passed:
-            return mode.mode, mode.keep, (f"{mode.mode} passes in emulation with {len(mode.keep)} node(s) kept at "
-                                          f"their original dtype (fastest passing mode)")
+            return (
+                mode.mode,
+                mode.keep,
+                (
+                    f"{mode.mode} passes in emulation with {len(mode.keep)} node(s) kept at "
+                    f"their original dtype (fastest passing mode)"
+                ),
+            )
     return "must_keep_origin_dtype", [], "no emulated mode passes; must_keep_origin_dtype keeps every op's dtype"
 
 
@@ -197,14 +268,15 @@ def atc_keep_nodes(chain: CandidateToolchain, mode: str) -> list[str]:
     report = chain.precision
     emulated = report.mode(mode) if report else None
     keep = list(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else []
-    for hit in (chain.precheck.pitfalls if chain.precheck else []):
+    for hit in chain.precheck.pitfalls if chain.precheck else []:
         if mode in hit.modes:
             keep += [n for n in hit.keep_nodes if n not in keep]
     return keep
 
 
-def emulate_graph(model: Path, mode: str, keep: Sequence[str], feeds: Mapping[str, np.ndarray],
-                  gates: PrecisionGates) -> EmulatedResult:
+def emulate_graph(
+    model: Path, mode: str, keep: Sequence[str], feeds: Mapping[str, np.ndarray], gates: PrecisionGates
+) -> EmulatedResult:
     """`model` emulated once in `mode` with `keep` against its fp32 run on `feeds` (a graph no
     per-graph emulation chose for: a composition of graphs, say)."""
     with prepared_light(model) as prepared:

@@ -22,18 +22,38 @@ from onnx import GraphProto, NodeProto
 # ONNX op types CANN runs on the Cube unit (convolutions and matrix products).
 CUBE_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
 # Approximation of the mixed mode's fp32 ("black") list; see the module docstring.
-MIX_FP32_OPS = frozenset({
-    "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Softmax", "LogSoftmax", "LayerNormalization",
-    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "CumSum", "Erf",
-})
+MIX_FP32_OPS = frozenset(
+    {
+        "Exp",
+        "Log",
+        "Pow",
+        "Sqrt",
+        "Reciprocal",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "ReduceMean",
+        "ReduceSum",
+        "ReduceSumSquare",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "CumSum",
+        "Erf",
+    }
+)
 FP16_MAX = 65504.0  # the largest finite float16
 
 # The modes emulated by default (the acceptance set and the ones users choose among), fastest first.
 DEFAULT_MODES: tuple[str, ...] = ("force_fp16", "allow_mix_precision", "allow_fp32_to_fp16", "must_keep_origin_dtype")
 # Fastest first: the mode chosen is the first whose emulated result passes (with its keep list).
 SPEED_ORDER: tuple[str, ...] = (
-    "force_fp16", "allow_mix_precision", "allow_mix_precision_fp16", "allow_fp32_to_fp16",
-    "force_fp32", "cube_fp16in_fp32out", "must_keep_origin_dtype",
+    "force_fp16",
+    "allow_mix_precision",
+    "allow_mix_precision_fp16",
+    "allow_fp32_to_fp16",
+    "force_fp32",
+    "cube_fp16in_fp32out",
+    "must_keep_origin_dtype",
 )
 # The ATC precision mode of a graph whose modes were never emulated (its emulation failed or did not run).
 UNCHECKED_PRECISION_MODE = "must_keep_origin_dtype"
@@ -41,8 +61,9 @@ MIXED_MODES = frozenset({"allow_mix_precision", "allow_mix_precision_fp16"})
 EMULATED_MODES = frozenset(SPEED_ORDER)
 
 
-def node_precisions(graph: GraphProto, float_tensors: set[str], mode: str,
-                    keep: Iterable[str] = ()) -> dict[str, NodePrecision]:
+def node_precisions(
+    graph: GraphProto, float_tensors: set[str], mode: str, keep: Iterable[str] = ()
+) -> dict[str, NodePrecision]:
     """node name -> how it computes under `mode`, for nodes with a float output; nodes named in
     `keep` (ATC's --keep_dtype) compute in fp32."""
     if mode not in EMULATED_MODES:

@@ -46,12 +46,16 @@ def _exportability(contract: ContractSpec) -> tuple[bool, list[str]]:
     notes: list[str] = []
     for arg in contract.non_tensor_args:
         if arg.holds_tensors:
-            blockers.append(f"argument {arg.tree_path} holds tensors inside a Python object ({arg.value_repr}): "
-                            "state a graph cannot take; the parts inside that never see it can be graphs")
+            blockers.append(
+                f"argument {arg.tree_path} holds tensors inside a Python object ({arg.value_repr}): "
+                "state a graph cannot take; the parts inside that never see it can be graphs"
+            )
         elif arg.derived is not None:
-            notes.append(f"non-tensor argument {arg.tree_path} ({arg.value_repr}) = {arg.derived.formula()} on every "
-                         f"call ({arg.derived.evidence or 'declared by the driver'}): the graph computes it from its "
-                         "input shapes")
+            notes.append(
+                f"non-tensor argument {arg.tree_path} ({arg.value_repr}) = {arg.derived.formula()} on every "
+                f"call ({arg.derived.evidence or 'declared by the driver'}): the graph computes it from its "
+                "input shapes"
+            )
         elif not arg.constant:
             blockers.append(
                 f"non-tensor argument {arg.tree_path} changes between calls ({arg.value_repr}): "
@@ -96,17 +100,22 @@ def _control_plane(contract: ContractSpec) -> list[str]:
         source = spec.provenance.source if spec.provenance else None
         kind = spec.provenance.kind if spec.provenance else "unknown"
         if kind == "input":
-            plane.append(f"input handling: {spec.name} is made from the user's input by {source} (loading, "
-                         "preprocessing and tokenising stay in Python)")
+            plane.append(
+                f"input handling: {spec.name} is made from the user's input by {source} (loading, "
+                "preprocessing and tokenising stay in Python)"
+            )
         elif kind == "session":
-            plane.append(f"session state: input {spec.name} is kept across calls by {source}; the session "
-                         "feeds it to every call")
+            plane.append(
+                f"session state: input {spec.name} is kept across calls by {source}; the session feeds it to every call"
+            )
     for arg in contract.non_tensor_args:
         plane.append(f"Python argument {arg.tree_path} = {arg.value_repr} is decided outside the graph")
     per_frame = contract.calls_per_frame
     if per_frame is not None and abs(per_frame - round(per_frame)) > 1e-9:
-        plane.append(f"the loop that calls it stays in Python: {contract.calls} calls, {per_frame:.2f} per "
-                     "main-path step on average (the count depends on the data, e.g. objects or prompts)")
+        plane.append(
+            f"the loop that calls it stays in Python: {contract.calls} calls, {per_frame:.2f} per "
+            "main-path step on average (the count depends on the data, e.g. objects or prompts)"
+        )
     return plane
 
 
@@ -135,8 +144,11 @@ class _FlatCall(nn.Module):
 
 
 def _cannot_rebuild(contract: ContractSpec) -> list[str]:
-    return [a.tree_path for a in contract.non_tensor_args
-            if a.flat_index is None or (a.value is None and a.value_repr != "None")]
+    return [
+        a.tree_path
+        for a in contract.non_tensor_args
+        if a.flat_index is None or (a.value is None and a.value_repr != "None")
+    ]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -144,8 +156,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _trial_export(contract: ContractSpec, module: nn.Module, strategy: ShapeStrategy,
-                  samples_root: Path | None) -> tuple[bool, list[str]]:
+def _trial_export(
+    contract: ContractSpec, module: nn.Module, strategy: ShapeStrategy, samples_root: Path | None
+) -> tuple[bool, list[str]]:
     """torch.export on one sample, then replay the graph on every sample and compare.
 
     Replaying also the traced sample catches branches on module state (counters, caches) that were
@@ -167,15 +180,20 @@ def _trial_export(contract: ContractSpec, module: nn.Module, strategy: ShapeStra
     # another call's shapes being rejected. Trace on the call with the largest dynamic sizes, since
     # torch specialises sizes 0 and 1.
     dynamic = tuple({d: torch.export.Dim.AUTO for d in dims} or None for dims in dynamic_dims)
-    traced = max(samples, key=lambda sample: min(
-        [sample.inputs[s.name].shape[d] for s, dims in zip(contract.inputs, dynamic_dims) for d in dims] or [0]))
+    traced = max(
+        samples,
+        key=lambda sample: min(
+            [sample.inputs[s.name].shape[d] for s, dims in zip(contract.inputs, dynamic_dims) for d in dims] or [0]
+        ),
+    )
     flat = _FlatCall(module, contract)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             program = torch.export.export(flat, feeds(traced), dynamic_shapes={"tensors": dynamic}, strict=False)
     except Exception as exc:  # the exporter's own error is the evidence
-        return False, [f"trial torch.export failed (data-dependent control flow or unsupported Python): "
-                       f"{_first_line(exc)}"]
+        return False, [
+            f"trial torch.export failed (data-dependent control flow or unsupported Python): {_first_line(exc)}"
+        ]
     reasons = [f"trial torch.export succeeded on the inputs of call {traced.call_index}"]
     replay = program.module()
     for sample in samples:
@@ -183,14 +201,16 @@ def _trial_export(contract: ContractSpec, module: nn.Module, strategy: ShapeStra
             with torch.no_grad():
                 got = replay(*feeds(sample))
         except Exception as exc:
-            return False, reasons + [f"the traced graph rejects the inputs of call {sample.call_index}: "
-                                     f"{_first_line(exc)}"]
+            return False, reasons + [
+                f"the traced graph rejects the inputs of call {sample.call_index}: {_first_line(exc)}"
+            ]
         for spec, tensor in zip(contract.outputs, got):
             expected = sample.outputs[spec.name].to(tensor.device)
             if tensor.shape != expected.shape or not torch.allclose(tensor, expected, rtol=1e-4, atol=1e-5):
                 return False, reasons + [
                     f"the traced graph gives a different {spec.name} on call {sample.call_index}: Python "
-                    "control flow inside depends on the input data or on module state"]
+                    "control flow inside depends on the input data or on module state"
+                ]
     reasons.append(f"the traced graph reproduces the outputs of calls {[s.call_index for s in samples]}")
     return True, reasons
 
@@ -241,8 +261,13 @@ def analyze_boundaries(
     merges = suggest_merges(contracts)
     decisions = []
     for contract in contracts:
-        decision = analyze_boundary(contract, modules.get(contract.candidate), source_limits.get(contract.candidate),
-                                    trial_export=trial_export, samples_root=samples_root)
+        decision = analyze_boundary(
+            contract,
+            modules.get(contract.candidate),
+            source_limits.get(contract.candidate),
+            trial_export=trial_export,
+            samples_root=samples_root,
+        )
         decision.merge_with = merges.get(contract.candidate, [])
         decisions.append(decision)
     return decisions
@@ -319,14 +344,20 @@ def render_contract_table(contracts: list[ContractSpec], decisions: list[Boundar
         decision = by_name.get(c.candidate)
         calls = f"{c.calls}" + (f" ({c.calls_per_frame:.2g}/step)" if c.calls_per_frame is not None else "")
         exportable = "—" if decision is None else ("yes" if decision.exportable else "**no**: " + decision.reasons[0])
-        lines.append("| " + " | ".join([
-            c.candidate,
-            f"`{c.module_path}`",
-            calls,
-            "<br>".join(_tensor_cell(s, True) for s in c.inputs) or "—",
-            "<br>".join(_tensor_cell(s, False) for s in c.outputs) or "—",
-            exportable.replace("|", "\\|"),
-            _strategy_cell(decision.shape_strategy if decision else None),
-            ", ".join(decision.merge_with) if decision and decision.merge_with else "—",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    c.candidate,
+                    f"`{c.module_path}`",
+                    calls,
+                    "<br>".join(_tensor_cell(s, True) for s in c.inputs) or "—",
+                    "<br>".join(_tensor_cell(s, False) for s in c.outputs) or "—",
+                    exportable.replace("|", "\\|"),
+                    _strategy_cell(decision.shape_strategy if decision else None),
+                    ", ".join(decision.merge_with) if decision and decision.merge_with else "—",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)

@@ -68,8 +68,9 @@ class _Symbol:
             return f"{dims} observed {self.dims[0].observed}"
         terms = self.dims[0].terms
         formula = " + ".join(f"{s} x {q.quantity}" if s != 1 else q.quantity for q, s in terms)
-        ranges = ", ".join(f"{q.quantity} in [{q.low}, {q.high}]" + (f" ({q.evidence})" if q.evidence else "")
-                           for q, _ in terms)
+        ranges = ", ".join(
+            f"{q.quantity} in [{q.low}, {q.high}]" + (f" ({q.evidence})" if q.evidence else "") for q, _ in terms
+        )
         if self.spanned:
             return f"{dims} take every size in [{terms[0][0].low}, {terms[0][0].high}] ({terms[0][0].evidence})"
         return f"{dims} follow {formula}; {ranges} from the source"
@@ -89,11 +90,14 @@ def _as_limits(source_limits: SourceLimits | None) -> _Limits:
         for quantity, bounds in source_limits.items():
             if len(bounds) != 2 or bounds[0] > bounds[1]:
                 raise OmskillsError(f"source_limits[{quantity!r}] must be [low, high] with low <= high, got {bounds}")
-            limits.append(QuantityLimit(quantity=quantity, low=bounds[0], high=bounds[1],
-                                        evidence="declared by the driver"))
+            limits.append(
+                QuantityLimit(quantity=quantity, low=bounds[0], high=bounds[1], evidence="declared by the driver")
+            )
         return _Limits(limits, [])
-    return _Limits([q for q in source_limits if isinstance(q, QuantityLimit)],
-                   [s for s in source_limits if isinstance(s, QuantitySchedule)])
+    return _Limits(
+        [q for q in source_limits if isinstance(q, QuantityLimit)],
+        [s for s in source_limits if isinstance(s, QuantitySchedule)],
+    )
 
 
 def _input_index(contract: ContractSpec, ref: str, quantity: str) -> int:
@@ -117,17 +121,22 @@ def _bound_dims(contract: ContractSpec, limits: list[QuantityLimit]) -> dict[tup
             index = _input_index(contract, ref.input, limit.quantity)
             spec = contract.inputs[index]
             if not 0 <= ref.dim < len(spec.shape):
-                raise OmskillsError(f"source limit {limit.quantity}: input {spec.name} has no dim {ref.dim} "
-                                    f"(shape {spec.shape})")
-            found = dims.setdefault((index, ref.dim), _Dim(index, spec.name, ref.dim, _per_call(contract, index, ref.dim)))
+                raise OmskillsError(
+                    f"source limit {limit.quantity}: input {spec.name} has no dim {ref.dim} (shape {spec.shape})"
+                )
+            found = dims.setdefault(
+                (index, ref.dim), _Dim(index, spec.name, ref.dim, _per_call(contract, index, ref.dim))
+            )
             found.terms.append((limit, ref.scale))
     for found in dims.values():
         low, high = found.bounds()
         outside = [v for v in found.observed if not low <= v <= high]
         if outside:
             ranges = ", ".join(f"{q.quantity} [{q.low}, {q.high}]" for q, _ in found.terms)
-            raise OmskillsError(f"source limit {ranges} does not hold for {found.input_name}[{found.dim}] "
-                                f"(allowed [{low}, {high}]): observed {found.observed}")
+            raise OmskillsError(
+                f"source limit {ranges} does not hold for {found.input_name}[{found.dim}] "
+                f"(allowed [{low}, {high}]): observed {found.observed}"
+            )
     # A dim whose quantities have a single value is not dynamic (e.g. 1 bucket of objects).
     return {key: d for key, d in dims.items() if d.bounds()[0] < d.bounds()[1]}
 
@@ -147,8 +156,10 @@ def _collect_dims(contract: ContractSpec, limits: _Limits) -> tuple[list[_Dim], 
             if len(fitting) == 1:
                 found.terms = [(fitting[0], 1)]
             elif len(fitting) > 1:
-                notes.append(f"{spec.name}[{dim}] fits several declared quantities "
-                             f"({', '.join(q.quantity for q in fitting)}): bind it with DimRef to use a source range")
+                notes.append(
+                    f"{spec.name}[{dim}] fits several declared quantities "
+                    f"({', '.join(q.quantity for q in fitting)}): bind it with DimRef to use a source range"
+                )
             dims[(index, dim)] = found
     return sorted(dims.values(), key=lambda d: (d.input_index, d.dim)), notes
 
@@ -178,8 +189,12 @@ def _span_observed(symbols: list[_Symbol], input_sets: int) -> None:
             continue
         low, high = symbol.range()
         head = symbol.dims[0]
-        limit = QuantityLimit(quantity=f"{head.input_name}[{head.dim}]", low=low, high=high,
-                              evidence=f"between the sizes the {input_sets} input sets showed")
+        limit = QuantityLimit(
+            quantity=f"{head.input_name}[{head.dim}]",
+            low=low,
+            high=high,
+            evidence=f"between the sizes the {input_sets} input sets showed",
+        )
         for dim in symbol.dims:
             dim.terms = [(limit, 1)]
         symbol.spanned = True
@@ -220,14 +235,17 @@ def _relevant_schedules(declared: list[QuantityLimit], schedules: list[QuantityS
             if q.quantity in schedule.quantities:
                 column = [row[schedule.quantities.index(q.quantity)] for row in schedule.rows]
                 if not all(q.low <= v <= q.high for v in column):
-                    raise OmskillsError(f"quantity schedule {schedule.quantities}: {q.quantity} leaves its range "
-                                        f"[{q.low}, {q.high}] ({sorted(set(column))})")
+                    raise OmskillsError(
+                        f"quantity schedule {schedule.quantities}: {q.quantity} leaves its range "
+                        f"[{q.low}, {q.high}] ({sorted(set(column))})"
+                    )
         relevant.append(schedule)
     return relevant
 
 
-def _gears(contract: ContractSpec, symbols: list[_Symbol], dims: list[_Dim],
-           schedules: list[QuantitySchedule]) -> tuple[int, list[list[int]]]:
+def _gears(
+    contract: ContractSpec, symbols: list[_Symbol], dims: list[_Dim], schedules: list[QuantitySchedule]
+) -> tuple[int, list[list[int]]]:
     """Number of gears and, when within ATC's limit, one row per gear: every -1 dim's value, input order.
 
     Declared quantities contribute their assignments (ranges, or a schedule's rows); observed-only
@@ -263,15 +281,18 @@ def _check_calls_covered(contract: ContractSpec, declared_dims: list[_Dim], rows
         seen = tuple(d.per_call[c] for d in declared_dims)
         if seen not in rows:
             named = ", ".join(f"{d.input_name}[{d.dim}]={v}" for d, v in zip(declared_dims, seen))
-            raise OmskillsError(f"{contract.candidate}: observed call with {named} is none of the gears the source "
-                                "limits and schedules allow: the declared quantities do not describe this call")
+            raise OmskillsError(
+                f"{contract.candidate}: observed call with {named} is none of the gears the source "
+                "limits and schedules allow: the declared quantities do not describe this call"
+            )
 
 
 def _image_sizes(dims: list[_Dim], contract: ContractSpec, gears: list[list[int]]) -> list[list[int]] | None:
     """[[h, w], ...] when only H and W of 4-D inputs vary, every such input having the same H and W."""
     inputs = {d.input_index for d in dims}
-    if not all(len(contract.inputs[i].shape) == 4 and {d.dim for d in dims if d.input_index == i} == {2, 3}
-               for i in inputs):
+    if not all(
+        len(contract.inputs[i].shape) == 4 and {d.dim for d in dims if d.input_index == i} == {2, 3} for i in inputs
+    ):
         return None
     # dims are in input order, so each row is h1, w1, h2, w2, ...
     if any(len(set(row[0::2])) > 1 or len(set(row[1::2])) > 1 for row in gears):
@@ -279,13 +300,22 @@ def _image_sizes(dims: list[_Dim], contract: ContractSpec, gears: list[list[int]
     return [list(p) for p in sorted({(row[0], row[1]) for row in gears})]
 
 
-def _static(contract: ContractSpec, limits: _Limits, input_shapes: dict[str, list[int]], notes: list[str]) -> ShapeStrategy:
+def _static(
+    contract: ContractSpec, limits: _Limits, input_shapes: dict[str, list[int]], notes: list[str]
+) -> ShapeStrategy:
     if contract.calls <= 1:
-        known = "no source limit known" if not limits.quantities else (
-            f"the declared quantities ({', '.join(q.quantity for q in limits.quantities)}) name no dim of it "
-            "(bind them with DimRef)")
-        why = (f"only one call observed and {known}: static on the observed shapes "
-               "(a single sample cannot show which dims vary)")
+        known = (
+            "no source limit known"
+            if not limits.quantities
+            else (
+                f"the declared quantities ({', '.join(q.quantity for q in limits.quantities)}) name no dim of it "
+                "(bind them with DimRef)"
+            )
+        )
+        why = (
+            f"only one call observed and {known}: static on the observed shapes "
+            "(a single sample cannot show which dims vary)"
+        )
     else:
         why = f"{contract.calls} call{'s' if contract.calls != 1 else ''} observed, no dimension varies and no source range is declared"
     return ShapeStrategy(kind="static", input_shapes=input_shapes, rationale="; ".join([why] + notes))
@@ -312,28 +342,51 @@ def propose_shape_strategy(contract: ContractSpec, source_limits: SourceLimits |
         _span_observed(symbols, contract.input_sets)
     described = "; ".join(s.describe() for s in symbols)
     only_observed = not any(s.declared for s in symbols)
-    caveat = (" Gears cover only values seen on the main path; a call outside them falls back to PyTorch — "
-              "declare a QuantityLimit in the driver where the source shows the real range.") if only_observed else ""
+    caveat = (
+        (
+            " Gears cover only values seen on the main path; a call outside them falls back to PyTorch — "
+            "declare a QuantityLimit in the driver where the source shows the real range."
+        )
+        if only_observed
+        else ""
+    )
     count, gears = _gears(contract, symbols, dims, limits.schedules)
     fits_gears = MIN_GEARS <= count <= MAX_GEARS
     image_sizes = _image_sizes(dims, contract, gears) if fits_gears else None
 
     if fits_gears and len(symbols) == 1 and all(d.dim == 0 for d in dims):
         batches = [[b] for b in sorted({row[0] for row in gears})]  # one value per gear: the batch size
-        return ShapeStrategy(kind="dynamic_batch_size", input_shapes=input_shapes, gears=batches,
-                             rationale=f"only dim 0 varies, the same in every input: {described}.{caveat}")
+        return ShapeStrategy(
+            kind="dynamic_batch_size",
+            input_shapes=input_shapes,
+            gears=batches,
+            rationale=f"only dim 0 varies, the same in every input: {described}.{caveat}",
+        )
     if image_sizes is not None:
-        return ShapeStrategy(kind="dynamic_image_size", input_shapes=input_shapes, gears=image_sizes,
-                             rationale=f"only H and W of 4-D image inputs vary: {described}.{caveat}")
+        return ShapeStrategy(
+            kind="dynamic_image_size",
+            input_shapes=input_shapes,
+            gears=image_sizes,
+            rationale=f"only H and W of 4-D image inputs vary: {described}.{caveat}",
+        )
     if fits_gears:
-        scheduled = "".join(f"; {s.quantities} take {len(s.rows)} joint values ({s.evidence})"
-                            for s in _relevant_schedules(
-                                list({id(q): q for d in dims for q, _ in d.terms}.values()), limits.schedules))
-        return ShapeStrategy(kind="dynamic_dims", input_shapes=input_shapes, gears=gears,
-                             rationale=f"{count} gears over {len(dims)} dynamic dims: {described}{scheduled}.{caveat}")
+        scheduled = "".join(
+            f"; {s.quantities} take {len(s.rows)} joint values ({s.evidence})"
+            for s in _relevant_schedules(list({id(q): q for d in dims for q, _ in d.terms}.values()), limits.schedules)
+        )
+        return ShapeStrategy(
+            kind="dynamic_dims",
+            input_shapes=input_shapes,
+            gears=gears,
+            rationale=f"{count} gears over {len(dims)} dynamic dims: {described}{scheduled}.{caveat}",
+        )
     too_many = f"exceed ATC's {MAX_GEARS}" if count > MAX_GEARS else f"are below ATC's minimum of {MIN_GEARS}"
     why = f"{count} value combinations {too_many} gears: dynamic shape with ranges; {described}"
     if only_observed:
         why += "; ranges are the observed min/max only"
-    return ShapeStrategy(kind="dynamic_shape", input_shapes=input_shapes, ranges=_ranges(contract, symbols),
-                         rationale="; ".join([why] + notes))
+    return ShapeStrategy(
+        kind="dynamic_shape",
+        input_shapes=input_shapes,
+        ranges=_ranges(contract, symbols),
+        rationale="; ".join([why] + notes),
+    )

@@ -20,20 +20,34 @@ Comparator = Callable[[OutputCheck, Outputs, Outputs], CheckResult]
 COMPARATORS: Registry[Comparator] = Registry("output comparator")
 
 
-def _result(check: OutputCheck, value: float | None, passed: bool, detail: str | None = None,
-            cosine: float | None = None) -> CheckResult:
-    return CheckResult(output=check.output, metric=check.metric, value=value, cosine=cosine, passed=passed,
-                       gating=check.gating, detail=detail)
+def _result(
+    check: OutputCheck, value: float | None, passed: bool, detail: str | None = None, cosine: float | None = None
+) -> CheckResult:
+    return CheckResult(
+        output=check.output,
+        metric=check.metric,
+        value=value,
+        cosine=cosine,
+        passed=passed,
+        gating=check.gating,
+        detail=detail,
+    )
 
 
 def _missing(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckResult | None:
     names = [check.output] + ([check.key] if check.key else [])
-    absent = [f"{name} ({side})" for name in names for side, outs in (("reference", reference), ("spliced", spliced))
-              if name not in outs]
+    absent = [
+        f"{name} ({side})"
+        for name in names
+        for side, outs in (("reference", reference), ("spliced", spliced))
+        if name not in outs
+    ]
     return _result(check, None, False, f"no output {', '.join(absent)}") if absent else None
 
 
-def _pairs(check: OutputCheck, reference: Outputs, spliced: Outputs) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[str]]:
+def _pairs(
+    check: OutputCheck, reference: Outputs, spliced: Outputs
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[str]]:
     """(reference item, spliced item) pairs: matched by key when the check has one, else the whole arrays."""
     ref, got = np.asarray(reference[check.output]), np.asarray(spliced[check.output])
     if check.key is None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from omskills.contracts import pytree
-from omskills.contracts.provenance import ProvenanceTracker, StorageHistory
 from omskills.contracts.layout import dtype_name
+from omskills.contracts.provenance import ProvenanceTracker, StorageHistory
 from omskills.contracts.samples import save_sample
 from omskills.errors import OmskillsError
 from omskills.files import process_alive
@@ -102,7 +102,7 @@ class _SpillFolder:
 
     def __init__(self, samples_dir: Path) -> None:
         for folder in samples_dir.glob(f"{glob.escape(self.PREFIX)}*"):
-            pid = folder.name[len(self.PREFIX):]
+            pid = folder.name[len(self.PREFIX) :]
             if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
                 shutil.rmtree(folder, ignore_errors=True)
         self.path = samples_dir / f"{self.PREFIX}{os.getpid()}"
@@ -214,8 +214,16 @@ class _SampleSelector:
 
 
 class _CandidateRecorder:
-    def __init__(self, name: str, path: str, module: nn.Module, tracker: ProvenanceTracker, max_samples: int,
-                 derived_paths: set[str], spill: _SpillFolder | None):
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        module: nn.Module,
+        tracker: ProvenanceTracker,
+        max_samples: int,
+        derived_paths: set[str],
+        spill: _SpillFolder | None,
+    ):
         self.name = name
         self.spill = spill
         self.path = path
@@ -244,8 +252,13 @@ class _CandidateRecorder:
             in_leaves=_describe(flat.leaves),
             provenance=[self.tracker.origin(t, consumer=self.path) for t in flat.tensors()],
         )
-        call.dispatch_key = repr([(path, leaf) for path, leaf in zip(flat.paths, flat.leaves)
-                                  if isinstance(leaf, _SCALARS) and path not in self.derived_paths])
+        call.dispatch_key = repr(
+            [
+                (path, leaf)
+                for path, leaf in zip(flat.paths, flat.leaves)
+                if isinstance(leaf, _SCALARS) and path not in self.derived_paths
+            ]
+        )
         # asked even when no sample is kept: it counts the dispatch values a graph is made for
         if self.selector.wants(call) and self.spill is not None:
             call.sample_inputs = self.spill.spill(flat.tensors())
@@ -353,10 +366,16 @@ def _non_tensor_leaves(calls: list[_Call], outputs: bool) -> list[NonTensorArg]:
             shown = _shown(distinct[0]) if constant else ", ".join(_shown(v) for v in distinct[:_QUOTED_VALUES])
             if len(distinct) > _QUOTED_VALUES:
                 shown += f", ... ({len(distinct)} distinct)"
-        result.append(NonTensorArg(tree_path=path, value_repr=shown, constant=constant,
-                                   value=_json_scalar(info.value), flat_index=index,
-                                   holds_tensors=any((c.out_leaves if outputs else c.in_leaves)[index].holds_tensors
-                                                     for c in calls)))
+        result.append(
+            NonTensorArg(
+                tree_path=path,
+                value_repr=shown,
+                constant=constant,
+                value=_json_scalar(info.value),
+                flat_index=index,
+                holds_tensors=any((c.out_leaves if outputs else c.in_leaves)[index].holds_tensors for c in calls),
+            )
+        )
     return result
 
 
@@ -371,11 +390,18 @@ def _input_specs(recorder: _CandidateRecorder, calls: list[_Call]) -> list[Tenso
     specs = []
     for k, (index, name) in enumerate(zip(indices, names)):
         info = first.in_leaves[index]
-        specs.append(TensorSpec(
-            name=name, tree_path=first.in_paths[index], shape=list(info.shape), dtype=info.dtype,
-            device=info.device, dynamic_dims=_dynamic_dims([c.in_leaves[index].shape for c in calls]),
-            provenance=_merged_provenance([c.provenance[k] for c in calls]), flat_index=index,
-        ))
+        specs.append(
+            TensorSpec(
+                name=name,
+                tree_path=first.in_paths[index],
+                shape=list(info.shape),
+                dtype=info.dtype,
+                device=info.device,
+                dynamic_dims=_dynamic_dims([c.in_leaves[index].shape for c in calls]),
+                provenance=_merged_provenance([c.provenance[k] for c in calls]),
+                flat_index=index,
+            )
+        )
     return specs
 
 
@@ -391,27 +417,44 @@ def _output_specs(recorder: _CandidateRecorder, calls: list[_Call], taken: set[s
             history = call.out_histories[k]
             if history is not None:
                 consumers.update(dict.fromkeys(history.consumers_after(call.out_seq)))
-        specs.append(TensorSpec(
-            name=name, tree_path=first.out_paths[index], shape=list(info.shape), dtype=info.dtype,
-            device=info.device, dynamic_dims=_dynamic_dims([c.out_leaves[index].shape for c in calls]),
-            consumers=_reduced_consumers(list(consumers), recorder.path, recorder.tracker.preferred),
-            flat_index=index,
-        ))
+        specs.append(
+            TensorSpec(
+                name=name,
+                tree_path=first.out_paths[index],
+                shape=list(info.shape),
+                dtype=info.dtype,
+                device=info.device,
+                dynamic_dims=_dynamic_dims([c.out_leaves[index].shape for c in calls]),
+                consumers=_reduced_consumers(list(consumers), recorder.path, recorder.tracker.preferred),
+                flat_index=index,
+            )
+        )
     return specs
 
 
-def _save_samples(recorder: _CandidateRecorder, name: str, calls: list[_Call], inputs: list[TensorSpec],
-                  outputs: list[TensorSpec], samples_dir: Path, relative_to: Path | None) -> list[str]:
+def _save_samples(
+    recorder: _CandidateRecorder,
+    name: str,
+    calls: list[_Call],
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    samples_dir: Path,
+    relative_to: Path | None,
+) -> list[str]:
     """At most the selector's limit of the sampled calls among `calls`, distinct input shapes first
     (calls sampled per dispatch value that one contract serves are more than it needs)."""
     sampled = recorder.selector.among(calls)
     distinct = list({c.input_signature(): c for c in reversed(sampled)}.values())[::-1]
-    chosen = sorted((distinct + [c for c in sampled if c not in distinct])[: recorder.selector.limit], key=lambda c: c.index)
+    chosen = sorted(
+        (distinct + [c for c in sampled if c not in distinct])[: recorder.selector.limit], key=lambda c: c.index
+    )
     paths = []
     for n, call in enumerate(chosen):
         assert call.sample_inputs is not None and call.sample_outputs is not None
         path = save_sample(
-            samples_dir / f"{name}_{n}.npz", name, call.index,
+            samples_dir / f"{name}_{n}.npz",
+            name,
+            call.index,
             inputs={spec.name: t for spec, t in zip(inputs, call.sample_inputs.load())},
             outputs={spec.name: t for spec, t in zip(outputs, call.sample_outputs.load())},
         )
@@ -424,14 +467,17 @@ def _bind_derived(contract: ContractSpec, calls: list[_Call], derivations: dict[
     by_path = {arg.tree_path: arg for arg in contract.non_tensor_args}
     unknown = sorted(set(derivations) - set(by_path))
     if unknown:
-        raise OmskillsError(f"candidate {contract.candidate}: derived argument(s) {unknown} are not non-tensor "
-                            f"arguments (it has {sorted(by_path) or 'none'})")
+        raise OmskillsError(
+            f"candidate {contract.candidate}: derived argument(s) {unknown} are not non-tensor "
+            f"arguments (it has {sorted(by_path) or 'none'})"
+        )
     for path, derivation in derivations.items():
         arg = by_path[path]
 
         def agrees(call: _Call) -> bool:
             def shape_of(ref: str) -> tuple[int, ...]:
                 return call.in_leaves[contract.inputs[contract.input_index(ref)].flat_index].shape
+
             return call.in_leaves[arg.flat_index].value == derivation.value(shape_of)
 
         try:
@@ -442,9 +488,19 @@ def _bind_derived(contract: ContractSpec, calls: list[_Call], derivations: dict[
             arg.derived = derivation
 
 
-def _contract(recorder: _CandidateRecorder, name: str, calls: list[_Call], structures: int, frames: int | None,
-              samples_dir: Path, relative_to: Path | None, derivations: dict[str, ShapeDerivedArg],
-              dispatch: Dispatch | None = None, save: bool = True, total_calls: int | None = None) -> ContractSpec:
+def _contract(
+    recorder: _CandidateRecorder,
+    name: str,
+    calls: list[_Call],
+    structures: int,
+    frames: int | None,
+    samples_dir: Path,
+    relative_to: Path | None,
+    derivations: dict[str, ShapeDerivedArg],
+    dispatch: Dispatch | None = None,
+    save: bool = True,
+    total_calls: int | None = None,
+) -> ContractSpec:
     inputs = _input_specs(recorder, calls)
     outputs = _output_specs(recorder, calls, {spec.name for spec in inputs})
     parent, attribute = _replacement_point(recorder.path)
@@ -472,8 +528,9 @@ def _contract(recorder: _CandidateRecorder, name: str, calls: list[_Call], struc
     return contract
 
 
-def _dispatch_groups(recorder: _CandidateRecorder, contract: ContractSpec,
-                     calls: list[_Call]) -> list[tuple[dict[str, Any], list[_Call]]] | None:
+def _dispatch_groups(
+    recorder: _CandidateRecorder, contract: ContractSpec, calls: list[_Call]
+) -> list[tuple[dict[str, Any], list[_Call]]] | None:
     """Calls grouped by the values of the scalar non-tensor arguments that vary (and are not derived
     from shapes), or None when there are none, too many combinations to give each a graph, or a
     value whose calls were not sampled (its graph could be neither exported nor probed)."""
@@ -494,29 +551,56 @@ def _dispatch_groups(recorder: _CandidateRecorder, contract: ContractSpec,
 
 
 def _graph_name(candidate: str, values: dict[str, Any], parameter_names: list[str]) -> str:
-    """"mask_decoder-multimask_output_True": the candidate and the values its graph serves, in
+    """ "mask_decoder-multimask_output_True": the candidate and the values its graph serves, in
     characters safe in file names, step keys and ATC's --output."""
     names = pytree.input_names(list(values), parameter_names)
     parts = [re.sub(r"[^0-9A-Za-z_.]+", "_", f"{n}_{v}").strip("_") for n, v in zip(names, values.values())]
     return "-".join([candidate] + parts)
 
 
-def _contracts(recorder: _CandidateRecorder, frames: int | None, samples_dir: Path,
-               relative_to: Path | None, derivations: dict[str, ShapeDerivedArg]) -> list[ContractSpec]:
+def _contracts(
+    recorder: _CandidateRecorder,
+    frames: int | None,
+    samples_dir: Path,
+    relative_to: Path | None,
+    derivations: dict[str, ShapeDerivedArg],
+) -> list[ContractSpec]:
     """The candidate's contract on its main call structure; one per value of a dispatch argument."""
     structures = Counter(c.structure for c in recorder.calls)
     main = structures.most_common(1)[0][0]  # ties: Counter keeps first-seen order
     calls = [c for c in recorder.calls if c.structure == main]
-    whole = _contract(recorder, recorder.name, calls, len(structures), frames, samples_dir, relative_to, derivations,
-                      save=False, total_calls=len(recorder.calls))
+    whole = _contract(
+        recorder,
+        recorder.name,
+        calls,
+        len(structures),
+        frames,
+        samples_dir,
+        relative_to,
+        derivations,
+        save=False,
+        total_calls=len(recorder.calls),
+    )
     groups = _dispatch_groups(recorder, whole, calls)
     if groups is None:
-        whole.samples = _save_samples(recorder, whole.candidate, calls, whole.inputs, whole.outputs, samples_dir, relative_to)
+        whole.samples = _save_samples(
+            recorder, whole.candidate, calls, whole.inputs, whole.outputs, samples_dir, relative_to
+        )
         return [whole]
-    return [_contract(recorder, _graph_name(recorder.name, values, recorder.parameter_names), group, len(structures),
-                      frames, samples_dir, relative_to, derivations,
-                      dispatch=Dispatch(candidate=recorder.name, on=values))
-            for values, group in groups]
+    return [
+        _contract(
+            recorder,
+            _graph_name(recorder.name, values, recorder.parameter_names),
+            group,
+            len(structures),
+            frames,
+            samples_dir,
+            relative_to,
+            derivations,
+            dispatch=Dispatch(candidate=recorder.name, on=values),
+        )
+        for values, group in groups
+    ]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -526,9 +610,7 @@ def _resolve(root: nn.Module, name: str, path: str) -> nn.Module:
     try:
         return root.get_submodule(path)
     except AttributeError as exc:
-        raise OmskillsError(
-            f"candidate {name}: module path {path!r} does not exist in {type(root).__name__}"
-        ) from exc
+        raise OmskillsError(f"candidate {name}: module path {path!r} does not exist in {type(root).__name__}") from exc
 
 
 def capture_contracts(
@@ -562,20 +644,47 @@ def capture_contracts(
     derived_args = derived_args or {}
     spill = _SpillFolder(samples_dir) if samples_dir is not None and max_samples > 0 else None
     try:
-        return _capture(root, candidates, run, tracker, samples_dir, max_samples, frame_counter, relative_to,
-                        derived_args, input_sets, spill)
+        return _capture(
+            root,
+            candidates,
+            run,
+            tracker,
+            samples_dir,
+            max_samples,
+            frame_counter,
+            relative_to,
+            derived_args,
+            input_sets,
+            spill,
+        )
     finally:
         if spill is not None:
             spill.remove()
 
 
-def _capture(root: nn.Module, candidates: dict[str, str], run: Callable[[], Any], tracker: ProvenanceTracker,
-             samples_dir: Path | None, max_samples: int, frame_counter: Callable[[], int] | None,
-             relative_to: Path | None, derived_args: dict[str, dict[str, ShapeDerivedArg]], input_sets: int,
-             spill: _SpillFolder | None) -> list[ContractSpec]:
+def _capture(
+    root: nn.Module,
+    candidates: dict[str, str],
+    run: Callable[[], Any],
+    tracker: ProvenanceTracker,
+    samples_dir: Path | None,
+    max_samples: int,
+    frame_counter: Callable[[], int] | None,
+    relative_to: Path | None,
+    derived_args: dict[str, dict[str, ShapeDerivedArg]],
+    input_sets: int,
+    spill: _SpillFolder | None,
+) -> list[ContractSpec]:
     recorders = [
-        _CandidateRecorder(name, path, _resolve(root, name, path), tracker, max_samples if spill else 0,
-                           set(derived_args.get(name, {})), spill)
+        _CandidateRecorder(
+            name,
+            path,
+            _resolve(root, name, path),
+            tracker,
+            max_samples if spill else 0,
+            set(derived_args.get(name, {})),
+            spill,
+        )
         for name, path in candidates.items()
     ]
     tracker.preferred = set(candidates.values())
@@ -595,8 +704,11 @@ def _capture(root: nn.Module, candidates: dict[str, str], run: Callable[[], Any]
         verb = "was" if len(never_called) == 1 else "were"
         raise OmskillsError(f"candidate {named} {verb} never called on the main path")
     frames = frame_counter() if frame_counter else None
-    contracts = [contract for r in recorders
-                 for contract in _contracts(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {}))]
+    contracts = [
+        contract
+        for r in recorders
+        for contract in _contracts(r, frames, Path(samples_dir or "."), relative_to, derived_args.get(r.name, {}))
+    ]
     for contract in contracts:
         contract.input_sets = input_sets
     return contracts

@@ -209,8 +209,11 @@ class ProvenanceTracker:
         if history is None or not history.events:
             return Provenance(kind="unknown")
         events = [p for _, p in history.events]
-        relevant = [p for p in events if not (p.kind == "module_output" and consumer is not None
-                                              and is_ancestor(p.source or "", consumer))]
+        relevant = [
+            p
+            for p in events
+            if not (p.kind == "module_output" and consumer is not None and is_ancestor(p.source or "", consumer))
+        ]
         if not relevant:
             return events[0]  # only ancestors produced it (e.g. their previous call): the innermost
         last = relevant[-1]

@@ -17,8 +17,9 @@ import importlib
 import inspect
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pt
@@ -119,7 +120,9 @@ def ensure_registered(tree: Any) -> None:
     (repeats until nested ones are found too)."""
     while True:
         found = {type(leaf) for leaf in pt.tree_leaves(tree, is_leaf=is_opaque) if _needs_registration(leaf)}
-        found |= {t for t in _node_types(pt.tree_structure(tree, is_leaf=is_opaque)) if t is not None and not is_registered(t)}
+        found |= {
+            t for t in _node_types(pt.tree_structure(tree, is_leaf=is_opaque)) if t is not None and not is_registered(t)
+        }
         if not found:
             return
         for cls in found:

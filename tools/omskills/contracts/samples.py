@@ -62,8 +62,11 @@ def save_sample(
 ) -> Path:
     """Write one call's tensors (already copied by the caller) to `path` (.npz), one array at a time:
     a sample of a large graph is gigabytes, and a second copy of all of it at once would be too."""
-    dtypes = {prefix + name: dtype_name(tensor.dtype)
-              for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs)) for name, tensor in tensors.items()}
+    dtypes = {
+        prefix + name: dtype_name(tensor.dtype)
+        for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs))
+        for name, tensor in tensors.items()
+    }
     meta = {"candidate": candidate, "call_index": call_index, "dtypes": dtypes}
     path.parent.mkdir(parents=True, exist_ok=True)
     # the layout np.savez writes (stored .npy entries), so np.load reads it
@@ -113,8 +116,13 @@ def array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
 def input_shapes(path: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The shapes of a sample's inputs, from its array headers."""
-    return tuple(sorted((key.removeprefix(INPUT_PREFIX), shape) for key, (shape, _) in array_headers(path).items()
-                        if key.startswith(INPUT_PREFIX)))
+    return tuple(
+        sorted(
+            (key.removeprefix(INPUT_PREFIX), shape)
+            for key, (shape, _) in array_headers(path).items()
+            if key.startswith(INPUT_PREFIX)
+        )
+    )
 
 
 def one_per_shape(paths: list[Path]) -> list[Path]:

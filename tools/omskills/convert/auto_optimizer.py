@@ -143,7 +143,9 @@ def apply_knowledges(
     names = default_knowledges(api) if knowledges is None else knowledges
     unknown = [n for n in names if n not in api.knowledge_pool]
     if unknown:
-        raise OmskillsError(f"knowledges: unknown auto_optimizer knowledge(s) {unknown}; known: {sorted(api.knowledge_pool)}")
+        raise OmskillsError(
+            f"knowledges: unknown auto_optimizer knowledge(s) {unknown}; known: {sorted(api.knowledge_pool)}"
+        )
     graph = api.OnnxGraph.parse(model if isinstance(model, onnx.ModelProto) else str(model))
     outcomes: list[KnowledgeOutcome] = []
     for name in names:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import onnx
 import onnx.version_converter
-from onnx import compose
-
 from omskills.convert.onnx_io import save_onnx
+from onnx import compose
 
 
 class ComposeError(ValueError):
@@ -28,14 +27,18 @@ def composed_prefix(member: str) -> str:
     return f"{member}."
 
 
-def compose_chain(models: Sequence[Path], names: Sequence[str], io_maps: Sequence[dict[str, str]], out: Path) -> list[str]:
+def compose_chain(
+    models: Sequence[Path], names: Sequence[str], io_maps: Sequence[dict[str, str]], out: Path
+) -> list[str]:
     """Write to `out` one graph computing `models` in order, each member after the first fed by
     the member before it: `io_maps[k]` maps each input of member k+1 to the output of member k
     that feeds it (every input must be one). Returns the composed graph's outputs: the first
     member's, then each later member's with `composed_prefix` of its name."""
     if len(models) < 2 or len(names) != len(models) or len(io_maps) != len(models) - 1:
-        raise ComposeError(f"a chain needs two graphs or more, a name each and a map between each two: "
-                           f"{len(models)} graph(s), {len(names)} name(s), {len(io_maps)} map(s)")
+        raise ComposeError(
+            f"a chain needs two graphs or more, a name each and a map between each two: "
+            f"{len(models)} graph(s), {len(names)} name(s), {len(io_maps)} map(s)"
+        )
     merged = onnx.load(str(models[0]))
     before = ""
     for path, name, io_map in zip(models[1:], names[1:], io_maps):
@@ -46,8 +49,9 @@ def compose_chain(models: Sequence[Path], names: Sequence[str], io_maps: Sequenc
     return [o.name for o in merged.graph.output]
 
 
-def _appended(merged: onnx.ModelProto, member: onnx.ModelProto, io_map: dict[str, str], before: str, prefix: str,
-              label: str) -> onnx.ModelProto:
+def _appended(
+    merged: onnx.ModelProto, member: onnx.ModelProto, io_map: dict[str, str], before: str, prefix: str, label: str
+) -> onnx.ModelProto:
     """`member` (names prefixed) added after `merged`, fed by the outputs of the member before it
     (whose names carry `before`)."""
     produced = [o.name for o in merged.graph.output]
@@ -60,8 +64,13 @@ def _appended(merged: onnx.ModelProto, member: onnx.ModelProto, io_map: dict[str
     merged.ir_version = member.ir_version = max(merged.ir_version, member.ir_version)
     member = compose.add_prefix(member, prefix)
     outputs = produced + [o.name for o in member.graph.output]
-    return compose.merge_models(merged, member, io_map=[(before + io_map[name], prefix + name) for name in sorted(inputs)],
-                                outputs=outputs, name=f"{merged.graph.name}+{member.graph.name}")
+    return compose.merge_models(
+        merged,
+        member,
+        io_map=[(before + io_map[name], prefix + name) for name in sorted(inputs)],
+        outputs=outputs,
+        name=f"{merged.graph.name}+{member.graph.name}",
+    )
 
 
 def _same_opsets(a: onnx.ModelProto, b: onnx.ModelProto) -> None:

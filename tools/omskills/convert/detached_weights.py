@@ -19,10 +19,9 @@ import shutil
 from pathlib import Path
 
 import onnx
-from onnx import TensorProto, helper
-
 from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.records.deploy import external_data_path
+from onnx import TensorProto, helper
 
 
 def _is_weight(tensor: TensorProto) -> bool:

@@ -188,8 +188,9 @@ def export_onnx(
         with log_path.open("w", encoding="utf-8") as log, _exporter_output_to(log):
             log.write(f"# export of {contract.candidate} ({contract.module_path}) with the {exporter} exporter\n")
             try:
-                run = functools.partial(_run_exporter, wrapper, samples, raw_path, contract, axes, exporter,
-                                        exporter_opset or opset)
+                run = functools.partial(
+                    _run_exporter, wrapper, samples, raw_path, contract, axes, exporter, exporter_opset or opset
+                )
                 capture, capture_reason = _capture(run, exporter, log)
                 model, produced_opset = _load_exported(raw_path)
                 if produced_opset > opset:
@@ -243,9 +244,7 @@ def _checked_samples(contract: ContractSpec, samples: Sequence[torch.Tensor]) ->
     return tuple(samples)
 
 
-def _checked_dynamic_dims(
-    contract: ContractSpec, dims: Mapping[str, Mapping[int, str]]
-) -> dict[str, dict[int, str]]:
+def _checked_dynamic_dims(contract: ContractSpec, dims: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, str]]:
     ranks = {spec.name: len(spec.shape) for spec in contract.inputs + contract.outputs}
     checked: dict[str, dict[int, str]] = {}
     for name, axes in dims.items():
@@ -323,7 +322,7 @@ def _remove_dead_scratch(out_path: Path) -> None:
     never ran), beside `out_path`; a live process's are left alone."""
     prefix = f".{out_path.stem}-export-"
     for folder in out_path.parent.glob(f"{glob.escape(prefix)}*"):
-        pid = folder.name[len(prefix):].split("-")[0]
+        pid = folder.name[len(prefix) :].split("-")[0]
         if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -342,8 +341,10 @@ def _capture(run_exporter: Callable[[], None], exporter: ExporterName, log: Text
             raise
         reason = _cause_line(exc)
         traceback.print_exception(exc, file=log)
-        log.write(f"# non-strict capture stopped on a data-dependent guard ({reason}); "
-                  "retrying with torch.compiler.is_dynamo_compiling() reporting True (the model's compile path)\n")
+        log.write(
+            f"# non-strict capture stopped on a data-dependent guard ({reason}); "
+            "retrying with torch.compiler.is_dynamo_compiling() reporting True (the model's compile path)\n"
+        )
     with model_compile_path():
         run_exporter()
     return "compile_path", reason
@@ -552,13 +553,22 @@ _BOILERPLATE = (
 
 
 # What an exporter's error says, in a few words a user acts on (first match wins).
-EXPORT_LIMITS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(pattern, re.I), limit) for pattern, limit in (
-    (r"data.dependent|GuardOnDataDependent|unbacked", "data-dependent shape or control flow: kept in Python"),
-    (r"UnsupportedOperator|no (onnx )?(function|decomposition|translation|symbolic)|not supported|unsupported", "an operator with no ONNX translation"),
-    (r"Constraints violated|specializ|Dim\.|dynamic_shapes", "a dim the strategy makes dynamic is fixed by the model's code"),
-    (r"complex", "complex tensors, which ONNX has not"),
-    (r"out of memory|Cannot allocate|MemoryError", "out of memory"),
-))
+EXPORT_LIMITS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.I), limit)
+    for pattern, limit in (
+        (r"data.dependent|GuardOnDataDependent|unbacked", "data-dependent shape or control flow: kept in Python"),
+        (
+            r"UnsupportedOperator|no (onnx )?(function|decomposition|translation|symbolic)|not supported|unsupported",
+            "an operator with no ONNX translation",
+        ),
+        (
+            r"Constraints violated|specializ|Dim\.|dynamic_shapes",
+            "a dim the strategy makes dynamic is fixed by the model's code",
+        ),
+        (r"complex", "complex tensors, which ONNX has not"),
+        (r"out of memory|Cannot allocate|MemoryError", "out of memory"),
+    )
+)
 
 
 def export_limit(cause: str) -> str:

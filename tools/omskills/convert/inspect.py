@@ -82,7 +82,9 @@ def inspect_onnx(path: str | Path) -> OnnxSummary:
         opsets={(o.domain or DEFAULT_DOMAIN): o.version for o in model.opset_import},
         inputs=inputs,
         outputs=outputs,
-        symbolic_dims=sorted({d for t in inputs + outputs for d in (t.shape or []) if isinstance(d, str) and d != UNDECLARED_DIM}),
+        symbolic_dims=sorted(
+            {d for t in inputs + outputs for d in (t.shape or []) if isinstance(d, str) and d != UNDECLARED_DIM}
+        ),
         node_count=main_nodes,
         subgraph_node_count=sum(histogram.values()) - main_nodes,
         op_histogram=dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0]))),
@@ -129,13 +131,20 @@ def infer_with_data_prop(model: ModelProto, strict_mode: bool = False) -> ModelP
 
 def _shapes_of(inferred: ModelProto) -> dict[str, list[int | str]]:
     infos = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
-    return {info.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or UNDECLARED_DIM
-                        for d in info.type.tensor_type.shape.dim] for info in infos}
+    return {
+        info.name: [
+            d.dim_value if d.HasField("dim_value") else d.dim_param or UNDECLARED_DIM
+            for d in info.type.tensor_type.shape.dim
+        ]
+        for info in infos
+    }
 
 
 def _long_vectors(inferred: ModelProto) -> bool:
-    return any(len(dims) == 1 and isinstance(dims[0], int) and dims[0] > DATA_PROP_MAX_VECTOR
-               for dims in _shapes_of(inferred).values())
+    return any(
+        len(dims) == 1 and isinstance(dims[0], int) and dims[0] > DATA_PROP_MAX_VECTOR
+        for dims in _shapes_of(inferred).values()
+    )
 
 
 def op_key(node: NodeProto) -> str:

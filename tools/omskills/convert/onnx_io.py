@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
+from omskills.records.deploy import external_data_path
 from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo
-from omskills.records.deploy import external_data_path
 
 # Protobuf cannot serialise a message over 2 GiB; keep a margin for the graph itself.
 EXTERNAL_DATA_THRESHOLD_BYTES = 2**31 - 2**26
@@ -31,8 +31,14 @@ def save_onnx(model: onnx.ModelProto, path: Path, size: int | None = None) -> bo
     path.unlink(missing_ok=True)
     external.unlink(missing_ok=True)
     if (size if size is not None else model.ByteSize()) >= EXTERNAL_DATA_THRESHOLD_BYTES:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=external.name, size_threshold=EXTERNAL_TENSOR_MIN_BYTES)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=external.name,
+            size_threshold=EXTERNAL_TENSOR_MIN_BYTES,
+        )
     return _saved(model, path, external)
 
 

@@ -51,9 +51,12 @@ Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path
 def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     if isinstance(sample, Path):
         loaded = load_sample(sample)
-        return ({k: v.detach().cpu().numpy() for k, v in loaded.inputs.items()},
-                {k: v.detach().cpu().numpy() for k, v in loaded.outputs.items()})
+        return (
+            {k: v.detach().cpu().numpy() for k, v in loaded.inputs.items()},
+            {k: v.detach().cpu().numpy() for k, v in loaded.outputs.items()},
+        )
     return sample
+
 
 VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
 # Share of a big graph's nodes (ISOLATE_MIN_BYTES and more) a variant must add or remove to be
@@ -95,16 +98,28 @@ def optimize_variants(
     results: list[VariantResult] = []
     for name in variants:
         if name == "original":
-            results.append(check_variant(name, original, samples, probed=original_probe) if original_probe is not None
-                           else _run(isolate, _check, VariantResult(name=name, status="ok", path=str(original)),
-                                     samples, batch_split))
+            results.append(
+                check_variant(name, original, samples, probed=original_probe)
+                if original_probe is not None
+                else _run(
+                    isolate, _check, VariantResult(name=name, status="ok", path=str(original)), samples, batch_split
+                )
+            )
             if isolate:
                 # The checks read a big model here; glibc would keep its pages (GBs) while the
                 # variants are built and probed in children.
                 return_freed_memory()
         else:
-            results.append(_run(isolate, _build, name, _source_for(name, original, results),
-                                out / f"{original.stem}.{name}.onnx", knowledges))
+            results.append(
+                _run(
+                    isolate,
+                    _build,
+                    name,
+                    _source_for(name, original, results),
+                    out / f"{original.stem}.{name}.onnx",
+                    knowledges,
+                )
+            )
     results = _check_most_optimised_first(results, samples, batch_split, isolate)
     preferred, why = choose_preferred(results)
     return OptimizeResult(
@@ -116,8 +131,9 @@ def optimize_variants(
     )
 
 
-def _check_most_optimised_first(results: list[VariantResult], samples: Sequence[Sample], split: BatchSplit | None,
-                                isolate: bool) -> list[VariantResult]:
+def _check_most_optimised_first(
+    results: list[VariantResult], samples: Sequence[Sample], split: BatchSplit | None, isolate: bool
+) -> list[VariantResult]:
     """Probe the built variants in order of preference and stop at the first that passes: the
     ones after it would not be chosen, and probing a 2 GB graph is minutes of CPU."""
     by_name = {r.name: r for r in results}
@@ -129,8 +145,12 @@ def _check_most_optimised_first(results: list[VariantResult], samples: Sequence[
         if name == "original" or result is None or result.status != "ok" or result.checks:
             continue
         if chosen is not None:
-            by_name[name] = result.model_copy(update={
-                "status": "not_checked", "reason": f"not probed: {chosen}, which is built on it, passed its checks"})
+            by_name[name] = result.model_copy(
+                update={
+                    "status": "not_checked",
+                    "reason": f"not probed: {chosen}, which is built on it, passed its checks",
+                }
+            )
             continue
         by_name[name] = checked = _run(isolate, _check, result, samples, split)
         if checked.status == "ok" and not _worse_than(checked, ceiling):
@@ -147,8 +167,12 @@ def _run(isolate: bool, work, *args) -> VariantResult:
         return run_in_child(work, *args)
     except ChildDied as err:
         name = args[0].name if isinstance(args[0], VariantResult) else args[0]
-        return VariantResult(name=name, status="failed", built_from=str(args[1]) if work is _build else None,
-                             reason=f"the process {'building' if work is _build else 'checking'} the variant died ({err})")
+        return VariantResult(
+            name=name,
+            status="failed",
+            built_from=str(args[1]) if work is _build else None,
+            reason=f"the process {'building' if work is _build else 'checking'} the variant died ({err})",
+        )
 
 
 def _source_for(name: VariantName, original: Path, done: Sequence[VariantResult]) -> Path:
@@ -172,17 +196,28 @@ def _build(name: VariantName, source: Path, destination: Path, knowledges: list[
         return VariantResult(name=name, status="unavailable", built_from=str(source), reason=str(err))
     except Exception as err:  # one variant's failure must not stop the others
         return VariantResult(
-            name=name, status="failed", built_from=str(source), reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000]
+            name=name,
+            status="failed",
+            built_from=str(source),
+            reason=f"building the variant failed: {type(err).__name__}: {err}"[:1000],
         )
     changed = _worth_keeping(share, min_share)
     marginal = share is not None and not changed
     reason = None if changed else f"{name} left the graph as it was"
     if marginal:
-        reason = (f"{name} added or removed {share:.2%} of the nodes, under the {min_share:.0%} worth a probe of a graph of "
-                  f"{model_bytes(source) / 2**30:.2f} GiB: the variant is not kept")
-    result = VariantResult(name=name, status="ok" if changed else "marginal" if marginal else "unchanged",
-                           path=str(destination) if changed else None, built_from=str(source),
-                           seconds=round(time.perf_counter() - started, 3), reason=reason, knowledges=knowledge_outcomes)
+        reason = (
+            f"{name} added or removed {share:.2%} of the nodes, under the {min_share:.0%} worth a probe of a graph of "
+            f"{model_bytes(source) / 2**30:.2f} GiB: the variant is not kept"
+        )
+    result = VariantResult(
+        name=name,
+        status="ok" if changed else "marginal" if marginal else "unchanged",
+        path=str(destination) if changed else None,
+        built_from=str(source),
+        seconds=round(time.perf_counter() - started, 3),
+        reason=reason,
+        knowledges=knowledge_outcomes,
+    )
     if name == "auto_optimizer":
         result.reason = "; ".join(filter(None, [result.reason, _knowledge_note(knowledge_outcomes)]))
     return result
@@ -211,8 +246,11 @@ def _signature(model: onnx.ModelProto) -> Counter[bytes]:
     """The graph's interface and its nodes as a multiset, node names aside: equal signatures,
     the same computation."""
     graph = model.graph
-    nodes = Counter(f"{kind}:{value.name}".encode() for kind, values in
-                    (("input", graph.input), ("output", graph.output), ("initializer", graph.initializer)) for value in values)
+    nodes = Counter(
+        f"{kind}:{value.name}".encode()
+        for kind, values in (("input", graph.input), ("output", graph.output), ("initializer", graph.initializer))
+        for value in values
+    )
     for node in graph.node:
         unnamed = onnx.NodeProto()
         unnamed.CopyFrom(node)
@@ -241,8 +279,9 @@ def make_onnxslim(source: Path, target: Path, min_share: float = 0.0) -> float |
     return share
 
 
-def make_auto_optimizer(source: Path, target: Path, knowledges: list[str] | None,
-                        min_share: float = 0.0) -> tuple[list[KnowledgeOutcome], float | None]:
+def make_auto_optimizer(
+    source: Path, target: Path, knowledges: list[str] | None, min_share: float = 0.0
+) -> tuple[list[KnowledgeOutcome], float | None]:
     """auto_optimizer's knowledges on the graph with its weights detached; the outcomes, and as
     `make_onnxslim` the share of the nodes they added or removed (None when none applied)."""
     model, weights = detach(source, target)
@@ -259,7 +298,9 @@ def _operator_share(before: onnx.ModelProto, after: onnx.ModelProto) -> float:
     """Nodes added or removed, counted per operator type, as a share of `before`'s nodes.
     Constants aside (auto_optimizer turns them into initializers), and renamed tensors do not
     count (onnxslim renames them all over the graph)."""
-    ops_before, ops_after = (Counter(n.op_type for n in m.graph.node if n.op_type != "Constant") for m in (before, after))
+    ops_before, ops_after = (
+        Counter(n.op_type for n in m.graph.node if n.op_type != "Constant") for m in (before, after)
+    )
     moved = sum((ops_before - ops_after).values()) + sum((ops_after - ops_before).values())
     return moved / max(sum(ops_before.values()), 1)
 
@@ -276,8 +317,13 @@ def _keep(model: onnx.ModelProto, weights: dict[str, str], target: Path, changed
     onnx.save_model(attach(model, weights), str(target))
 
 
-def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], probed: ParityReport | None = None,
-                  split: BatchSplit | None = None) -> VariantResult:
+def check_variant(
+    name: VariantName,
+    path: Path,
+    samples: Sequence[Sample],
+    probed: ParityReport | None = None,
+    split: BatchSplit | None = None,
+) -> VariantResult:
     """onnx checker, ORT load, outputs produced, and parity on `samples` (or, given `probed`,
     the load and parity that probe_onnx already measured on this file); `split`: the batch in chunks."""
     model = onnx.load(str(path), load_external_data=False)
@@ -288,8 +334,13 @@ def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], prob
     if probed is not None:
         metrics, verdict = list(probed.outputs), probed.verdict
         checks.append(VariantCheck(name="ort_load", passed=True, detail="loaded by probe_onnx"))
-        checks.append(VariantCheck(name="parity", passed=verdict != "fail",
-                                   detail=f"probe_onnx on {len(samples)} sample(s): verdict {verdict} (its worst sample)"))
+        checks.append(
+            VariantCheck(
+                name="parity",
+                passed=verdict != "fail",
+                detail=f"probe_onnx on {len(samples)} sample(s): verdict {verdict} (its worst sample)",
+            )
+        )
     else:
         try:
             backend = open_onnxruntime(path, split)
@@ -305,7 +356,9 @@ def check_variant(name: VariantName, path: Path, samples: Sequence[Sample], prob
                 except BackendError as err:
                     # A variant that loads but cannot run a real sample (onnxslim folding a shape
                     # the sample does not have) fails; the step goes on with the other variants.
-                    checks.append(VariantCheck(name="parity", passed=False, detail=f"does not run a sample: {err}"[:500]))
+                    checks.append(
+                        VariantCheck(name="parity", passed=False, detail=f"does not run a sample: {err}"[:500])
+                    )
     failed = [c.name for c in checks if not c.passed]
     return VariantResult(
         name=name,

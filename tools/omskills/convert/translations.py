@@ -13,7 +13,7 @@ computes the same function with ops ATC supports (opset <= 18).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 from onnxscript import FLOAT, INT64
@@ -46,8 +46,8 @@ def _two_pass(input, weight, bias, group: int, eps: float):
 def two_pass_group_norm(
     input: FLOAT,
     num_groups: int,
-    weight: Optional[FLOAT] = None,
-    bias: Optional[FLOAT] = None,
+    weight: FLOAT | None = None,
+    bias: FLOAT | None = None,
     eps: float = 1e-05,
     cudnn_enabled: bool = True,
 ) -> FLOAT:
@@ -57,14 +57,14 @@ def two_pass_group_norm(
 
 def two_pass_native_group_norm(
     input: FLOAT,
-    weight: Optional[FLOAT] = None,
-    bias: Optional[FLOAT] = None,
-    N: Optional[INT64] = None,
-    C: Optional[INT64] = None,
-    HxW: Optional[INT64] = None,
+    weight: FLOAT | None = None,
+    bias: FLOAT | None = None,
+    N: INT64 | None = None,
+    C: INT64 | None = None,
+    HxW: INT64 | None = None,
     group: int = 1,
     eps: float = 1e-05,
-) -> Tuple[FLOAT, FLOAT, FLOAT]:
+) -> tuple[FLOAT, FLOAT, FLOAT]:
     """native_group_norm(input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd)."""
     return _two_pass(input, weight, bias, group, eps)
 

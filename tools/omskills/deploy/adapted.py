@@ -26,8 +26,8 @@ from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_r
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, run_seeded
 from omskills.models.registry import BoundIntake, bind_intake, driver_for, resolved_spec
 from omskills.records.deploy import DeployManifest
-from omskills.records.intake import Intake
 from omskills.records.export import FallbackEvent, SpliceStats
+from omskills.records.intake import Intake
 from omskills.runtime import open_backend
 from omskills.runtime.memo import load_entries
 from omskills.runtime.serving import open_graph, resolve_backend
@@ -46,8 +46,18 @@ class LoadTimes:
 class AdaptedModel:
     """The user's model with its compiled graphs spliced in; `close()` (or `with`) undoes it."""
 
-    def __init__(self, manifest: DeployManifest, root: Path, backend: str, bound: BoundIntake, data: Any,
-                 loaded: LoadedModel, handle: SpliceHandle, backends: Sequence[Any], times: LoadTimes) -> None:
+    def __init__(
+        self,
+        manifest: DeployManifest,
+        root: Path,
+        backend: str,
+        bound: BoundIntake,
+        data: Any,
+        loaded: LoadedModel,
+        handle: SpliceHandle,
+        backends: Sequence[Any],
+        times: LoadTimes,
+    ) -> None:
         self.manifest = manifest
         self.root = root
         self.backend = backend
@@ -74,8 +84,11 @@ class AdaptedModel:
 
     def backend_of(self) -> dict[str, str]:
         """Graph -> the backend that runs it, as the runtime reports it ("om:npu:0", ...)."""
-        return {route.contract.candidate: route.backend.describe()
-                for spliced in self.handle.modules.values() for route in spliced.routes}
+        return {
+            route.contract.candidate: route.backend.describe()
+            for spliced in self.handle.modules.values()
+            for route in spliced.routes
+        }
 
     def run_main_path(self, inputs: Mapping[str, Any] | None = None) -> MainPathRun:
         """The driver's main path on the manifest's inputs, or on `inputs` (fields of intake.inputs)."""
@@ -139,8 +152,13 @@ def load_adapted(
     device_id = intake.target.device_id if device_id is None else device_id
     handle, backends = _spliced(manifest, root, loaded, chosen, device_id, providers, strict)
     times = LoadTimes(manifest_s=manifest_s, model_s=model_s, backends_s=time.perf_counter() - started)
-    logger.info("%s: %d graph(s) spliced on %s; %s", manifest.task_id, len(manifest.graphs), chosen,
-                ", ".join(f"{g}: {why}" for g, why in manifest.not_deployed.items()) or "nothing left in PyTorch")
+    logger.info(
+        "%s: %d graph(s) spliced on %s; %s",
+        manifest.task_id,
+        len(manifest.graphs),
+        chosen,
+        ", ".join(f"{g}: {why}" for g, why in manifest.not_deployed.items()) or "nothing left in PyTorch",
+    )
     return AdaptedModel(manifest, root, chosen, bound, data, loaded, handle, backends, times)
 
 
@@ -160,8 +178,15 @@ def _intake_with(manifest: DeployManifest, root: Path, **given: str | None) -> I
     return manifest.intake.model_copy(update={"model": manifest.intake.model.model_copy(update=overrides)})
 
 
-def _spliced(manifest: DeployManifest, root: Path, loaded: LoadedModel, backend: str, device_id: int,
-             providers: Sequence[str] | None, strict: bool) -> tuple[SpliceHandle, list[Any]]:
+def _spliced(
+    manifest: DeployManifest,
+    root: Path,
+    loaded: LoadedModel,
+    backend: str,
+    device_id: int,
+    providers: Sequence[str] | None,
+    strict: bool,
+) -> tuple[SpliceHandle, list[Any]]:
     """Every graph's backend opened and spliced in; all or nothing."""
     backends: list[Any] = []
     try:
@@ -184,8 +209,9 @@ def _spliced(manifest: DeployManifest, root: Path, loaded: LoadedModel, backend:
         raise
 
 
-def _merge_chains(manifest: DeployManifest, root: Path, handle: SpliceHandle, backends: list[Any],
-                  providers: Sequence[str] | None) -> None:
+def _merge_chains(
+    manifest: DeployManifest, root: Path, handle: SpliceHandle, backends: list[Any], providers: Sequence[str] | None
+) -> None:
     """Each chain verify merged, served by its composed graph (one call instead of one per graph).
     On ONNX Runtime only: on an NPU the graphs run apart until an OM of the composed graph is
     built from its ATC script."""
@@ -202,8 +228,10 @@ def _preload_remembered(manifest: DeployManifest, root: Path, handle: SpliceHand
             continue
         route = next(r for r in handle.modules[graph.name].routes if r.contract.candidate == graph.name)
         if route.memo is None:
-            raise DeployError(f"{graph.name}: the bundle carries outputs computed ahead, but the graph is not fed "
-                              "from user inputs alone; write the bundle again")
+            raise DeployError(
+                f"{graph.name}: the bundle carries outputs computed ahead, but the graph is not fed "
+                "from user inputs alone; write the bundle again"
+            )
         route.memo.preload(load_entries(root / graph.remembered.path))
 
 
@@ -215,8 +243,10 @@ def _manifest(path: Path, check_hashes: bool) -> tuple[DeployManifest, Path]:
     if path.is_file():
         return manifest_from_record(path), path.resolve().parent
     if path.is_dir():
-        raise DeployError(f"{path} holds neither a bundle ({MANIFEST_NAME}) nor is a task record; "
-                          "pass a run's task.yaml or a folder written by `omskills bundle`")
+        raise DeployError(
+            f"{path} holds neither a bundle ({MANIFEST_NAME}) nor is a task record; "
+            "pass a run's task.yaml or a folder written by `omskills bundle`"
+        )
     raise DeployError(f"not found: {path} (a run's task.yaml, or a folder written by `omskills bundle`)")
 
 

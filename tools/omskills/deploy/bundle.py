@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, get_args
 
 import numpy as np
-
 from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
 from omskills.errors import OmskillsError
@@ -48,8 +47,14 @@ from omskills.runtime.memo import MemoEntry, save_entries
 ARTIFACTS: tuple[str, ...] = get_args(BundleArtifact)
 
 
-def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "auto", weights: bool = True,
-                 precompute: Sequence[Mapping[str, Any]] = ()) -> BundleSummary:
+def write_bundle(
+    task_path: Path,
+    out: Path | None = None,
+    *,
+    artifact: str = "auto",
+    weights: bool = True,
+    precompute: Sequence[Mapping[str, Any]] = (),
+) -> BundleSummary:
     """Write the bundle of the verified adaptation `task_path` into `out` (default: <run>/bundle).
 
     artifact: "onnx" (no OM), "om" (every graph's OM, which each must have) or "auto" (the OMs
@@ -64,8 +69,10 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
     manifest = manifest_from_record(task_path)
     missing_om = [g.name for g in manifest.graphs if g.om is None]
     if artifact == "om" and missing_om:
-        raise DeployError(f"artifact 'om': no OM was built for {missing_om}; run their ATC scripts where CANN is "
-                          "installed (convert_atc), or bundle the ONNX files (--artifact onnx)")
+        raise DeployError(
+            f"artifact 'om': no OM was built for {missing_om}; run their ATC scripts where CANN is "
+            "installed (convert_atc), or bundle the ONNX files (--artifact onnx)"
+        )
     out = Path(out) if out else workdir / "bundle"
     _check_replaceable(out)
     record = load_record(task_path)
@@ -80,7 +87,9 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
         remembered = _precomputed(task_path, precompute) if precompute else {}
         graphs = [writer.remembered(g, remembered[g.name]) if g.name in remembered else g for g in graphs]
         intake, required = writer.intake(record, weights)
-        bundled = manifest.model_copy(update={"graphs": graphs, "merged": merged, "intake": intake, "required": required})
+        bundled = manifest.model_copy(
+            update={"graphs": graphs, "merged": merged, "intake": intake, "required": required}
+        )
         (staging / MANIFEST_NAME).write_text(bundled.model_dump_json(indent=2))
         _write_docs(staging, bundled)
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
@@ -89,10 +98,16 @@ def write_bundle(task_path: Path, out: Path | None = None, *, artifact: str = "a
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     files = [p for p in out.rglob("*") if p.is_file()]
-    return BundleSummary(path=str(out), graphs=[g.name for g in graphs], files=len(files),
-                         bytes=sum(p.stat().st_size for p in files), om_graphs=[g.name for g in graphs if g.om],
-                         not_deployed=bundled.not_deployed, required=required,
-                         remembered={name: len(entries) for name, entries in remembered.items()})
+    return BundleSummary(
+        path=str(out),
+        graphs=[g.name for g in graphs],
+        files=len(files),
+        bytes=sum(p.stat().st_size for p in files),
+        om_graphs=[g.name for g in graphs if g.om],
+        not_deployed=bundled.not_deployed,
+        required=required,
+        remembered={name: len(entries) for name, entries in remembered.items()},
+    )
 
 
 def _check_input_sets(task_path: Path, input_sets: Sequence[Mapping[str, Any]]) -> None:
@@ -119,8 +134,12 @@ def _precomputed(task_path: Path, input_sets: Sequence[Mapping[str, Any]]) -> di
     _check_input_sets(task_path, input_sets)
     found: dict[str, dict[bytes, dict[str, np.ndarray]]] = {}
     with load_adapted(task_path, backend="onnxruntime", providers=["CPUExecutionProvider"]) as model:
-        routes = [r for spliced in {id(m): m for m in model.handle.modules.values()}.values() for r in spliced.routes
-                  if r.memo is not None]
+        routes = [
+            r
+            for spliced in {id(m): m for m in model.handle.modules.values()}.values()
+            for r in spliced.routes
+            if r.memo is not None
+        ]
         for inputs in input_sets:
             model.run_main_path(inputs)
             for route in routes:  # after each run: a memory holds the last few calls only
@@ -149,15 +168,17 @@ def _check_replaceable(out: Path) -> None:
         raise DeployError(f"out: {out} holds files omskills did not write; choose a new or empty folder")
     foreign = sorted(present - written)
     if foreign:
-        raise DeployError(f"out: {out} holds {len(foreign)} file(s) the bundle did not write ({foreign[0]}, ...); "
-                          "move them or choose another folder: nothing of yours is removed")
+        raise DeployError(
+            f"out: {out} holds {len(foreign)} file(s) the bundle did not write ({foreign[0]}, ...); "
+            "move them or choose another folder: nothing of yours is removed"
+        )
 
 
 def _remove_dead_staging(out: Path) -> None:
     """Half-written bundles beside `out` whose writer was killed before it could clean up."""
     for prefix in (f".{out.name}.writing-", f".{out.name}.replaced-"):
         for folder in out.parent.glob(f"{glob.escape(prefix)}*"):
-            pid = folder.name[len(prefix):]
+            pid = folder.name[len(prefix) :]
             if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -196,12 +217,16 @@ class _Writer:
         digest = sha256_file(dest)
         expected = self.recorded.get(_run_relative(self.workdir, source))
         if expected is not None and digest != expected:
-            raise DeployError(f"artifact {source} changed after the run wrote it (sha256 {digest[:12]}…, recorded "
-                              f"{expected[:12]}…); rerun the adaptation to redo that step")
+            raise DeployError(
+                f"artifact {source} changed after the run wrote it (sha256 {digest[:12]}…, recorded "
+                f"{expected[:12]}…); rerun the adaptation to redo that step"
+            )
         return ArtifactFile(path=target, bytes=dest.stat().st_size, sha256=digest)
 
     def artifact(self, artifact: Artifact, folder: str) -> Artifact:
-        return Artifact(files=[self.place(self.workdir / f.path, f"{folder}/{Path(f.path).name}") for f in artifact.files])
+        return Artifact(
+            files=[self.place(self.workdir / f.path, f"{folder}/{Path(f.path).name}") for f in artifact.files]
+        )
 
     def graph(self, graph: DeployedGraph, artifact: str, record: TaskRecord) -> DeployedGraph:
         folder = f"graphs/{graph.name}"
@@ -209,7 +234,8 @@ class _Writer:
         om = self.artifact(graph.om, folder) if graph.om is not None and artifact in ("auto", "om") else None
         (self.out / "contracts").mkdir(exist_ok=True)
         (self.out / "contracts" / f"{graph.name}.json").write_text(
-            graph.model_dump_json(include={"name", "module_path", "contract", "strategy"}, indent=2))
+            graph.model_dump_json(include={"name", "module_path", "contract", "strategy"}, indent=2)
+        )
         atc = record.toolchain_of(graph.name).atc
         script = self.atc_script(graph.name, onnx, atc.command) if atc is not None and atc.command else None
         return graph.model_copy(update={"onnx": onnx, "om": om, "atc_script": script})
@@ -225,8 +251,9 @@ class _Writer:
         """`graph` with the calls computed ahead for it saved beside its files."""
         path = save_entries(self.out / "memo" / f"{graph.name}.npz", entries)
         target = path.relative_to(self.out).as_posix()
-        return graph.model_copy(update={"remembered": ArtifactFile(path=target, bytes=path.stat().st_size,
-                                                                   sha256=sha256_file(path))})
+        return graph.model_copy(
+            update={"remembered": ArtifactFile(path=target, bytes=path.stat().st_size, sha256=sha256_file(path))}
+        )
 
     def atc_script(self, name: str, onnx: Artifact, command: list[str]) -> str:
         """The graph's recorded ATC command with its paths made relative to the bundle."""
@@ -268,7 +295,11 @@ class _Writer:
         driver = driver_for(model)
         for field_name, field in driver.inputs_model.model_fields.items():
             value = inputs.get(field_name)
-            if any(isinstance(m, InputPathMarker) for m in field.metadata) and isinstance(value, str) and Path(value).is_file():
+            if (
+                any(isinstance(m, InputPathMarker) for m in field.metadata)
+                and isinstance(value, str)
+                and Path(value).is_file()
+            ):
                 inputs[field_name] = self.place(Path(value), f"inputs/{Path(value).name}").path
         return intake.model_copy(update={"model": model.model_copy(update=update), "inputs": inputs}), required
 

@@ -18,9 +18,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from omskills.records.environment import (
     CannProbe,
@@ -77,8 +77,9 @@ def _start_import_in_child(name: str, statement: str | None = None) -> Callable[
     the slow imports of the child probes overlap each other and this process's own)."""
     if statement is None and importlib.util.find_spec(name) is None:
         return lambda: PackageProbe(name=name, importable=False, detail="not installed")
-    child = subprocess.Popen([sys.executable, "-c", statement or f"import {name}"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", statement or f"import {name}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
     def verdict() -> PackageProbe:
         try:
@@ -99,11 +100,14 @@ def _start_auto_optimizer_probe() -> Callable[[], PackageProbe]:
     # Huawei's auto_optimizer imports onnx.mapping (gone in onnx >= 1.19); when the project's
     # compatibility shim exists, probe through it, as the optimize stage will import it.
     if importlib.util.find_spec("auto_optimizer") is None:
-        return lambda: PackageProbe(name="auto_optimizer", importable=False, detail="not installed (msit surgeon / ait-surgeon)")
+        return lambda: PackageProbe(
+            name="auto_optimizer", importable=False, detail="not installed (msit surgeon / ait-surgeon)"
+        )
     if importlib.util.find_spec("omskills.convert.auto_optimizer") is None:
         return _start_import_in_child("auto_optimizer")
-    started = _start_import_in_child("auto_optimizer", "from omskills.convert.auto_optimizer import load_auto_optimizer\n"
-                                                       "load_auto_optimizer()")
+    started = _start_import_in_child(
+        "auto_optimizer", "from omskills.convert.auto_optimizer import load_auto_optimizer\nload_auto_optimizer()"
+    )
     via = "imported through omskills.convert.auto_optimizer (onnx.mapping rebuilt)"
 
     def verdict() -> PackageProbe:
@@ -169,8 +173,14 @@ def probe_cann(ascend_root: Path = DEFAULT_ASCEND_ROOT) -> CannProbe:
         version_files = sorted(home.glob("*_install.info")) + sorted(home.glob("*/*_install.info"))
         version_files += [home / "version.info"] + sorted(home.glob("*/version.info"))
         version, version_file = _read_version(version_files)
-        return CannProbe(home=str(home), found_by=found_by, set_env=str(set_env) if set_env else None,
-                         version=version, version_file=version_file, searched=searched)
+        return CannProbe(
+            home=str(home),
+            found_by=found_by,
+            set_env=str(set_env) if set_env else None,
+            version=version,
+            version_file=version_file,
+            searched=searched,
+        )
     return CannProbe(searched=searched)
 
 
@@ -256,19 +266,31 @@ def _om_run_stage(facts: _Facts) -> StageCapability:
 def _stages(facts: _Facts) -> list[StageCapability]:
     torch_problem = "" if facts.torch.version else "torch not importable"
     runs_model = [torch_problem, facts.model_problem or "", _device_problem(facts)]
-    optimizers = "onnxslim and auto_optimizer" if facts.ok("auto_optimizer") else "onnxslim only (auto_optimizer not importable)"
+    optimizers = (
+        "onnxslim and auto_optimizer" if facts.ok("auto_optimizer") else "onnxslim only (auto_optimizer not importable)"
+    )
     om = _om_run_stage(facts)
-    backends_problem = "" if (facts.providers or om.can_run) else "no runtime backend: onnxruntime not importable and no OM runtime"
+    backends_problem = (
+        "" if (facts.providers or om.can_run) else "no runtime backend: onnxruntime not importable and no OM runtime"
+    )
     return [
         _stage("inventory", [facts.model_problem or ""], "static ast scan: needs only Python and the model source"),
         _stage("profile", runs_model, f"runs the main path with torch {facts.torch.version} on {facts.device}"),
         _stage("contracts", runs_model, f"runs the main path with torch {facts.torch.version} on {facts.device}"),
-        _stage("export", [torch_problem, _needs(facts, "onnx", "onnxscript")], "torch.onnx (dynamo) with onnx and onnxscript"),
+        _stage(
+            "export",
+            [torch_problem, _needs(facts, "onnx", "onnxscript")],
+            "torch.onnx (dynamo) with onnx and onnxscript",
+        ),
         _stage("optimize", [_needs(facts, "onnx", "onnxslim")], optimizers),
         _stage("precheck", [_needs(facts, "onnx")], "operator check against the ATC support list (no CANN needed)"),
         _atc_stage(facts),
         om,
-        _stage("verify", [torch_problem, backends_problem], "compare torch with: " + ", ".join(_backends(facts, om.can_run))),
+        _stage(
+            "verify",
+            [torch_problem, backends_problem],
+            "compare torch with: " + ", ".join(_backends(facts, om.can_run)),
+        ),
     ]
 
 
@@ -283,14 +305,19 @@ def _notes(intake: Intake | None, cann: CannProbe, npu: NpuProbe) -> list[str]:
     notes = []
     target = intake.target
     if npu.soc and npu.soc != target.soc:
-        notes.append(f"intake.target.soc is {target.soc} but npu-smi reports {npu.soc}: ATC's --soc_version must match the device")
+        notes.append(
+            f"intake.target.soc is {target.soc} but npu-smi reports {npu.soc}: ATC's --soc_version must match the device"
+        )
     if cann.version and target.cann_version and not cann.version.startswith(target.cann_version):
-        notes.append(f"intake.target.cann_version is {target.cann_version} but CANN {cann.version} is installed at {cann.home}")
+        notes.append(
+            f"intake.target.cann_version is {target.cann_version} but CANN {cann.version} is installed at {cann.home}"
+        )
     return notes
 
 
-def probe_environment(intake: Intake | None = None, model_problem: str | None = None,
-                      ascend_root: Path = DEFAULT_ASCEND_ROOT) -> EnvironmentReport:
+def probe_environment(
+    intake: Intake | None = None, model_problem: str | None = None, ascend_root: Path = DEFAULT_ASCEND_ROOT
+) -> EnvironmentReport:
     """Probe packages, toolchains and devices; with an intake, also its device. `model_problem`:
     why the model source cannot be found (the caller asks the driver), None when it can."""
     from omskills.records.task import now_iso

@@ -134,8 +134,10 @@ class JobStore:
 
     def holder_of(self, task: str) -> StoredJob | None:
         """The running job (its runner alive) working on the task record `task`, if any."""
-        return next((j for j in self.all() if j.task == task and not j.finished and j.pid is not None
-                     and process_alive(j.pid)), None)
+        return next(
+            (j for j in self.all() if j.task == task and not j.finished and j.pid is not None and process_alive(j.pid)),
+            None,
+        )
 
     def forget_old(self) -> None:
         finished = [j for j in self.all() if j.finished]
@@ -161,8 +163,14 @@ class ExclusiveLock:
         self.folder = folder
         self._handle: Any = None
 
-    def acquire(self, job_id: str, tool: str, cancelled: Callable[[], bool], on_wait: Callable[[str], None],
-                poll_seconds: float = 0.1) -> bool:
+    def acquire(
+        self,
+        job_id: str,
+        tool: str,
+        cancelled: Callable[[], bool],
+        on_wait: Callable[[str], None],
+        poll_seconds: float = 0.1,
+    ) -> bool:
         """Block until this process holds the turn (whether it had to wait); False if `cancelled()`
         became true first. `on_wait(message)` is told for whom it waits, each time that changes."""
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -179,11 +187,16 @@ class ExclusiveLock:
                 holder = self._holder()
                 if holder != shown:
                     shown = holder
-                    on_wait(f"waiting for {holder['tool']} (job {holder['job_id']}) to finish" if holder
-                            else "waiting for another job that writes or runs a model to finish")
+                    on_wait(
+                        f"waiting for {holder['tool']} (job {holder['job_id']}) to finish"
+                        if holder
+                        else "waiting for another job that writes or runs a model to finish"
+                    )
                 time.sleep(poll_seconds)
         self._handle = handle
-        atomic_write_text(self.folder / "exclusive.holder", json.dumps({"job_id": job_id, "tool": tool, "pid": os.getpid()}))
+        atomic_write_text(
+            self.folder / "exclusive.holder", json.dumps({"job_id": job_id, "tool": tool, "pid": os.getpid()})
+        )
         return True
 
     def release(self) -> None:

@@ -56,7 +56,9 @@ class JobProgress(Record):
 
     done: float | None = Field(None, description="Units done in the current phase (None before the first report).")
     total: float | None = Field(None, description="Units in the current phase, when known.")
-    message: str = Field(description="What the tool is doing now, e.g. 'export: image_encoder' or 'study run: 3 steps'.")
+    message: str = Field(
+        description="What the tool is doing now, e.g. 'export: image_encoder' or 'study run: 3 steps'."
+    )
 
 
 class JobStatus(Record):
@@ -67,12 +69,16 @@ class JobStatus(Record):
     origin: JobOrigin = Field(description="'start_job' for a started job, 'call' for a direct tools/call in progress.")
     task: str | None = Field(None, description="The task record the job works on (workspace-relative), if any.")
     state: JobState = Field(description="running, succeeded, failed or cancelled.")
-    cancel_requested: bool = Field(False, description="A cancel was asked for; the job stops at its next progress point.")
+    cancel_requested: bool = Field(
+        False, description="A cancel was asked for; the job stops at its next progress point."
+    )
     progress: JobProgress = Field(description="The last progress the tool reported.")
     elapsed_seconds: float = Field(description="Seconds since the job started (until it ended, once it has).")
     result: dict[str, Any] | None = Field(
-        None, description="On success: the tool's structured result, as a direct call returns it "
-                          "(a result that is not an object comes as {\"value\": ...}).")
+        None,
+        description="On success: the tool's structured result, as a direct call returns it "
+        '(a result that is not an object comes as {"value": ...}).',
+    )
     error: str | None = Field(None, description="On failure: the tool's one-line error; on cancel: why it stopped.")
 
 
@@ -112,8 +118,9 @@ class Turns:
                     job.record_progress(None, None, f"waiting for {holder.tool} (job {holder.id}) to finish")
                 self._changed.wait(_TURN_POLL_SECONDS)
         if self._lock is not None:
-            if not self._lock.acquire(job.id, job.tool, job.cancel_flag.is_set,
-                                      lambda message: job.record_progress(None, None, message)):
+            if not self._lock.acquire(
+                job.id, job.tool, job.cancel_flag.is_set, lambda message: job.record_progress(None, None, message)
+            ):
                 self.leave(job)
                 raise progress.Cancelled("cancelled while waiting for its turn")
             self._lock_holder = job
@@ -200,10 +207,16 @@ class Job:
 
     def status(self, *, with_result: bool = True) -> JobStatus:
         return JobStatus(
-            job_id=self.id, tool=self.tool, origin=self.origin, task=self.task_label, state=self.state,
-            cancel_requested=self.cancel_flag.is_set(), progress=self.progress,
+            job_id=self.id,
+            tool=self.tool,
+            origin=self.origin,
+            task=self.task_label,
+            state=self.state,
+            cancel_requested=self.cancel_flag.is_set(),
+            progress=self.progress,
             elapsed_seconds=round(self.elapsed, 1),
-            result=self._result_json() if with_result and self.state == "succeeded" else None, error=self.error,
+            result=self._result_json() if with_result and self.state == "succeeded" else None,
+            error=self.error,
         )
 
     def _result_json(self) -> dict[str, Any]:
@@ -272,22 +285,38 @@ class DetachedJob:
 
         stored = self.store.update(self.id, ask)
         # Before it is ready the runner reads the request from its file when it starts.
-        if stored is not None and stored.ready and not stored.finished and stored.pid is not None and is_runner(stored.pid):
+        if (
+            stored is not None
+            and stored.ready
+            and not stored.finished
+            and stored.pid is not None
+            and is_runner(stored.pid)
+        ):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stored.pid, signal.SIGTERM)
 
     def status(self, *, with_result: bool = True) -> JobStatus:
         stored = self.refresh()
         return JobStatus(
-            job_id=self.id, tool=self.tool, origin="start_job", task=stored.task_label, state=stored.state,
-            cancel_requested=stored.cancel_requested, progress=self.progress, elapsed_seconds=round(stored.elapsed, 1),
-            result=stored.result if with_result and stored.state == "succeeded" else None, error=stored.error)
+            job_id=self.id,
+            tool=self.tool,
+            origin="start_job",
+            task=stored.task_label,
+            state=stored.state,
+            cancel_requested=stored.cancel_requested,
+            progress=self.progress,
+            elapsed_seconds=round(stored.elapsed, 1),
+            result=stored.result if with_result and stored.state == "succeeded" else None,
+            error=stored.error,
+        )
 
 
 def _runner_died(job: StoredJob) -> None:
     if not job.finished:
         job.state, job.ended_at = "failed", time.time()
-        job.error = f"the job's process (pid {job.pid}) ended without a result (killed?); a rerun of {job.tool} redoes it"
+        job.error = (
+            f"the job's process (pid {job.pid}) ended without a result (killed?); a rerun of {job.tool} redoes it"
+        )
 
 
 def _reap_steps(job: StoredJob) -> None:
@@ -300,8 +329,10 @@ def _reap_steps(job: StoredJob) -> None:
         for result in record.stages.values():
             if result.status == "running" and result.pid == job.pid:
                 result.status = "failed"
-                result.error = (f"interrupted: the process that ran it (pid {job.pid}) stopped before it finished "
-                                "(killed, cancelled, or out of disk); rerun to redo it")
+                result.error = (
+                    f"interrupted: the process that ran it (pid {job.pid}) stopped before it finished "
+                    "(killed, cancelled, or out of disk); rerun to redo it"
+                )
 
 
 def _jsonable_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -311,21 +342,40 @@ def _jsonable_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
 
 # Starts the runner and exits at once: the runner's parent is then init, not the server, so a
 # client that ends the server's whole process tree (the SDK's stdio client does) leaves it running.
-_DETACH = ("import subprocess, sys; "
-           "log = open(sys.argv[1], 'ab'); "
-           "runner = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True); "
-           "print(runner.pid)")
+_DETACH = (
+    "import subprocess, sys; "
+    "log = open(sys.argv[1], 'ab'); "
+    "runner = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True); "
+    "print(runner.pid)"
+)
 
 
 def spawn_runner(store: JobStore, job_id: str) -> int:
     """Start the job's runner detached from this process (its own session, and not this process's
     child: the server's exit or a client's Ctrl-C does not reach it); its output goes to the job's log."""
     workspace = store.folder.parent.parent
-    started = subprocess.run([sys.executable, "-c", _DETACH, str(store.log_path(job_id)),
-                              sys.executable, "-m", "omskills.host.job_runner", str(workspace), job_id],
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=workspace, timeout=60)
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _DETACH,
+            str(store.log_path(job_id)),
+            sys.executable,
+            "-m",
+            "omskills.host.job_runner",
+            str(workspace),
+            job_id,
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        cwd=workspace,
+        timeout=60,
+    )
     if started.returncode != 0 or not started.stdout.strip().isdigit():
-        raise OmskillsError(f"job {job_id}: its process did not start ({one_line(started.stderr or started.stdout, 300)})")
+        raise OmskillsError(
+            f"job {job_id}: its process did not start ({one_line(started.stderr or started.stdout, 300)})"
+        )
     return int(started.stdout.strip())
 
 
@@ -340,8 +390,16 @@ class JobRegistry:
         self._turns = Turns(ExclusiveLock(store.folder) if store is not None else None)
         self.store = store
 
-    def start_detached(self, tool: str, arguments: dict[str, Any], *, skills_dir: Path, task: Path | None = None,
-                       task_label: str | None = None, exclusive: bool = True) -> DetachedJob:
+    def start_detached(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        skills_dir: Path,
+        task: Path | None = None,
+        task_label: str | None = None,
+        exclusive: bool = True,
+    ) -> DetachedJob:
         """Start a tool in a runner process of its own, its state in the workspace's job store."""
         if self.store is None:
             raise OmskillsError("this server keeps no job store: start_job needs a workspace")
@@ -351,19 +409,35 @@ class JobRegistry:
             if holder is not None:
                 raise InputError(
                     f"argument 'task': the task record {task_label or task} is held by job {holder.id} "
-                    f"({holder.tool}, running for {holder.elapsed:.0f} s): follow it with job_status or stop it with cancel_job")
-        stored = StoredJob(job_id=self.store.new_id(), tool=tool, arguments=_jsonable_arguments(arguments),
-                           skills_dir=str(skills_dir), task=str(task) if task is not None else None,
-                           task_label=task_label, exclusive=exclusive)
+                    f"({holder.tool}, running for {holder.elapsed:.0f} s): follow it with job_status or stop it with cancel_job"
+                )
+        stored = StoredJob(
+            job_id=self.store.new_id(),
+            tool=tool,
+            arguments=_jsonable_arguments(arguments),
+            skills_dir=str(skills_dir),
+            task=str(task) if task is not None else None,
+            task_label=task_label,
+            exclusive=exclusive,
+        )
         self.store.write(stored)
         self.store.forget_old()
         pid = spawn_runner(self.store, stored.job_id)
         self.store.update(stored.job_id, lambda job: setattr(job, "pid", pid))
         return DetachedJob(self.store, self.store.read(stored.job_id) or stored)
 
-    def start(self, tool: str, func: Callable[..., Any], arguments: dict[str, Any], *, origin: JobOrigin,
-              task: Path | None = None, task_label: str | None = None, exclusive: bool = True,
-              to_json: Callable[[Any], Any] | None = None) -> Job:
+    def start(
+        self,
+        tool: str,
+        func: Callable[..., Any],
+        arguments: dict[str, Any],
+        *,
+        origin: JobOrigin,
+        task: Path | None = None,
+        task_label: str | None = None,
+        exclusive: bool = True,
+        to_json: Callable[[Any], Any] | None = None,
+    ) -> Job:
         """Start `func(**arguments)` in a thread; an `exclusive` job waits for its turn among the exclusive ones."""
         with self._lock:
             if origin == "start_job" and task is not None:
@@ -374,9 +448,17 @@ class JobRegistry:
                         f"({holder.tool}, running for {holder.elapsed:.0f} s): follow it with job_status or "
                         f"stop it with cancel_job"
                     )
-            job = Job(id=f"job-{next(self._ids)}", tool=tool, origin=origin, task=task, task_label=task_label,
-                      func=func, arguments=arguments, to_json=to_json or (lambda value: value),
-                      turns=self._turns if exclusive else None)
+            job = Job(
+                id=f"job-{next(self._ids)}",
+                tool=tool,
+                origin=origin,
+                task=task,
+                task_label=task_label,
+                func=func,
+                arguments=arguments,
+                to_json=to_json or (lambda value: value),
+                turns=self._turns if exclusive else None,
+            )
             if exclusive:
                 # Joined here, under the registry lock: the order of the queue is the order of start.
                 self._turns.join(job)
@@ -387,8 +469,10 @@ class JobRegistry:
         return job
 
     def _holder_of(self, task: Path) -> Job | None:
-        return next((j for j in self._jobs.values()
-                     if j.origin == "start_job" and j.task == task and not j.finished.is_set()), None)
+        return next(
+            (j for j in self._jobs.values() if j.origin == "start_job" and j.task == task and not j.finished.is_set()),
+            None,
+        )
 
     def _forget_old(self) -> None:
         finished = [j for j in self._jobs.values() if j.finished.is_set()]
@@ -402,7 +486,10 @@ class JobRegistry:
             return job
         stored = self.store.read(job_id) if self.store is not None and JobStore.is_id(job_id) else None
         if stored is None:
-            known = ", ".join([*self._jobs, *(j.job_id for j in self.store.all()[:10])] if self.store else self._jobs) or "none"
+            known = (
+                ", ".join([*self._jobs, *(j.job_id for j in self.store.all()[:10])] if self.store else self._jobs)
+                or "none"
+            )
             raise InputError(f"argument 'job_id': no job {job_id!r} (known: {known})")
         return DetachedJob(self.store, stored)
 

@@ -18,7 +18,14 @@ import anyio.to_thread
 import yaml
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_PARAMS, Completion, CompletionArgument, CompletionContext, PromptReference, ResourceTemplateReference
+from mcp_types import (
+    INVALID_PARAMS,
+    Completion,
+    CompletionArgument,
+    CompletionContext,
+    PromptReference,
+    ResourceTemplateReference,
+)
 from omskills.errors import InputError, one_line
 from omskills.host import mcp_resources
 from omskills.records.task import load_yaml
@@ -28,8 +35,12 @@ ADAPT_PROMPT = "adapt_task"
 WHY_PROMPT = "why_candidate_failed"
 _MAX_COMPLETIONS = 100
 
-TaskArgument = Annotated[str, Field(description="Workspace-relative path of the task record (YAML), e.g. runs/my-model-tiny/task.yaml.")]
-CandidateArgument = Annotated[str, Field(description="A plan candidate or graph named in the record (the plan lists them).")]
+TaskArgument = Annotated[
+    str, Field(description="Workspace-relative path of the task record (YAML), e.g. runs/my-model-tiny/task.yaml.")
+]
+CandidateArgument = Annotated[
+    str, Field(description="A plan candidate or graph named in the record (the plan lists them).")
+]
 
 
 def _stage_lines(record: Path, candidate: str) -> list[str]:
@@ -61,8 +72,11 @@ def register_prompts(server: MCPServer, workspace: Path) -> None:
         except (InputError, ValueError, OSError) as err:
             raise MCPError(INVALID_PARAMS, f"argument 'task': {one_line(err)}") from None
 
-    @server.prompt(name=ADAPT_PROMPT, title="Adapt this task record",
-                   description="Take a task record through every stage to a verified delivery, with the right tool at each step.")
+    @server.prompt(
+        name=ADAPT_PROMPT,
+        title="Adapt this task record",
+        description="Take a task record through every stage to a verified delivery, with the right tool at each step.",
+    )
     def adapt_task(task: TaskArgument) -> str:
         rel = record_of(task).relative_to(workspace).as_posix()
         return f"""Adapt the model of the task record `{rel}` to Ascend OM with the omskills tools.
@@ -82,15 +96,19 @@ After each step read the record again: a step's status and error are under `stag
 use the prompt {WHY_PROMPT} or read its logs (run:// resources). Finish by pointing the user to the
 delivery note and the verification report of the run (listed as run:// resources)."""
 
-    @server.prompt(name=WHY_PROMPT, title="Why did this candidate fail?",
-                   description="Find why a candidate failed a step (export, probe, optimise, precheck, ATC, verify) and what to change.")
+    @server.prompt(
+        name=WHY_PROMPT,
+        title="Why did this candidate fail?",
+        description="Find why a candidate failed a step (export, probe, optimise, precheck, ATC, verify) and what to change.",
+    )
     def why_candidate_failed(task: TaskArgument, candidate: CandidateArgument) -> str:
         record = record_of(task)
         rel = record.relative_to(workspace).as_posix()
         known = mcp_resources.candidate_names(record)
         if known and candidate not in known:
-            raise MCPError(INVALID_PARAMS, f"argument 'candidate': {candidate!r} is not in the record "
-                                           f"(known: {', '.join(known)})")
+            raise MCPError(
+                INVALID_PARAMS, f"argument 'candidate': {candidate!r} is not in the record (known: {', '.join(known)})"
+            )
         steps = "\n".join(_stage_lines(record, candidate))
         run = record.parent.relative_to(workspace).as_posix()
         prefix = "" if run == "." else f"{run}/"
@@ -113,8 +131,11 @@ Answer with the step that failed, the cause in one or two sentences with the evi
 change to make (export option, boundary, precision mode, driver) — or say plainly that the candidate should stay in PyTorch."""
 
     @server.completion()
-    async def complete(ref: PromptReference | ResourceTemplateReference, argument: CompletionArgument,
-                       context: CompletionContext | None) -> Completion | None:
+    async def complete(
+        ref: PromptReference | ResourceTemplateReference,
+        argument: CompletionArgument,
+        context: CompletionContext | None,
+    ) -> Completion | None:
         if argument.name in {"task", "path"} and (isinstance(ref, PromptReference) or ref.uri.startswith("task://")):
             values = await anyio.to_thread.run_sync(_complete_task, workspace, argument.value)
         elif argument.name == "candidate" and isinstance(ref, PromptReference):
@@ -139,4 +160,3 @@ def _complete_candidate(workspace: Path, task: str | None, typed: str) -> list[s
         return []
     names = mcp_resources.candidate_names(record)
     return [n for n in names if n.startswith(typed)] or [n for n in names if typed in n]
-

@@ -137,13 +137,19 @@ def skill_documents(root: Path) -> Iterator[Document]:
     """Each SKILL.md and reference file, for progressive disclosure."""
     for skill_md in sorted(root.glob("*/SKILL.md")):
         skill = skill_md.parent.name
-        files = [skill_md] + sorted(p for p in (skill_md.parent / "references").glob("*")
-                                    if p.is_file() and not p.name.startswith("."))
+        files = [skill_md] + sorted(
+            p for p in (skill_md.parent / "references").glob("*") if p.is_file() and not p.name.startswith(".")
+        )
         for path in files:
             rel = "SKILL.md" if path == skill_md else f"references/{path.name}"
             title, description = describe_document(path, skill)
-            yield Document(uri=f"skill://{skill}/{rel}", path=path.resolve(), name=f"{skill}/{rel}",
-                           title=title, description=description)
+            yield Document(
+                uri=f"skill://{skill}/{rel}",
+                path=path.resolve(),
+                name=f"{skill}/{rel}",
+                title=title,
+                description=description,
+            )
 
 
 # --------------------------------------------------------------------------- workspace files
@@ -177,7 +183,11 @@ def find_task_records(workspace: Path, limit: int = MAX_LISTED_RECORDS) -> list[
     for folder, files in _walk(workspace):
         for name in files:
             path = folder / name
-            if path.suffix in _RECORD_SUFFIXES and path.resolve().is_relative_to(workspace) and looks_like_task_record(path):
+            if (
+                path.suffix in _RECORD_SUFFIXES
+                and path.resolve().is_relative_to(workspace)
+                and looks_like_task_record(path)
+            ):
                 found.append(path)
                 if len(found) >= limit:
                     return found
@@ -194,8 +204,10 @@ def _served_file(value: str, workspace: Path, what: str) -> Path:
         raise InputError(f"no file {value!r} in the workspace")
     size = target.stat().st_size
     if size > MAX_RESOURCE_BYTES:
-        raise InputError(f"{what} {value!r} is {size / 2**20:.0f} MB, more than a resource may be "
-                         f"({MAX_RESOURCE_BYTES // 2**20} MB); pass its path to a tool instead")
+        raise InputError(
+            f"{what} {value!r} is {size / 2**20:.0f} MB, more than a resource may be "
+            f"({MAX_RESOURCE_BYTES // 2**20} MB); pass its path to a tool instead"
+        )
     return target
 
 
@@ -236,8 +248,14 @@ def read_file(path: Path) -> str | bytes:
 # (pattern relative to the run folder, what it is). First match wins; unmatched files are not listed
 # (they stay readable through the run:// templates).
 OUTPUT_KINDS: list[tuple[str, str]] = [
-    ("DELIVERY.md", "Delivery note: the deployed boundary, environment, ATC commands, validation figures and known limits"),
-    ("verify/*.html", "Verification report (report.html): spliced pipeline vs PyTorch, per-step output checks, parity per graph, pictures"),
+    (
+        "DELIVERY.md",
+        "Delivery note: the deployed boundary, environment, ATC commands, validation figures and known limits",
+    ),
+    (
+        "verify/*.html",
+        "Verification report (report.html): spliced pipeline vs PyTorch, per-step output checks, parity per graph, pictures",
+    ),
     ("verify/*.json", "Verification result (JSON): the output checks, parity and latency behind the report"),
     ("npu/FIGURES.md", "Figures measured on an Ascend NPU by omskills npu-check"),
     ("study/main_path.json", "The study's main-path run (JSON): steps, outputs, timings"),
@@ -286,9 +304,16 @@ def run_outputs(run_dir: Path, workspace: Path) -> list[Listed]:
                 if pictures > MAX_PICTURES_PER_RUN:
                     continue
             ws_rel = path.relative_to(workspace).as_posix()
-            listed.append(Listed(uri=f"run://{ws_rel}", name=ws_rel, title=f"{rel} ({run_label})",
-                                 description=f"{what}. Run folder {run_label}.", mime_type=mime_type(path),
-                                 size=path.stat().st_size))
+            listed.append(
+                Listed(
+                    uri=f"run://{ws_rel}",
+                    name=ws_rel,
+                    title=f"{rel} ({run_label})",
+                    description=f"{what}. Run folder {run_label}.",
+                    mime_type=mime_type(path),
+                    size=path.stat().st_size,
+                )
+            )
             if len(listed) >= MAX_LISTED_PER_RUN:
                 return listed
     return listed
@@ -306,10 +331,19 @@ def listed_workspace(workspace: Path) -> list[Listed]:
     for record in find_task_records(workspace):
         rel = record.relative_to(workspace).as_posix()
         record_id = _record_id(record) or record.stem
-        listed.append(Listed(uri=f"task://{rel}", name=rel, title=f"task record {record_id}",
-                             description=(f"Task record {record_id} ({rel}): intake, stage statuses and every "
-                                          "stage's results. Tools that act on it take task=" + rel + "."),
-                             mime_type="application/yaml", size=record.stat().st_size))
+        listed.append(
+            Listed(
+                uri=f"task://{rel}",
+                name=rel,
+                title=f"task record {record_id}",
+                description=(
+                    f"Task record {record_id} ({rel}): intake, stage statuses and every "
+                    "stage's results. Tools that act on it take task=" + rel + "."
+                ),
+                mime_type="application/yaml",
+                size=record.stat().st_size,
+            )
+        )
         run_dirs.append(record.parent)
     for run_dir in dict.fromkeys(run_dirs):
         # A folder of several records (task_records/) is a collection of inputs, not one run.

@@ -52,15 +52,23 @@ from mcp.server.mcpserver.exceptions import ResourceError, ToolError
 from mcp.server.mcpserver.resources import FileResource
 from mcp.server.transport_security import TransportSecuritySettings
 from omskills import progress
-from omskills.version import __version__
 from omskills.errors import InputError, OmskillsError, one_line
 from omskills.host import mcp_resources
 from omskills.host.job_store import JobStore
 from omskills.host.jobs import Job, JobList, JobRegistry, JobStatus
 from omskills.host.mcp_prompts import register_prompts
-from omskills.host.toolkit import TOOL_NAME, ToolInfo, WorkspacePathMarker, argument_problems, discover_tools, skills_root, to_jsonable
+from omskills.host.toolkit import (
+    TOOL_NAME,
+    ToolInfo,
+    WorkspacePathMarker,
+    argument_problems,
+    discover_tools,
+    skills_root,
+    to_jsonable,
+)
 from omskills.records.intake import confined_path
 from omskills.stdio import stdout_to_stderr
+from omskills.version import __version__
 from pydantic import Field
 
 log = logging.getLogger("omskills.host.mcp_server")
@@ -100,8 +108,11 @@ def _has_workspace_marker(annotation: Any) -> bool:
 
 def confine_path(value: str, workspace: Path, argument: str) -> str:
     """Resolve `value` against the workspace (symlinks followed); refuse anything that lands outside it."""
-    return str(confined_path(value, f"argument {argument!r}", workspace, [workspace],
-                             root_name="the workspace", widened_by_env=False))
+    return str(
+        confined_path(
+            value, f"argument {argument!r}", workspace, [workspace], root_name="the workspace", widened_by_env=False
+        )
+    )
 
 
 def confine_arguments(args: dict[str, Any], path_params: set[str], workspace: Path) -> dict[str, Any]:
@@ -250,12 +261,22 @@ def _task_of(args: dict[str, Any], workspace: Path) -> tuple[Path | None, str | 
     return path, (path.relative_to(workspace).as_posix() if path.is_relative_to(workspace) else task)
 
 
-def start_tool_job(registry: JobRegistry, info: ToolInfo, args: dict[str, Any], workspace: Path, origin: Literal["start_job", "call"]) -> Job:
+def start_tool_job(
+    registry: JobRegistry, info: ToolInfo, args: dict[str, Any], workspace: Path, origin: Literal["start_job", "call"]
+) -> Job:
     """Confine the path arguments and start the tool as a job (arguments already validated)."""
     confined = confine_arguments(args, path_parameters(info.func), workspace)
     task, label = _task_of(confined, workspace)
-    return registry.start(info.name, info.func, confined, origin=origin, task=task, task_label=label,
-                          exclusive=takes_turns(info), to_json=to_jsonable)
+    return registry.start(
+        info.name,
+        info.func,
+        confined,
+        origin=origin,
+        task=task,
+        task_label=label,
+        exclusive=takes_turns(info),
+        to_json=to_jsonable,
+    )
 
 
 def takes_turns(info: ToolInfo) -> bool:
@@ -300,7 +321,9 @@ def tool_description(info: ToolInfo) -> str:
 def register_tool(server: MCPServer, info: ToolInfo, workspace: Path) -> None:
     """Serve one tool, with its title and annotations from the script's `@tool_hints`."""
     if not TOOL_NAME.match(info.name):
-        raise OmskillsError(f"{info.path}: tool name {info.name!r} is not valid for MCP/Anthropic ({TOOL_NAME.pattern})")
+        raise OmskillsError(
+            f"{info.path}: tool name {info.name!r} is not valid for MCP/Anthropic ({TOOL_NAME.pattern})"
+        )
     hints = info.hints
     if hints is None:
         # Served without annotations: MCP clients then assume the worst (may write, destroy, repeat
@@ -311,15 +334,20 @@ def register_tool(server: MCPServer, info: ToolInfo, workspace: Path) -> None:
         name=info.name,
         title=hints.title if hints else None,
         description=tool_description(info),
-        annotations=None if hints is None else mcp_types.ToolAnnotations(
+        annotations=None
+        if hints is None
+        else mcp_types.ToolAnnotations(
             title=hints.title,
             read_only_hint=hints.read_only,
             destructive_hint=hints.destructive,
             idempotent_hint=hints.idempotent,
             open_world_hint=hints.open_world,
         ),
-        meta={"omskills/skill": info.skill, "omskills/script": f"{info.skill}/scripts/{info.path.name}",
-              "omskills/long_running": bool(hints and hints.long_running)},
+        meta={
+            "omskills/skill": info.skill,
+            "omskills/script": f"{info.skill}/scripts/{info.path.name}",
+            "omskills/long_running": bool(hints and hints.long_running),
+        },
     )
 
 
@@ -342,8 +370,10 @@ def _job_tool_signature(fn: Callable[..., Any], tool_names: Iterable[str]) -> No
     hints = inspect.get_annotations(fn, eval_str=True) | {"tool": annotation}
     sig = inspect.signature(fn)
     fn.__annotations__ = hints
-    fn.__signature__ = sig.replace(parameters=[p.replace(annotation=hints[p.name]) for p in sig.parameters.values()],
-                                   return_annotation=hints["return"])  # type: ignore[attr-defined]
+    fn.__signature__ = sig.replace(
+        parameters=[p.replace(annotation=hints[p.name]) for p in sig.parameters.values()],
+        return_annotation=hints["return"],
+    )  # type: ignore[attr-defined]
 
 
 def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
@@ -352,7 +382,9 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
 
     async def start_job(
         tool: str,
-        arguments: Annotated[dict[str, Any], Field(description="The tool's arguments, exactly as a direct call takes them.")] = {},  # noqa: B006
+        arguments: Annotated[
+            dict[str, Any], Field(description="The tool's arguments, exactly as a direct call takes them.")
+        ] = {},  # noqa: B006
         *,
         ctx: Context,
     ) -> JobStatus:
@@ -371,8 +403,14 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
                 raise InputError("\n".join(f"{tool}: {line}" for line in problems))
             confined = confine_arguments(validated, path_parameters(info.func), workspace)
             task, label = _task_of(confined, workspace)
-            job = registry.start_detached(tool, confined, skills_dir=server.skills_dir or skills_root(), task=task,
-                                          task_label=label, exclusive=takes_turns(info))
+            job = registry.start_detached(
+                tool,
+                confined,
+                skills_dir=server.skills_dir or skills_root(),
+                task=task,
+                task_label=label,
+                exclusive=takes_turns(info),
+            )
         except OmskillsError as err:
             raise ToolError(str(err)) from None
         await follow(job, ctx, seconds=0.3, announce=True)  # a quick tool (or a bad record) answers at once
@@ -382,9 +420,17 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
 
     async def job_status(
         job_id: Annotated[str, Field(description="The job id start_job returned, e.g. job-20261203-190512-3f9a1c.")],
-        wait_seconds: Annotated[float, Field(ge=0, le=MAX_WAIT_SECONDS, description=(
-            "Wait up to this many seconds for the job to end before answering (progress notifications are sent "
-            "meanwhile); 0 answers at once. Keep it under your client's request timeout."))] = 5.0,
+        wait_seconds: Annotated[
+            float,
+            Field(
+                ge=0,
+                le=MAX_WAIT_SECONDS,
+                description=(
+                    "Wait up to this many seconds for the job to end before answering (progress notifications are sent "
+                    "meanwhile); 0 answers at once. Keep it under your client's request timeout."
+                ),
+            ),
+        ] = 5.0,
         *,
         ctx: Context,
     ) -> JobStatus:
@@ -399,8 +445,9 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
 
     async def cancel_job(
         job_id: Annotated[str, Field(description="The job id start_job returned.")],
-        wait_seconds: Annotated[float, Field(ge=0, le=MAX_WAIT_SECONDS, description=(
-            "Wait up to this many seconds for the job to stop."))] = 5.0,
+        wait_seconds: Annotated[
+            float, Field(ge=0, le=MAX_WAIT_SECONDS, description=("Wait up to this many seconds for the job to stop."))
+        ] = 5.0,
     ) -> JobStatus:
         """Cancel a job: it stops at its next progress point, the step it was in is recorded as failed (never
         done) and a rerun of the tool redoes it. Answers with the job's state (cancelled once it stopped)."""
@@ -418,16 +465,24 @@ def register_job_tools(server: OmskillsServer, workspace: Path) -> None:
         return JobList(jobs=[job.status(with_result=False) for job in registry.all()])
 
     annotations = {
-        "start_job": ("Start a tool as a job", dict(read_only_hint=False, destructive_hint=False, idempotent_hint=False)),
+        "start_job": (
+            "Start a tool as a job",
+            dict(read_only_hint=False, destructive_hint=False, idempotent_hint=False),
+        ),
         "job_status": ("Status of a job", dict(read_only_hint=True, destructive_hint=False, idempotent_hint=True)),
         "cancel_job": ("Cancel a job", dict(read_only_hint=False, destructive_hint=False, idempotent_hint=True)),
         "list_jobs": ("List jobs", dict(read_only_hint=True, destructive_hint=False, idempotent_hint=True)),
     }
     for fn in (start_job, job_status, cancel_job, list_jobs):
         title, hints = annotations[fn.__name__]
-        server.add_tool(fn, name=fn.__name__, title=title, description=f"[server: jobs] {inspect.getdoc(fn)}",
-                        annotations=mcp_types.ToolAnnotations(title=title, open_world_hint=False, **hints),
-                        meta={"omskills/skill": None})
+        server.add_tool(
+            fn,
+            name=fn.__name__,
+            title=title,
+            description=f"[server: jobs] {inspect.getdoc(fn)}",
+            annotations=mcp_types.ToolAnnotations(title=title, open_world_hint=False, **hints),
+            meta={"omskills/skill": None},
+        )
 
 
 # --------------------------------------------------------------------------- the server
@@ -482,8 +537,14 @@ class OmskillsServer(MCPServer):
         static = await super().list_resources()
         found = await anyio.to_thread.run_sync(mcp_resources.listed_workspace, self.workspace)
         return static + [
-            mcp_types.Resource(uri=item.uri, name=item.name, title=item.title, description=item.description,
-                               mime_type=item.mime_type, size=item.size)
+            mcp_types.Resource(
+                uri=item.uri,
+                name=item.name,
+                title=item.title,
+                description=item.description,
+                mime_type=item.mime_type,
+                size=item.size,
+            )
             for item in found
         ]
 
@@ -502,14 +563,30 @@ def _resource_reader(workspace: Path, resolve: Callable[[str, Path], Path]) -> C
 
 # (URI template, name, MIME type, description); the first template matching a URI reads it.
 RUN_TEMPLATES: list[tuple[str, str, str, str]] = [
-    ("run://{+path}/DELIVERY.md", "delivery note", "text/markdown",
-     "The delivery note of a run (path: the run folder): boundary, environment, ATC commands, validation figures, limits."),
-    ("run://{+path}.html", "report", "text/html",
-     "An HTML report of a run, e.g. verify/<name>.html: the verification report (report.html) with its pictures."),
-    ("run://{+path}.png", "picture", "image/png",
-     "A picture a run drew (overlays per step, compute-share chart), as a PNG blob."),
-    ("run://{+path}.json", "run result", "application/json",
-     "A JSON result of a run: verify/*.json (output checks, parity, latency), study/main_path.json."),
+    (
+        "run://{+path}/DELIVERY.md",
+        "delivery note",
+        "text/markdown",
+        "The delivery note of a run (path: the run folder): boundary, environment, ATC commands, validation figures, limits.",
+    ),
+    (
+        "run://{+path}.html",
+        "report",
+        "text/html",
+        "An HTML report of a run, e.g. verify/<name>.html: the verification report (report.html) with its pictures.",
+    ),
+    (
+        "run://{+path}.png",
+        "picture",
+        "image/png",
+        "A picture a run drew (overlays per step, compute-share chart), as a PNG blob.",
+    ),
+    (
+        "run://{+path}.json",
+        "run result",
+        "application/json",
+        "A JSON result of a run: verify/*.json (output checks, parity, latency), study/main_path.json.",
+    ),
     ("run://{+path}.md", "note", "text/markdown", "A Markdown note of a run: plan, contracts, boundaries, inventory."),
     ("run://{+path}.log", "log", "text/plain", "A step's log (export, optimisation, ATC)."),
     ("run://{+path}.sh", "script", "text/x-shellscript", "A shell script a run wrote (the ATC command lines)."),
@@ -520,12 +597,24 @@ RUN_TEMPLATES: list[tuple[str, str, str, str]] = [
 def register_resources(server: MCPServer, root: Path, workspace: Path) -> None:
     """Skill documents (listed now), task records and run outputs (templates; listed when asked)."""
     for doc in mcp_resources.skill_documents(root):
-        server.add_resource(FileResource(uri=doc.uri, path=doc.path, name=doc.name, title=doc.title,
-                                         description=doc.description, mime_type="text/markdown"))
+        server.add_resource(
+            FileResource(
+                uri=doc.uri,
+                path=doc.path,
+                name=doc.name,
+                title=doc.title,
+                description=doc.description,
+                mime_type="text/markdown",
+            )
+        )
 
-    server.resource("task://{+path}", name="task record", title="Task record", mime_type="application/yaml",
-                    description="A task record (YAML) by workspace-relative path: intake, stage statuses, every stage's results.",
-                    )(_resource_reader(workspace, mcp_resources.task_record_path))
+    server.resource(
+        "task://{+path}",
+        name="task record",
+        title="Task record",
+        mime_type="application/yaml",
+        description="A task record (YAML) by workspace-relative path: intake, stage statuses, every stage's results.",
+    )(_resource_reader(workspace, mcp_resources.task_record_path))
 
     for template, name, mime, description in RUN_TEMPLATES:
         suffix = "/DELIVERY.md" if template.endswith("/DELIVERY.md") else template.removeprefix("run://{+path}")
@@ -534,7 +623,8 @@ def register_resources(server: MCPServer, root: Path, workspace: Path) -> None:
             return mcp_resources.run_file_path(path + suffix, ws)
 
         server.resource(template, name=name, title=name.capitalize(), mime_type=mime, description=description)(
-            _resource_reader(workspace, resolve))
+            _resource_reader(workspace, resolve)
+        )
 
 
 # --------------------------------------------------------------------------- server
@@ -548,7 +638,9 @@ class ServeOptions:
     http_port: int | None = None
 
 
-def build_server(workspace: Path, skills_dir: Path | None = None, *, quiet_stdout: bool = False, log_level: str = "INFO") -> OmskillsServer:
+def build_server(
+    workspace: Path, skills_dir: Path | None = None, *, quiet_stdout: bool = False, log_level: str = "INFO"
+) -> OmskillsServer:
     """Discover the tools and documents and return a ready server (not yet running).
 
     Nothing here walks the workspace or imports a tool's engine: `initialize` must come fast.
@@ -583,7 +675,9 @@ def build_server(workspace: Path, skills_dir: Path | None = None, *, quiet_stdou
         raise OmskillsError(f"no tools found under {root} (a tool is <skill>/scripts/<name>.py)")
     for name, info in tools.items():
         if name in JOB_TOOLS:
-            raise OmskillsError(f"{info.path}: the tool name {name!r} is the server's own (job tools: {', '.join(JOB_TOOLS)})")
+            raise OmskillsError(
+                f"{info.path}: the tool name {name!r} is the server's own (job tools: {', '.join(JOB_TOOLS)})"
+            )
         register_tool(server, info, workspace)
         server.tool_infos[name] = info
     server.skills_dir = root
@@ -619,8 +713,9 @@ def http_security(host: str, port: int) -> TransportSecuritySettings:
     if host != "localhost":
         names.add(str(ipaddress.ip_address(host)))  # 0:0:0:0:0:0:0:1 is also ::1
     hosts = sorted(f"[{name}]:{port}" if ":" in name else f"{name}:{port}" for name in names)
-    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
-                                     allowed_origins=[f"http://{h}" for h in hosts])
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=[f"http://{h}" for h in hosts]
+    )
 
 
 def _port_free(host: str, port: int) -> None:
@@ -679,7 +774,11 @@ def serve(options: ServeOptions) -> None:
     _port_free(options.http_host, port)
     server = build_server(options.workspace, options.skills_dir, log_level=level)
     try:
-        server.run("streamable-http", host=options.http_host, port=port,
-                   transport_security=http_security(options.http_host, port))
+        server.run(
+            "streamable-http",
+            host=options.http_host,
+            port=port,
+            transport_security=http_security(options.http_host, port),
+        )
     finally:
         _stop_jobs(server, 3.0)

@@ -22,10 +22,10 @@ import shutil
 import sys
 import textwrap
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from collections.abc import Iterable
-from typing import Annotated, Any, Callable, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from omskills.errors import InputError, OmskillsError, one_line
 from omskills.registry import Registry
@@ -48,7 +48,9 @@ class WorkspacePathMarker:
 
 WorkspacePath = Annotated[str, WorkspacePathMarker()]
 # The argument almost every tool takes.
-TaskPath = Annotated[WorkspacePath, Field(description="Path of the task record (YAML), relative to the workspace or absolute inside it.")]
+TaskPath = Annotated[
+    WorkspacePath, Field(description="Path of the task record (YAML), relative to the workspace or absolute inside it.")
+]
 
 
 class ToolHints(BaseModel):
@@ -161,7 +163,9 @@ def load_tool(path: Path) -> ToolInfo:
         raise
     func = getattr(module, name, None)
     if not callable(func):
-        raise OmskillsError(f"{path}: defines no function named {name!r} (a tool file defines a function of its own name)")
+        raise OmskillsError(
+            f"{path}: defines no function named {name!r} (a tool file defines a function of its own name)"
+        )
     return ToolInfo(name=name, skill=skill, path=path, func=func)
 
 
@@ -193,8 +197,14 @@ def tool_listing(tools: list[ToolInfo], width: int | None = None) -> str:
         title = f" - {info.hints.title}" if info.hints else ""
         head = f"{info.name}  [{info.skill}]{title}"
         # file names such as verify/report-emulated.json are not split at their hyphens
-        body = textwrap.fill(info.summary, width=width, initial_indent="    ", subsequent_indent="    ",
-                             break_on_hyphens=False, break_long_words=False)
+        body = textwrap.fill(
+            info.summary,
+            width=width,
+            initial_indent="    ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
         blocks.append(f"{head}\n{body}" if body else head)
     return "\n\n".join(blocks)
 
@@ -213,8 +223,9 @@ def _where(pname: str, loc: tuple[Any, ...]) -> str:
     return f"argument {pname!r}{inner}"
 
 
-def argument_problems(func: Callable[..., Any], args: dict[str, Any], *,
-                      ignored: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+def argument_problems(
+    func: Callable[..., Any], args: dict[str, Any], *, ignored: Iterable[str] = ()
+) -> tuple[dict[str, Any], list[str]]:
     """The validated arguments and every problem with them, one readable line per argument.
 
     `ignored`: parameters that are not the caller's to give (the MCP server's context argument).
@@ -222,8 +233,11 @@ def argument_problems(func: Callable[..., Any], args: dict[str, Any], *,
     skipped = set(ignored)
     parameters = {name: p for name, p in inspect.signature(func).parameters.items() if name not in skipped}
     hints = inspect.get_annotations(func, eval_str=True)
-    problems = [f"argument {name!r}: unknown (this tool takes {', '.join(parameters) or 'no arguments'})"
-                for name in args if name not in parameters]
+    problems = [
+        f"argument {name!r}: unknown (this tool takes {', '.join(parameters) or 'no arguments'})"
+        for name in args
+        if name not in parameters
+    ]
     bound: dict[str, Any] = {}
     for pname, param in parameters.items():
         if pname not in args:
@@ -280,15 +294,20 @@ def takes_text(hint: Any) -> bool:
 def run_cli(func: Callable[..., Any], argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a tool function as a CLI: one flag per parameter, or --args JSON; the result is printed
     as JSON on stdout; a refused input is reported on stderr, one line per problem (exit 2)."""
-    parser = argparse.ArgumentParser(prog=prog or func.__name__, description=inspect.getdoc(func),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog or func.__name__,
+        description=inspect.getdoc(func),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--args", help="all arguments as one JSON object")
     sig = inspect.signature(func)
     hints = inspect.get_annotations(func, eval_str=True)
     for pname, param in sig.parameters.items():
         default = f"(default: {param.default!r})" if param.default is not inspect.Parameter.empty else "(required)"
         described = parameter_description(hints.get(pname))
-        parser.add_argument(f"--{pname.replace('_', '-')}", dest=pname, help=f"{described} {default}" if described else default)
+        parser.add_argument(
+            f"--{pname.replace('_', '-')}", dest=pname, help=f"{described} {default}" if described else default
+        )
     ns = parser.parse_args(argv)
     try:
         args: dict[str, Any] = json.loads(ns.args) if ns.args else {}

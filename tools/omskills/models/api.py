@@ -67,7 +67,7 @@ class NoSettings(BaseModel):
 @dataclass
 class LoadedModel:
     entry: Any  # the object users call (a predictor, a pipeline, the model itself)
-    root: "nn.Module"  # the module tree candidates are paths into
+    root: nn.Module  # the module tree candidates are paths into
     source_root: Path  # folder holding the model's Python source (for file:line findings)
     weights: str  # "random" or the checkpoint path
     # Entered around every run and export: the device-portability layer, or nothing.
@@ -110,8 +110,14 @@ def seed_generators(seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
-def run_seeded(driver: "ModelDriver", loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel,
-               hooks: "RunHooks | None" = None) -> MainPathRun:
+def run_seeded(
+    driver: ModelDriver,
+    loaded: LoadedModel,
+    data: Any,
+    inputs: BaseModel,
+    verification: BaseModel,
+    hooks: RunHooks | None = None,
+) -> MainPathRun:
     """The driver's main path with every random generator seeded first: a model that draws noise
     (a sampler's latents, a pitch tracker's dither) draws the same in every run, so two runs
     differ only by what the graphs change."""
@@ -176,7 +182,9 @@ class ProvenanceSource:
     source: str  # what they are, in words ("video frames", "text prompt tokens")
 
 
-def check_builder_kwargs(builder: Callable[..., Any], kwargs: Mapping[str, Any], set_by_driver: tuple[str, ...] = ()) -> None:
+def check_builder_kwargs(
+    builder: Callable[..., Any], kwargs: Mapping[str, Any], set_by_driver: tuple[str, ...] = ()
+) -> None:
     """`intake.model.builder_kwargs` bind to `builder`'s parameters, and name none the driver
     passes itself; an InputError naming the field otherwise (before any model is built)."""
     import inspect
@@ -188,12 +196,14 @@ def check_builder_kwargs(builder: Callable[..., Any], kwargs: Mapping[str, Any],
     try:
         signature.bind_partial(**kwargs)
     except TypeError as err:
-        raise InputError(f"intake.model.builder_kwargs: {err} ({getattr(builder, '__name__', 'the builder')} takes "
-                         f"{', '.join(signature.parameters)})") from None
+        raise InputError(
+            f"intake.model.builder_kwargs: {err} ({getattr(builder, '__name__', 'the builder')} takes "
+            f"{', '.join(signature.parameters)})"
+        ) from None
 
 
 @contextlib.contextmanager
-def driver_checks(driver: "ModelDriver", method: str) -> Iterator[None]:
+def driver_checks(driver: ModelDriver, method: str) -> Iterator[None]:
     """Around a call into a driver that checks what the user gave (inputs, builder, weights): a
     `ValueError` or `TypeError` it raises is the user's error, said in one line (`InputError`,
     which drivers may raise themselves), not a traceback."""
@@ -334,8 +344,9 @@ class ModelDriver(ABC):
         return []
 
     @abstractmethod
-    def run_main_path(self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel,
-                      hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel, hooks: RunHooks
+    ) -> MainPathRun:
         """Run the entry users call on `data`, calling `hooks.step(i)` after each step."""
 
     # -- verification ----------------------------------------------------------------------
@@ -343,13 +354,15 @@ class ModelDriver(ABC):
     def comparison(self, verification: BaseModel) -> list[OutputCheck]:
         """How a spliced run is judged against the PyTorch reference. Default: every output,
         float ones by cosine / max abs, others exactly."""
-        return [OutputCheck(output="*", metric="tensor", label="every output (floats by cosine / max abs, others exactly)")]
+        return [
+            OutputCheck(output="*", metric="tensor", label="every output (floats by cosine / max abs, others exactly)")
+        ]
 
     def settings_notes(self, verification: BaseModel) -> list[str]:
         """The verification settings that are on, said plainly (every report repeats them)."""
         return []
 
-    def picture(self, data: Any, step: StepOutput, title: str) -> "Image.Image | None":
+    def picture(self, data: Any, step: StepOutput, title: str) -> Image.Image | None:
         """An image of one step's outputs (overlays), or None when the model has nothing to draw."""
         return None
 

@@ -41,13 +41,16 @@ def read_state_dict(path: Path, device: str = "cpu", wrappers: tuple[str, ...] =
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location=device, weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as err:  # noqa: BLE001 - torch.load raises many types for a file that is no checkpoint
-        raise InputError(f"{CHECKPOINT_FIELD}: {path} is not a loadable state dict "
-                         f"({type(err).__name__}: {_first_sentence(err)})") from None
+        raise InputError(
+            f"{CHECKPOINT_FIELD}: {path} is not a loadable state dict ({type(err).__name__}: {_first_sentence(err)})"
+        ) from None
     if isinstance(state, dict):
         wrapped = next((state[k] for k in wrappers if isinstance(state.get(k), dict)), None)
         state = wrapped if wrapped is not None else state
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-        raise InputError(f"{CHECKPOINT_FIELD}: {path} holds a {type(state).__name__}, not a state dict of named tensors")
+        raise InputError(
+            f"{CHECKPOINT_FIELD}: {path} holds a {type(state).__name__}, not a state dict of named tensors"
+        )
     return state
 
 
@@ -65,8 +68,9 @@ def key_mismatch(expected: Collection[str], found: Collection[str]) -> str | Non
     return ", ".join(parts)
 
 
-def load_state_dict(root: Any, checkpoint: Path, device: str, strict: bool = True,
-                    wrappers: tuple[str, ...] = STATE_WRAPPERS) -> None:
+def load_state_dict(
+    root: Any, checkpoint: Path, device: str, strict: bool = True, wrappers: tuple[str, ...] = STATE_WRAPPERS
+) -> None:
     """A checkpoint's state dict into `root`, with one-line errors naming the field and the path."""
     state = read_state_dict(Path(checkpoint), device, wrappers)
     mismatch = key_mismatch(root.state_dict().keys(), state.keys())
@@ -77,8 +81,9 @@ def load_state_dict(root: Any, checkpoint: Path, device: str, strict: bool = Tru
     except RuntimeError as err:  # shapes that differ: torch lists them all, one per line
         problems = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
         shown = problems[0][:200] if problems else one_line(err, 200)
-        raise InputError(f"{CHECKPOINT_FIELD}: {checkpoint} does not fit the model: {len(problems) or 1} problem(s), "
-                         f"first: {shown}") from None
+        raise InputError(
+            f"{CHECKPOINT_FIELD}: {checkpoint} does not fit the model: {len(problems) or 1} problem(s), first: {shown}"
+        ) from None
 
 
 @contextlib.contextmanager

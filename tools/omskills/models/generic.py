@@ -58,8 +58,10 @@ class FunctionDriver(ModelDriver):
         self.path = path
         missing = [name for name in (BUILD, RUN) if not callable(getattr(module, name, None))]
         if missing:
-            raise TaskRecordError(f"intake.model.driver: {path} defines no function {' or '.join(missing)} "
-                                  f"(a driver file defines {BUILD}(spec) and {RUN}(model, inputs))")
+            raise TaskRecordError(
+                f"intake.model.driver: {path} defines no function {' or '.join(missing)} "
+                f"(a driver file defines {BUILD}(spec) and {RUN}(model, inputs))"
+            )
         self.family = str(getattr(module, "FAMILY", path.stem))  # type: ignore[misc]
         self.step_name = str(getattr(module, "STEP_NAME", "step"))  # type: ignore[misc]
         inputs = getattr(module, "Inputs", None)
@@ -83,8 +85,10 @@ class FunctionDriver(ModelDriver):
         built = getattr(self.module, BUILD)(spec)
         entry, root = built if isinstance(built, tuple) else (built, built)
         if not isinstance(root, torch.nn.Module):
-            raise InputError(f"{self.path}: {BUILD} returned {type(root).__name__}; return the nn.Module users call, "
-                             "or (entry, root_module)")
+            raise InputError(
+                f"{self.path}: {BUILD} returned {type(root).__name__}; return the nn.Module users call, "
+                "or (entry, root_module)"
+            )
         root.eval()
         own_weights = self.builder_weights(spec)
         if spec.checkpoint is not None:
@@ -114,16 +118,19 @@ class FunctionDriver(ModelDriver):
             with parameters_on_meta():
                 built = getattr(self.module, BUILD)(spec)
         except Exception as err:  # noqa: BLE001 - the user's code may raise anything; one line says what
-            raise InputError(f"intake.model.driver: {self.path}: {BUILD}(spec) failed at scale {spec.scale} "
-                             f"with parameters on the meta device (the gate lists its keys so): {one_line(err, 300)}") from None
+            raise InputError(
+                f"intake.model.driver: {self.path}: {BUILD}(spec) failed at scale {spec.scale} "
+                f"with parameters on the meta device (the gate lists its keys so): {one_line(err, 300)}"
+            ) from None
         root = built[1] if isinstance(built, tuple) else built
         return set(root.state_dict()) if isinstance(root, torch.nn.Module) else None
 
     def load_inputs(self, inputs: BaseModel, base_dir: Path) -> Any:
         return inputs.model_dump() if isinstance(inputs, AnyInputs) else inputs
 
-    def run_main_path(self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel,
-                      hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel, hooks: RunHooks
+    ) -> MainPathRun:
         import torch
 
         steps: list[StepOutput] = []
@@ -144,5 +151,7 @@ class FunctionDriver(ModelDriver):
         return [OutputCheck.model_validate(c) if isinstance(c, dict) else c for c in declared]
 
     def seed_candidates(self) -> list[SeedCandidate]:
-        return [SeedCandidate(name, path, f"declared in {self.path.name}")
-                for name, path in getattr(self.module, "SEED_CANDIDATES", [])]
+        return [
+            SeedCandidate(name, path, f"declared in {self.path.name}")
+            for name, path in getattr(self.module, "SEED_CANDIDATES", [])
+        ]

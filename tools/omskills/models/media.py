@@ -33,7 +33,9 @@ SHAPES_CLIP = (
 )
 
 
-def _texture(rng: np.random.Generator, height: int, width: int, base: tuple[int, int, int], amplitude: int) -> np.ndarray:
+def _texture(
+    rng: np.random.Generator, height: int, width: int, base: tuple[int, int, int], amplitude: int
+) -> np.ndarray:
     """Deterministic blotchy texture: low-frequency noise upsampled plus fine grain."""
     coarse = rng.normal(0.0, 1.0, size=(height // 16 + 1, width // 16 + 1, 3))
     coarse = np.kron(coarse, np.ones((16, 16, 1)))[:height, :width]
@@ -153,7 +155,9 @@ def _video_path(spec: str, base_dir: Path | None, field: str) -> Path:
     if not path.exists():
         raise InputError(f"{field}: video not found: {path}")
     if not path.is_dir() and path.suffix.lower() not in VIDEO_SUFFIXES | {".gif"}:
-        raise InputError(f"{field}: video {path}: unsupported type {path.suffix!r} (mp4/gif/folder of frames or builtin:<name>)")
+        raise InputError(
+            f"{field}: video {path}: unsupported type {path.suffix!r} (mp4/gif/folder of frames or builtin:<name>)"
+        )
     return path
 
 
@@ -194,8 +198,9 @@ def check_frames_decode(spec: str, frames: int, base_dir: Path | None = None, fi
             if decoded >= frames:
                 return
     except Exception as err:  # imageio raises many types for unreadable files
-        raise InputError(f"{field}: video {path}: frame {decoded + 1} of the {frames} asked does not decode "
-                         f"({one_line(err, 200)})") from None
+        raise InputError(
+            f"{field}: video {path}: frame {decoded + 1} of the {frames} asked does not decode ({one_line(err, 200)})"
+        ) from None
     raise InputError(f"{field}: video {path}: only {decoded} frame(s) decode, {frames} asked (is the file truncated?)")
 
 
@@ -214,7 +219,9 @@ def load_video(spec: str, frames: int, base_dir: Path | None = None, field: str 
     if spec.startswith("builtin:"):
         name = _builtin(spec, field)
         if frames > BUILTIN_CLIP_FRAMES[name]:  # checked before a frame is drawn
-            raise InputError(f"{field}: the built-in clip {name!r} has {BUILTIN_CLIP_FRAMES[name]} frames, {frames} asked")
+            raise InputError(
+                f"{field}: the built-in clip {name!r} has {BUILTIN_CLIP_FRAMES[name]} frames, {frames} asked"
+            )
         return BUILTIN_CLIPS[name](frames=frames)
     path = _video_path(spec, base_dir, field)
     if path.is_dir():

@@ -70,7 +70,9 @@ def _direct(reference: str, base_dir: Path | None):
         key = f"file:{path}:{name}"
         if not sep:
             return key, lambda: _function_driver(path)
-        return key, lambda: _instantiate(getattr_or_error(_module_from_file(path), name, path), f"intake.model.driver {reference!r}")
+        return key, lambda: _instantiate(
+            getattr_or_error(_module_from_file(path), name, path), f"intake.model.driver {reference!r}"
+        )
     if not sep:
         raise TaskRecordError(f"intake.model.driver: {reference!r} is neither 'package.module:Class' nor a .py file")
     try:
@@ -155,12 +157,22 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
         inputs = dict(given)
         for name, info in driver.inputs_model.model_fields.items():
             value = inputs.get(name)
-            if _is_input_path(info) and isinstance(value, str) and names_a_file(value) and not Path(value).expanduser().is_absolute():
+            if (
+                _is_input_path(info)
+                and isinstance(value, str)
+                and names_a_file(value)
+                and not Path(value).expanduser().is_absolute()
+            ):
                 inputs[name] = str((base_dir / value).resolve())
         return inputs
 
-    return intake.model_copy(update={"model": model, "inputs": localised(intake.inputs),
-                                     "shape_inputs": [localised(s) for s in intake.shape_inputs]})
+    return intake.model_copy(
+        update={
+            "model": model,
+            "inputs": localised(intake.inputs),
+            "shape_inputs": [localised(s) for s in intake.shape_inputs],
+        }
+    )
 
 
 def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
@@ -172,7 +184,9 @@ def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
         named.append(("intake.model.source", intake.model.source))
     if intake.model.checkpoint:
         named.append(("intake.model.checkpoint", intake.model.checkpoint))
-    given = [("intake.inputs", intake.inputs)] + [(f"intake.shape_inputs[{k}]", s) for k, s in enumerate(intake.shape_inputs)]
+    given = [("intake.inputs", intake.inputs)] + [
+        (f"intake.shape_inputs[{k}]", s) for k, s in enumerate(intake.shape_inputs)
+    ]
     for where, inputs in given:
         for name, info in driver.inputs_model.model_fields.items():
             value = inputs.get(name)
@@ -227,8 +241,16 @@ def installed_drivers() -> list[DriverListing]:
     for entry in DRIVERS.entries():
         try:
             cls = DRIVERS.get(entry.name)
-            listed.append(DriverListing(family=entry.name, reference=entry.reference, origin=entry.origin,
-                                        description=getattr(cls, "description", "")))
+            listed.append(
+                DriverListing(
+                    family=entry.name,
+                    reference=entry.reference,
+                    origin=entry.origin,
+                    description=getattr(cls, "description", ""),
+                )
+            )
         except RegistryError as err:
-            listed.append(DriverListing(family=entry.name, reference=entry.reference, origin=entry.origin, error=str(err)))
+            listed.append(
+                DriverListing(family=entry.name, reference=entry.reference, origin=entry.origin, error=str(err))
+            )
     return listed

@@ -14,8 +14,9 @@ import importlib.util
 import inspect
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 from unittest import mock
 
 import numpy as np
@@ -53,8 +54,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 TINY_SIDE = 336
 _TINY_GRID = TINY_SIDE // 14  # the ViT's patch size
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
-    "ViT": {"embed_dim": 192, "num_heads": 3, "depth": 4, "global_att_blocks": (1, 3),
-            "img_size": TINY_SIDE, "window_size": _TINY_GRID // 2},
+    "ViT": {
+        "embed_dim": 192,
+        "num_heads": 3,
+        "depth": 4,
+        "global_att_blocks": (1, 3),
+        "img_size": TINY_SIDE,
+        "window_size": _TINY_GRID // 2,
+    },
     "VETextEncoder": {"width": 256, "heads": 4, "layers": 2},
     "TransformerEncoderFusion": {"num_layers": 2},
     "TransformerDecoder": {"num_layers": 2, "resolution": TINY_SIDE},
@@ -121,8 +128,10 @@ class SamVerification(BaseModel):
     def notes(self) -> list[str]:
         notes = []
         if self.force_top_k_detections:
-            notes.append(f"force_top_k_detections={self.force_top_k_detections}: the top-{self.force_top_k_detections} "
-                         "detections of the prompted frame are kept whatever their score")
+            notes.append(
+                f"force_top_k_detections={self.force_top_k_detections}: the top-{self.force_top_k_detections} "
+                "detections of the prompted frame are kept whatever their score"
+            )
         if self.disable_hotstart:
             notes.append("disable_hotstart: hot-start delay set to 0 so forced objects are tracked at once")
         if self.keep_objects_visible:
@@ -230,9 +239,16 @@ class ForcedDetections:
 
     def _nms(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def nms_masks(pred_probs: torch.Tensor, pred_masks: torch.Tensor, prob_threshold: float, iou_threshold: float) -> torch.Tensor:
+        def nms_masks(
+            pred_probs: torch.Tensor, pred_masks: torch.Tensor, prob_threshold: float, iou_threshold: float
+        ) -> torch.Tensor:
             if self._chunk_frame != self.prompt_frame or pred_probs.numel() == 0:
-                return original(pred_probs=pred_probs, pred_masks=pred_masks, prob_threshold=prob_threshold, iou_threshold=iou_threshold)
+                return original(
+                    pred_probs=pred_probs,
+                    pred_masks=pred_masks,
+                    prob_threshold=prob_threshold,
+                    iou_threshold=iou_threshold,
+                )
             # Keep exactly the K best: with random weights their masks overlap and NMS would merge them.
             top = torch.topk(pred_probs, min(self.k, pred_probs.numel()))
             keep = torch.zeros_like(pred_probs, dtype=torch.bool)
@@ -262,13 +278,19 @@ class ForcedDetections:
             self.model.new_det_thresh = min(self._thresholds[1], threshold)
 
     @contextlib.contextmanager
-    def active(self) -> Iterator["ForcedDetections"]:
+    def active(self) -> Iterator[ForcedDetections]:
         import sam3.model.sam3_image as sam3_image
 
         detector = self.model.detector
-        with mock.patch.object(sam3_image, "nms_masks", self._nms(sam3_image.nms_masks)), \
-                mock.patch.object(detector, "_build_multigpu_buffer_next_chunk", self._chunk(detector._build_multigpu_buffer_next_chunk)), \
-                mock.patch.object(self.model, "run_backbone_and_detection", self._detection(self.model.run_backbone_and_detection)):
+        with (
+            mock.patch.object(sam3_image, "nms_masks", self._nms(sam3_image.nms_masks)),
+            mock.patch.object(
+                detector, "_build_multigpu_buffer_next_chunk", self._chunk(detector._build_multigpu_buffer_next_chunk)
+            ),
+            mock.patch.object(
+                self.model, "run_backbone_and_detection", self._detection(self.model.run_backbone_and_detection)
+            ),
+        ):
             try:
                 yield self
             finally:
@@ -309,10 +331,20 @@ def _linear_time_components(original: Callable[..., Any]) -> Callable[..., tuple
 
 
 SAM3_FIXES = (
-    FunctionFix("sam3.perflib.connected_components", "connected_components_cpu_single", "cpu_fallback",
-                "connected_components_cpu_single: O(pixels) labelling (bincount) instead of a loop over components", _linear_time_components),
-    FunctionFix("sam3.perflib.connected_components", "connected_components_cpu", "cpu_fallback",
-                "connected_components_cpu: empty batch answered without calling the CPU fallback", _empty_batch_safe),
+    FunctionFix(
+        "sam3.perflib.connected_components",
+        "connected_components_cpu_single",
+        "cpu_fallback",
+        "connected_components_cpu_single: O(pixels) labelling (bincount) instead of a loop over components",
+        _linear_time_components,
+    ),
+    FunctionFix(
+        "sam3.perflib.connected_components",
+        "connected_components_cpu",
+        "cpu_fallback",
+        "connected_components_cpu: empty batch answered without calling the CPU fallback",
+        _empty_batch_safe,
+    ),
 )
 
 
@@ -335,7 +367,7 @@ class TrackerMaskLogits:
 
     @classmethod
     @contextlib.contextmanager
-    def watching(cls, model: Any) -> Iterator["TrackerMaskLogits"]:
+    def watching(cls, model: Any) -> Iterator[TrackerMaskLogits]:
         watched = cls()
         original = getattr(model, "build_outputs", None)
         if original is None:
@@ -352,10 +384,16 @@ class TrackerMaskLogits:
 
     def _keep(self, arguments: dict[str, Any]) -> None:
         plan = arguments.get("tracker_update_plan", arguments.get("sam2_update_plan")) or {}
-        logits = {int(i): m for i, m in zip(arguments["tracker_metadata_prev"]["obj_ids_all_gpu"],
-                                             arguments["tracker_low_res_masks_global"])}
+        logits = {
+            int(i): m
+            for i, m in zip(
+                arguments["tracker_metadata_prev"]["obj_ids_all_gpu"], arguments["tracker_low_res_masks_global"]
+            )
+        }
         masks = arguments["det_out"]["mask"]
-        logits |= {int(i): masks[int(k)] for i, k in zip(plan.get("new_det_obj_ids", []), plan.get("new_det_fa_inds", []))}
+        logits |= {
+            int(i): masks[int(k)] for i, k in zip(plan.get("new_det_obj_ids", []), plan.get("new_det_fa_inds", []))
+        }
         kept = {i: m.detach().float().cpu().numpy().reshape(m.shape[-2:]) for i, m in logits.items()}
         frame = arguments.get("frame_idx")
         if frame is None:
@@ -369,7 +407,11 @@ class TrackerMaskLogits:
 
     def of_frame(self, frame: int, obj_ids: list[int]) -> np.ndarray | None:
         """(objects, h, w) in the order of `obj_ids`; None when not every object's logits were seen."""
-        logits = self.by_frame.pop(frame, None) if frame in self.by_frame else (self.in_order.pop(0) if self.in_order else None)
+        logits = (
+            self.by_frame.pop(frame, None)
+            if frame in self.by_frame
+            else (self.in_order.pop(0) if self.in_order else None)
+        )
         if logits is None or not all(i in logits for i in obj_ids) or len({logits[i].shape for i in obj_ids}) > 1:
             return None
         return np.stack([logits[i] for i in obj_ids]) if obj_ids else np.zeros((0, 1, 1), np.float32)
@@ -399,23 +441,37 @@ class SamVideoDriver(ModelDriver):
     def check_inputs(self, inputs: VideoTextInputs, base_dir: Path) -> list[str]:
         video = probe_video(inputs.video, base_dir, field="intake.inputs.video", enough=inputs.frames)
         if inputs.frames > video.frames:
-            raise InputError(f"intake.inputs.frames: {inputs.frames} frames asked, but the video {video.where} has {video.frames}")
+            raise InputError(
+                f"intake.inputs.frames: {inputs.frames} frames asked, but the video {video.where} has {video.frames}"
+            )
         if video.decoded < inputs.frames:  # the length came from a header, which a truncated file keeps
             check_frames_decode(inputs.video, inputs.frames, base_dir, field="intake.inputs.video")
         length = f"{video.frames}" if video.whole else f"more than {video.frames - 1}"
         return [f"intake.inputs.video: {video.where}, {length} frames, the first {inputs.frames} used"]
 
-    def run_main_path(self, loaded: LoadedModel, data: list[Image.Image], inputs: VideoTextInputs,
-                      verification: SamVerification, hooks: RunHooks) -> MainPathRun:
+    def run_main_path(
+        self,
+        loaded: LoadedModel,
+        data: list[Image.Image],
+        inputs: VideoTextInputs,
+        verification: SamVerification,
+        hooks: RunHooks,
+    ) -> MainPathRun:
         predictor = loaded.entry
         notes: list[str] = []
-        with loaded.portability, self._verification(loaded.root, verification) as forced, \
-                self._session_patches(loaded, notes), TrackerMaskLogits.watching(loaded.root) as logits:
+        with (
+            loaded.portability,
+            self._verification(loaded.root, verification) as forced,
+            self._session_patches(loaded, notes),
+            TrackerMaskLogits.watching(loaded.root) as logits,
+        ):
             start = time.perf_counter()
             session_id = predictor.handle_request({"type": "start_session", "resource_path": list(data)})["session_id"]
             try:
                 hooks.prompt()
-                predictor.handle_request({"type": "add_prompt", "session_id": session_id, "frame_index": 0, "text": inputs.prompt})
+                predictor.handle_request(
+                    {"type": "add_prompt", "session_id": session_id, "frame_index": 0, "text": inputs.prompt}
+                )
                 setup = time.perf_counter() - start
                 logits.clear()  # what the prompt's own pass built is not a propagated frame
                 steps = list(self._propagate(predictor, session_id, hooks, logits))
@@ -423,7 +479,9 @@ class SamVideoDriver(ModelDriver):
                 predictor.handle_request({"type": "close_session", "session_id": session_id})
             total = time.perf_counter() - start
         if forced is not None:
-            notes.append(f"top-{verification.force_top_k_detections} detections forced on frames {forced.forced_frames}")
+            notes.append(
+                f"top-{verification.force_top_k_detections} detections forced on frames {forced.forced_frames}"
+            )
         return MainPathRun(steps=steps, setup_seconds=setup, total_seconds=total, notes=notes)
 
     @contextlib.contextmanager
@@ -432,10 +490,17 @@ class SamVideoDriver(ModelDriver):
         yield
 
     @staticmethod
-    def _propagate(predictor: Any, session_id: str, hooks: RunHooks, logits: "TrackerMaskLogits") -> Iterator[StepOutput]:
+    def _propagate(
+        predictor: Any, session_id: str, hooks: RunHooks, logits: TrackerMaskLogits
+    ) -> Iterator[StepOutput]:
         """Frames may arrive in post-processing batches (SAM 3.1): each one's `seconds` is its
         share of the wait since the previous one."""
-        request = {"type": "propagate_in_video", "session_id": session_id, "propagation_direction": "forward", "start_frame_index": 0}
+        request = {
+            "type": "propagate_in_video",
+            "session_id": session_id,
+            "propagation_direction": "forward",
+            "start_frame_index": 0,
+        }
         t0 = time.perf_counter()
         for response in predictor.handle_stream_request(request):
             outputs = response["outputs"]
@@ -460,11 +525,22 @@ class SamVideoDriver(ModelDriver):
             OutputCheck(output="obj_ids", metric="exact", label="object ids"),
             OutputCheck(output="masks", metric="iou", key="obj_ids", threshold=0.99, label="mask IoU per object"),
             OutputCheck(output="scores", metric="max_abs", key="obj_ids", threshold=1e-3, gating=False, label="scores"),
-            OutputCheck(output="boxes_xywh", metric="max_abs", key="obj_ids", threshold=1e-3, gating=False,
-                        label="boxes (normalised xywh)"),
+            OutputCheck(
+                output="boxes_xywh",
+                metric="max_abs",
+                key="obj_ids",
+                threshold=1e-3,
+                gating=False,
+                label="boxes (normalised xywh)",
+            ),
             # Continuous, so a mask IoU below its gate tells a pixel flipping at the threshold from a divergence.
-            OutputCheck(output="mask_logits", metric="tensor", key="obj_ids", gating=False,
-                        label="mask logits (low-res, before > 0)"),
+            OutputCheck(
+                output="mask_logits",
+                metric="tensor",
+                key="obj_ids",
+                gating=False,
+                label="mask logits (low-res, before > 0)",
+            ),
         ]
 
     def settings_notes(self, verification: SamVerification) -> list[str]:
@@ -507,7 +583,9 @@ class Sam3Driver(SamVideoDriver):
         with DevicePortability(spec.device, self.source_root(spec) / "sam3"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             check_builder_kwargs(self._builder(spec), spec.builder_kwargs, self.builder_args_set_here)
-        return f"intake.model.builder: sam3.model_builder.{self.builder_name(spec)} imports and takes the builder_kwargs"
+        return (
+            f"intake.model.builder: sam3.model_builder.{self.builder_name(spec)} imports and takes the builder_kwargs"
+        )
 
     def expected_state_keys(self, spec: ModelSpec) -> set[str] | None:
         """The model built on the meta device at the scale asked: its keys, no weights allocated."""
@@ -519,8 +597,13 @@ class Sam3Driver(SamVideoDriver):
             warnings.simplefilter("ignore")
             builder = self._builder(spec)
             with parameters_on_meta(), scaled_builder(spec.scale):
-                model = builder(checkpoint_path=None, load_from_HF=False, bpe_path=str(bpe_vocabulary_path()),
-                                device="meta", **spec.builder_kwargs)
+                model = builder(
+                    checkpoint_path=None,
+                    load_from_HF=False,
+                    bpe_path=str(bpe_vocabulary_path()),
+                    device="meta",
+                    **spec.builder_kwargs,
+                )
         return set(model.state_dict())
 
     def load(self, spec: ModelSpec) -> LoadedModel:
@@ -540,21 +623,33 @@ class Sam3Driver(SamVideoDriver):
             with scaled_builder(spec.scale), deterministic_uninitialised(spec.seed) as filled:
                 model = self._build(builder, spec, checkpoint=None if ours else spec.checkpoint)
             if spec.checkpoint is not None and ours:
-                load_state_dict(model, Path(spec.checkpoint), "cpu",
-                                strict=spec.builder_kwargs.get("strict_state_dict_loading", True) is not False)
+                load_state_dict(
+                    model,
+                    Path(spec.checkpoint),
+                    "cpu",
+                    strict=spec.builder_kwargs.get("strict_state_dict_loading", True) is not False,
+                )
             model = model.eval()
         fixed = reinit_non_finite(model, spec.seed)
         if spec.checkpoint is None:
             notes.append(f"random weights (seed {spec.seed}); {len(filled)} uninitialised tensors seeded")
         if fixed:
             notes.append(f"re-initialised non-finite parameters: {', '.join(fixed)}")
-        return LoadedModel(entry=self._predictor(model), root=model, source_root=source_root,
-                           weights=spec.checkpoint or "random", portability=portability, notes=notes)
+        return LoadedModel(
+            entry=self._predictor(model),
+            root=model,
+            source_root=source_root,
+            weights=spec.checkpoint or "random",
+            portability=portability,
+            notes=notes,
+        )
 
     def _build(self, builder: Callable[..., Any], spec: ModelSpec, checkpoint: str | None) -> Any:
         """The builder's model; given a checkpoint, the builder loads it (printing what it finds, to
         stderr here: stdout may be the MCP channel) and a failure is one line naming the field."""
-        kwargs = dict(load_from_HF=False, bpe_path=str(bpe_vocabulary_path()), device=spec.device, **spec.builder_kwargs)
+        kwargs = dict(
+            load_from_HF=False, bpe_path=str(bpe_vocabulary_path()), device=spec.device, **spec.builder_kwargs
+        )
         if checkpoint is None:
             return builder(checkpoint_path=None, **kwargs)
         read_state_dict(Path(checkpoint))  # a file that is no state dict: the usual one line
@@ -562,8 +657,10 @@ class Sam3Driver(SamVideoDriver):
             with stdout_to_stderr():
                 return builder(checkpoint_path=str(checkpoint), **kwargs)
         except Exception as err:  # noqa: BLE001 - torch's load errors list every key over many lines
-            raise InputError(f"{CHECKPOINT_FIELD}: {checkpoint}: sam3.model_builder.{self.builder_name(spec)} "
-                             f"could not load it: {one_line(err, 300)}") from None
+            raise InputError(
+                f"{CHECKPOINT_FIELD}: {checkpoint}: sam3.model_builder.{self.builder_name(spec)} "
+                f"could not load it: {one_line(err, 300)}"
+            ) from None
 
     @staticmethod
     def _predictor(model: torch.nn.Module) -> Any:
@@ -596,7 +693,9 @@ class Sam3Driver(SamVideoDriver):
         tokenizer = loaded.root.detector.backbone.language_backbone.tokenizer
         return [
             ProvenanceSource(type(tokenizer), "__call__", "input", f"{type(tokenizer).__name__} (text prompt tokens)"),
-            ProvenanceSource(inference, "load_resource_as_video_frames", "input", "video frames (load_resource_as_video_frames)"),
+            ProvenanceSource(
+                inference, "load_resource_as_video_frames", "input", "video frames (load_resource_as_video_frames)"
+            ),
         ]
 
     def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
@@ -604,47 +703,90 @@ class Sam3Driver(SamVideoDriver):
         memory attention reads image tokens of past frames and pointer tokens of past objects."""
 
         def objects(*dims: tuple[str, int]) -> QuantityLimit:
-            return QuantityLimit(quantity="num_objects", low=1, high=16,
-                                 evidence="sam3/model/sam3_video_base.py:123 num_obj_for_compile = 16 (tracked objects per batch)",
-                                 dims=[DimRef(input=name, dim=d) for name, d in dims])
+            return QuantityLimit(
+                quantity="num_objects",
+                low=1,
+                high=16,
+                evidence="sam3/model/sam3_video_base.py:123 num_obj_for_compile = 16 (tracked objects per batch)",
+                dims=[DimRef(input=name, dim=d) for name, d in dims],
+            )
 
         return {
             "mask_memory_encoder": [objects(("pix_feat", 0), ("masks", 0))],
-            "memory_attention": [*_memory_limits(loaded.root.tracker),
-                                 objects(("src_0", 1), ("src_pos_0", 1), ("prompt", 1), ("prompt_pos", 1))],
+            "memory_attention": [
+                *_memory_limits(loaded.root.tracker),
+                objects(("src_0", 1), ("src_pos_0", 1), ("prompt", 1), ("prompt_pos", 1)),
+            ],
         }
 
     def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
-        return {"memory_attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
-            # The remainder of prompt.shape[0] / HW, written with // rather than %: torch.export then
-            # simplifies the RoPE slice length (prompt.shape[0] - num_obj_ptr_tokens) to a multiple of HW.
-            expression="prompt.shape[0] - src_0.shape[0] * (prompt.shape[0] // src_0.shape[0])",
-            evidence="sam3/model/sam3_tracker_base.py:683-780 builds prompt as memory frames of HW image tokens each "
-                     "(HW = src_0.shape[0]) followed by hidden_dim // mem_dim tokens per object pointer, fewer than HW "
-                     "in all; num_obj_ptr_tokens = obj_ptrs.shape[0] is the remainder")}}
+        return {
+            "memory_attention": {
+                "kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
+                    # The remainder of prompt.shape[0] / HW, written with // rather than %: torch.export then
+                    # simplifies the RoPE slice length (prompt.shape[0] - num_obj_ptr_tokens) to a multiple of HW.
+                    expression="prompt.shape[0] - src_0.shape[0] * (prompt.shape[0] // src_0.shape[0])",
+                    evidence="sam3/model/sam3_tracker_base.py:683-780 builds prompt as memory frames of HW image tokens each "
+                    "(HW = src_0.shape[0]) followed by hidden_dim // mem_dim tokens per object pointer, fewer than HW "
+                    "in all; num_obj_ptr_tokens = obj_ptrs.shape[0] is the remainder",
+                )
+            }
+        }
 
     def seed_candidates(self) -> list[SeedCandidate]:
         return [
-            SeedCandidate("text_encoder", "detector.backbone.language_backbone.encoder",
-                          "CLIP-style text transformer (tokens -> text features); the tokenizer stays in Python", "text_encoder"),
-            SeedCandidate("vision_backbone", "detector.backbone.vision_backbone",
-                          "ViT trunk + dual ViTDet neck, once per frame", "vision_backbone"),
+            SeedCandidate(
+                "text_encoder",
+                "detector.backbone.language_backbone.encoder",
+                "CLIP-style text transformer (tokens -> text features); the tokenizer stays in Python",
+                "text_encoder",
+            ),
+            SeedCandidate(
+                "vision_backbone",
+                "detector.backbone.vision_backbone",
+                "ViT trunk + dual ViTDet neck, once per frame",
+                "vision_backbone",
+            ),
             # The detector calls its transformer's encoder and decoder separately (no wrapper call).
-            SeedCandidate("grounding_encoder", "detector.transformer.encoder",
-                          "fusion encoder: image features attend to the text prompt", "detector_grounding"),
-            SeedCandidate("grounding_decoder", "detector.transformer.decoder",
-                          "DETR-style decoder: object queries -> boxes and presence", "detector_grounding"),
-            SeedCandidate("segmentation_head", "detector.segmentation_head",
-                          "pixel decoder + mask head of the detector", "detector_grounding"),
-            SeedCandidate("dot_prod_scoring", "detector.dot_prod_scoring",
-                          "query-text dot-product scores", "detector_grounding"),
-            SeedCandidate("memory_attention", "tracker.transformer.encoder",
-                          "memory attention over past frames' memories, per frame", "tracker_propagation"),
-            SeedCandidate("mask_decoder", "tracker.sam_mask_decoder",
-                          "SAM mask decoder of the tracker, per frame (one graph per multimask_output value)",
-                          "tracker_propagation"),
-            SeedCandidate("mask_memory_encoder", "tracker.maskmem_backbone",
-                          "encodes predicted masks into memory features", "mask_memory_encoder"),
+            SeedCandidate(
+                "grounding_encoder",
+                "detector.transformer.encoder",
+                "fusion encoder: image features attend to the text prompt",
+                "detector_grounding",
+            ),
+            SeedCandidate(
+                "grounding_decoder",
+                "detector.transformer.decoder",
+                "DETR-style decoder: object queries -> boxes and presence",
+                "detector_grounding",
+            ),
+            SeedCandidate(
+                "segmentation_head",
+                "detector.segmentation_head",
+                "pixel decoder + mask head of the detector",
+                "detector_grounding",
+            ),
+            SeedCandidate(
+                "dot_prod_scoring", "detector.dot_prod_scoring", "query-text dot-product scores", "detector_grounding"
+            ),
+            SeedCandidate(
+                "memory_attention",
+                "tracker.transformer.encoder",
+                "memory attention over past frames' memories, per frame",
+                "tracker_propagation",
+            ),
+            SeedCandidate(
+                "mask_decoder",
+                "tracker.sam_mask_decoder",
+                "SAM mask decoder of the tracker, per frame (one graph per multimask_output value)",
+                "tracker_propagation",
+            ),
+            SeedCandidate(
+                "mask_memory_encoder",
+                "tracker.maskmem_backbone",
+                "encodes predicted masks into memory features",
+                "mask_memory_encoder",
+            ),
         ]
 
 
@@ -658,14 +800,22 @@ def _memory_limits(tracker: Any) -> list[QuantityLimit | QuantitySchedule]:
     per_pointer = max(1, int(tracker.hidden_dim) // int(tracker.mem_dim))
     where = "sam3/model/sam3_tracker_base.py"
     limits: list[QuantityLimit | QuantitySchedule] = [
-        QuantityLimit(quantity="memory_frames", low=1, high=maskmem,
-                      evidence=f"{where}: the conditioning frame + num_maskmem-1={maskmem - 1} previous frames, "
-                               f"{side}x{side} tokens each",
-                      dims=[DimRef(input=name, dim=0, scale=side * side) for name in ("prompt", "prompt_pos")]),
-        QuantityLimit(quantity="object_pointer_frames", low=1, high=max_ptrs,
-                      evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, hidden_dim // mem_dim = {per_pointer} "
-                               "tokens per pointer",
-                      dims=[DimRef(input=name, dim=0, scale=per_pointer) for name in ("prompt", "prompt_pos")]),
+        QuantityLimit(
+            quantity="memory_frames",
+            low=1,
+            high=maskmem,
+            evidence=f"{where}: the conditioning frame + num_maskmem-1={maskmem - 1} previous frames, "
+            f"{side}x{side} tokens each",
+            dims=[DimRef(input=name, dim=0, scale=side * side) for name in ("prompt", "prompt_pos")],
+        ),
+        QuantityLimit(
+            quantity="object_pointer_frames",
+            low=1,
+            high=max_ptrs,
+            evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, hidden_dim // mem_dim = {per_pointer} "
+            "tokens per pointer",
+            dims=[DimRef(input=name, dim=0, scale=per_pointer) for name in ("prompt", "prompt_pos")],
+        ),
     ]
     if int(tracker.memory_temporal_stride_for_eval) != 1 or getattr(tracker, "use_memory_selection", False):
         return limits  # other memory layouts: the ranges alone
@@ -679,4 +829,5 @@ def memory_schedule(maskmem: int, max_ptrs: int, where: str) -> QuantitySchedule
         quantities=["memory_frames", "object_pointer_frames"],
         rows=[[min(t, maskmem), min(t, max_ptrs)] for t in range(1, max(maskmem, max_ptrs) + 1)],
         evidence=f"frame t after one conditioning frame: min(t, num_maskmem={maskmem}) memory frames, "
-                 f"min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where})")
+        f"min(t, max_obj_ptrs_in_encoder={max_ptrs}) pointer frames ({where})",
+    )

@@ -22,8 +22,9 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from unittest import mock
 
 import torch
@@ -46,8 +47,10 @@ from omskills.source.portability import HOST_DEPENDENT_IMPORTS, DevicePortabilit
 
 SOURCE_ENV = "OMSKILLS_SAM31_SOURCE"
 MULTIPLEX_PREDICTOR_FILE = Path("sam3") / "model" / "sam3_multiplex_video_predictor.py"
-CLONE_HINT = ("git clone https://github.com/facebookresearch/sam3 at a revision with SAM 3.1 "
-              f"(Object Multiplex, 2026-03-27 or later: it has {MULTIPLEX_PREDICTOR_FILE})")
+CLONE_HINT = (
+    "git clone https://github.com/facebookresearch/sam3 at a revision with SAM 3.1 "
+    f"(Object Multiplex, 2026-03-27 or later: it has {MULTIPLEX_PREDICTOR_FILE})"
+)
 BUILDER = "build_sam3_multiplex_video_predictor"
 
 # Tiny scale: the same classes built by Meta's builder helpers, with small widths/depths.
@@ -89,8 +92,10 @@ def use_checkout(root: Path) -> None:
     if loaded is not None:
         origin = Path(getattr(loaded, "__file__", None) or "<namespace>").resolve()
         if not origin.is_relative_to(root):
-            raise InputError(f"intake.model.source: a different sam3 package is already imported in this process "
-                             f"({origin}); run SAM 3.1 from a fresh process so {root / 'sam3'} is the one imported")
+            raise InputError(
+                f"intake.model.source: a different sam3 package is already imported in this process "
+                f"({origin}); run SAM 3.1 from a fresh process so {root / 'sam3'} is the one imported"
+            )
     entry = str(root)
     if entry in sys.path:
         sys.path.remove(entry)
@@ -112,7 +117,9 @@ def scaled_builder(model_builder: Any, scale: str) -> Iterator[list[str]]:
         stack.enter_context(mock.patch.object(model_builder, "download_ckpt_from_hf", no_download))
         if scale == "tiny":
             for name, overrides in TINY_OVERRIDES.items():
-                stack.enter_context(mock.patch.object(model_builder, name, _with_overrides(getattr(model_builder, name), overrides)))
+                stack.enter_context(
+                    mock.patch.object(model_builder, name, _with_overrides(getattr(model_builder, name), overrides))
+                )
         yield called
 
 
@@ -127,8 +134,13 @@ def _fp32_addmm_act(original: Callable[..., Any]) -> Callable[..., tuple[bool, A
 
 
 SAM31_FIXES = SAM3_FIXES + (
-    FunctionFix("sam3.model.vitdet", "addmm_act", "bf16_cast",
-                "ViT MLP addmm_act: fp32 linear + activation instead of the bf16 fused kernel", _fp32_addmm_act),
+    FunctionFix(
+        "sam3.model.vitdet",
+        "addmm_act",
+        "bf16_cast",
+        "ViT MLP addmm_act: fp32 linear + activation instead of the bf16 fused kernel",
+        _fp32_addmm_act,
+    ),
 )
 
 
@@ -147,7 +159,9 @@ class MultiplexForcedDetections(ForcedDetections):
         super().__init__(model, k, prompt_frame)
         self._nms_frames: list[int] = []
 
-    def _chunk(self, original: Callable[..., Any], frames_of: Callable[[dict[str, Any]], list[int]]) -> Callable[..., Any]:
+    def _chunk(
+        self, original: Callable[..., Any], frames_of: Callable[[dict[str, Any]], list[int]]
+    ) -> Callable[..., Any]:
         @functools.wraps(original)
         def chunk(*args: Any, **kwargs: Any) -> Any:
             self._nms_frames = frames_of(kwargs)
@@ -160,8 +174,20 @@ class MultiplexForcedDetections(ForcedDetections):
 
     def _nms(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def nms_masks(pred_probs: torch.Tensor, pred_masks: torch.Tensor, prob_threshold: float, iou_threshold: float, **kwargs: Any) -> torch.Tensor:
-            keep = original(pred_probs=pred_probs, pred_masks=pred_masks, prob_threshold=prob_threshold, iou_threshold=iou_threshold, **kwargs)
+        def nms_masks(
+            pred_probs: torch.Tensor,
+            pred_masks: torch.Tensor,
+            prob_threshold: float,
+            iou_threshold: float,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            keep = original(
+                pred_probs=pred_probs,
+                pred_masks=pred_masks,
+                prob_threshold=prob_threshold,
+                iou_threshold=iou_threshold,
+                **kwargs,
+            )
             if self.prompt_frame not in self._nms_frames or pred_probs.numel() == 0:
                 return keep
             row = self._nms_frames.index(self.prompt_frame)
@@ -177,16 +203,22 @@ class MultiplexForcedDetections(ForcedDetections):
         return nms_masks
 
     @contextlib.contextmanager
-    def active(self) -> Iterator["MultiplexForcedDetections"]:
+    def active(self) -> Iterator[MultiplexForcedDetections]:
         import sam3.model.sam3_multiplex_detector as detector_module
 
         detector = self.model.detector
-        batched = self._chunk(detector._process_grounding_chunk_batched, lambda kw: list(range(kw["chunk_start"], kw["chunk_end"])))
+        batched = self._chunk(
+            detector._process_grounding_chunk_batched, lambda kw: list(range(kw["chunk_start"], kw["chunk_end"]))
+        )
         ahead = self._chunk(detector._build_multigpu_buffer_next_chunk, lambda kw: [kw["frame_idx_begin"]])
-        with mock.patch.object(detector_module, "nms_masks", self._nms(detector_module.nms_masks)), \
-                mock.patch.object(detector, "_process_grounding_chunk_batched", batched), \
-                mock.patch.object(detector, "_build_multigpu_buffer_next_chunk", ahead), \
-                mock.patch.object(self.model, "run_backbone_and_detection", self._detection(self.model.run_backbone_and_detection)):
+        with (
+            mock.patch.object(detector_module, "nms_masks", self._nms(detector_module.nms_masks)),
+            mock.patch.object(detector, "_process_grounding_chunk_batched", batched),
+            mock.patch.object(detector, "_build_multigpu_buffer_next_chunk", ahead),
+            mock.patch.object(
+                self.model, "run_backbone_and_detection", self._detection(self.model.run_backbone_and_detection)
+            ),
+        ):
             try:
                 yield self
             finally:
@@ -231,15 +263,25 @@ def _memory_limits(tracker: Any, per_bucket: int) -> list[QuantityLimit | Quanti
     cond = int(tracker.max_cond_frames_in_attn)
     where = "sam3/model/video_tracking_multiplex.py"
     limits: list[QuantityLimit | QuantitySchedule] = [
-        QuantityLimit(quantity="memory_frames", low=1, high=maskmem - 1 + cond,
-                      evidence=f"{where}: up to max_cond_frames_in_attn={cond} conditioning frames + "
-                               f"num_maskmem-1={maskmem - 1} previous frames, {side}x{side} tokens each",
-                      dims=[DimRef(input=name, dim=0, scale=side * side)
-                            for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")]),
-        QuantityLimit(quantity="object_pointer_frames", low=1, high=max_ptrs,
-                      evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, multiplex_count={per_bucket} "
-                               "pointer tokens per frame",
-                      dims=[DimRef(input=name, dim=0, scale=per_bucket) for name in ("memory", "memory_pos")]),
+        QuantityLimit(
+            quantity="memory_frames",
+            low=1,
+            high=maskmem - 1 + cond,
+            evidence=f"{where}: up to max_cond_frames_in_attn={cond} conditioning frames + "
+            f"num_maskmem-1={maskmem - 1} previous frames, {side}x{side} tokens each",
+            dims=[
+                DimRef(input=name, dim=0, scale=side * side)
+                for name in ("memory_image", "memory_image_pos", "memory", "memory_pos")
+            ],
+        ),
+        QuantityLimit(
+            quantity="object_pointer_frames",
+            low=1,
+            high=max_ptrs,
+            evidence=f"{where}: max_obj_ptrs_in_encoder={max_ptrs}, multiplex_count={per_bucket} "
+            "pointer tokens per frame",
+            dims=[DimRef(input=name, dim=0, scale=per_bucket) for name in ("memory", "memory_pos")],
+        ),
     ]
     if int(tracker.memory_temporal_stride_for_eval) == 1:
         # Forward (or reverse) propagation from one conditioning frame; other prompt layouts fall back.
@@ -249,7 +291,9 @@ def _memory_limits(tracker: Any, per_bucket: int) -> list[QuantityLimit | Quanti
 
 class Sam31Driver(SamVideoDriver):
     family = "sam3.1"
-    description = "SAM 3.1 (Object Multiplex) from a checkout of Meta's sam3 repository: text-prompted video segmentation"
+    description = (
+        "SAM 3.1 (Object Multiplex) from a checkout of Meta's sam3 repository: text-prompted video segmentation"
+    )
     source_env = SOURCE_ENV
     builder_args_set_here = ("checkpoint_path", "bpe_path")
 
@@ -262,7 +306,9 @@ class Sam31Driver(SamVideoDriver):
     def load(self, spec: ModelSpec) -> LoadedModel:
         builder_name = self.builder_name(spec)
         if builder_name != BUILDER:
-            raise TaskRecordError(f"intake.model.builder: the sam3.1 driver builds with {BUILDER}, not {builder_name!r}")
+            raise TaskRecordError(
+                f"intake.model.builder: the sam3.1 driver builds with {BUILDER}, not {builder_name!r}"
+            )
         if spec.checkpoint is not None and not Path(spec.checkpoint).is_file():
             raise InputError(f"intake.model.checkpoint: checkpoint file not found: {spec.checkpoint}")
         source_root = self.source_root(spec)
@@ -279,9 +325,16 @@ class Sam31Driver(SamVideoDriver):
             model_builder = importlib.import_module("sam3.model_builder")
             builder = getattr(model_builder, BUILDER, None)
             if builder is None:
-                raise InputError(f"intake.model.source: {source_root} has no sam3.model_builder.{BUILDER}: {CLONE_HINT}")
-            with scaled_builder(model_builder, spec.scale) as downloads, deterministic_uninitialised(spec.seed) as filled:
-                predictor = builder(checkpoint_path=spec.checkpoint, bpe_path=str(bpe_vocabulary_path()), **spec.builder_kwargs)
+                raise InputError(
+                    f"intake.model.source: {source_root} has no sam3.model_builder.{BUILDER}: {CLONE_HINT}"
+                )
+            with (
+                scaled_builder(model_builder, spec.scale) as downloads,
+                deterministic_uninitialised(spec.seed) as filled,
+            ):
+                predictor = builder(
+                    checkpoint_path=spec.checkpoint, bpe_path=str(bpe_vocabulary_path()), **spec.builder_kwargs
+                )
             model = predictor.model.eval()
         fixed = reinit_non_finite(model, spec.seed)
         if spec.checkpoint is None:
@@ -290,16 +343,24 @@ class Sam31Driver(SamVideoDriver):
             notes.append(f"hub download of the {downloads[0]} checkpoint refused (no checkpoint given: random weights)")
         if fixed:
             notes.append(f"re-initialised non-finite parameters: {', '.join(fixed)}")
-        return LoadedModel(entry=predictor, root=model, source_root=source_root,
-                           weights=spec.checkpoint or "random", portability=portability, notes=notes)
+        return LoadedModel(
+            entry=predictor,
+            root=model,
+            source_root=source_root,
+            weights=spec.checkpoint or "random",
+            portability=portability,
+            notes=notes,
+        )
 
     @contextlib.contextmanager
     def _session_patches(self, loaded: LoadedModel, notes: list[str]) -> Iterator[None]:
         with _init_state_accepting_known_kwargs(loaded.root) as dropped:
             yield
         if dropped:
-            notes.append(f"source mismatch worked around: start_session passes {', '.join(sorted(dropped))} "
-                         f"which {type(loaded.root).__name__}.init_state does not accept (dropped)")
+            notes.append(
+                f"source mismatch worked around: start_session passes {', '.join(sorted(dropped))} "
+                f"which {type(loaded.root).__name__}.init_state does not accept (dropped)"
+            )
 
     @contextlib.contextmanager
     def _verification(self, model: Any, verification: SamVerification) -> Iterator[MultiplexForcedDetections | None]:
@@ -313,7 +374,9 @@ class Sam31Driver(SamVideoDriver):
                     stack.callback(decoder.register_forward_hook(_visible_objects).remove)
             forced = None
             if verification.force_top_k_detections > 0:
-                forced = stack.enter_context(MultiplexForcedDetections(model, verification.force_top_k_detections).active())
+                forced = stack.enter_context(
+                    MultiplexForcedDetections(model, verification.force_top_k_detections).active()
+                )
             yield forced
 
     def pytree_types(self, loaded: LoadedModel) -> list[type]:
@@ -328,33 +391,67 @@ class Sam31Driver(SamVideoDriver):
         tokenizer = loaded.root.detector.backbone.language_backbone.tokenizer
         return [
             ProvenanceSource(type(tokenizer), "__call__", "input", f"{type(tokenizer).__name__} (text prompt tokens)"),
-            ProvenanceSource(tracking, "load_resource_as_video_frames", "input", "video frames (load_resource_as_video_frames)"),
+            ProvenanceSource(
+                tracking, "load_resource_as_video_frames", "input", "video frames (load_resource_as_video_frames)"
+            ),
         ]
 
     def seed_candidates(self) -> list[SeedCandidate]:
         return [
-            SeedCandidate("text_encoder", "detector.backbone.language_backbone.encoder",
-                          "CLIP-style text transformer (tokens -> text features); the tokenizer stays in Python", "text_encoder"),
-            SeedCandidate("vision_backbone", "detector.backbone.vision_backbone",
-                          "ViT trunk + TriHead ViTDet neck (detector, interactive and propagation heads; NestedTensor outputs), "
-                          "once per frame", "vision_backbone"),
+            SeedCandidate(
+                "text_encoder",
+                "detector.backbone.language_backbone.encoder",
+                "CLIP-style text transformer (tokens -> text features); the tokenizer stays in Python",
+                "text_encoder",
+            ),
+            SeedCandidate(
+                "vision_backbone",
+                "detector.backbone.vision_backbone",
+                "ViT trunk + TriHead ViTDet neck (detector, interactive and propagation heads; NestedTensor outputs), "
+                "once per frame",
+                "vision_backbone",
+            ),
             # The detector calls its transformer's encoder and decoder separately (no wrapper call).
-            SeedCandidate("grounding_encoder", "detector.transformer.encoder",
-                          "fusion encoder: image features attend to the text prompt", "detector_grounding"),
-            SeedCandidate("grounding_decoder", "detector.transformer.decoder",
-                          "DETR-style decoder: object queries -> boxes and presence", "detector_grounding"),
-            SeedCandidate("segmentation_head", "detector.segmentation_head",
-                          "pixel decoder + mask head of the detector", "detector_grounding"),
-            SeedCandidate("dot_prod_scoring", "detector.dot_prod_scoring",
-                          "query-text dot-product scores", "detector_grounding"),
-            SeedCandidate("memory_attention", "tracker.model.transformer.encoder",
-                          "decoupled memory attention (TransformerEncoderDecoupledCrossAttention) over past frames' "
-                          "multiplexed memories and object pointers, per frame", "tracker_propagation"),
-            SeedCandidate("mask_decoder", "tracker.model.sam_mask_decoder",
-                          "MultiplexMaskDecoder: masks of the muxed objects, leading dim = bucket count, per frame", "tracker_propagation"),
-            SeedCandidate("mask_memory_encoder", "tracker.model.maskmem_backbone",
-                          "SimpleMaskEncoder: multiplexed masks + condition planes (antialiased resize) -> memory features",
-                          "mask_memory_encoder"),
+            SeedCandidate(
+                "grounding_encoder",
+                "detector.transformer.encoder",
+                "fusion encoder: image features attend to the text prompt",
+                "detector_grounding",
+            ),
+            SeedCandidate(
+                "grounding_decoder",
+                "detector.transformer.decoder",
+                "DETR-style decoder: object queries -> boxes and presence",
+                "detector_grounding",
+            ),
+            SeedCandidate(
+                "segmentation_head",
+                "detector.segmentation_head",
+                "pixel decoder + mask head of the detector",
+                "detector_grounding",
+            ),
+            SeedCandidate(
+                "dot_prod_scoring", "detector.dot_prod_scoring", "query-text dot-product scores", "detector_grounding"
+            ),
+            SeedCandidate(
+                "memory_attention",
+                "tracker.model.transformer.encoder",
+                "decoupled memory attention (TransformerEncoderDecoupledCrossAttention) over past frames' "
+                "multiplexed memories and object pointers, per frame",
+                "tracker_propagation",
+            ),
+            SeedCandidate(
+                "mask_decoder",
+                "tracker.model.sam_mask_decoder",
+                "MultiplexMaskDecoder: masks of the muxed objects, leading dim = bucket count, per frame",
+                "tracker_propagation",
+            ),
+            SeedCandidate(
+                "mask_memory_encoder",
+                "tracker.model.maskmem_backbone",
+                "SimpleMaskEncoder: multiplexed masks + condition planes (antialiased resize) -> memory features",
+                "mask_memory_encoder",
+            ),
         ]
 
     def source_limits(self, loaded: LoadedModel) -> dict[str, list[QuantityLimit | QuantitySchedule]]:
@@ -369,23 +466,40 @@ class Sam31Driver(SamVideoDriver):
         max_objects = int(loaded.root.max_num_objects)
 
         def buckets(*dims: tuple[str, int]) -> QuantityLimit:
-            return QuantityLimit(quantity="num_buckets", low=1, high=-(-max_objects // per_bucket),
-                                 evidence=f"ceil(max_num_objects {max_objects} / multiplex_count {per_bucket})",
-                                 dims=[DimRef(input=name, dim=d) for name, d in dims])
+            return QuantityLimit(
+                quantity="num_buckets",
+                low=1,
+                high=-(-max_objects // per_bucket),
+                evidence=f"ceil(max_num_objects {max_objects} / multiplex_count {per_bucket})",
+                dims=[DimRef(input=name, dim=d) for name, d in dims],
+            )
 
         return {
-            "mask_decoder": [buckets(("image_embeddings", 0), ("high_res_features_0", 0), ("high_res_features_1", 0),
-                                     ("extra_per_object_embeddings", 0))],
+            "mask_decoder": [
+                buckets(
+                    ("image_embeddings", 0),
+                    ("high_res_features_0", 0),
+                    ("high_res_features_1", 0),
+                    ("extra_per_object_embeddings", 0),
+                )
+            ],
             "mask_memory_encoder": [buckets(("pix_feat", 0), ("masks", 0))],
-            "memory_attention": [*_memory_limits(tracker, per_bucket),
-                                 buckets(("src", 1), ("src_pos", 1), ("memory", 1), ("memory_pos", 1))],
+            "memory_attention": [
+                *_memory_limits(tracker, per_bucket),
+                buckets(("src", 1), ("src_pos", 1), ("memory", 1), ("memory_pos", 1)),
+            ],
         }
 
     def derived_args(self) -> dict[str, dict[str, ShapeDerivedArg]]:
-        return {"memory_attention": {"kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
-            expression="memory.shape[0] - memory_image.shape[0]",
-            evidence="sam3/model/decoder.py:1371 asserts memory.shape[1] - memory_image.shape[1] == num_obj_ptr_tokens "
-                     "(batch first)")}}
+        return {
+            "memory_attention": {
+                "kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
+                    expression="memory.shape[0] - memory_image.shape[0]",
+                    evidence="sam3/model/decoder.py:1371 asserts memory.shape[1] - memory_image.shape[1] == num_obj_ptr_tokens "
+                    "(batch first)",
+                )
+            }
+        }
 
     def control_plane_notes(self) -> list[str]:
         """What stays in Python around the candidates, and why (for the record's control plane)."""

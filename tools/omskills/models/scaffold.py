@@ -24,10 +24,16 @@ NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 class ScaffoldedDriver(BaseModel):
     name: str = Field(description="The driver's name, which prefixes the three files.")
     entry: str = Field(description="The callable that builds the model, as 'package.module:callable'.")
-    driver: str = Field(description="Path of the driver file written (<name>_driver.py: build_model and run_main_path).")
+    driver: str = Field(
+        description="Path of the driver file written (<name>_driver.py: build_model and run_main_path)."
+    )
     task: str = Field(description="Path of the task record written (<name>.yaml), naming the driver file.")
-    test: str = Field(description="Path of the test written (test_<name>_driver.py): validate-driver, then adapt with a passing verdict.")
-    next_steps: list[str] = Field(description="What to do next, in order: edit the driver to call the model as your application does, validate it, adapt.")
+    test: str = Field(
+        description="Path of the test written (test_<name>_driver.py): validate-driver, then adapt with a passing verdict."
+    )
+    next_steps: list[str] = Field(
+        description="What to do next, in order: edit the driver to call the model as your application does, validate it, adapt."
+    )
 
 
 def new_driver(name: str, entry: str, folder: Path, shape: list[int] | None = None) -> ScaffoldedDriver:
@@ -49,19 +55,30 @@ def new_driver(name: str, entry: str, folder: Path, shape: list[int] | None = No
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"out_dir: {folder} is a file, not a folder")
-    files = {"driver": folder / f"{name}_driver.py", "task": folder / f"{name}.yaml", "test": folder / f"test_{name}_driver.py"}
+    files = {
+        "driver": folder / f"{name}_driver.py",
+        "task": folder / f"{name}.yaml",
+        "test": folder / f"test_{name}_driver.py",
+    }
     existing = [str(p) for p in files.values() if p.exists()]
     if existing:
         raise InputError(f"not overwriting {', '.join(existing)}: move them away or choose another name")
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+    )
     values = {"name": name, "module": module, "attribute": attribute, "shape": list(shape)}
     folder.mkdir(parents=True, exist_ok=True)
     for key, template in (("driver", "DRIVER.py.j2"), ("task", "TASK.yaml.j2"), ("test", "test_DRIVER.py.j2")):
         files[key].write_text(env.get_template(template).render(**values))
     return ScaffoldedDriver(
-        name=name, entry=entry, driver=str(files["driver"]), task=str(files["task"]), test=str(files["test"]),
-        next_steps=[f"edit build_model and run_main_path in {files['driver'].name} to call the model as your application does",
-                    f"omskills validate-driver {files['task']}",
-                    f"omskills adapt {files['task']}"],
+        name=name,
+        entry=entry,
+        driver=str(files["driver"]),
+        task=str(files["task"]),
+        test=str(files["test"]),
+        next_steps=[
+            f"edit build_model and run_main_path in {files['driver'].name} to call the model as your application does",
+            f"omskills validate-driver {files['task']}",
+            f"omskills adapt {files['task']}",
+        ],
     )

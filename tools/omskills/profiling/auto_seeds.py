@@ -31,7 +31,7 @@ AUTO_MAX_SEEDS = 12
 
 
 def seed_name(module_path: str) -> str:
-    """"roi_heads.box_head" -> "roi_heads_box_head": a name valid in files, YAML keys and ONNX."""
+    """ "roi_heads.box_head" -> "roi_heads_box_head": a name valid in files, YAML keys and ONNX."""
     return re.sub(r"[^0-9A-Za-z_]+", "_", module_path).strip("_") or "root"
 
 
@@ -48,7 +48,9 @@ def call_depths(profile: ProfileReport) -> dict[str, int]:
         if node.path not in depths:
             depths[node.path] = node.depth  # a caller cycle stops here, at the path's own depth
             caller = by_path.get(node.parent) if node.parent is not None else None
-            depths[node.path] = 0 if node.depth == 0 else (1 if caller is None or caller.depth == 0 else depth(caller) + 1)
+            depths[node.path] = (
+                0 if node.depth == 0 else (1 if caller is None or caller.depth == 0 else depth(caller) + 1)
+            )
         return depths[node.path]
 
     for node in profile.nodes:
@@ -67,12 +69,23 @@ def seeds_from_profile(profile: ProfileReport, named: Collection[str] = ()) -> l
     ranked.sort(key=lambda pair: (pair[0], -pair[1].inclusive_s))
     nodes = [n for _, n in ranked][:AUTO_MAX_SEEDS]
     chosen = {n.path for n in nodes}
-    nodes += [n for n in profile.nodes
-              if seed_name(n.path) in named and n.params_total > 0 and n.path and n.path not in chosen]
-    return [Seed(name=seed_name(n.path), module_path=n.path, group=n.path.split(".")[0],
-                 description=(f"{n.module_class}, {_model_share(n, profile):.1%} of the model's time "
-                              f"({n.share:.1%} of the main path), {n.calls} calls (from the profile)"))
-            for n in nodes]
+    nodes += [
+        n
+        for n in profile.nodes
+        if seed_name(n.path) in named and n.params_total > 0 and n.path and n.path not in chosen
+    ]
+    return [
+        Seed(
+            name=seed_name(n.path),
+            module_path=n.path,
+            group=n.path.split(".")[0],
+            description=(
+                f"{n.module_class}, {_model_share(n, profile):.1%} of the model's time "
+                f"({n.share:.1%} of the main path), {n.calls} calls (from the profile)"
+            ),
+        )
+        for n in nodes
+    ]
 
 
 def why_no_seeds(profile: ProfileReport) -> str:
@@ -80,7 +93,9 @@ def why_no_seeds(profile: ProfileReport) -> str:
     heaviest = sorted((n for _, n in _weighted_subtrees(profile)), key=lambda n: -n.inclusive_s)[:5]
     shown = ", ".join(f"{n.path} {_model_share(n, profile):.1%}" for n in heaviest) or "none was called"
     measured = f" ({'; '.join(profile.notes)})" if profile.notes else ""
-    return (f"a pass of the main path took {profile.total_seconds * 1000:.2f} ms{measured}, "
-            f"{profile.module_seconds * 1000:.2f} ms of it in the model's modules; the heaviest subtrees with "
-            f"parameters within {AUTO_MAX_DEPTH} calls of the root, "
-            f"as shares of the model's time (a seed needs {AUTO_MIN_SHARE:.0%}): {shown}")
+    return (
+        f"a pass of the main path took {profile.total_seconds * 1000:.2f} ms{measured}, "
+        f"{profile.module_seconds * 1000:.2f} ms of it in the model's modules; the heaviest subtrees with "
+        f"parameters within {AUTO_MAX_DEPTH} calls of the root, "
+        f"as shares of the model's time (a seed needs {AUTO_MIN_SHARE:.0%}): {shown}"
+    )

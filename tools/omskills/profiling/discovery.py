@@ -26,10 +26,9 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
-from torch import nn
-
 from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.profile import ModuleProfile, ProfileReport
+from torch import nn
 
 MIN_TIMED_SECONDS = 1.0
 MIN_WARM_PASSES = 5
@@ -50,13 +49,16 @@ def discovery_profile(root: nn.Module, run_pass: Callable[[ModuleProfiler], Run]
         return profiler.report(), first
     warm: list[ProfileReport] = []
     with one_intra_op_thread():
-        while len(warm) < MAX_PASSES and (len(warm) < MIN_WARM_PASSES or sum(r.total_seconds for r in warm) < MIN_TIMED_SECONDS):
+        while len(warm) < MAX_PASSES and (
+            len(warm) < MIN_WARM_PASSES or sum(r.total_seconds for r in warm) < MIN_TIMED_SECONDS
+        ):
             one = ModuleProfiler(root)
             with one:
                 run_pass(one)
             warm.append(one.report())
-    note = (f"median of {len(warm)} warm passes on one thread after a first pass of "
-            f"{profiler.total_seconds * 1000:.0f} ms")
+    note = (
+        f"median of {len(warm)} warm passes on one thread after a first pass of {profiler.total_seconds * 1000:.0f} ms"
+    )
     return median_profile(warm, note), first
 
 
@@ -82,12 +84,18 @@ def median_profile(passes: list[ProfileReport], note: str) -> ProfileReport:
     missing = [0.0] * len(passes)
 
     def med(nodes: list[ModuleProfile], field: str) -> float:
-        return median([getattr(n, field) for n in nodes] + missing[len(nodes):])
+        return median([getattr(n, field) for n in nodes] + missing[len(nodes) :])
 
-    nodes = [seen[0].model_copy(update={f: med(seen, f) for f in ("inclusive_s", "exclusive_s", "share", "exclusive_share")})
-             for seen in by_path.values()]
+    nodes = [
+        seen[0].model_copy(update={f: med(seen, f) for f in ("inclusive_s", "exclusive_s", "share", "exclusive_share")})
+        for seen in by_path.values()
+    ]
     first = passes[0]
-    return first.model_copy(update={
-        "total_seconds": median(r.total_seconds for r in passes),
-        "module_seconds": median(r.module_seconds for r in passes),
-        "nodes": nodes, "notes": [note]})
+    return first.model_copy(
+        update={
+            "total_seconds": median(r.total_seconds for r in passes),
+            "module_seconds": median(r.module_seconds for r in passes),
+            "nodes": nodes,
+            "notes": [note],
+        }
+    )

@@ -75,7 +75,7 @@ class ModuleProfiler:
             self._prompts += 1
 
     # -- context ---------------------------------------------------------------------------
-    def __enter__(self) -> "ModuleProfiler":
+    def __enter__(self) -> ModuleProfiler:
         try:
             for path, module in self._paths:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(path)))
@@ -157,7 +157,9 @@ class ModuleProfiler:
         nodes = [self._node(path, stats, modules[path], total) for path, stats in self._stats.items()]
         kept = {n.path for n in nodes if n.depth <= self.kept_depth or n.share >= self.min_share}
         dropped = [n for n in nodes if n.path not in kept]
-        kept_nodes = [n.model_copy(update={"parent": self._kept_parent(n.parent, kept)}) for n in nodes if n.path in kept]
+        kept_nodes = [
+            n.model_copy(update={"parent": self._kept_parent(n.parent, kept)}) for n in nodes if n.path in kept
+        ]
         return ProfileReport(
             total_seconds=total,
             module_seconds=self._top_level_s,

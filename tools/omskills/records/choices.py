@@ -20,8 +20,15 @@ from pydantic import Field
 # --precision_mode values documented for ATC (CANN 8.0 guide, `--precision_mode`); force_fp16 is
 # the default for inference.
 PrecisionMode = Literal[
-    "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16", "must_keep_origin_dtype",
-    "allow_mix_precision", "allow_mix_precision_fp16", "allow_mix_precision_bf16", "allow_fp32_to_bf16",
+    "force_fp16",
+    "force_fp32",
+    "cube_fp16in_fp32out",
+    "allow_fp32_to_fp16",
+    "must_keep_origin_dtype",
+    "allow_mix_precision",
+    "allow_mix_precision_fp16",
+    "allow_mix_precision_bf16",
+    "allow_fp32_to_bf16",
 ]
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
 
@@ -30,8 +37,13 @@ Soc = Literal[KNOWN_SOCS]  # type: ignore[valid-type]
 
 # The ATC precision modes emulated on CPU: omskills.ascend.precision_modes.SPEED_ORDER (which imports onnx).
 EmulatedMode = Literal[
-    "force_fp16", "allow_mix_precision", "allow_mix_precision_fp16", "allow_fp32_to_fp16",
-    "force_fp32", "cube_fp16in_fp32out", "must_keep_origin_dtype",
+    "force_fp16",
+    "allow_mix_precision",
+    "allow_mix_precision_fp16",
+    "allow_fp32_to_fp16",
+    "force_fp32",
+    "cube_fp16in_fp32out",
+    "must_keep_origin_dtype",
 ]
 
 # What compare_layers sets the fp32 ONNX against.
@@ -43,10 +55,22 @@ VerifyPrecision = Literal["fp32", "emulated"]
 
 # The `candidate` argument of the per-candidate tools (export_onnx ... convert_atc): a free name, since
 # the plan decides which exist (the MCP server completes it from the task record).
-CandidateName = Annotated[SafeName | None, Field(description="One candidate (graph) to work on, as plan_candidates names "
-                                                             "it; default: the plan's first batch.")]
+CandidateName = Annotated[
+    SafeName | None,
+    Field(
+        description="One candidate (graph) to work on, as plan_candidates names it; default: the plan's first batch."
+    ),
+]
 
 __all__ = [
-    "PRECISION_MODES", "BundleArtifact", "CandidateName", "CompareAgainst", "EmulatedMode", "ExporterName", "PrecisionMode", "Soc",
-    "VariantName", "VerifyPrecision",
+    "PRECISION_MODES",
+    "BundleArtifact",
+    "CandidateName",
+    "CompareAgainst",
+    "EmulatedMode",
+    "ExporterName",
+    "PrecisionMode",
+    "Soc",
+    "VariantName",
+    "VerifyPrecision",
 ]

@@ -71,8 +71,11 @@ class DimRef(Record):
 
 
 _OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
 }
 _FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max}
 
@@ -95,7 +98,12 @@ class ShapeExpression:
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             self._check(node.left)
             self._check(node.right)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _FUNCTIONS
+            and not node.keywords
+        ):
             for arg in node.args:
                 self._check(arg)
         elif isinstance(node, ast.Constant) and type(node.value) is int:
@@ -103,14 +111,21 @@ class ShapeExpression:
         elif self._shape_ref(node) is not None:
             self.names.append(self._shape_ref(node)[0])  # type: ignore[index]
         else:
-            raise ValueError(f"expression {self.text!r}: {ast.unparse(node)!r} is not allowed "
-                             "(use <input>.shape[<k>], integers, + - * // %, min, max)")
+            raise ValueError(
+                f"expression {self.text!r}: {ast.unparse(node)!r} is not allowed "
+                "(use <input>.shape[<k>], integers, + - * // %, min, max)"
+            )
 
     @staticmethod
     def _shape_ref(node: ast.AST) -> tuple[str, int] | None:
-        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
-                and isinstance(node.value.value, ast.Name) and isinstance(node.slice, ast.Constant)
-                and type(node.slice.value) is int):
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "shape"
+            and isinstance(node.value.value, ast.Name)
+            and isinstance(node.slice, ast.Constant)
+            and type(node.slice.value) is int
+        ):
             return node.value.value.id, node.slice.value
         return None
 
@@ -238,14 +253,18 @@ class ContractSpec(Record):
         for index, spec in enumerate(self.inputs):
             if ref in (spec.name, spec.tree_path):
                 return index
-        raise KeyError(f"candidate {self.candidate} has no tensor input named {ref!r} "
-                       f"(inputs: {', '.join(s.name for s in self.inputs)})")
+        raise KeyError(
+            f"candidate {self.candidate} has no tensor input named {ref!r} "
+            f"(inputs: {', '.join(s.name for s in self.inputs)})"
+        )
 
     def call_values(self, constants: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
         """Each non-tensor argument of one call: its bound constant, or its value derived from the
         shapes of `tensors` (the call's tensor inputs, in contract order)."""
-        return [arg.derived.value(lambda ref: tensors[self.input_index(ref)].shape) if arg.derived else constant
-                for arg, constant in zip(self.non_tensor_args, constants)]
+        return [
+            arg.derived.value(lambda ref: tensors[self.input_index(ref)].shape) if arg.derived else constant
+            for arg, constant in zip(self.non_tensor_args, constants)
+        ]
 
 
 class QuantityLimit(Record):
@@ -274,7 +293,7 @@ class QuantitySchedule(Record):
     evidence: str = ""
 
     @model_validator(mode="after")
-    def _rows_fit(self) -> "QuantitySchedule":
+    def _rows_fit(self) -> QuantitySchedule:
         bad = [row for row in self.rows if len(row) != len(self.quantities)]
         if bad or not self.rows:
             raise ValueError(f"rows: each row needs one value per quantity {self.quantities}; got {self.rows}")
@@ -296,15 +315,22 @@ class ShapeStrategy(Record):
 
     def serves(self) -> str:
         """The input sizes a graph built with this strategy takes, in a line: `x 1x3x[96..320]x[96..320]`."""
+
         def dims_of(name: str, shape: list[int]) -> str:
             ranges = self.ranges.get(name)
-            sizes = [f"[{ranges[k][0]}..{ranges[k][1]}]" if size == -1 and ranges and ranges[k][0] != ranges[k][1]
-                     else str(ranges[k][0] if size == -1 and ranges else size) for k, size in enumerate(shape)]
+            sizes = [
+                f"[{ranges[k][0]}..{ranges[k][1]}]"
+                if size == -1 and ranges and ranges[k][0] != ranges[k][1]
+                else str(ranges[k][0] if size == -1 and ranges else size)
+                for k, size in enumerate(shape)
+            ]
             return f"{name} {'x'.join(sizes) or 'scalar'}"
 
         shapes = "; ".join(dims_of(name, shape) for name, shape in self.input_shapes.items())
         if self.kind in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims"):
-            values = ", ".join("x".join(map(str, gear)) for gear in self.gears[:12]) + (" ..." if len(self.gears) > 12 else "")
+            values = ", ".join("x".join(map(str, gear)) for gear in self.gears[:12]) + (
+                " ..." if len(self.gears) > 12 else ""
+            )
             unit = {"dynamic_batch_size": "batch", "dynamic_image_size": "HxW", "dynamic_dims": "-1 dims"}[self.kind]
             return f"{shapes}; {unit} in {{{values}}} ({len(self.gears)} gears)"
         return shapes

@@ -8,7 +8,17 @@ from omskills.records.base import Record
 from pydantic import Field
 
 StageName = Literal["inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify"]
-STAGES: tuple[StageName, ...] = ("inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify")
+STAGES: tuple[StageName, ...] = (
+    "inventory",
+    "profile",
+    "contracts",
+    "export",
+    "optimize",
+    "precheck",
+    "atc",
+    "om_run",
+    "verify",
+)
 
 
 class PackageProbe(Record):
@@ -51,20 +61,40 @@ class StageCapability(Record):
 class EnvironmentReport(Record):
     probed_at: str = Field(description="When this machine was probed (UTC, ISO 8601).")
     python: str = Field(description="The Python version and the interpreter's path.")
-    platform: str = Field(description="The operating system, its release and the machine's architecture (platform.platform()).")
-    torch: TorchProbe = Field(description="torch's version (null when it does not import), whether it sees a CUDA device and whether torch_npu imports.")
+    platform: str = Field(
+        description="The operating system, its release and the machine's architecture (platform.platform())."
+    )
+    torch: TorchProbe = Field(
+        description="torch's version (null when it does not import), whether it sees a CUDA device and whether torch_npu imports."
+    )
     packages: list[PackageProbe] = Field(
-        description="onnx, onnxruntime, onnxscript, onnxslim, auto_optimizer, ais_bench and aclruntime: whether each imports, its version, why not.")
-    onnxruntime_providers: list[str] = Field(default_factory=list, description="ONNX Runtime's available execution providers; empty when onnxruntime does not import.")
+        description="onnx, onnxruntime, onnxscript, onnxslim, auto_optimizer, ais_bench and aclruntime: whether each imports, its version, why not."
+    )
+    onnxruntime_providers: list[str] = Field(
+        default_factory=list,
+        description="ONNX Runtime's available execution providers; empty when onnxruntime does not import.",
+    )
     atc: str | None = Field(None, description="Path of the `atc` executable when it is on PATH; null otherwise.")
-    cann: CannProbe = Field(description="The CANN toolkit found, if any: its home, set_env.sh and version, and the folders searched.")
+    cann: CannProbe = Field(
+        description="The CANN toolkit found, if any: its home, set_env.sh and version, and the folders searched."
+    )
     npu: NpuProbe = Field(description="Where npu-smi is and the NPU SoC it reports, or why no NPU was seen.")
-    stages: list[StageCapability] = Field(description="Per adaptation stage (inventory to verify): whether it can run here, and why or why not.")
+    stages: list[StageCapability] = Field(
+        description="Per adaptation stage (inventory to verify): whether it can run here, and why or why not."
+    )
     backends: list[str] = Field(
-        description="Backends the verification can run graphs on: 'onnxruntime:<provider>' per provider, and 'om' when an NPU can run OM files.")
-    notes: list[str] = Field(default_factory=list, description="Where the intake's target differs from this machine (its SoC, its CANN version).")
-    checked: list[str] = Field(default_factory=list, description=(
-        "What the gate checked of the task before probing, one line each: the input files (a video's frames), the builder, the checkpoint and its keys."))
+        description="Backends the verification can run graphs on: 'onnxruntime:<provider>' per provider, and 'om' when an NPU can run OM files."
+    )
+    notes: list[str] = Field(
+        default_factory=list,
+        description="Where the intake's target differs from this machine (its SoC, its CANN version).",
+    )
+    checked: list[str] = Field(
+        default_factory=list,
+        description=(
+            "What the gate checked of the task before probing, one line each: the input files (a video's frames), the builder, the checkpoint and its keys."
+        ),
+    )
 
     def package(self, name: str) -> PackageProbe | None:
         return next((p for p in self.packages if p.name == name), None)

@@ -25,12 +25,38 @@ INPUT_ROOTS_ENV = "OMSKILLS_INPUT_ROOTS"
 # runtime sources: 310 / 310P / 310B inference chips, 910 (A1), 910B (Atlas A2), 910_93xx (A3).
 KNOWN_SOCS: tuple[str, ...] = (
     "Ascend310",
-    "Ascend310P1", "Ascend310P2", "Ascend310P3", "Ascend310P4", "Ascend310P5", "Ascend310P7",
-    "Ascend310P3vir01", "Ascend310P3vir02", "Ascend310P3vir04", "Ascend310P3vir08",
-    "Ascend310B1", "Ascend310B2", "Ascend310B3", "Ascend310B4",
-    "Ascend910", "Ascend910A", "Ascend910B", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA",
-    "Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1",
-    "Ascend910_9391", "Ascend910_9392", "Ascend910_9381", "Ascend910_9382", "Ascend910_9372", "Ascend910_9362",
+    "Ascend310P1",
+    "Ascend310P2",
+    "Ascend310P3",
+    "Ascend310P4",
+    "Ascend310P5",
+    "Ascend310P7",
+    "Ascend310P3vir01",
+    "Ascend310P3vir02",
+    "Ascend310P3vir04",
+    "Ascend310P3vir08",
+    "Ascend310B1",
+    "Ascend310B2",
+    "Ascend310B3",
+    "Ascend310B4",
+    "Ascend910",
+    "Ascend910A",
+    "Ascend910B",
+    "Ascend910ProA",
+    "Ascend910ProB",
+    "Ascend910PremiumA",
+    "Ascend910B1",
+    "Ascend910B2",
+    "Ascend910B2C",
+    "Ascend910B3",
+    "Ascend910B4",
+    "Ascend910B4-1",
+    "Ascend910_9391",
+    "Ascend910_9392",
+    "Ascend910_9381",
+    "Ascend910_9382",
+    "Ascend910_9372",
+    "Ascend910_9362",
 )
 
 
@@ -54,9 +80,11 @@ class ModelSpec(Record):
     device: str = Field("cpu", pattern=r"^(cpu|cuda|npu)(:[0-9]{1,3})?$")
 
     @model_validator(mode="after")
-    def _names_a_driver(self) -> "ModelSpec":
+    def _names_a_driver(self) -> ModelSpec:
         if not (self.family or self.driver):
-            raise ValueError("set family (a registered driver, see `omskills drivers`) or driver (module:Class or a file)")
+            raise ValueError(
+                "set family (a registered driver, see `omskills drivers`) or driver (module:Class or a file)"
+            )
         return self
 
 
@@ -100,8 +128,15 @@ def allowed_input_roots(workspace: Path, *extra: str | Path | None) -> list[Path
     return roots
 
 
-def confined_path(value: str, field: str, base_dir: Path, roots: list[Path], *,
-                  root_name: str = "the run folder", widened_by_env: bool = True) -> Path:
+def confined_path(
+    value: str,
+    field: str,
+    base_dir: Path,
+    roots: list[Path],
+    *,
+    root_name: str = "the run folder",
+    widened_by_env: bool = True,
+) -> Path:
     """`value` (relative to `base_dir`) resolved with its symlinks followed; an InputError naming
     `field` when it leads outside every root, so a record cannot make a tool read any file.
 

@@ -115,7 +115,7 @@ class Inventory(Record):
     def control(self, category: ControlPlaneCategory) -> list[ControlPlaneSite]:
         return [c for c in self.control_plane if c.category == category]
 
-    def merge_runtime_findings(self, findings: list[PortabilityFinding]) -> "Inventory":
+    def merge_runtime_findings(self, findings: list[PortabilityFinding]) -> Inventory:
         """Mark static sites the portability layer touched; add runtime-only sites.
 
         A runtime site matches a static one in the same file when its line falls on the

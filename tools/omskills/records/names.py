@@ -25,8 +25,10 @@ def safe_name(value: str) -> str:
     """`value` when it is a plain file name: letters, digits, `_`, `-`, `.`, no `..`, at most MAX_NAME."""
     if not _SAFE_NAME.fullmatch(value) or ".." in value:
         shown = value if len(value) <= 60 else value[:57] + "..."
-        raise ValueError(f"{shown!r} is not a safe name: letters, digits, '_', '-' and '.' only (no '..'), "
-                         f"starting with a letter, a digit or '_', at most {MAX_NAME} characters")
+        raise ValueError(
+            f"{shown!r} is not a safe name: letters, digits, '_', '-' and '.' only (no '..'), "
+            f"starting with a letter, a digit or '_', at most {MAX_NAME} characters"
+        )
     return value
 
 

@@ -9,8 +9,17 @@ from omskills.records.contracts import QuantityLimit, QuantitySchedule
 from pydantic import Field
 
 CandidateStatus = Literal[
-    "pending", "selected", "deferred", "excluded",
-    "exported", "optimised", "converted", "validated", "integrated", "failed", "fallback",
+    "pending",
+    "selected",
+    "deferred",
+    "excluded",
+    "exported",
+    "optimised",
+    "converted",
+    "validated",
+    "integrated",
+    "failed",
+    "fallback",
 ]
 
 
@@ -39,14 +48,27 @@ class Candidate(Record):
 
 
 class Plan(Record):
-    candidates: list[Candidate] = Field(description=(
-        "Every seed candidate, highest score (share x boundary clarity x state factor) first, with its status and the reason for it."))
-    first_batch: list[str] = Field(description=(
-        "The candidates to adapt first: exportable, at or above the minimum share of main-path time the rationale names "
-        "(or named in intake.target.deploy), not named in intake.target.defer, and not inside another selected one."))
-    rationale: str = Field(description="How the first batch was chosen, and the share of main-path wall time it covers.")
-    report_path: str | None = Field(None, description="Run-folder path of the inventory report (plan/inventory_report.md).")
-    chart_path: str | None = Field(None, description="Run-folder path of the compute-share chart (plan/compute_share.png); null when none was drawn.")
+    candidates: list[Candidate] = Field(
+        description=(
+            "Every seed candidate, highest score (share x boundary clarity x state factor) first, with its status and the reason for it."
+        )
+    )
+    first_batch: list[str] = Field(
+        description=(
+            "The candidates to adapt first: exportable, at or above the minimum share of main-path time the rationale names "
+            "(or named in intake.target.deploy), not named in intake.target.defer, and not inside another selected one."
+        )
+    )
+    rationale: str = Field(
+        description="How the first batch was chosen, and the share of main-path wall time it covers."
+    )
+    report_path: str | None = Field(
+        None, description="Run-folder path of the inventory report (plan/inventory_report.md)."
+    )
+    chart_path: str | None = Field(
+        None,
+        description="Run-folder path of the compute-share chart (plan/compute_share.png); null when none was drawn.",
+    )
 
     def candidate(self, name: str) -> Candidate | None:
         return next((c for c in self.candidates if c.name == name), None)

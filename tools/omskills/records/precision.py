@@ -72,23 +72,51 @@ class LayerComparison(Record):
 
     model: str = Field(description="Run-folder path of the ONNX graph compared.")
     reference: str = Field(description="The baseline run: the graph in fp32 on ONNX Runtime (CPU).")
-    candidate: str = Field(description=(
-        "The run judged against it: a precision mode emulated (with how many nodes kept), an NPU dump's folder, or a PyTorch module."))
+    candidate: str = Field(
+        description=(
+            "The run judged against it: a precision mode emulated (with how many nodes kept), an NPU dump's folder, or a PyTorch module."
+        )
+    )
     backend: str = Field(description="What computed the judged run; an emulation says it is not an NPU result.")
     nodes_compared: int = Field(description="Nodes whose float outputs were compared.")
-    nodes_flagged: int = Field(description="Compared nodes whose worst output crosses the node gate (cosine under it, an overflow or a NaN).")
-    first: LayerFinding | None = Field(None, description=(
-        "The first flagged node in graph order, and whether its error is local, accumulated or undetermined; null when none is flagged."))
-    outputs: list[TensorError] = Field(default_factory=list, description=(
-        "The graph's outputs, judged run against fp32: cosine, max abs difference, overflowed and NaN elements (against a dump, the outputs it kept)."))
-    outputs_pass: bool = Field(description=(
-        "Whether every compared graph output meets the output gate (its cosine, no overflow, no NaN); with no output compared, whether no node is flagged."))
-    overflow: int = Field(0, description="Elements infinite in the judged run and finite in fp32, summed over each compared node's worst output.")
-    unmatched: int = Field(0, description=(
-        "Tensors of the other run that match no float node output, or whose shape cannot be brought to it (a fused op's output, "
-        "a layout ATC changed); a few are named in notes. 0 for an emulation."))
-    notes: list[str] = Field(default_factory=list, description="What the comparison left out or assumed (unmatched tensors, dump files skipped, the sample the OM ran on).")
-    flagged: list[NodeComparison] = Field(default_factory=list, description="The flagged nodes, lowest cosine first (at most 50).")
+    nodes_flagged: int = Field(
+        description="Compared nodes whose worst output crosses the node gate (cosine under it, an overflow or a NaN)."
+    )
+    first: LayerFinding | None = Field(
+        None,
+        description=(
+            "The first flagged node in graph order, and whether its error is local, accumulated or undetermined; null when none is flagged."
+        ),
+    )
+    outputs: list[TensorError] = Field(
+        default_factory=list,
+        description=(
+            "The graph's outputs, judged run against fp32: cosine, max abs difference, overflowed and NaN elements (against a dump, the outputs it kept)."
+        ),
+    )
+    outputs_pass: bool = Field(
+        description=(
+            "Whether every compared graph output meets the output gate (its cosine, no overflow, no NaN); with no output compared, whether no node is flagged."
+        )
+    )
+    overflow: int = Field(
+        0,
+        description="Elements infinite in the judged run and finite in fp32, summed over each compared node's worst output.",
+    )
+    unmatched: int = Field(
+        0,
+        description=(
+            "Tensors of the other run that match no float node output, or whose shape cannot be brought to it (a fused op's output, "
+            "a layout ATC changed); a few are named in notes. 0 for an emulation."
+        ),
+    )
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What the comparison left out or assumed (unmatched tensors, dump files skipped, the sample the OM ran on).",
+    )
+    flagged: list[NodeComparison] = Field(
+        default_factory=list, description="The flagged nodes, lowest cosine first (at most 50)."
+    )
 
 
 class EmulatedResult(Record):
@@ -150,18 +178,31 @@ class PrecisionPlan(Record):
     """The ATC precision plan of every deployed graph, checked end to end on the main path with
     every graph in its mode (emulated on CPU, not an NPU result): what passed, what moved, why."""
 
-    verdict: Literal["pass", "fail"] = Field(description=(
-        "pass: the main path, every graph emulated in `modes`, passes the driver's checks; fail: no plan did within "
-        "the budget of runs (the graphs at fault then convert with must_keep_origin_dtype)."))
+    verdict: Literal["pass", "fail"] = Field(
+        description=(
+            "pass: the main path, every graph emulated in `modes`, passes the driver's checks; fail: no plan did within "
+            "the budget of runs (the graphs at fault then convert with must_keep_origin_dtype)."
+        )
+    )
     modes: dict[str, str] = Field(description="Graph -> the ATC precision mode it converts with (and nodes kept).")
-    moved: dict[str, str] = Field(default_factory=dict, description=(
-        "Graph -> how and why the end-to-end check moved it from the mode its own emulation chose."))
+    moved: dict[str, str] = Field(
+        default_factory=dict,
+        description=("Graph -> how and why the end-to-end check moved it from the mode its own emulation chose."),
+    )
     at_fault: list[str] = Field(default_factory=list, description="Graphs whose emulation alone broke the main path.")
-    narrowed_to: list[str] = Field(default_factory=list, description=(
-        "When the budget ran out before the graphs at fault were found: the fewest graphs a failed run emulated "
-        "(the rest in fp32); the fault is among them."))
-    attempts: list[PlanAttempt] = Field(default_factory=list, description=(
-        "Every spliced run the check made, in order: the chosen modes, the halves of a bisection, each fixed plan."))
+    narrowed_to: list[str] = Field(
+        default_factory=list,
+        description=(
+            "When the budget ran out before the graphs at fault were found: the fewest graphs a failed run emulated "
+            "(the rest in fp32); the fault is among them."
+        ),
+    )
+    attempts: list[PlanAttempt] = Field(
+        default_factory=list,
+        description=(
+            "Every spliced run the check made, in order: the chosen modes, the halves of a bisection, each fixed plan."
+        ),
+    )
     runs: int = Field(description="Spliced main-path runs made (the budget's unit).")
     budget: int = Field(description="The most spliced runs the check was allowed.")
     seconds: float = Field(description="The whole check: the reference run, every attempt, the report.")

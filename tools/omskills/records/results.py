@@ -27,7 +27,9 @@ class ModuleShare(Record):
     module_class: str = Field(description="The module's class name.")
     share: float = Field(description="Share of the main path's time spent inside this module (0..1, inclusive time).")
     calls: int = Field(description="How many times the main path called it.")
-    calls_per_frame: float | None = Field(description="Calls per step of the main path (e.g. per video frame); null without steps.")
+    calls_per_frame: float | None = Field(
+        description="Calls per step of the main path (e.g. per video frame); null without steps."
+    )
 
 
 class ProfileSummary(Record):
@@ -38,23 +40,34 @@ class ProfileSummary(Record):
     control_plane_seconds: float = Field(description="Seconds spent outside every module (Python control plane).")
     top_modules: list[ModuleShare] = Field(description="The heaviest modules by inclusive time, heaviest first.")
     seeds_from: Literal["driver", "profile"] = Field(
-        description="Where the seed candidates came from: named by the driver, or the heaviest subtrees of a profile-only run.")
-    candidate_shares: dict[str, float] = Field(default_factory=dict, description="Seed candidate name -> share of the main path's time.")
-    main_path_json: str = Field(description="Run-folder path of the JSON with the main path's outputs (the reference for verify).")
+        description="Where the seed candidates came from: named by the driver, or the heaviest subtrees of a profile-only run."
+    )
+    candidate_shares: dict[str, float] = Field(
+        default_factory=dict, description="Seed candidate name -> share of the main path's time."
+    )
+    main_path_json: str = Field(
+        description="Run-folder path of the JSON with the main path's outputs (the reference for verify)."
+    )
 
 
 # --------------------------------------------------------------------------- pipeline-adapter
 
 
 class ContractsResult(Record):
-    contracts: list[ContractSpec] = Field(description="One I/O contract per graph of the selected candidates (tensors, dims that vary, samples).")
+    contracts: list[ContractSpec] = Field(
+        description="One I/O contract per graph of the selected candidates (tensors, dims that vary, samples)."
+    )
     table_path: str = Field(description="Run-folder path of contracts/contracts.md, the contracts as a table.")
 
 
 class BoundariesResult(Record):
-    decisions: list[BoundaryDecision] = Field(description="Per graph: exportability verdict with reasons and the one proposed ATC shape strategy.")
+    decisions: list[BoundaryDecision] = Field(
+        description="Per graph: exportability verdict with reasons and the one proposed ATC shape strategy."
+    )
     table_path: str = Field(description="Run-folder path of contracts/boundaries.md.")
-    control_plane: list[str] = Field(default_factory=list, description="What stays in Python around the graphs (control plane).")
+    control_plane: list[str] = Field(
+        default_factory=list, description="What stays in Python around the graphs (control plane)."
+    )
 
 
 # --------------------------------------------------------------------------- onnx-atc-pipeline batches
@@ -71,10 +84,18 @@ ResultT = TypeVar("ResultT", bound=BaseModel)
 class CandidateBatch(Record, Generic[ResultT]):
     """One step over several candidates: the results, and the candidates that failed with why."""
 
-    results: dict[str, ResultT] = Field(default_factory=dict, description="Candidate (graph) name -> the step's result for it.")
-    failed: list[CandidateFailure] = Field(default_factory=list, description="Candidates whose step failed; the others went on.")
-    skipped: dict[str, str] = Field(default_factory=dict, description=(
-        "Candidates the step did not run for -> why (an earlier step of theirs failed: nothing to work on)."))
+    results: dict[str, ResultT] = Field(
+        default_factory=dict, description="Candidate (graph) name -> the step's result for it."
+    )
+    failed: list[CandidateFailure] = Field(
+        default_factory=list, description="Candidates whose step failed; the others went on."
+    )
+    skipped: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Candidates the step did not run for -> why (an earlier step of theirs failed: nothing to work on)."
+        ),
+    )
 
 
 ExportBatch = CandidateBatch[ExportResult]
@@ -105,14 +126,22 @@ class DriverCheck(BaseModel):
     driver: str | None = Field(default=None, description="The driver class, 'module:Class'.")
     steps: int = Field(default=0, description="Steps the main path ran.")
     step_name: str = Field(default="step", description="What the driver calls one step (e.g. 'frame').")
-    outputs: list[OutputSummary] = Field(default_factory=list, description="The first step's outputs: name, shape, dtype, summary values.")
+    outputs: list[OutputSummary] = Field(
+        default_factory=list, description="The first step's outputs: name, shape, dtype, summary values."
+    )
     comparison: list[str] = Field(default_factory=list, description="Outputs the verification compares.")
     modules: int = Field(default=0, description="nn.Module count of the tiny model.")
     parameters: int = Field(default=0, description="Parameter count of the tiny model.")
-    seeds_from: str | None = Field(default=None, description="Where the seed candidates came from: 'driver' or 'profile'.")
-    candidates: list[CandidateCheck] = Field(default_factory=list, description="Each seed candidate with its share and exportability.")
+    seeds_from: str | None = Field(
+        default=None, description="Where the seed candidates came from: 'driver' or 'profile'."
+    )
+    candidates: list[CandidateCheck] = Field(
+        default_factory=list, description="Each seed candidate with its share and exportability."
+    )
     problems: list[str] = Field(default_factory=list, description="Everything found missing or wrong, one line each.")
-    notes: list[str] = Field(default_factory=list, description="What the driver noted while building and running (not problems).")
+    notes: list[str] = Field(
+        default_factory=list, description="What the driver noted while building and running (not problems)."
+    )
 
 
 # --------------------------------------------------------------------------- write_bundle
@@ -125,10 +154,16 @@ class BundleSummary(Record):
     bytes: int = Field(description="Total size of the bundle in bytes.")
     om_graphs: list[str] = Field(description="Graphs that ship an OM (built by ATC); the others ship ONNX only.")
     not_deployed: dict[str, str] = Field(description="Candidate -> why it is not in the bundle (stays in PyTorch).")
-    required: dict[str, str] = Field(description="What the loader must be given that the bundle does not hold (e.g. a model source checkout).")
-    remembered: dict[str, int] = Field(default_factory=dict, description=(
-        "Graph -> calls whose outputs the bundle carries, computed ahead for the inputs given to --precompute "
-        "(on ONNX Runtime CPU, fp32): the deployed model answers those calls from memory."))
+    required: dict[str, str] = Field(
+        description="What the loader must be given that the bundle does not hold (e.g. a model source checkout)."
+    )
+    remembered: dict[str, int] = Field(
+        default_factory=dict,
+        description=(
+            "Graph -> calls whose outputs the bundle carries, computed ahead for the inputs given to --precompute "
+            "(on ONNX Runtime CPU, fp32): the deployed model answers those calls from memory."
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- drivers (list_drivers)
@@ -137,6 +172,8 @@ class BundleSummary(Record):
 class DriverListing(BaseModel):
     family: str = Field(description="The model family name a task record gives as intake.model.family.")
     reference: str = Field(description="The driver class, as 'package.module:Class'.")
-    origin: str = Field(description="Where the entry comes from: the distribution whose entry point registered it, or code.")
+    origin: str = Field(
+        description="Where the entry comes from: the distribution whose entry point registered it, or code."
+    )
     description: str = Field("", description="What the driver adapts, from its class.")
     error: str | None = Field(None, description="Why the driver cannot be loaded here; null when it loads.")

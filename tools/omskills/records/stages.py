@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 from typing import Literal
 
@@ -35,8 +34,13 @@ class Artifact(Record):
         relative = os.path.relpath(Path(path).absolute(), Path(root).absolute())
         if relative.startswith(".."):
             relative = os.path.relpath(Path(path).resolve(), Path(root).resolve())
-        return cls(path=Path(relative).as_posix(), sha256=sha256_cached(path), bytes=size, mtime_ns=mtime,
-                   quick=quick_digest(path))
+        return cls(
+            path=Path(relative).as_posix(),
+            sha256=sha256_cached(path),
+            bytes=size,
+            mtime_ns=mtime,
+            quick=quick_digest(path),
+        )
 
     def problem(self, root: Path) -> str | None:
         """Why the file is not the one the step wrote (None: it is, or nothing was recorded to tell)."""

@@ -20,8 +20,9 @@ import io
 import json
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 from filelock import FileLock, Timeout
@@ -67,7 +68,8 @@ class _RecordLoader(_Loader):  # type: ignore[misc, valid-type]
             line = key_node.start_mark.line + 1
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (lines {seen[key]} and {line}): keep one", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (lines {seen[key]} and {line}): keep one", key_node.start_mark
+                )
             seen[key] = line
         return super().construct_mapping(node, deep)
 
@@ -106,8 +108,10 @@ def _check_aliases(root: yaml.Node) -> None:
             stack.append((node, True))
             stack.extend((child, False) for child in _children(node))
     if sizes[id(root)] - len(sizes) > MAX_ALIAS_NODES:
-        raise yaml.YAMLError(f"YAML aliases expand the document by {sizes[id(root)] - len(sizes)} nodes, more than "
-                             f"the {MAX_ALIAS_NODES} a task record may hold (it needs none)")
+        raise yaml.YAMLError(
+            f"YAML aliases expand the document by {sizes[id(root)] - len(sizes)} nodes, more than "
+            f"the {MAX_ALIAS_NODES} a task record may hold (it needs none)"
+        )
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
@@ -146,7 +150,7 @@ class TaskRecord(Record):
     _source_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _names_and_paths_stay_in_the_run_folder(self) -> "TaskRecord":
+    def _names_and_paths_stay_in_the_run_folder(self) -> TaskRecord:
         """Every name that becomes a file name and every stored path that is joined to the run
         folder, checked here, once, whoever wrote the record."""
         for where, value in _names(self):
@@ -189,8 +193,9 @@ class TaskRecord(Record):
         for name in self.selected(candidate):
             found = self.contracts_of(name)
             if not found:
-                raise StageError(f"no contract for candidate {name!r}: it was never called on the main path "
-                                 "(run capture_contracts)")
+                raise StageError(
+                    f"no contract for candidate {name!r}: it was never called on the main path (run capture_contracts)"
+                )
             graphs += [c.candidate for c in found]
         return graphs
 
@@ -252,7 +257,9 @@ class TaskRecord(Record):
         for cand in waiting:
             if cand in promoted:
                 cand.status, cand.inside = "selected", None
-                cand.reason = f"{outer} could not be deployed whole, so its parts are ({cand.share:.1%} of main-path time)"
+                cand.reason = (
+                    f"{outer} could not be deployed whole, so its parts are ({cand.share:.1%} of main-path time)"
+                )
                 self.plan.first_batch.append(cand.name)
             else:
                 cand.inside = next(o.name for o in promoted if is_ancestor(o.module_path, cand.module_path))
@@ -276,8 +283,10 @@ class TaskRecord(Record):
 
     def _sibling_failed(self, graph: str, candidate: str) -> bool:
         siblings = {c.candidate for c in self.contracts_of(candidate)} - {graph}
-        return any(len(parts := step.split(":")) > 1 and parts[1] in siblings and result.status == "failed"
-                   for step, result in self.stages.items())
+        return any(
+            len(parts := step.split(":")) > 1 and parts[1] in siblings and result.status == "failed"
+            for step, result in self.stages.items()
+        )
 
     def missing_results(self, step: str) -> list[str]:
         """What a step marked done should have written and the record lacks ("contracts for X"):
@@ -285,8 +294,12 @@ class TaskRecord(Record):
         kind, _, rest = step.partition(":")
         graph, _, variant = rest.partition(":")
         chain = self.toolchain_of(graph) if graph else None
-        singles = {"environment": self.environment, "plan": self.plan, "verify": self.verification,
-                   "precision_plan": self.precision_plan}
+        singles = {
+            "environment": self.environment,
+            "plan": self.plan,
+            "verify": self.verification,
+            "precision_plan": self.precision_plan,
+        }
         if kind in singles and not rest:
             return [] if singles[kind] is not None else [kind]
         if step == "verify:emulated":
@@ -298,9 +311,13 @@ class TaskRecord(Record):
             return missing + ([f"contracts for {', '.join(lost)}"] if lost else [])
         if kind == "boundaries":
             return self._missing_boundaries(rest or None)
-        owned = {"export": lambda: graph in self.exports, "probe": lambda: variant in chain.probes,
-                 "optimize": lambda: chain.optimize is not None, "precision": lambda: chain.precision is not None,
-                 "atc": lambda: chain.atc is not None}
+        owned = {
+            "export": lambda: graph in self.exports,
+            "probe": lambda: variant in chain.probes,
+            "optimize": lambda: chain.optimize is not None,
+            "precision": lambda: chain.precision is not None,
+            "atc": lambda: chain.atc is not None,
+        }
         if kind in owned and graph and not owned[kind]():
             return [f"{kind} results for {graph}" + (f" ({variant})" if variant else "")]
         return []
@@ -351,20 +368,29 @@ def _stored_paths(record: TaskRecord) -> Iterator[tuple[str, str]]:
     for name in ("verification", "verification_emulated"):
         report = getattr(record, name)
         if report is not None:
-            yield from ((f"{name}.{f}", v) for f in ("report_json", "report_html", "outputs_pytorch", "outputs_spliced")
-                        if (v := getattr(report, f)) is not None)
+            yield from (
+                (f"{name}.{f}", v)
+                for f in ("report_json", "report_html", "outputs_pytorch", "outputs_spliced")
+                if (v := getattr(report, f)) is not None
+            )
             yield from ((f"{name}.figures[{i}]", p) for i, p in enumerate(report.figures))
     if record.plan is not None:
         yield from ((f"plan.{f}", v) for f in ("report_path", "chart_path") if (v := getattr(record.plan, f)))
-        yield from ((f"plan.candidates[{i}].{f}", v) for i, c in enumerate(record.plan.candidates)
-                    for f in ("onnx_path", "om_path") if (v := getattr(c, f)))
+        yield from (
+            (f"plan.candidates[{i}].{f}", v)
+            for i, c in enumerate(record.plan.candidates)
+            for f in ("onnx_path", "om_path")
+            if (v := getattr(c, f))
+        )
     if record.study is not None:
         yield "study.main_path_json", record.study.main_path_json
 
 
 def _chain_paths(where: str, chain: CandidateToolchain) -> Iterator[tuple[str, str]]:
     if chain.optimize is not None:
-        yield from ((f"{where}.optimize.variants[{i}].path", v.path) for i, v in enumerate(chain.optimize.variants) if v.path)
+        yield from (
+            (f"{where}.optimize.variants[{i}].path", v.path) for i, v in enumerate(chain.optimize.variants) if v.path
+        )
         if chain.optimize.preferred_path:
             yield f"{where}.optimize.preferred_path", chain.optimize.preferred_path
     for step in ("precheck", "precision"):
@@ -376,7 +402,7 @@ def _chain_paths(where: str, chain: CandidateToolchain) -> Iterator[tuple[str, s
 
 
 def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def validation_problems(err: ValidationError, prefix: str = "") -> str:
@@ -409,11 +435,15 @@ def parse_record(data: object, path: Path) -> TaskRecord:
         raise TaskRecordError(f"task record {path}: intake: field required (model, inputs, target)")
     version = data.get("schema_version", SCHEMA_VERSION)
     if type(version) is not int:
-        raise TaskRecordError(f"task record {path}: schema_version: {version!r} is not a version number "
-                              f"(this release reads {SCHEMA_VERSION})")
+        raise TaskRecordError(
+            f"task record {path}: schema_version: {version!r} is not a version number "
+            f"(this release reads {SCHEMA_VERSION})"
+        )
     if version > SCHEMA_VERSION:
-        raise TaskRecordError(f"task record {path}: schema_version: {version} is newer than this release reads "
-                              f"({SCHEMA_VERSION}); update omskills to read it")
+        raise TaskRecordError(
+            f"task record {path}: schema_version: {version} is newer than this release reads "
+            f"({SCHEMA_VERSION}); update omskills to read it"
+        )
     data = _upgraded(data)
     try:
         return TaskRecord.model_validate(data)
@@ -491,8 +521,9 @@ def record_lock(path: str | Path) -> FileLock:
     """The record's write lock: one per record path and process (re-entrant in one thread), held
     across processes through flock on `.<name>.lock` next to the record."""
     path = Path(path).resolve()
-    return FileLock(path.with_name(f".{path.name}.lock"), timeout=LOCK_TIMEOUT_S, is_singleton=True,
-                    preserve_lock_file=True)
+    return FileLock(
+        path.with_name(f".{path.name}.lock"), timeout=LOCK_TIMEOUT_S, is_singleton=True, preserve_lock_file=True
+    )
 
 
 @contextlib.contextmanager
@@ -501,8 +532,9 @@ def _locked(path: Path) -> Iterator[None]:
         with record_lock(path):
             yield
     except Timeout:
-        raise TaskRecordError(f"task record {path}: another writer has held it for {LOCK_TIMEOUT_S:.0f} s; "
-                              f"is a tool stuck on it?") from None
+        raise TaskRecordError(
+            f"task record {path}: another writer has held it for {LOCK_TIMEOUT_S:.0f} s; is a tool stuck on it?"
+        ) from None
 
 
 def save_record(record: TaskRecord, path: str | Path) -> None:
@@ -577,7 +609,9 @@ def _render(data: dict, template: str | None) -> str:
     parts = [header]
     for key, value in data.items():
         text = old.get(key) if key in AUTHORED else None
-        parts.append(_authored_section(key, value, text) if text is not None and "#" in text else _dump_section(key, value))
+        parts.append(
+            _authored_section(key, value, text) if text is not None and "#" in text else _dump_section(key, value)
+        )
     return "".join(parts)
 
 

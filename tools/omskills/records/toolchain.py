@@ -50,21 +50,42 @@ class ExternalDataInfo(Record):
 class OnnxSummary(Record):
     path: str = Field(description="The .onnx file summarised.")
     file_bytes: int = Field(description="Size of the .onnx file alone, in bytes.")
-    total_bytes: int = Field(description="Size of the .onnx file plus the tensor bytes it keeps in external data files.")
+    total_bytes: int = Field(
+        description="Size of the .onnx file plus the tensor bytes it keeps in external data files."
+    )
     ir_version: int = Field(description="The ONNX IR version the file declares.")
-    producer: str | None = Field(None, description="The producer's name and version the file records (e.g. 'pytorch 2.9.0'); null when it records none.")
+    producer: str | None = Field(
+        None,
+        description="The producer's name and version the file records (e.g. 'pytorch 2.9.0'); null when it records none.",
+    )
     opsets: dict[str, int] = Field(description="Operator-set domain ('ai.onnx' for the default domain) -> its version.")
-    inputs: list[OnnxTensorInfo] = Field(description=(
-        "The graph's inputs (initializers left out): name, dtype, shape with symbolic dims by name and undeclared ones as '?'."))
-    outputs: list[OnnxTensorInfo] = Field(description="The graph's outputs: name, dtype, shape with symbolic dims by name and undeclared ones as '?'.")
-    symbolic_dims: list[str] = Field(default_factory=list, description="Names of the symbolic dims in the inputs and outputs, sorted.")
-    node_count: int = Field(description="Nodes of the main graph (If/Loop/Scan bodies and local functions counted apart).")
+    inputs: list[OnnxTensorInfo] = Field(
+        description=(
+            "The graph's inputs (initializers left out): name, dtype, shape with symbolic dims by name and undeclared ones as '?'."
+        )
+    )
+    outputs: list[OnnxTensorInfo] = Field(
+        description="The graph's outputs: name, dtype, shape with symbolic dims by name and undeclared ones as '?'."
+    )
+    symbolic_dims: list[str] = Field(
+        default_factory=list, description="Names of the symbolic dims in the inputs and outputs, sorted."
+    )
+    node_count: int = Field(
+        description="Nodes of the main graph (If/Loop/Scan bodies and local functions counted apart)."
+    )
     subgraph_node_count: int = Field(0, description="Nodes inside If/Loop/Scan bodies, at any depth.")
-    op_histogram: dict[str, int] = Field(description=(
-        "Op type -> node count over the main graph and its subgraphs, most frequent first; ops of other domains as 'domain::Op'."))
-    local_functions: list[str] = Field(default_factory=list, description="The model-local functions, as 'domain::name'.")
+    op_histogram: dict[str, int] = Field(
+        description=(
+            "Op type -> node count over the main graph and its subgraphs, most frequent first; ops of other domains as 'domain::Op'."
+        )
+    )
+    local_functions: list[str] = Field(
+        default_factory=list, description="The model-local functions, as 'domain::name'."
+    )
     initializer_count: int = Field(description="Initializers (weights and constants) of the main graph.")
-    external_data: ExternalDataInfo = Field(description="The files holding tensors outside the .onnx file, their bytes, and any that are missing.")
+    external_data: ExternalDataInfo = Field(
+        description="The files holding tensors outside the .onnx file, their bytes, and any that are missing."
+    )
 
 
 # -- optimize_onnx --------------------------------------------------------------------------

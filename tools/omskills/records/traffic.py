@@ -15,22 +15,44 @@ class GraphTraffic(Record):
     graph: str = Field(description="The graph (candidate) the calls went to.")
     calls: int = Field(description="Backend calls (fallbacks to PyTorch move nothing and are not counted).")
     bytes_in: int = Field(description="Bytes of the inputs the calls sent: what a host copies to the device.")
-    bytes_out: int = Field(description="Bytes of the outputs the calls returned: what a device copies back to the host.")
-    copies: int = Field(0, description="Tensors copied in or out by the calls (each a host<->device copy on the target).")
-    handed_in: int = Field(0, description=(
-        "Input bytes that were another graph's output, passed on unchanged by the code between them: "
-        "a hand-off that could stay on the device."))
+    bytes_out: int = Field(
+        description="Bytes of the outputs the calls returned: what a device copies back to the host."
+    )
+    copies: int = Field(
+        0, description="Tensors copied in or out by the calls (each a host<->device copy on the target)."
+    )
+    handed_in: int = Field(
+        0,
+        description=(
+            "Input bytes that were another graph's output, passed on unchanged by the code between them: "
+            "a hand-off that could stay on the device."
+        ),
+    )
     handed_copies: int = Field(0, description="How many of the input copies were such hand-offs.")
-    handed_from: dict[str, int] = Field(default_factory=dict, description="Producing graph -> bytes of `handed_in` it produced.")
-    resident_copies: int = Field(0, description=(
-        "Input copies not made: hand-offs given to the runtime as the producing session's own value (counted, not predicted)."))
+    handed_from: dict[str, int] = Field(
+        default_factory=dict, description="Producing graph -> bytes of `handed_in` it produced."
+    )
+    resident_copies: int = Field(
+        0,
+        description=(
+            "Input copies not made: hand-offs given to the runtime as the producing session's own value (counted, not predicted)."
+        ),
+    )
     resident_in: int = Field(0, description="Bytes of those inputs.")
-    input_sources: dict[str, str] = Field(default_factory=dict, description=(
-        "Input -> '<graph>/<output>' when every call was given that output of that graph unchanged; '' when "
-        "host code gave it at least once (or different outputs fed it)."))
-    merged_calls: int = Field(0, description=(
-        "Calls answered inside another graph's call by a merged graph (no launch, no input copied); "
-        "their outputs still cross back and are counted in bytes_out."))
+    input_sources: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Input -> '<graph>/<output>' when every call was given that output of that graph unchanged; '' when "
+            "host code gave it at least once (or different outputs fed it)."
+        ),
+    )
+    merged_calls: int = Field(
+        0,
+        description=(
+            "Calls answered inside another graph's call by a merged graph (no launch, no input copied); "
+            "their outputs still cross back and are counted in bytes_out."
+        ),
+    )
     merged_into: str | None = Field(None, description="The graph whose calls computed it, when merged.")
 
 
@@ -75,11 +97,21 @@ class LinkCost(Record):
     """The host<->device link of the target, as the cost model sees it."""
 
     soc: str = Field(description="The target SoC (intake.target.soc).")
-    bandwidth_gb_s: float | None = Field(gt=0, description=(
-        "Host<->device copy bandwidth per direction, GB/s; None where host and NPU share memory (no link to cross)."))
-    round_trip_us: float = Field(ge=0, description=(
-        "Fixed cost of one synchronous host<->device operation (a launch, or a copy whatever its size), microseconds."))
-    source: str = Field(description="Where the figures come from: intake.target, or the published figures they rest on.")
+    bandwidth_gb_s: float | None = Field(
+        gt=0,
+        description=(
+            "Host<->device copy bandwidth per direction, GB/s; None where host and NPU share memory (no link to cross)."
+        ),
+    )
+    round_trip_us: float = Field(
+        ge=0,
+        description=(
+            "Fixed cost of one synchronous host<->device operation (a launch, or a copy whatever its size), microseconds."
+        ),
+    )
+    source: str = Field(
+        description="Where the figures come from: intake.target, or the published figures they rest on."
+    )
 
 
 class MergeProposal(Record):
@@ -87,13 +119,20 @@ class MergeProposal(Record):
 
     graph: str = Field(description="The graph whose calls a merge would remove.")
     upstream: str | None = Field(description="The graph whose outputs it reads unchanged, if any (the largest source).")
-    mergeable: bool = Field(description=(
-        "True when every input byte is `upstream`'s output passed on unchanged and the two are called equally often."))
+    mergeable: bool = Field(
+        description=(
+            "True when every input byte is `upstream`'s output passed on unchanged and the two are called equally often."
+        )
+    )
     reason: str = Field(description="Why it can or cannot merge, from the counted calls and hand-offs.")
     calls_saved_per_step: float = Field(0.0, description="Backend calls per step the merge would remove.")
     bytes_saved_per_step: float = Field(0.0, description="Input bytes per step that would no longer cross the link.")
-    io_map: dict[str, str] = Field(default_factory=dict, description=(
-        "When mergeable: each of its inputs -> the upstream graph's output that fed it, unchanged, in every call."))
+    io_map: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "When mergeable: each of its inputs -> the upstream graph's output that fed it, unchanged, in every call."
+        ),
+    )
 
 
 class TrafficReport(Record):
@@ -105,44 +144,82 @@ class TrafficReport(Record):
     calls_per_step: float = Field(description="Mean backend calls per step.")
     copies_per_step: float = Field(description="Mean tensors copied in or out per step.")
     bytes_per_step: float = Field(description="Mean bytes crossing the link per step, both ways.")
-    handed_in_per_step: float = Field(description="Mean input bytes per step that were another graph's output, unchanged.")
-    predicted_link_s_per_step: float = Field(description=(
-        "Predicted (not measured) host<->device seconds per step: (calls + copies) x round trip + bytes / bandwidth."))
-    predicted_link_s_per_step_handed_off: float = Field(description=(
-        "The same prediction with every unchanged hand-off kept on the device (its copy in not made)."))
-    resident_copies_per_step: float = Field(0.0, description=(
-        "Mean input copies per step avoided by handing an output on as the runtime's own value (counted)."))
-    merges: list[MergeProposal] = Field(default_factory=list, description=(
-        "Per called graph, whether it could merge with the graph feeding it, from the counts (verify builds the merged "
-        "graphs of those that can and reports them apart)."))
-    label: str = Field("predicted by a cost model from counted calls and bytes, not measured on a device",
-                       description="What the predicted figures are.")
+    handed_in_per_step: float = Field(
+        description="Mean input bytes per step that were another graph's output, unchanged."
+    )
+    predicted_link_s_per_step: float = Field(
+        description=(
+            "Predicted (not measured) host<->device seconds per step: (calls + copies) x round trip + bytes / bandwidth."
+        )
+    )
+    predicted_link_s_per_step_handed_off: float = Field(
+        description=("The same prediction with every unchanged hand-off kept on the device (its copy in not made).")
+    )
+    resident_copies_per_step: float = Field(
+        0.0,
+        description=(
+            "Mean input copies per step avoided by handing an output on as the runtime's own value (counted)."
+        ),
+    )
+    merges: list[MergeProposal] = Field(
+        default_factory=list,
+        description=(
+            "Per called graph, whether it could merge with the graph feeding it, from the counts (verify builds the merged "
+            "graphs of those that can and reports them apart)."
+        ),
+    )
+    label: str = Field(
+        "predicted by a cost model from counted calls and bytes, not measured on a device",
+        description="What the predicted figures are.",
+    )
 
 
 class MergedGraph(Record):
     """Graphs composed into one (a chain of merge proposals taken), and what became of it."""
 
     name: str = Field(description="The composed graph's name: '<first>_to_<last>'.")
-    graphs: list[str] = Field(description=(
-        "The members in call order: the first's calls run the composed graph; each later one is answered inside "
-        "that call when its inputs are the member before it's outputs, unchanged."))
-    io_maps: list[dict[str, str]] = Field(description="Per member after the first: each input -> the output of the member before it.")
-    prefixes: list[str] = Field(default_factory=list, description=(
-        "Per member after the first: the prefix of its names (inputs, outputs) inside the composed graph."))
+    graphs: list[str] = Field(
+        description=(
+            "The members in call order: the first's calls run the composed graph; each later one is answered inside "
+            "that call when its inputs are the member before it's outputs, unchanged."
+        )
+    )
+    io_maps: list[dict[str, str]] = Field(
+        description="Per member after the first: each input -> the output of the member before it."
+    )
+    prefixes: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Per member after the first: the prefix of its names (inputs, outputs) inside the composed graph."
+        ),
+    )
     onnx_path: str | None = Field(None, description="Run-folder path of the composed ONNX graph.")
     atc_command: list[str] = Field(default_factory=list, description="The ATC command for the composed graph.")
-    atc_script: str | None = Field(None, description=(
-        "Run-folder path of the ATC script for the composed graph (the first member's shape strategy; the slowest "
-        "of the members' chosen precision modes, emulated once more as one graph: see `precision`)."))
+    atc_script: str | None = Field(
+        None,
+        description=(
+            "Run-folder path of the ATC script for the composed graph (the first member's shape strategy; the slowest "
+            "of the members' chosen precision modes, emulated once more as one graph: see `precision`)."
+        ),
+    )
     precision_mode: str | None = Field(None, description="The --precision_mode of that script.")
-    keep_dtype_nodes: list[str] = Field(default_factory=list, description=(
-        "Nodes the script keeps at their dtype (--keep_dtype): each member's own, with its prefix."))
-    precision: EmulatedResult | None = Field(None, description=(
-        "The composed graph emulated once in that mode with that keep list, against its fp32 run on the first "
-        "member's first captured inputs (ONNX Runtime CPU, not an NPU); None when the mode keeps every dtype."))
-    status: Literal["verified", "failed", "refused"] = Field(description=(
-        "'verified': the main path with it spliced in passed its checks with no fallback and it answered every "
-        "later member's calls; 'failed': it was built but that run did not show it; 'refused': it could not be built."))
+    keep_dtype_nodes: list[str] = Field(
+        default_factory=list,
+        description=("Nodes the script keeps at their dtype (--keep_dtype): each member's own, with its prefix."),
+    )
+    precision: EmulatedResult | None = Field(
+        None,
+        description=(
+            "The composed graph emulated once in that mode with that keep list, against its fp32 run on the first "
+            "member's first captured inputs (ONNX Runtime CPU, not an NPU); None when the mode keeps every dtype."
+        ),
+    )
+    status: Literal["verified", "failed", "refused"] = Field(
+        description=(
+            "'verified': the main path with it spliced in passed its checks with no fallback and it answered every "
+            "later member's calls; 'failed': it was built but that run did not show it; 'refused': it could not be built."
+        )
+    )
     reason: str = Field(description="Why it was verified, failed or refused.")
 
 
@@ -150,11 +227,21 @@ class MergedRun(Record):
     """The main path again with the merged graphs spliced in: its parity and its traffic."""
 
     graphs: list[MergedGraph] = Field(description="Every chain of merge proposals taken, built or not.")
-    not_taken: dict[str, str] = Field(default_factory=dict, description=(
-        "Mergeable graphs left out of every chain -> why (a graph runs inside one other graph's call at most)."))
-    verdict: str = Field(description="The run's verdict by the same checks as the main verification ('pass' or 'fail'; "
-                                     "'not run' when nothing could be built).")
+    not_taken: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Mergeable graphs left out of every chain -> why (a graph runs inside one other graph's call at most)."
+        ),
+    )
+    verdict: str = Field(
+        description="The run's verdict by the same checks as the main verification ('pass' or 'fail'; "
+        "'not run' when nothing could be built)."
+    )
     fallbacks: int = Field(description="Calls PyTorch ran in that run.")
-    traffic: TrafficReport | None = Field(None, description="Its traffic (the 'after' of the merge), None if not counted.")
-    label: str = Field("the same backend as the main verification; merged graphs composed from the exported graphs",
-                       description="What ran.")
+    traffic: TrafficReport | None = Field(
+        None, description="Its traffic (the 'after' of the merge), None if not counted."
+    )
+    label: str = Field(
+        "the same backend as the main verification; merged graphs composed from the exported graphs",
+        description="What ran.",
+    )

@@ -36,7 +36,7 @@ class OutputCheck(Record):
     label: str = ""  # what reports call it, e.g. "object ids"
 
     @model_validator(mode="after")
-    def _threshold_where_needed(self) -> "OutputCheck":
+    def _threshold_where_needed(self) -> OutputCheck:
         if self.metric in ("iou", "max_abs") and self.threshold is None:
             raise ValueError(f"metric {self.metric} needs a threshold")
         return self
@@ -142,45 +142,106 @@ class VerifyReport(Record):
     task_id: str = Field(description="The task record's id.")
     weights: str = Field(description="The checkpoint the model was built with, or 'random' (seeded random weights).")
     scale: str = Field(description="The model scale verified: 'full' or 'tiny'.")
-    backend: str = Field(description="The runtime backend the spliced graphs were asked to run on (e.g. 'onnxruntime', 'om').")
+    backend: str = Field(
+        description="The runtime backend the spliced graphs were asked to run on (e.g. 'onnxruntime', 'om')."
+    )
     step_name: str = Field("step", description="What the driver calls one step of the main path (e.g. 'frame').")
-    backend_per_candidate: dict[str, str] = Field(description=(
-        "Graph -> what really ran it ('<backend>:<device>', with batch chunks or the emulated mode when so); "
-        "'pytorch (not spliced)' for candidates left in PyTorch."))
-    not_spliced: dict[str, str] = Field(default_factory=dict, description=(
-        "First-batch candidates left in PyTorch -> why (not exported, never probed, or the probe failed)."))
-    candidates: list[CandidateVerification] = Field(description=(
-        "Per spliced graph: integrated or fallback, what ran it, its probe's verdict, cosine and max abs, ms per call "
-        "in PyTorch and on the backend, calls and fallbacks."))
-    comparison: list[OutputCheck] = Field(description="The output checks applied to every step (a '*' check expanded to one per output).")
-    main_path: MainPathParity = Field(description=(
-        "The whole main path: steps, each check's worst figure over all steps, fallbacks, seconds per step of each run and their ratio."))
+    backend_per_candidate: dict[str, str] = Field(
+        description=(
+            "Graph -> what really ran it ('<backend>:<device>', with batch chunks or the emulated mode when so); "
+            "'pytorch (not spliced)' for candidates left in PyTorch."
+        )
+    )
+    not_spliced: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "First-batch candidates left in PyTorch -> why (not exported, never probed, or the probe failed)."
+        ),
+    )
+    candidates: list[CandidateVerification] = Field(
+        description=(
+            "Per spliced graph: integrated or fallback, what ran it, its probe's verdict, cosine and max abs, ms per call "
+            "in PyTorch and on the backend, calls and fallbacks."
+        )
+    )
+    comparison: list[OutputCheck] = Field(
+        description="The output checks applied to every step (a '*' check expanded to one per output)."
+    )
+    main_path: MainPathParity = Field(
+        description=(
+            "The whole main path: steps, each check's worst figure over all steps, fallbacks, seconds per step of each run and their ratio."
+        )
+    )
     per_step: list[StepParity] = Field(description="Every step's check results and the seconds each run took on it.")
-    traffic: TrafficReport | None = Field(None, description=(
-        "What the spliced graphs moved between host and device, per step and per graph (calls, copies, bytes, "
-        "unchanged hand-offs from one graph to another), and the host<->device time that predicts on the target."))
-    merged: MergedRun | None = Field(None, description=(
-        "When some graph reads only another's unchanged outputs: the main path again with those pairs composed "
-        "into one graph each (one call instead of two), its verdict and its traffic."))
-    splice_stats: list[SpliceStats] = Field(description=(
-        "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, and backend time."))
-    fallback_events: list[FallbackEvent] = Field(description="Each call a spliced graph could not send to its backend, so PyTorch ran it, and why.")
-    verification_settings: list[str] = Field(description="The driver's verification settings that are on, said plainly.")
-    precision: str = Field("fp32", description=(
-        "'fp32': the graphs as exported; 'emulated': each graph in its chosen ATC precision mode, emulated on "
-        "ONNX Runtime CPU (not an NPU result)."))
-    precision_modes: dict[str, str] = Field(default_factory=dict, description=(
-        "Graph -> the ATC precision mode emulated for it (and how many nodes it kept); empty for fp32."))
+    traffic: TrafficReport | None = Field(
+        None,
+        description=(
+            "What the spliced graphs moved between host and device, per step and per graph (calls, copies, bytes, "
+            "unchanged hand-offs from one graph to another), and the host<->device time that predicts on the target."
+        ),
+    )
+    merged: MergedRun | None = Field(
+        None,
+        description=(
+            "When some graph reads only another's unchanged outputs: the main path again with those pairs composed "
+            "into one graph each (one call instead of two), its verdict and its traffic."
+        ),
+    )
+    splice_stats: list[SpliceStats] = Field(
+        description=(
+            "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, and backend time."
+        )
+    )
+    fallback_events: list[FallbackEvent] = Field(
+        description="Each call a spliced graph could not send to its backend, so PyTorch ran it, and why."
+    )
+    verification_settings: list[str] = Field(
+        description="The driver's verification settings that are on, said plainly."
+    )
+    precision: str = Field(
+        "fp32",
+        description=(
+            "'fp32': the graphs as exported; 'emulated': each graph in its chosen ATC precision mode, emulated on "
+            "ONNX Runtime CPU (not an NPU result)."
+        ),
+    )
+    precision_modes: dict[str, str] = Field(
+        default_factory=dict,
+        description=("Graph -> the ATC precision mode emulated for it (and how many nodes it kept); empty for fp32."),
+    )
     report_json: str = Field(description="Run-folder path of this report as JSON.")
-    report_html: str = Field(description="Run-folder path of the self-contained HTML report (its charts and pictures embedded).")
-    outputs_pytorch: str | None = Field(None, description=(
-        "Run-folder path of the .npz with every step's outputs of the PyTorch run, to compare other runs with bit for bit."))
-    outputs_spliced: str | None = Field(None, description="Run-folder path of the .npz with every step's outputs of the spliced run.")
-    item_figures: list[ItemFigure] = Field(default_factory=list, description=(
-        "Per item of every keyed check (e.g. each object, matched by id) and step: its figure and whether it passed."))
-    figures: list[str] = Field(default_factory=list, description=(
-        "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); the HTML embeds them too."))
-    notes: list[str] = Field(default_factory=list, description=(
-        "What the run did not do as planned without changing its figures (a memory optimisation that could not apply)."))
-    verdict: str = Field(description=(
-        "'pass' when both runs have the same steps, every gating check held on all of them and no call fell back; else 'fail'."))
+    report_html: str = Field(
+        description="Run-folder path of the self-contained HTML report (its charts and pictures embedded)."
+    )
+    outputs_pytorch: str | None = Field(
+        None,
+        description=(
+            "Run-folder path of the .npz with every step's outputs of the PyTorch run, to compare other runs with bit for bit."
+        ),
+    )
+    outputs_spliced: str | None = Field(
+        None, description="Run-folder path of the .npz with every step's outputs of the spliced run."
+    )
+    item_figures: list[ItemFigure] = Field(
+        default_factory=list,
+        description=(
+            "Per item of every keyed check (e.g. each object, matched by id) and step: its figure and whether it passed."
+        ),
+    )
+    figures: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); the HTML embeds them too."
+        ),
+    )
+    notes: list[str] = Field(
+        default_factory=list,
+        description=(
+            "What the run did not do as planned without changing its figures (a memory optimisation that could not apply)."
+        ),
+    )
+    verdict: str = Field(
+        description=(
+            "'pass' when both runs have the same steps, every gating check held on all of them and no call fell back; else 'fail'."
+        )
+    )

@@ -10,7 +10,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
-
 from omskills.records.verify import OutputCheck, VerifyReport
 
 # Colours of the plan's groups in the compute-share chart; other statuses get GROUP_OTHER.
@@ -45,8 +44,13 @@ def bar_chart_compute_share(rows: list[tuple[str, float, str]], path: str | Path
     axes.set_title("Compute share per candidate")
     axes.spines[["top", "right"]].set_visible(False)
     present = list(dict.fromkeys(reversed(groups)))  # in the order they appear from the top
-    axes.legend(handles=[Patch(color=GROUP_COLOURS.get(g, GROUP_OTHER), label=g) for g in present],
-                loc="lower right", fontsize=8, title="plan", title_fontsize=8)
+    axes.legend(
+        handles=[Patch(color=GROUP_COLOURS.get(g, GROUP_OTHER), label=g) for g in present],
+        loc="lower right",
+        fontsize=8,
+        title="plan",
+        title_fontsize=8,
+    )
     figure.tight_layout()
     figure.savefig(path, format="png")
     return path
@@ -83,8 +87,10 @@ def _series(report: VerifyReport, metrics: tuple[str, ...]) -> list[tuple[Output
     for check in report.comparison:
         if check.metric not in metrics:
             continue
-        values = [next((c.value for c in s.checks if c.output == check.output and c.metric == check.metric), None)
-                  for s in report.per_step]
+        values = [
+            next((c.value for c in s.checks if c.output == check.output and c.metric == check.metric), None)
+            for s in report.per_step
+        ]
         if any(v is not None for v in values):
             found.append((check, values))
     return found
@@ -94,8 +100,12 @@ def _per_step_iou(axes: Axes, report: VerifyReport) -> None:
     steps = [s.index for s in report.per_step]
     for check, values in _series(report, ("iou",)):
         line = axes.plot(steps, [v if v is not None else 0.0 for v in values], marker="o", label=check.title)[0]
-        axes.axhline(check.threshold, color=line.get_color(), linestyle="--",  # type: ignore[arg-type]
-                     label=f"{check.title}: gate {check.threshold}")
+        axes.axhline(
+            check.threshold,
+            color=line.get_color(),
+            linestyle="--",  # type: ignore[arg-type]
+            label=f"{check.title}: gate {check.threshold}",
+        )
     _finish(axes, report, steps, f"IoU per {report.step_name} (higher is better)", "no IoU check")
 
 
@@ -108,7 +118,9 @@ def _per_step_difference(axes: Axes, report: VerifyReport) -> None:
             continue
         line = axes.semilogy(steps, [max(v or 0.0, 1e-12) for v in values], marker=".", label=check.title)[0]
         if check.threshold is not None:
-            axes.axhline(check.threshold, color=line.get_color(), linestyle="--", label=f"{check.title}: gate {check.threshold}")
+            axes.axhline(
+                check.threshold, color=line.get_color(), linestyle="--", label=f"{check.title}: gate {check.threshold}"
+            )
     if zero:  # an entry of the legend with no line
         axes.plot([], [], " ", label=f"exactly 0 on every {report.step_name}: {', '.join(zero)}")
     _finish(axes, report, steps, f"max abs difference per {report.step_name}", "no difference check")

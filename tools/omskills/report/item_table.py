@@ -27,7 +27,10 @@ def item_table(figures: list[ItemFigure]) -> ItemTable:
         row = cells.setdefault((figure.step, figure.item), [None] * len(columns))
         row[columns.index(figure.title)] = figure
     keys = list(dict.fromkeys(f.key for f in figures))
-    rows = [ItemRow(step, item, row) for (step, item), row in sorted(cells.items(), key=lambda kv: (kv[0][0], _order(kv[0][1])))]
+    rows = [
+        ItemRow(step, item, row)
+        for (step, item), row in sorted(cells.items(), key=lambda kv: (kv[0][0], _order(kv[0][1])))
+    ]
     return ItemTable(key=", ".join(keys), columns=columns, rows=rows)
 
 

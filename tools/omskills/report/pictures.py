@@ -11,8 +11,14 @@ from PIL import Image, ImageDraw, ImageFont
 PALETTE = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240), (240, 50, 230)]
 
 
-def draw_instances(image: Image.Image, ids: Sequence[int], regions: np.ndarray | None, boxes_xywh: Sequence[Sequence[float]],
-                   title: str | None = None, normalised: bool = True) -> Image.Image:
+def draw_instances(
+    image: Image.Image,
+    ids: Sequence[int],
+    regions: np.ndarray | None,
+    boxes_xywh: Sequence[Sequence[float]],
+    title: str | None = None,
+    normalised: bool = True,
+) -> Image.Image:
     """Regions ((N, H, W) booleans) tinted per id, boxes outlined, ids labelled. Boxes are
     [x, y, w, h], as fractions of the image when `normalised`, else in pixels."""
     base = np.asarray(image.convert("RGB"), dtype=np.float32)

@@ -7,7 +7,6 @@ import shlex
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
-
 from omskills.records.verify import figure
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -44,10 +43,17 @@ def data_size(nbytes: float) -> str:
 def template_environment(*, html: bool = False) -> Environment:
     """Strict (an unknown name is an error); HTML templates autoescape, Markdown ones trim blocks."""
     if html:
-        env = Environment(loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined, autoescape=select_autoescape(["html", "j2"]))
+        env = Environment(
+            loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined, autoescape=select_autoescape(["html", "j2"])
+        )
     else:
-        env = Environment(loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined, trim_blocks=True,
-                          lstrip_blocks=True, keep_trailing_newline=True)
+        env = Environment(
+            loader=FileSystemLoader(TEMPLATES),
+            undefined=StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+            keep_trailing_newline=True,
+        )
     env.filters["cell"] = table_cell
     env.filters["pct"] = lambda x: f"{100 * x:.1f}%"
     env.filters["figure"] = figure

@@ -48,8 +48,16 @@ def stage_status(record: TaskRecord, verification: VerifyReport | None) -> list[
             else:
                 why = f"{cand.status}: {cand.reason}" + (f" (runs inside {cand.inside})" if cand.inside else "")
                 cells = [StageCell(stage=s, status="not_run", detail=why) for s in STAGES]
-            rows.append(CandidateStages(candidate=cand.name, graph=graph, plan_status=cand.status,
-                                        plan_reason=cand.reason, share=cand.share, cells=cells))
+            rows.append(
+                CandidateStages(
+                    candidate=cand.name,
+                    graph=graph,
+                    plan_status=cand.status,
+                    plan_reason=cand.reason,
+                    share=cand.share,
+                    cells=cells,
+                )
+            )
     return rows
 
 
@@ -158,14 +166,18 @@ def _verify_cell(record: TaskRecord, graph: str, candidate: str, verification: V
             return StageCell(stage="verify", status="failed", detail=step.error or "failed")
         return StageCell(stage="verify", status="not_run", detail="not reached")
     if candidate in verification.not_spliced:
-        return StageCell(stage="verify", status="not_run",
-                         detail=f"stayed in PyTorch: {verification.not_spliced[candidate]}")
+        return StageCell(
+            stage="verify", status="not_run", detail=f"stayed in PyTorch: {verification.not_spliced[candidate]}"
+        )
     found = next((c for c in verification.candidates if c.name == graph), None)
     if found is None:
         return StageCell(stage="verify", status="not_run", detail="not spliced in this verification")
     status = "done" if found.status == "integrated" else "failed"
-    return StageCell(stage="verify", status=status,
-                     detail=f"{found.status} on {found.backend}, {found.calls} call(s), {found.fallbacks} fallback(s)")
+    return StageCell(
+        stage="verify",
+        status=status,
+        detail=f"{found.status} on {found.backend}, {found.calls} call(s), {found.fallbacks} fallback(s)",
+    )
 
 
 def stage_notes(rows: list[CandidateStages]) -> list[str]:

@@ -91,7 +91,9 @@ def _match(graph: _Graph, softmax: onnx.NodeProto) -> _Attention | None:
     nodes, bias = [softmax, second], None
     producer = graph.producer.get(scores)
     if producer is not None and producer.op_type == "Add":
-        matmuls = [name for name in producer.input if name in graph.producer and graph.producer[name].op_type == "MatMul"]
+        matmuls = [
+            name for name in producer.input if name in graph.producer and graph.producer[name].op_type == "MatMul"
+        ]
         if not matmuls or graph.only_consumer(scores) is None or graph.only_consumer(matmuls[0]) is None:
             return None
         bias = next(name for name in producer.input if name != matmuls[0])
@@ -113,8 +115,16 @@ def _match(graph: _Graph, softmax: onnx.NodeProto) -> _Attention | None:
     heads = query_shape[1]
     if not isinstance(heads, int) or heads < 1 or _differ(query_shape[:2], key_shape[:2], value_shape[:2]):
         return None  # MultiHeadAttention does not broadcast batch or heads as MatMul does
-    return _Attention(query=query, key_t=key_t, value=second.input[1], bias=bias, scale=query_scale * key_scale,
-                      heads=heads, output=second.output[0], nodes=tuple(nodes + [producer] + query_mul + key_mul))
+    return _Attention(
+        query=query,
+        key_t=key_t,
+        value=second.input[1],
+        bias=bias,
+        scale=query_scale * key_scale,
+        heads=heads,
+        output=second.output[0],
+        nodes=tuple(nodes + [producer] + query_mul + key_mul),
+    )
 
 
 def _differ(*dims: list[int | str]) -> bool:
@@ -141,8 +151,15 @@ def _fused_nodes(attention: _Attention, index: int) -> list[onnx.NodeProto]:
         helper.make_node("Reshape", [k_bsnh, shape], [k_bsd], name=f"{name}_k_reshape"),
         helper.make_node("Transpose", [attention.value], [v_bsnh], name=f"{name}_v_transpose", perm=[0, 2, 1, 3]),
         helper.make_node("Reshape", [v_bsnh, shape], [v_bsd], name=f"{name}_v_reshape"),
-        helper.make_node("MultiHeadAttention", inputs, [out_bsd], name=name, domain=MS_DOMAIN,
-                         num_heads=attention.heads, scale=attention.scale),
+        helper.make_node(
+            "MultiHeadAttention",
+            inputs,
+            [out_bsd],
+            name=name,
+            domain=MS_DOMAIN,
+            num_heads=attention.heads,
+            scale=attention.scale,
+        ),
         helper.make_node("Reshape", [out_bsd, f"{name}_bsnh_shape"], [out_bsnh], name=f"{name}_out_reshape"),
         helper.make_node("Transpose", [out_bsnh], [attention.output], name=f"{name}_out_transpose", perm=[0, 2, 1, 3]),
     ]
@@ -150,8 +167,10 @@ def _fused_nodes(attention: _Attention, index: int) -> list[onnx.NodeProto]:
 
 def _shape_constants(index: int, heads: int) -> list[onnx.TensorProto]:
     name = f"fused_attention_{index}"
-    return [numpy_helper.from_array(np.array([0, 0, -1], dtype=np.int64), f"{name}_bsd_shape"),
-            numpy_helper.from_array(np.array([0, 0, heads, -1], dtype=np.int64), f"{name}_bsnh_shape")]
+    return [
+        numpy_helper.from_array(np.array([0, 0, -1], dtype=np.int64), f"{name}_bsd_shape"),
+        numpy_helper.from_array(np.array([0, 0, heads, -1], dtype=np.int64), f"{name}_bsnh_shape"),
+    ]
 
 
 def fuse_attention(model: onnx.ModelProto) -> int:
@@ -179,7 +198,9 @@ def fuse_attention(model: onnx.ModelProto) -> int:
     if not any(opset.domain == MS_DOMAIN for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     # The fused nodes' outputs have no inferred shapes yet; stale value_info of removed tensors goes.
-    removed = {out for attention in found for node in attention.nodes for out in node.output} - {a.output for a in found}
+    removed = {out for attention in found for node in attention.nodes for out in node.output} - {
+        a.output for a in found
+    }
     kept_info = [info for info in model.graph.value_info if info.name not in removed]
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept_info)

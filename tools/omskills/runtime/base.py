@@ -166,9 +166,7 @@ def _checked_array(spec: IOSpec, value: object, model: str) -> np.ndarray:
     if isinstance(value, np.generic):
         value = np.asarray(value)
     if not isinstance(value, np.ndarray):
-        raise BackendInputError(
-            f"{model}: input '{spec.name}' must be a numpy.ndarray, got {type(value).__name__}"
-        )
+        raise BackendInputError(f"{model}: input '{spec.name}' must be a numpy.ndarray, got {type(value).__name__}")
     if value.dtype != np.dtype(spec.dtype):
         raise BackendInputError(f"{model}: input '{spec.name}' has dtype {value.dtype}, expected {spec.dtype}")
     if value.ndim != len(spec.shape):

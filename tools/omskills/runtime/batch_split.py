@@ -163,8 +163,10 @@ class SplitBatchBackend:
         return next(iter(sizes.values()))
 
     def _chunk(self, feeds: Mapping[str, np.ndarray], start: int, chunk: Chunk) -> dict[str, np.ndarray]:
-        return {name: _take(value, self.split.input_axes[name], start, chunk) if name in self.split.input_axes else value
-                for name, value in feeds.items()}
+        return {
+            name: _take(value, self.split.input_axes[name], start, chunk) if name in self.split.input_axes else value
+            for name, value in feeds.items()
+        }
 
     def _unpadded(self, name: str, value: np.ndarray, chunk: Chunk) -> np.ndarray:
         if chunk.size == chunk.gear or name not in self.split.output_axes:

@@ -61,19 +61,32 @@ _VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 # Initializers with more values than this are weights, whose data no shape depends on.
 _SHAPE_CONSTANT_MAX = 1024
 # Ops ONNX Runtime does not fold even when every input is a constant.
-_NOT_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-                         "Bernoulli", "Dropout", "QuantizeLinear", "DequantizeLinear"})
+_NOT_FOLDED = frozenset(
+    {
+        "RandomNormal",
+        "RandomUniform",
+        "RandomNormalLike",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+        "Dropout",
+        "QuantizeLinear",
+        "DequantizeLinear",
+    }
+)
 # How many of the largest tensors an estimate names.
 _LARGEST = 5
 
-METHOD = ("liveness walk over the nodes in graph order after ONNX shape inference with the call's input "
-          "shapes: weights (initializers and Constants, from dims and dtypes) + what constant folding adds "
-          "(tensors computed from constants only) + the most activation bytes "
-          "live at one node (a tensor lives from its producer to its last reader; graph inputs for the "
-          "whole call; Reshape/Squeeze/Unsqueeze/Flatten/Identity outputs are views of their input; a Mul/Div "
-          "of a MatMul by a constant scalar writes into the MatMul's buffer, as ONNX Runtime fuses them), or the "
-          "load peak (weights + every tensor constant folding computes) when more; "
-          "tensors inside If/Loop/Scan bodies or model-local functions and kernel scratch buffers not counted")
+METHOD = (
+    "liveness walk over the nodes in graph order after ONNX shape inference with the call's input "
+    "shapes: weights (initializers and Constants, from dims and dtypes) + what constant folding adds "
+    "(tensors computed from constants only) + the most activation bytes "
+    "live at one node (a tensor lives from its producer to its last reader; graph inputs for the "
+    "whole call; Reshape/Squeeze/Unsqueeze/Flatten/Identity outputs are views of their input; a Mul/Div "
+    "of a MatMul by a constant scalar writes into the MatMul's buffer, as ONNX Runtime fuses them), or the "
+    "load peak (weights + every tensor constant folding computes) when more; "
+    "tensors inside If/Loop/Scan bodies or model-local functions and kernel scratch buffers not counted"
+)
 
 
 class TensorSize(Record):
@@ -92,16 +105,26 @@ class MemoryEstimate(Record):
     model: str = Field(description="The ONNX file estimated.")
     input_shapes: dict[str, list[int]] = Field(description="The call's input shapes the estimate is for.")
     weights_bytes: int = Field(description="Bytes of the initializers and Constant nodes, from their dims and dtypes.")
-    folded_bytes: int = Field(description=(
-        "Bytes ONNX Runtime's constant folding adds at load: tensors computed from constants only that other "
-        "nodes read, kept as new initializers, less the initializers only folded nodes read."))
-    load_bytes: int = Field(description=(
-        "Peak while ONNX Runtime loads the graph: weights_bytes + every tensor its constant folding computes."))
+    folded_bytes: int = Field(
+        description=(
+            "Bytes ONNX Runtime's constant folding adds at load: tensors computed from constants only that other "
+            "nodes read, kept as new initializers, less the initializers only folded nodes read."
+        )
+    )
+    load_bytes: int = Field(
+        description=(
+            "Peak while ONNX Runtime loads the graph: weights_bytes + every tensor its constant folding computes."
+        )
+    )
     activation_bytes: int = Field(description="The most activation bytes live at one node (graph inputs included).")
-    peak_bytes: int = Field(description="Predicted peak: weights_bytes + folded_bytes + activation_bytes, or load_bytes when more.")
+    peak_bytes: int = Field(
+        description="Predicted peak: weights_bytes + folded_bytes + activation_bytes, or load_bytes when more."
+    )
     peak_at: str = Field(description="The node (name and op type) at which the most activation bytes are live.")
     largest: list[TensorSize] = Field(description="The largest activation tensors of the call, largest first.")
-    unknown_shapes: int = Field(description="Activation tensors skipped because shape inference left their size unknown.")
+    unknown_shapes: int = Field(
+        description="Activation tensors skipped because shape inference left their size unknown."
+    )
     method: str = Field(description="How the estimate was made and what it leaves out.")
 
     def describe(self) -> str:
@@ -109,9 +132,15 @@ class MemoryEstimate(Record):
         biggest = f"; largest tensor {top.name} {top.shape} ({top.op}) {size_text(top.bytes)}" if top else ""
         skipped = f"; {self.unknown_shapes} tensors of unknown size skipped" if self.unknown_shapes else ""
         folded = f", folded constants {size_text(self.folded_bytes)}" if abs(self.folded_bytes) >= MIB // 100 else ""
-        folded += f" (load peak {size_text(self.load_bytes)})" if self.load_bytes > self.weights_bytes + self.folded_bytes else ""
-        return (f"graph estimate {size_text(self.peak_bytes)}: weights {size_text(self.weights_bytes)}{folded}, "
-                f"activations {size_text(self.activation_bytes)} at {self.peak_at}{biggest}{skipped}")
+        folded += (
+            f" (load peak {size_text(self.load_bytes)})"
+            if self.load_bytes > self.weights_bytes + self.folded_bytes
+            else ""
+        )
+        return (
+            f"graph estimate {size_text(self.peak_bytes)}: weights {size_text(self.weights_bytes)}{folded}, "
+            f"activations {size_text(self.activation_bytes)} at {self.peak_at}{biggest}{skipped}"
+        )
 
 
 def size_text(count: int) -> str:
@@ -134,7 +163,9 @@ class GraphMemory:
         except Exception as err:  # protobuf's DecodeError and onnx's own errors
             raise InputError(f"model: {self.path} is not a readable ONNX file ({one_line(err)})") from err
         graph = self._model.graph
-        self._static = {init.name for init in graph.initializer} | {init.values.name for init in graph.sparse_initializer}
+        self._static = {init.name for init in graph.initializer} | {
+            init.values.name for init in graph.sparse_initializer
+        }
         self._static |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
         self._scalars = _static_scalars(self._model)
         self._constant_bytes = _constant_bytes(self._model)
@@ -159,12 +190,18 @@ class GraphMemory:
         largest = sorted(buffers, key=lambda b: -b.size.bytes)[:_LARGEST]
         at = steps[peak_step] if steps else None
         return MemoryEstimate(
-            model=str(self.path), input_shapes=shapes, weights_bytes=self.weights_bytes, folded_bytes=folded_bytes,
-            load_bytes=self.weights_bytes + folding_bytes, activation_bytes=activation,
+            model=str(self.path),
+            input_shapes=shapes,
+            weights_bytes=self.weights_bytes,
+            folded_bytes=folded_bytes,
+            load_bytes=self.weights_bytes + folding_bytes,
+            activation_bytes=activation,
             peak_bytes=max(self.weights_bytes + folded_bytes + activation, self.weights_bytes + folding_bytes),
             peak_at=f"{at.name or '(unnamed)'} ({at.op_type})" if at else "(no nodes)",
             largest=[b.size.model_copy(update={"op": producer.get(b.size.name, "input")}) for b in largest],
-            unknown_shapes=unknown_count, method=METHOD)
+            unknown_shapes=unknown_count,
+            method=METHOD,
+        )
 
     def _inferred(self, shapes: Mapping[str, list[int]]):
         import onnx
@@ -184,7 +221,9 @@ class GraphMemory:
 
             return infer_with_data_prop(model)
         except Exception as err:
-            raise OmskillsError(f"{self.path.name}: ONNX shape inference failed for {dict(shapes)} ({one_line(err)})") from err
+            raise OmskillsError(
+                f"{self.path.name}: ONNX shape inference failed for {dict(shapes)} ({one_line(err)})"
+            ) from err
 
 
 def estimate_peak(path: str | Path, input_shapes: Mapping[str, Sequence[int]]) -> MemoryEstimate:
@@ -207,7 +246,9 @@ class _Buffer:
 def _make_concrete(value, shape: list[int]) -> None:
     dims = value.type.tensor_type.shape.dim
     if len(dims) != len(shape):
-        raise InputError(f"input_shapes[{value.name!r}]: {shape} has rank {len(shape)}; the graph declares rank {len(dims)}")
+        raise InputError(
+            f"input_shapes[{value.name!r}]: {shape} has rank {len(shape)}; the graph declares rank {len(dims)}"
+        )
     for dim, size in zip(dims, shape):
         dim.Clear()
         dim.dim_value = size
@@ -233,14 +274,22 @@ def _dtype_name(elem_type: int) -> str:
 def _constant_bytes(model) -> dict[str, int]:
     """Initializer or Constant output -> its bytes, from dims and dtypes (no data read)."""
     graph = model.graph
-    tensors = {t.name: t for t in graph.initializer} | {sparse.values.name: sparse.values for sparse in graph.sparse_initializer}
-    tensors |= {node.output[0]: attr.t for node in graph.node if node.op_type == "Constant" and node.output
-                for attr in node.attribute if attr.name == "value"}
+    tensors = {t.name: t for t in graph.initializer} | {
+        sparse.values.name: sparse.values for sparse in graph.sparse_initializer
+    }
+    tensors |= {
+        node.output[0]: attr.t
+        for node in graph.node
+        if node.op_type == "Constant" and node.output
+        for attr in node.attribute
+        if attr.name == "value"
+    }
     return {name: math.prod(t.dims) * (_itemsize(t.data_type) or 0) for name, t in tensors.items()}
 
 
-def _folded(graph, steps, static: set[str], constant_bytes: Mapping[str, int],
-            sizes: Mapping[str, TensorSize]) -> tuple[set[str], int, int]:
+def _folded(
+    graph, steps, static: set[str], constant_bytes: Mapping[str, int], sizes: Mapping[str, TensorSize]
+) -> tuple[set[str], int, int]:
     """What ONNX Runtime's constant folding does at load: the tensors computed from constants only
     (they are no activation of a call); the bytes it adds: the folded tensors other nodes read
     (kept as new initializers) less the initializers only folded nodes read (dropped); and the
@@ -249,8 +298,12 @@ def _folded(graph, steps, static: set[str], constant_bytes: Mapping[str, int],
     folding: list[bool] = []
     for node in steps:
         inputs = [name for name in node.input if name]
-        foldable = (node.op_type not in _NOT_FOLDED and not _outer_names(node) and inputs
-                    and all(name in static or name in folded for name in inputs))
+        foldable = (
+            node.op_type not in _NOT_FOLDED
+            and not _outer_names(node)
+            and inputs
+            and all(name in static or name in folded for name in inputs)
+        )
         folding.append(bool(foldable))
         if foldable:
             folded.update(out for out in node.output if out)
@@ -281,8 +334,9 @@ def _static_scalars(model) -> set[str]:
     for node in model.graph.node:
         if node.op_type == "Constant" and node.output:
             attr = node.attribute[0] if node.attribute else None
-            if attr is not None and (attr.name in ("value_float", "value_int")
-                                     or (attr.name == "value" and math.prod(attr.t.dims) == 1)):
+            if attr is not None and (
+                attr.name in ("value_float", "value_int") or (attr.name == "value" and math.prod(attr.t.dims) == 1)
+            ):
                 names.add(node.output[0])
     return names
 
@@ -298,8 +352,9 @@ def _tensor_sizes(graph) -> dict[str, TensorSize]:
         dims = [dim.dim_value if dim.HasField("dim_value") else None for dim in tensor.shape.dim]
         if any(size is None for size in dims):
             continue
-        sizes[value.name] = TensorSize(name=value.name, op="", shape=dims, dtype=_dtype_name(tensor.elem_type),
-                                       bytes=math.prod(dims) * itemsize)
+        sizes[value.name] = TensorSize(
+            name=value.name, op="", shape=dims, dtype=_dtype_name(tensor.elem_type), bytes=math.prod(dims) * itemsize
+        )
     return sizes
 
 
@@ -314,8 +369,9 @@ def _outer_names(node) -> set[str]:
     return names
 
 
-def _buffers(graph, steps, static: set[str], scalars: set[str],
-             sizes: Mapping[str, TensorSize]) -> tuple[list[_Buffer], int]:
+def _buffers(
+    graph, steps, static: set[str], scalars: set[str], sizes: Mapping[str, TensorSize]
+) -> tuple[list[_Buffer], int]:
     """Each activation's buffer with its live range over the steps, and how many were of unknown size."""
     owner, live, held = _live_ranges(graph, steps, static)
     merged = _in_place(steps, owner, live, held, sizes, scalars)
@@ -376,8 +432,14 @@ def _in_place_source(node, producer: Mapping[str, str], scalars: set[str]) -> st
     return None
 
 
-def _in_place(steps, owner: dict[str, str], live: dict[str, list[int]], held: set[str],
-              sizes: Mapping[str, TensorSize], scalars: set[str]) -> set[str]:
+def _in_place(
+    steps,
+    owner: dict[str, str],
+    live: dict[str, list[int]],
+    held: set[str],
+    sizes: Mapping[str, TensorSize],
+    scalars: set[str],
+) -> set[str]:
     """Let outputs take over an input's buffer where ONNX Runtime would (`_in_place_source`; the
     input dies at that node and has the output's size); returns the buffers merged away."""
     merged: set[str] = set()
@@ -448,8 +510,9 @@ def sample_sizes(path: str | Path) -> SampleSizes:
         bytes_of[prefix] += math.prod(shape) * dtype.itemsize
         if prefix == INPUT_PREFIX:
             inputs[key.removeprefix(prefix)] = list(shape)
-    return SampleSizes(path=str(path), inputs=inputs, input_bytes=bytes_of[INPUT_PREFIX],
-                       output_bytes=bytes_of[OUTPUT_PREFIX])
+    return SampleSizes(
+        path=str(path), inputs=inputs, input_bytes=bytes_of[INPUT_PREFIX], output_bytes=bytes_of[OUTPUT_PREFIX]
+    )
 
 
 # -- the probe's budget and batch chunk ------------------------------------------------------------
@@ -508,8 +571,14 @@ class ChunkChoice(Record):
     fits: bool = Field(description="Whether the whole batch, or the chosen chunk, fits the budget.")
 
 
-def choose_batch_chunk(graph: GraphMemory, input_shapes: Mapping[str, Sequence[int]], batch_axes: Mapping[str, int],
-                       sizes: Sequence[int], budget_bytes: int, sample: SampleSizes | None = None) -> ChunkChoice:
+def choose_batch_chunk(
+    graph: GraphMemory,
+    input_shapes: Mapping[str, Sequence[int]],
+    batch_axes: Mapping[str, int],
+    sizes: Sequence[int],
+    budget_bytes: int,
+    sample: SampleSizes | None = None,
+) -> ChunkChoice:
     """The largest of `sizes` (chunk sizes below the call's batch, e.g. a candidate's ATC gears)
     whose predicted need fits `budget_bytes`, or the smallest when none does (fits=False).
 
@@ -525,15 +594,18 @@ def choose_batch_chunk(graph: GraphMemory, input_shapes: Mapping[str, Sequence[i
     outputs = sample.output_bytes if sample else 0
     whole = graph.estimate(input_shapes)
     whole_bytes = probe_need_bytes(whole, outputs)
-    choice = ChunkChoice(batch=batch, budget_bytes=budget_bytes, whole=whole, whole_bytes=whole_bytes,
-                         fits=whole_bytes <= budget_bytes)
+    choice = ChunkChoice(
+        batch=batch, budget_bytes=budget_bytes, whole=whole, whole_bytes=whole_bytes, fits=whole_bytes <= budget_bytes
+    )
     candidates = sorted({size for size in sizes if batch is not None and 1 <= size < batch}, reverse=True)
     if choice.fits or not candidates:
         return choice
     held = (sample.input_bytes if sample else 0) + 3 * outputs
     for size in candidates:
-        shapes = {name: [size if name in batched and axis == batched[name] else dim for axis, dim in enumerate(shape)]
-                  for name, shape in input_shapes.items()}
+        shapes = {
+            name: [size if name in batched and axis == batched[name] else dim for axis, dim in enumerate(shape)]
+            for name, shape in input_shapes.items()
+        }
         need = probe_need_bytes(graph.estimate(shapes), held)
         choice = choice.model_copy(update={"chunk": size, "chunk_bytes": need, "fits": need <= budget_bytes})
         if choice.fits:
@@ -548,8 +620,13 @@ class ProbePlan(Record):
     note: str = Field(description="What was predicted and decided, for the record's decision log.")
 
 
-def plan_probe(path: str | Path, sample_paths: Sequence[Path], contract: ContractSpec,
-               strategy: ShapeStrategy | None, budget_bytes: int) -> ProbePlan:
+def plan_probe(
+    path: str | Path,
+    sample_paths: Sequence[Path],
+    contract: ContractSpec,
+    strategy: ShapeStrategy | None,
+    budget_bytes: int,
+) -> ProbePlan:
     """Whether the largest captured sample's call fits `budget_bytes` whole, else the batch split
     (chunks among the candidate's ATC batch gears) whose predicted peak fits.
 
@@ -563,8 +640,10 @@ def plan_probe(path: str | Path, sample_paths: Sequence[Path], contract: Contrac
     gears = [gear[0] for gear in strategy.gears] if template and strategy else []
     choice = choose_batch_chunk(graph, shapes, template.input_axes if template else {}, gears, budget_bytes, sample)
     call = f"on a batch of {choice.batch}" if choice.batch is not None else "for the call"
-    whole = (f"predicted peak {choice.whole_bytes / GIB:.2f} GB {call} "
-             f"{'<=' if choice.whole_bytes <= budget_bytes else '>'} budget {budget_bytes / GIB:.2f} GB")
+    whole = (
+        f"predicted peak {choice.whole_bytes / GIB:.2f} GB {call} "
+        f"{'<=' if choice.whole_bytes <= budget_bytes else '>'} budget {budget_bytes / GIB:.2f} GB"
+    )
     detail = f" ({choice.whole.describe()}; sample {Path(sample.path).name})"
     probed = "the whole batch" if choice.batch is not None else "the call whole"
     if choice.whole_bytes <= budget_bytes:
@@ -573,7 +652,9 @@ def plan_probe(path: str | Path, sample_paths: Sequence[Path], contract: Contrac
         why = "the batch cannot be split (no dynamic_batch_size strategy with outputs that follow the batch, or no smaller gear)"
         return ProbePlan(note=f"{whole}; {why}: probing {probed}{detail}")
     over = "" if choice.fits else " (still over the budget: the smallest gear)"
-    reason = (f"{whole}; chunks of {choice.chunk} predicted {choice.chunk_bytes / GIB:.2f} GB{over}{detail}; "
-              "the chunks' outputs are compared with PyTorch's whole-batch run")
+    reason = (
+        f"{whole}; chunks of {choice.chunk} predicted {choice.chunk_bytes / GIB:.2f} GB{over}{detail}; "
+        "the chunks' outputs are compared with PyTorch's whole-batch run"
+    )
     split = batch_split_for(contract, strategy, choice.chunk, reason)
     return ProbePlan(split=split, note=reason)

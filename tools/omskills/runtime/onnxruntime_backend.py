@@ -86,7 +86,9 @@ class OnnxRuntimeBackend(RuntimeBackend):
         if threads is not None and threads < 1:
             raise BackendError(f"threads: must be >= 1, got {threads}")
         self.providers = resolve_providers(providers)
-        self.provider_options = {name: {k: str(v) for k, v in opts.items()} for name, opts in (provider_options or {}).items()}
+        self.provider_options = {
+            name: {k: str(v) for k, v in opts.items()} for name, opts in (provider_options or {}).items()
+        }
         self.threads = threads
         self.fuse_attention = fuse_attention
         self.spin = spin
@@ -99,8 +101,11 @@ class OnnxRuntimeBackend(RuntimeBackend):
             try:
                 self._session = self._new_session(fused)
             except BackendError as exc:
-                logger.warning("%s: the session with fused attention does not load (%s); running it as exported",
-                               self.path.name, exc)
+                logger.warning(
+                    "%s: the session with fused attention does not load (%s); running it as exported",
+                    self.path.name,
+                    exc,
+                )
                 self.fused_attention_blocks = 0
         if self._session is None:
             self._session = self._new_session(None)
@@ -125,12 +130,17 @@ class OnnxRuntimeBackend(RuntimeBackend):
             options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if model is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(self.path.parent)
+            )
         try:
-            providers = [(name, self.provider_options[name]) if name in self.provider_options else name
-                         for name in self.providers]
-            return onnxruntime.InferenceSession(model if model is not None else str(self.path),
-                                                sess_options=options, providers=providers)
+            providers = [
+                (name, self.provider_options[name]) if name in self.provider_options else name
+                for name in self.providers
+            ]
+            return onnxruntime.InferenceSession(
+                model if model is not None else str(self.path), sess_options=options, providers=providers
+            )
         except Exception as exc:  # ORT raises its own types (InvalidProtobuf, Fail, ...)
             raise BackendError(f"onnxruntime cannot load {self.path}: {_first_line(exc)}") from exc
 
@@ -141,8 +151,12 @@ class OnnxRuntimeBackend(RuntimeBackend):
         from omskills.runtime.attention_fusion import fuse_attention
 
         if self.path.stat().st_size > FUSE_IN_MEMORY_MAX_BYTES:
-            logger.info("%s: %d bytes, over %d: attention left unfused", self.path.name,
-                        self.path.stat().st_size, FUSE_IN_MEMORY_MAX_BYTES)
+            logger.info(
+                "%s: %d bytes, over %d: attention left unfused",
+                self.path.name,
+                self.path.stat().st_size,
+                FUSE_IN_MEMORY_MAX_BYTES,
+            )
             return None
         try:
             model = onnx.load(str(self.path), load_external_data=False)
@@ -165,8 +179,11 @@ class OnnxRuntimeBackend(RuntimeBackend):
                 raise BackendError(f"onnxruntime failed to run {self.path.name}: {_first_line(exc)}") from exc
             # A fused block met shapes the export allowed and MultiHeadAttention does not (a
             # broadcast batch, say): from now on the graph runs as exported.
-            logger.warning("%s: fused attention failed (%s); running the graph as exported from now on",
-                           self.path.name, _first_line(exc))
+            logger.warning(
+                "%s: fused attention failed (%s); running the graph as exported from now on",
+                self.path.name,
+                _first_line(exc),
+            )
             self.fused_attention_blocks = 0
             self._session = self._new_session(None)
             return self._infer_impl(feeds)
@@ -190,8 +207,9 @@ class OnnxRuntimeBackend(RuntimeBackend):
         if not self.holds_values:
             raise BackendError(f"{self.path.name}: runs on {self.device}, where outputs are not kept as values")
         values = {k: v for k, v in feeds.items() if isinstance(v, onnxruntime.OrtValue)}
-        arrays = check_feeds(self._inputs, {k: values[k].numpy() if k in values else v for k, v in feeds.items()},
-                             model=self.path.name)
+        arrays = check_feeds(
+            self._inputs, {k: values[k].numpy() if k in values else v for k, v in feeds.items()}, model=self.path.name
+        )
         binding = self._session.io_binding()
         for name, array in arrays.items():
             if name in values:

@@ -34,8 +34,13 @@ def page_out(modules: Iterable[nn.Module], folder: Path) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     moved = 0
     for index, module in enumerate(_distinct(modules)):
-        slots = [(owner, table, name, value) for owner in module.modules()
-                 for table in (owner._parameters, owner._buffers) for name, value in table.items() if _pageable(value)]
+        slots = [
+            (owner, table, name, value)
+            for owner in module.modules()
+            for table in (owner._parameters, owner._buffers)
+            for name, value in table.items()
+            if _pageable(value)
+        ]
         if not slots:
             continue
         originals = {id(value): value.detach() for _, _, _, value in slots}
@@ -44,15 +49,21 @@ def page_out(modules: Iterable[nn.Module], folder: Path) -> int:
         for _, table, name, value in slots:
             if id(value) not in replaced:
                 data = mapped[id(value)]
-                replaced[id(value)] = nn.Parameter(data, value.requires_grad) if isinstance(value, nn.Parameter) else data
+                replaced[id(value)] = (
+                    nn.Parameter(data, value.requires_grad) if isinstance(value, nn.Parameter) else data
+                )
             table[name] = replaced[id(value)]
         moved += nbytes
     return moved
 
 
 def _pageable(value: object) -> bool:
-    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
-            and value.untyped_storage().nbytes() > 0)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+        and value.untyped_storage().nbytes() > 0
+    )
 
 
 def _mapped_copies(state: dict[int, torch.Tensor], path: Path) -> tuple[dict[int, torch.Tensor], int]:
@@ -78,7 +89,9 @@ def _mapped_copies(state: dict[int, torch.Tensor], path: Path) -> tuple[dict[int
     for name, tensor in state.items():
         start = offsets[tensor.untyped_storage().data_ptr()]
         typed = file_bytes[start:].view(tensor.dtype)  # start and the file's end are both aligned
-        mapped[name] = typed.as_strided(tensor.size(), tensor.stride(), typed.storage_offset() + tensor.storage_offset())
+        mapped[name] = typed.as_strided(
+            tensor.size(), tensor.stride(), typed.storage_offset() + tensor.storage_offset()
+        )
     nbytes = sum(t.untyped_storage().nbytes() for t in _distinct_storages(state.values()))
     return mapped, nbytes
 

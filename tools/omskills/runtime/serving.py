@@ -36,7 +36,7 @@ DYMSHAPE_OUTPUT_MARGIN = 4
 
 
 def resolve_backend(requested: str, graphs: Sequence[DeployedGraph]) -> str:
-    """"om" or "onnxruntime" for `requested` ("auto": the OM where every graph has one and ais_bench
+    """ "om" or "onnxruntime" for `requested` ("auto": the OM where every graph has one and ais_bench
     is installed, else ONNX Runtime on its best provider). Logs what "auto" chose and why."""
     if requested not in SERVING_BACKENDS:
         raise BackendError(f"backend: {requested!r} is not one of {list(SERVING_BACKENDS)}")
@@ -72,8 +72,10 @@ def open_graph(
 
 def _open_om(graph: DeployedGraph, root: Path, device_id: int) -> RuntimeBackend | SplitBatchBackend:
     if graph.om is None:
-        raise BackendError(f"{graph.name}: no OM was built (run its ATC script where CANN is installed: "
-                           f"{graph.atc_script or 'convert_atc'}), so it cannot run on the om backend")
+        raise BackendError(
+            f"{graph.name}: no OM was built (run its ATC script where CANN is installed: "
+            f"{graph.atc_script or 'convert_atc'}), so it cannot run on the om backend"
+        )
     strategy = graph.strategy
     mode = om_mode_for_strategy(strategy.kind) if strategy else "static"
     sizes = _dymshape_sizes(graph) if mode == "dymshape" else None
@@ -86,8 +88,9 @@ def _open_om(graph: DeployedGraph, root: Path, device_id: int) -> RuntimeBackend
     return om
 
 
-def _open_onnxruntime(graph: DeployedGraph, model: Path, device_id: int,
-                      providers: Sequence[str] | None) -> RuntimeBackend | SplitBatchBackend:
+def _open_onnxruntime(
+    graph: DeployedGraph, model: Path, device_id: int, providers: Sequence[str] | None
+) -> RuntimeBackend | SplitBatchBackend:
     cann = {"device_id": str(device_id)}
     if graph.precision_mode:
         cann["precision_mode"] = graph.precision_mode
@@ -100,7 +103,9 @@ def _open_onnxruntime(graph: DeployedGraph, model: Path, device_id: int,
 def _dymshape_sizes(graph: DeployedGraph) -> list[int]:
     sizes = []
     for index, spec in enumerate(graph.contract.outputs):
-        shapes = [call.outputs[index] for call in graph.contract.call_shapes if index < len(call.outputs)] or [spec.shape]
+        shapes = [call.outputs[index] for call in graph.contract.call_shapes if index < len(call.outputs)] or [
+            spec.shape
+        ]
         largest = max(int(np.prod(shape)) if shape else 1 for shape in shapes)
         itemsize = 2 if spec.dtype == "bfloat16" else np.dtype(spec.dtype).itemsize  # numpy has no bfloat16
         sizes.append(largest * itemsize * DYMSHAPE_OUTPUT_MARGIN)

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
 from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
+from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
 from omskills.errors import OmskillsError, one_line
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
@@ -90,8 +90,9 @@ class ShapeRule:
     serves other sizes as gear-sized calls.
     """
 
-    def __init__(self, inputs: list[TensorSpec], strategy: ShapeStrategy | None,
-                 any_batch: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, inputs: list[TensorSpec], strategy: ShapeStrategy | None, any_batch: frozenset[str] = frozenset()
+    ) -> None:
         self.inputs = inputs
         self.strategy = strategy
         self.any_batch = any_batch
@@ -195,8 +196,9 @@ _SPLICED_CLASSES: dict[type, type] = {}
 class _Route:
     """One compiled graph a spliced module can send a call to: its contract, backend and checks."""
 
-    def __init__(self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None,
-                 traffic: TrafficMeter) -> None:
+    def __init__(
+        self, contract: ContractSpec, backend: SpliceBackend, strategy: ShapeStrategy | None, traffic: TrafficMeter
+    ) -> None:
         self.contract = contract
         self.backend = backend
         self.traffic = traffic
@@ -220,16 +222,24 @@ class _Route:
         """The value each non-tensor argument must have; None: only its repr is known."""
         varying = [arg.tree_path for arg in contract.non_tensor_args if not arg.constant and arg.derived is None]
         if varying:
-            raise SpliceError(f"{contract.candidate}: non-tensor arguments {varying} vary across calls; "
-                              "a compiled graph cannot take them")
+            raise SpliceError(
+                f"{contract.candidate}: non-tensor arguments {varying} vary across calls; "
+                "a compiled graph cannot take them"
+            )
         return [arg.value for arg in contract.non_tensor_args]
 
     @staticmethod
     def _output_constants(contract: ContractSpec) -> list[Any]:
-        unusable = [arg.tree_path for arg in contract.non_tensor_outputs if not arg.constant or (arg.value is None and arg.value_repr != "None")]
+        unusable = [
+            arg.tree_path
+            for arg in contract.non_tensor_outputs
+            if not arg.constant or (arg.value is None and arg.value_repr != "None")
+        ]
         if unusable:
-            raise SpliceError(f"{contract.candidate}: non-tensor outputs {unusable} vary or have no recorded value; "
-                              "the output cannot be rebuilt from the backend's tensors")
+            raise SpliceError(
+                f"{contract.candidate}: non-tensor outputs {unusable} vary or have no recorded value; "
+                "the output cannot be rebuilt from the backend's tensors"
+            )
         return [arg.value for arg in contract.non_tensor_outputs]
 
     @staticmethod
@@ -260,8 +270,10 @@ class _Route:
         expected = self.contract.call_values(self.bound_constants, tensors)
         for value, arg, bound in zip(others, self.contract.non_tensor_args, expected):
             if arg.derived is not None and value != bound:
-                return Violation("constant", f"{arg.tree_path} is {value!r}, not {arg.derived.formula()} = {bound} "
-                                             "as the graph computes it")
+                return Violation(
+                    "constant",
+                    f"{arg.tree_path} is {value!r}, not {arg.derived.formula()} = {bound} as the graph computes it",
+                )
             if arg.derived is None and not _same_constant(value, arg, bound):
                 return Violation("constant", f"{arg.tree_path} is {value!r}, the contract binds {arg.value_repr}")
         for spec, tensor in zip(self.contract.inputs, tensors):
@@ -315,8 +327,15 @@ class _Route:
             kept = [values[name] for name in names] if values is not None else None
             if runs_merged:
                 merged.keep(produced, dict(zip(names, outputs)))
-            self.traffic.record(self.contract.candidate, [by_name[name] for name in self.feed_names], feeds, outputs,
-                                kept, resident, names)
+            self.traffic.record(
+                self.contract.candidate,
+                [by_name[name] for name in self.feed_names],
+                feeds,
+                outputs,
+                kept,
+                resident,
+                names,
+            )
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
 
     @property
@@ -327,8 +346,9 @@ class _Route:
             self._holds_values = self.traffic.keep_values and bool(getattr(self.backend, "holds_values", False))
         return self._holds_values
 
-    def _run_values(self, backend: SpliceBackend, by_name: Mapping[str, torch.Tensor],
-                    feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], list[str]]:
+    def _run_values(
+        self, backend: SpliceBackend, by_name: Mapping[str, torch.Tensor], feeds: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, Any], list[str]]:
         """The call with each input that is another graph's output, unchanged, given as that graph's
         own runtime value (a device-resident hand-off); the outputs as the runtime's values."""
         bound: dict[str, Any] = dict(feeds)
@@ -339,9 +359,13 @@ class _Route:
         resident = [name for name in feeds if bound[name] is not feeds[name]]
         return backend.run_values(bound), resident  # type: ignore[attr-defined]
 
-    def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device) -> torch.Tensor:
+    def _output_tensor(
+        self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device
+    ) -> torch.Tensor:
         if spec.name not in produced:
-            raise SpliceError(f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}")
+            raise SpliceError(
+                f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}"
+            )
         array = np.require(produced[spec.name], requirements="C")
         return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
 
@@ -371,8 +395,14 @@ class MergedChain:
     the outputs the member before it gave (unchanged since), are answered from that call without
     a launch. A call that is not such a call runs its own graph, as before the merge."""
 
-    def __init__(self, routes: Sequence[_Route], backend: SpliceBackend, io_maps: Sequence[Mapping[str, str]],
-                 prefixes: Sequence[str], traffic: TrafficMeter) -> None:
+    def __init__(
+        self,
+        routes: Sequence[_Route],
+        backend: SpliceBackend,
+        io_maps: Sequence[Mapping[str, str]],
+        prefixes: Sequence[str],
+        traffic: TrafficMeter,
+    ) -> None:
         self.routes = list(routes)
         self.backend = backend
         self.io_maps = [dict(m) for m in io_maps]  # member k+1's input -> member k's output
@@ -395,8 +425,10 @@ class MergedChain:
 
     def keep(self, produced: Mapping[str, np.ndarray], outputs: Mapping[str, torch.Tensor]) -> None:
         """The composed graph's call: every later member's outputs, waiting for its call."""
-        self._pending = [{name[len(prefix):]: value for name, value in produced.items() if name.startswith(prefix)}
-                         for prefix in self.prefixes]
+        self._pending = [
+            {name[len(prefix) :]: value for name, value in produced.items() if name.startswith(prefix)}
+            for prefix in self.prefixes
+        ]
         self._next = 1
         self._given_by(0, outputs)
 
@@ -418,7 +450,9 @@ class MergedChain:
         self._given_by(k, outputs)
 
     def _given_by(self, k: int, outputs: Mapping[str, torch.Tensor]) -> None:
-        self._given = {name: outputs[output] for name, output in self.io_maps[k].items()} if k < len(self.io_maps) else {}
+        self._given = (
+            {name: outputs[output] for name, output in self.io_maps[k].items()} if k < len(self.io_maps) else {}
+        )
 
 
 class SplicedModule(nn.Module):
@@ -456,8 +490,10 @@ class SplicedModule(nn.Module):
         """Another graph of the same candidate, for the calls whose dispatch values it serves."""
         first = self.contract
         if (contract.module_path, contract.method) != (first.module_path, first.method):
-            raise SpliceError(f"{contract.candidate}: {contract.module_path}.{contract.method} is not where "
-                              f"{first.candidate} is spliced ({first.module_path}.{first.method})")
+            raise SpliceError(
+                f"{contract.candidate}: {contract.module_path}.{contract.method} is not where "
+                f"{first.candidate} is spliced ({first.module_path}.{first.method})"
+            )
         self.routes.append(_Route(contract, backend, strategy, self.traffic))
 
     def __getattr__(self, name: str) -> Any:
@@ -488,7 +524,9 @@ class SplicedModule(nn.Module):
             try:
                 return served.run(flat)
             except Exception as err:  # noqa: BLE001 - whatever the runtime raises, PyTorch still answers
-                self._fall_back(served, Violation("backend", f"the {served.backend.kind} backend failed: {one_line(err, 300)}"))
+                self._fall_back(
+                    served, Violation("backend", f"the {served.backend.kind} backend failed: {one_line(err, 300)}")
+                )
                 return self._original_call()(*args, **kwargs)
         # The route whose dispatch values the call has explains best why none could serve it.
         route, violation = next(((r, v) for r, v in violations if v.kind != "constant"), violations[0])
@@ -503,11 +541,17 @@ class SplicedModule(nn.Module):
 
     def _fall_back(self, route: _Route, violation: Violation) -> None:
         if self.strict:
-            raise ContractViolation(f"{route.contract.candidate} call {self.calls} is outside its contract "
-                                    f"({violation.kind}): {violation.reason}")
-        event = FallbackEvent(candidate=route.contract.candidate, call=self.calls, kind=violation.kind, reason=violation.reason)
+            raise ContractViolation(
+                f"{route.contract.candidate} call {self.calls} is outside its contract "
+                f"({violation.kind}): {violation.reason}"
+            )
+        event = FallbackEvent(
+            candidate=route.contract.candidate, call=self.calls, kind=violation.kind, reason=violation.reason
+        )
         route.fallback_events.append(event)
-        logger.warning("%s call %d runs in PyTorch (fallback, %s): %s", event.candidate, event.call, event.kind, event.reason)
+        logger.warning(
+            "%s call %d runs in PyTorch (fallback, %s): %s", event.candidate, event.call, event.kind, event.reason
+        )
 
     @property
     def fallback_events(self) -> list[FallbackEvent]:
@@ -560,7 +604,11 @@ class SpliceHandle:
         where = f"{contract.candidate}: {contract.parent_path or '<root>'}.{contract.attribute}"
         if isinstance(original, SplicedModule):
             # Another graph of a candidate dispatched on a non-tensor argument joins its splice.
-            same = contract.dispatch and original.contract.dispatch and original.contract.plan_candidate == contract.plan_candidate
+            same = (
+                contract.dispatch
+                and original.contract.dispatch
+                and original.contract.plan_candidate == contract.plan_candidate
+            )
             if not same or original not in self._spliced:
                 raise SpliceError(f"{where} is already spliced")
             original.add_route(contract, backend, strategy)
@@ -576,8 +624,13 @@ class SpliceHandle:
         self._spliced.append(spliced)
         return spliced
 
-    def merge(self, graphs: Sequence[str], backend: SpliceBackend, io_maps: Sequence[Mapping[str, str]],
-              prefixes: Sequence[str]) -> None:
+    def merge(
+        self,
+        graphs: Sequence[str],
+        backend: SpliceBackend,
+        io_maps: Sequence[Mapping[str, str]],
+        prefixes: Sequence[str],
+    ) -> None:
         """Serve `graphs`, in that order, by one call of `backend`, their composition: its outputs
         are the first graph's, then each later one's with its prefix (`prefixes`, one per later
         graph); `io_maps[k]`: graph k+1's input -> graph k's output."""
@@ -610,7 +663,6 @@ class SpliceHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.unsplice()
-
 
 
 def _same_buffer(value: Any, array: np.ndarray) -> bool:

@@ -59,12 +59,21 @@ class _Counts:
         self.merged_into = self.merged_into or other.merged_into
 
     def as_record(self, graph: str) -> GraphTraffic:
-        return GraphTraffic(graph=graph, calls=self.calls, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-                            copies=self.copies, handed_in=sum(self.handed_from.values()),
-                            handed_copies=self.handed_copies, handed_from=dict(self.handed_from),
-                            resident_copies=self.resident_copies, resident_in=self.resident_in,
-                            input_sources=dict(self.input_sources), merged_calls=self.merged_calls,
-                            merged_into=self.merged_into)
+        return GraphTraffic(
+            graph=graph,
+            calls=self.calls,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            copies=self.copies,
+            handed_in=sum(self.handed_from.values()),
+            handed_copies=self.handed_copies,
+            handed_from=dict(self.handed_from),
+            resident_copies=self.resident_copies,
+            resident_in=self.resident_in,
+            input_sources=dict(self.input_sources),
+            merged_calls=self.merged_calls,
+            merged_into=self.merged_into,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,18 +117,32 @@ class TrafficMeter:
         # at that address with the same version counter is that output, unchanged since.
         self._produced: dict[int, _Produced] = {}
 
-    def record(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
-               outputs: Sequence[torch.Tensor], values: Sequence[Any] | None = None,
-               resident: Sequence[str] = (), output_names: Sequence[str] = ()) -> None:
+    def record(
+        self,
+        graph: str,
+        inputs: Sequence[torch.Tensor],
+        feeds: Mapping[str, np.ndarray],
+        outputs: Sequence[torch.Tensor],
+        values: Sequence[Any] | None = None,
+        resident: Sequence[str] = (),
+        output_names: Sequence[str] = (),
+    ) -> None:
         """One backend call: `inputs`, the tensors of `feeds` in the same order; `values`, the
         runtime's own value of each output (to hand on); `resident`, the feeds that were given as
         such values instead of host arrays; `output_names`, the outputs' names in the graph."""
-        self._guarded(graph, lambda: self._count(graph, inputs, feeds, outputs,
-                                                 values if self.keep_values else None, resident, output_names))
+        self._guarded(
+            graph,
+            lambda: self._count(
+                graph, inputs, feeds, outputs, values if self.keep_values else None, resident, output_names
+            ),
+        )
 
-    def record_merged(self, graph: str, into: str, outputs: Sequence[torch.Tensor], output_names: Sequence[str]) -> None:
+    def record_merged(
+        self, graph: str, into: str, outputs: Sequence[torch.Tensor], output_names: Sequence[str]
+    ) -> None:
         """A call of `graph` answered inside a call of `into` (a merged graph): no launch and no
         input copied; its outputs still come back to the host."""
+
         def count() -> None:
             counts = self._pending[graph]
             counts.merged_calls += 1
@@ -140,9 +163,16 @@ class TrafficMeter:
             self.error = f"{graph}: {one_line(err, 200)}"
             logger.warning("host-device traffic no longer counted (%s)", self.error)
 
-    def _count(self, graph: str, inputs: Sequence[torch.Tensor], feeds: Mapping[str, np.ndarray],
-               outputs: Sequence[torch.Tensor], values: Sequence[Any] | None, resident: Sequence[str],
-               output_names: Sequence[str]) -> None:
+    def _count(
+        self,
+        graph: str,
+        inputs: Sequence[torch.Tensor],
+        feeds: Mapping[str, np.ndarray],
+        outputs: Sequence[torch.Tensor],
+        values: Sequence[Any] | None,
+        resident: Sequence[str],
+        output_names: Sequence[str],
+    ) -> None:
         counts = self._pending[graph]
         counts.calls += 1
         counts.bytes_in += sum(int(array.nbytes) for array in feeds.values())
@@ -159,14 +189,21 @@ class TrafficMeter:
                 counts.handed_copies += 1
         self._produced_by(graph, outputs, values, output_names)
 
-    def _produced_by(self, graph: str, outputs: Sequence[torch.Tensor], values: Sequence[Any] | None,
-                     output_names: Sequence[str]) -> None:
+    def _produced_by(
+        self, graph: str, outputs: Sequence[torch.Tensor], values: Sequence[Any] | None, output_names: Sequence[str]
+    ) -> None:
         names = list(output_names) or [str(k) for k in range(len(outputs))]
         for k, tensor in enumerate(outputs):
             if tensor.nbytes:
-                self._produced[tensor.data_ptr()] = _Produced(graph, names[k], weakref.ref(tensor), int(tensor.nbytes),
-                                                              _version(tensor), _probe(tensor),
-                                                              values[k] if values is not None else None)
+                self._produced[tensor.data_ptr()] = _Produced(
+                    graph,
+                    names[k],
+                    weakref.ref(tensor),
+                    int(tensor.nbytes),
+                    _version(tensor),
+                    _probe(tensor),
+                    values[k] if values is not None else None,
+                )
 
     def resident_value(self, tensor: torch.Tensor) -> Any:
         """The runtime value of a graph output `tensor` still is, unchanged since, or None."""
@@ -230,12 +267,18 @@ def traffic_report(steps: list[StepTraffic], link: LinkCost) -> TrafficReport:
     crossing = sum(s.bytes_crossing for s in counted) / n
     handed = sum(s.handed_in for s in counted) / n
     return TrafficReport(
-        per_step=steps, per_graph=[c.as_record(g) for g, c in totals.items()], link=link,
-        calls_per_step=round(calls, 3), copies_per_step=round(copies, 3), bytes_per_step=round(crossing, 1), handed_in_per_step=round(handed, 1),
+        per_step=steps,
+        per_graph=[c.as_record(g) for g, c in totals.items()],
+        link=link,
+        calls_per_step=round(calls, 3),
+        copies_per_step=round(copies, 3),
+        bytes_per_step=round(crossing, 1),
+        handed_in_per_step=round(handed, 1),
         predicted_link_s_per_step=_link_seconds(calls + copies, crossing, link),
         predicted_link_s_per_step_handed_off=_link_seconds(calls + copies - handed_copies, crossing - handed, link),
         resident_copies_per_step=round(sum(s.resident_copies for s in counted) / n, 3),
-        merges=merge_proposals(totals, n))
+        merges=merge_proposals(totals, n),
+    )
 
 
 def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) -> list[MergeProposal]:
@@ -251,11 +294,16 @@ def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) ->
         if counts.merged_calls and not counts.calls:
             reason = f"runs inside {counts.merged_into}'s calls: merged"
         elif upstream is None:
-            reason = ("no input is another graph's output: " + ("it reads its own earlier outputs unchanged, the rest "
-                      if graph in counts.handed_from else "") + "from host code (user inputs or tensors computed between the calls)")
+            reason = (
+                "no input is another graph's output: "
+                + ("it reads its own earlier outputs unchanged, the rest " if graph in counts.handed_from else "")
+                + "from host code (user inputs or tensors computed between the calls)"
+            )
         elif from_host > 0:
-            reason = (f"{_mb(from_host / steps)} per step of its inputs come from host code, not unchanged from "
-                      f"{upstream}: a merge would have to take that code into the graph")
+            reason = (
+                f"{_mb(from_host / steps)} per step of its inputs come from host code, not unchanged from "
+                f"{upstream}: a merge would have to take that code into the graph"
+            )
         elif len(sources) > 1:
             reason = f"fed by several graphs ({', '.join(sources)}): a merge would take them all into one call"
         elif (feeding := totals.get(upstream)) is None or feeding.calls != counts.calls:
@@ -265,10 +313,17 @@ def merge_proposals(totals: Mapping[str, GraphTraffic | _Counts], steps: int) ->
         else:
             mergeable = True
             reason = f"every input is {upstream}'s output, unchanged: one call of both would do"
-        proposals.append(MergeProposal(
-            graph=graph, upstream=upstream, mergeable=mergeable, reason=reason,
-            calls_saved_per_step=round(counts.calls / steps, 3) if mergeable else 0.0,
-            bytes_saved_per_step=round(counts.bytes_in / steps, 1) if mergeable else 0.0, io_map=io_map or {}))
+        proposals.append(
+            MergeProposal(
+                graph=graph,
+                upstream=upstream,
+                mergeable=mergeable,
+                reason=reason,
+                calls_saved_per_step=round(counts.calls / steps, 3) if mergeable else 0.0,
+                bytes_saved_per_step=round(counts.bytes_in / steps, 1) if mergeable else 0.0,
+                io_map=io_map or {},
+            )
+        )
     return proposals
 
 

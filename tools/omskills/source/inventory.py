@@ -13,10 +13,11 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 from omskills.errors import InputError, OmskillsError
 from omskills.records.inventory import (
@@ -32,6 +33,7 @@ DETAIL_CHARS = 160
 
 
 # --- locating and parsing the source -----------------------------------------------------
+
 
 @dataclass
 class SourceFile:
@@ -69,7 +71,9 @@ def read_package(root: Path, package: str) -> dict[str, SourceFile]:
         parts = list(rel.with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         module = ".".join(parts[:-1] if is_package else parts)
-        files[module] = SourceFile(rel.as_posix(), module, is_package, path.read_text(encoding="utf-8", errors="replace"))
+        files[module] = SourceFile(
+            rel.as_posix(), module, is_package, path.read_text(encoding="utf-8", errors="replace")
+        )
     return files
 
 
@@ -106,6 +110,7 @@ def import_closure(files: dict[str, SourceFile], start: str) -> list[SourceFile]
 
 # --- builders and predictors -------------------------------------------------------------
 
+
 def find_builders(files: Iterable[SourceFile], builder: str = "") -> list[BuilderFunction]:
     """Module-level `build_*` functions, and the configured builder whatever its name."""
     builders = []
@@ -113,17 +118,26 @@ def find_builders(files: Iterable[SourceFile], builder: str = "") -> list[Builde
         if ("def build_" not in source.text and f"def {builder}(" not in source.text) or source.tree is None:
             continue  # cheap filter before parsing
         for node in source.tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (node.name.startswith("build_") or node.name == builder):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                node.name.startswith("build_") or node.name == builder
+            ):
                 params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
                 params += [f"*{node.args.vararg.arg}"] if node.args.vararg else []
                 params += [f"**{node.args.kwarg.arg}"] if node.args.kwarg else []
-                builders.append(BuilderFunction(name=node.name, signature=f"({ast.unparse(node.args)})",
-                                                parameters=params, file=source.rel, line=node.lineno))
+                builders.append(
+                    BuilderFunction(
+                        name=node.name,
+                        signature=f"({ast.unparse(node.args)})",
+                        parameters=params,
+                        file=source.rel,
+                        line=node.lineno,
+                    )
+                )
     return builders
 
 
 def _dotted(node: ast.AST) -> str | None:
-    """"torch.cuda.current_device" for an attribute chain on a name, else None."""
+    """ "torch.cuda.current_device" for an attribute chain on a name, else None."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -149,14 +163,18 @@ def _request_selectors(method: ast.FunctionDef) -> set[str]:
     params = [a.arg for a in method.args.args if a.arg not in ("self", "cls")]
     selectors = set(params[:1])
     for node in ast.walk(method):
-        if isinstance(node, ast.Assign) and any(isinstance(n, ast.Name) and n.id in selectors for n in ast.walk(node.value)):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(n, ast.Name) and n.id in selectors for n in ast.walk(node.value)
+        ):
             selectors.update(t.id for t in node.targets if isinstance(t, ast.Name))
     return selectors
 
 
 def _is_type_selector(node: ast.expr, selectors: set[str]) -> bool:
     """`request_type`, `request["type"]`, `kind` (assigned from the request)...: names a request type."""
-    return "type" in ast.unparse(node).lower() or any(isinstance(n, ast.Name) and n.id in selectors for n in ast.walk(node))
+    return "type" in ast.unparse(node).lower() or any(
+        isinstance(n, ast.Name) and n.id in selectors for n in ast.walk(node)
+    )
 
 
 def _compared_request_type(test: ast.expr, selectors: set[str]) -> tuple[str, int] | None:
@@ -177,20 +195,45 @@ def _routes_in(method: ast.FunctionDef, source: SourceFile) -> list[RequestRoute
         if isinstance(node, ast.If):
             found = _compared_request_type(node.test, selectors)
             if found:
-                routes.append(RequestRoute(request_type=found[0], dispatcher=method.name,
-                                           method=_self_method_called(node.body), file=source.rel, line=found[1]))
+                routes.append(
+                    RequestRoute(
+                        request_type=found[0],
+                        dispatcher=method.name,
+                        method=_self_method_called(node.body),
+                        file=source.rel,
+                        line=found[1],
+                    )
+                )
         elif isinstance(node, ast.Match) and _is_type_selector(node.subject, selectors):
             for case in node.cases:
                 if isinstance(case.pattern, ast.MatchValue) and isinstance(case.pattern.value, ast.Constant):
-                    routes.append(RequestRoute(request_type=str(case.pattern.value.value), dispatcher=method.name,
-                                               method=_self_method_called(case.body), file=source.rel,
-                                               line=case.pattern.lineno))
+                    routes.append(
+                        RequestRoute(
+                            request_type=str(case.pattern.value.value),
+                            dispatcher=method.name,
+                            method=_self_method_called(case.body),
+                            file=source.rel,
+                            line=case.pattern.lineno,
+                        )
+                    )
         elif isinstance(node, ast.Dict):  # {"start_session": self.start_session, ...}
             for key, value in zip(node.keys, node.values):
-                if isinstance(key, ast.Constant) and isinstance(key.value, str) and isinstance(value, ast.Attribute) \
-                        and isinstance(value.value, ast.Name) and value.value.id == "self":
-                    routes.append(RequestRoute(request_type=key.value, dispatcher=method.name, method=value.attr,
-                                               file=source.rel, line=key.lineno))
+                if (
+                    isinstance(key, ast.Constant)
+                    and isinstance(key.value, str)
+                    and isinstance(value, ast.Attribute)
+                    and isinstance(value.value, ast.Name)
+                    and value.value.id == "self"
+                ):
+                    routes.append(
+                        RequestRoute(
+                            request_type=key.value,
+                            dispatcher=method.name,
+                            method=value.attr,
+                            file=source.rel,
+                            line=key.lineno,
+                        )
+                    )
     return routes
 
 
@@ -203,8 +246,9 @@ def _calls_super(method: ast.FunctionDef) -> bool:
     return False
 
 
-def find_predictors(files: Iterable[SourceFile], entry_methods: Sequence[str],
-                    entry_classes: Sequence[str] = ()) -> list[PredictorClass]:
+def find_predictors(
+    files: Iterable[SourceFile], entry_methods: Sequence[str], entry_classes: Sequence[str] = ()
+) -> list[PredictorClass]:
     """Classes defining one of the entry methods (only those named in `entry_classes`, when given),
     with the request types their dispatchers route."""
     predictors = []
@@ -215,12 +259,17 @@ def find_predictors(files: Iterable[SourceFile], entry_methods: Sequence[str],
             methods = [m for m in node.body if isinstance(m, ast.FunctionDef) and m.name in entry_methods]
             if not methods:
                 continue
-            predictors.append(PredictorClass(
-                name=node.name, bases=[ast.unparse(b) for b in node.bases], file=source.rel, line=node.lineno,
-                dispatchers=[m.name for m in methods],
-                routes=[r for m in methods for r in _routes_in(m, source)],
-                delegates_to_base=[m.name for m in methods if _calls_super(m)],
-            ))
+            predictors.append(
+                PredictorClass(
+                    name=node.name,
+                    bases=[ast.unparse(b) for b in node.bases],
+                    file=source.rel,
+                    line=node.lineno,
+                    dispatchers=[m.name for m in methods],
+                    routes=[r for m in methods for r in _routes_in(m, source)],
+                    delegates_to_base=[m.name for m in methods if _calls_super(m)],
+                )
+            )
     return _inherit_routes(predictors)
 
 
@@ -233,14 +282,18 @@ def _inherit_routes(predictors: list[PredictorClass]) -> list[PredictorClass]:
             if base is None:
                 continue
             inherited = [r for r in base.routes if r.dispatcher in predictor.delegates_to_base]
-            own = [r for r in predictor.routes
-                   if r.method is not None or not any(i.request_type == r.request_type for i in inherited)]
+            own = [
+                r
+                for r in predictor.routes
+                if r.method is not None or not any(i.request_type == r.request_type for i in inherited)
+            ]
             known = {(r.request_type, r.dispatcher) for r in own}
             predictor.routes = own + [r for r in inherited if (r.request_type, r.dispatcher) not in known]
     return predictors
 
 
 # --- control plane -----------------------------------------------------------------------
+
 
 class _Pattern(NamedTuple):
     category: str
@@ -252,8 +305,12 @@ def _patterns(*pairs: tuple[str, str]) -> list[_Pattern]:
 
 
 # First match wins; object ids come before prompts so `_obj_id_to_idx` is bookkeeping.
-CLASS_PATTERNS = _patterns(("tokenizer", r"tokeniz"), ("session_store", r"session"),
-                           ("frame_cache", r"(frame|video|image).*(loader|decoder|cache)"), ("prompt_management", r"prompt"))
+CLASS_PATTERNS = _patterns(
+    ("tokenizer", r"tokeniz"),
+    ("session_store", r"session"),
+    ("frame_cache", r"(frame|video|image).*(loader|decoder|cache)"),
+    ("prompt_management", r"prompt"),
+)
 FUNCTION_PATTERNS = _patterns(
     ("object_ids", r"obj_id|obj_idx|object_id"),
     ("tokenizer", r"tokeniz"),
@@ -314,7 +371,11 @@ def _control_candidates(source: SourceFile) -> Iterator[tuple[str, str, str, int
             found = [("function", node.name, node.lineno, FUNCTION_PATTERNS)]
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             found = [("attribute", name, line, ATTRIBUTE_PATTERNS) for name, line in _assigned_names(node, declared)]
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, str)
+        ):
             found = [("state_key", node.slice.value, node.lineno, STATE_KEY_PATTERNS)]
         elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
@@ -338,12 +399,22 @@ def find_control_plane(files: Iterable[SourceFile]) -> list[ControlPlaneSite]:
             first[key] = min(first.get(key, line), line)
         for (category, kind, name), count in counts.items():
             line = first[(category, kind, name)]
-            sites.append(ControlPlaneSite(category=category, name=name, kind=kind, file=source.rel,  # type: ignore[arg-type]
-                                          line=line, occurrences=count, detail=source.code(line)))
+            sites.append(
+                ControlPlaneSite(
+                    category=category,
+                    name=name,
+                    kind=kind,
+                    file=source.rel,  # type: ignore[arg-type]
+                    line=line,
+                    occurrences=count,
+                    detail=source.code(line),
+                )
+            )
     return sorted(sites, key=lambda s: (s.category, s.file, s.line))
 
 
 # --- CUDA-only sites ---------------------------------------------------------------------
+
 
 class _Site(NamedTuple):
     kind: str
@@ -398,7 +469,12 @@ def _call_sites(call: ast.Call) -> Iterator[_Site]:
     if (name == "torch.device" or attr == "to") and call.args and _is_cuda_str(call.args[0]):
         yield _Site("device_cuda", line, end, f"{name or attr}({_const_str(call.args[0])!r})")
     for keyword in call.keywords:
-        if keyword.arg and keyword.arg.endswith("device") and keyword.arg != "device_type" and _is_cuda_str(keyword.value):
+        if (
+            keyword.arg
+            and keyword.arg.endswith("device")
+            and keyword.arg != "device_type"
+            and _is_cuda_str(keyword.value)
+        ):
             yield _Site("device_cuda", call.lineno, end, f"{keyword.arg}={_const_str(keyword.value)!r}")
     if attr == "bfloat16" and not call.args:
         yield _Site("bf16_cast", line, end, ".bfloat16()")
@@ -407,8 +483,11 @@ def _call_sites(call: ast.Call) -> Iterator[_Site]:
 
 
 def _import_sites(node: ast.Import | ast.ImportFrom) -> Iterator[_Site]:
-    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-        [node.module or ""] + [f"{node.module or ''}.{a.name}" for a in node.names]
+    modules = (
+        [a.name for a in node.names]
+        if isinstance(node, ast.Import)
+        else [node.module or ""] + [f"{node.module or ''}.{a.name}" for a in node.names]
+    )
     line, end = node.lineno, node.end_lineno or node.lineno
     if any(m == "triton" or m.startswith("triton.") or ".triton" in m or m.endswith("_triton") for m in modules):
         yield _Site("triton", line, end, "imports triton (CUDA/ROCm kernels)")
@@ -421,7 +500,7 @@ def _import_sites(node: ast.Import | ast.ImportFrom) -> Iterator[_Site]:
 def _default_sites(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> Iterator[_Site]:
     args = node.args
     positional = args.posonlyargs + args.args
-    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+    pairs = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults))
     pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
     for arg, default in pairs:
         if "device" in arg.arg and _is_cuda_str(default):
@@ -436,7 +515,12 @@ def _node_sites(node: ast.AST) -> Iterator[_Site]:
     elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         yield from _default_sites(node)
     elif isinstance(node, (ast.If, ast.IfExp, ast.While)) and "use_fa3" in ast.unparse(node.test):
-        yield _Site("flash_attention", node.test.lineno, node.test.end_lineno or node.test.lineno, "branch on use_fa3 (FlashAttention-3)")
+        yield _Site(
+            "flash_attention",
+            node.test.lineno,
+            node.test.end_lineno or node.test.lineno,
+            "branch on use_fa3 (FlashAttention-3)",
+        )
 
 
 def find_portability_sites(files: Iterable[SourceFile]) -> list[PortabilityFinding]:
@@ -447,15 +531,29 @@ def find_portability_sites(files: Iterable[SourceFile]) -> list[PortabilityFindi
                 key = (source.rel, site.line, site.kind)
                 if key not in findings:
                     findings[key] = PortabilityFinding(
-                        file=source.rel, line=site.line, end_line=site.end_line, kind=site.kind,
-                        detail=f"{site.what}: {source.code(site.line)}", in_static_scan=True)
+                        file=source.rel,
+                        line=site.line,
+                        end_line=site.end_line,
+                        kind=site.kind,
+                        detail=f"{site.what}: {source.code(site.line)}",
+                        in_static_scan=True,
+                    )
     return sorted(findings.values(), key=lambda f: (f.file, f.line, f.kind))
 
 
 # --- the scan ----------------------------------------------------------------------------
 
-def scan_source(source_root: Path, package: str, builder: str | None, *, family: str, entry_methods: Sequence[str] = (),
-                entry_classes: Sequence[str] = (), source: str | None = None) -> Inventory:
+
+def scan_source(
+    source_root: Path,
+    package: str,
+    builder: str | None,
+    *,
+    family: str,
+    entry_methods: Sequence[str] = (),
+    entry_classes: Sequence[str] = (),
+    source: str | None = None,
+) -> Inventory:
     """Static inventory of `package` under `source_root`, from the builder's module (from the
     package's __init__ when no builder is named)."""
     source_root = Path(source_root)
@@ -467,17 +565,25 @@ def scan_source(source_root: Path, package: str, builder: str | None, *, family:
         chosen = next((b for b in builders if b.name == builder), None)
         if chosen is None:
             known = ", ".join(sorted({b.name for b in builders})) or "none"
-            raise OmskillsError(f"intake.model.builder: builder {builder!r} not found in {source_root / package} (builders there: {known})")
+            raise OmskillsError(
+                f"intake.model.builder: builder {builder!r} not found in {source_root / package} (builders there: {known})"
+            )
         start_file = chosen.file
     else:
         start_file = f"{package}/__init__.py"
     start = next(m for m, f in files.items() if f.rel == start_file)
     closure = import_closure(files, start)
     return Inventory(
-        family=family, source=source or str(source_root), source_root=str(source_root.resolve()), package=package,
-        builder=builder or "", builder_file=start_file, files_scanned=len(closure),
+        family=family,
+        source=source or str(source_root),
+        source_root=str(source_root.resolve()),
+        package=package,
+        builder=builder or "",
+        builder_file=start_file,
+        files_scanned=len(closure),
         builders=builders,
-        predictors=find_predictors(closure, entry_methods, entry_classes), control_plane=find_control_plane(closure),
+        predictors=find_predictors(closure, entry_methods, entry_classes),
+        control_plane=find_control_plane(closure),
         portability=find_portability_sites(closure),
         unparsed_files=sorted(f.rel for f in files.values() if f.parsed and f.tree is None),
     )

@@ -23,11 +23,12 @@ import importlib.util
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, ModuleType, SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 import torch
@@ -35,8 +36,22 @@ from omskills.records.inventory import PortabilityFinding
 
 # Tensor factories that accept `device=` (and some `pin_memory=`).
 _FACTORIES = (
-    "zeros", "ones", "empty", "full", "arange", "linspace", "tensor", "as_tensor",
-    "rand", "randn", "randint", "zeros_like", "ones_like", "empty_like", "full_like", "eye",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "linspace",
+    "tensor",
+    "as_tensor",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "eye",
 )
 
 
@@ -93,10 +108,10 @@ class _UnavailableKernel:
     def __init__(self, name: str):
         self._name = name
 
-    def __getattr__(self, attribute: str) -> "_UnavailableKernel":
+    def __getattr__(self, attribute: str) -> _UnavailableKernel:
         return _UnavailableKernel(f"{self._name}.{attribute}")
 
-    def __getitem__(self, _key: Any) -> "_UnavailableKernel":
+    def __getitem__(self, _key: Any) -> _UnavailableKernel:
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -140,11 +155,11 @@ class DevicePortability:
         self._function_fixes: list[FunctionFix] = []
         self._watched_imports: dict[str, WatchedImport] = {}
 
-    def add_fix(self, fix: "FunctionFix") -> None:
+    def add_fix(self, fix: FunctionFix) -> None:
         """A model-specific replacement of one function, applied (and recorded) while active."""
         self._function_fixes.append(fix)
 
-    def watch_import(self, watched: "WatchedImport") -> None:
+    def watch_import(self, watched: WatchedImport) -> None:
         """Record imports of `watched.name` from the model source; stand in for it when missing."""
         self._watched_imports[watched.name] = watched
 
@@ -214,7 +229,11 @@ class DevicePortability:
             args = tuple(portability._map_positional(a) for a in args)
             if "device" in kwargs:
                 kwargs = portability._map_device(kwargs, "device_cuda")
-            if portability.fp32 and (kwargs.get("dtype") is torch.bfloat16 or torch.bfloat16 in args) and tensor.is_floating_point():
+            if (
+                portability.fp32
+                and (kwargs.get("dtype") is torch.bfloat16 or torch.bfloat16 in args)
+                and tensor.is_floating_point()
+            ):
                 portability._record("bf16_cast", "Tensor.to(bfloat16) kept in float32 for parity")
                 kwargs.pop("dtype", None)
                 args = tuple(a for a in args if a is not torch.bfloat16)
@@ -234,7 +253,9 @@ class DevicePortability:
         @functools.wraps(original)
         def init(ac: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
             if device_type == "cuda" and portability.redirect_cuda:
-                portability._record("autocast", f"torch.autocast('cuda', {dtype}) disabled: fp32 on {portability.device}")
+                portability._record(
+                    "autocast", f"torch.autocast('cuda', {dtype}) disabled: fp32 on {portability.device}"
+                )
                 enabled = False
             original(ac, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
@@ -264,27 +285,59 @@ class DevicePortability:
         # major=0: code that enables TF32/flash paths for sm_80+ leaves them off.
         return SimpleNamespace(name=f"{self.device} (no CUDA; omskills portability)", major=0, minor=0, total_memory=0)
 
-    def __enter__(self) -> "DevicePortability":
+    def __enter__(self) -> DevicePortability:
         stack = ExitStack()
         if self.redirect_cuda:
             for name in _FACTORIES:
                 stack.enter_context(mock.patch.object(torch, name, self._wrap_factory(getattr(torch, name))))
             # Patched on the class, so each replacement is a plain function taking the instance.
-            stack.enter_context(mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: self._tensor_cuda(t, *a, **k)))
-            stack.enter_context(mock.patch.object(torch.nn.Module, "cuda", lambda m, *a, **k: self._module_cuda(m, *a, **k)))
-            stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", lambda t, *a, **k: self._pin_memory(t, *a, **k)))
+            stack.enter_context(
+                mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: self._tensor_cuda(t, *a, **k))
+            )
+            stack.enter_context(
+                mock.patch.object(torch.nn.Module, "cuda", lambda m, *a, **k: self._module_cuda(m, *a, **k))
+            )
+            stack.enter_context(
+                mock.patch.object(torch.Tensor, "pin_memory", lambda t, *a, **k: self._pin_memory(t, *a, **k))
+            )
             stack.enter_context(mock.patch.object(torch.Tensor, "to", self._tensor_to(torch.Tensor.to)))
             ac = torch.amp.autocast_mode.autocast
             stack.enter_context(mock.patch.object(ac, "__enter__", self._autocast_enter(ac.__enter__)))
             stack.enter_context(mock.patch.object(ac, "__init__", self._autocast_init(ac.__init__)))
-            stack.enter_context(mock.patch.object(torch.cuda, "current_device", self._cuda_query("current_device", lambda *a, **k: 0)))
-            stack.enter_context(mock.patch.object(torch.cuda, "memory_allocated", self._cuda_query("memory_allocated", lambda *a, **k: 0)))
-            stack.enter_context(mock.patch.object(torch.cuda, "memory_reserved", self._cuda_query("memory_reserved", lambda *a, **k: 0)))
-            stack.enter_context(mock.patch.object(torch.cuda, "max_memory_allocated", self._cuda_query("max_memory_allocated", lambda *a, **k: 0)))
-            stack.enter_context(mock.patch.object(torch.cuda, "max_memory_reserved", self._cuda_query("max_memory_reserved", lambda *a, **k: 0)))
-            stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", self._cuda_query("get_device_properties", self._device_properties)))
-            stack.enter_context(mock.patch.object(torch.cuda, "synchronize", self._cuda_query("synchronize", lambda *a, **k: None)))
-            stack.enter_context(mock.patch.object(torch.cuda, "empty_cache", self._cuda_query("empty_cache", lambda *a, **k: None)))
+            stack.enter_context(
+                mock.patch.object(torch.cuda, "current_device", self._cuda_query("current_device", lambda *a, **k: 0))
+            )
+            stack.enter_context(
+                mock.patch.object(
+                    torch.cuda, "memory_allocated", self._cuda_query("memory_allocated", lambda *a, **k: 0)
+                )
+            )
+            stack.enter_context(
+                mock.patch.object(torch.cuda, "memory_reserved", self._cuda_query("memory_reserved", lambda *a, **k: 0))
+            )
+            stack.enter_context(
+                mock.patch.object(
+                    torch.cuda, "max_memory_allocated", self._cuda_query("max_memory_allocated", lambda *a, **k: 0)
+                )
+            )
+            stack.enter_context(
+                mock.patch.object(
+                    torch.cuda, "max_memory_reserved", self._cuda_query("max_memory_reserved", lambda *a, **k: 0)
+                )
+            )
+            stack.enter_context(
+                mock.patch.object(
+                    torch.cuda,
+                    "get_device_properties",
+                    self._cuda_query("get_device_properties", self._device_properties),
+                )
+            )
+            stack.enter_context(
+                mock.patch.object(torch.cuda, "synchronize", self._cuda_query("synchronize", lambda *a, **k: None))
+            )
+            stack.enter_context(
+                mock.patch.object(torch.cuda, "empty_cache", self._cuda_query("empty_cache", lambda *a, **k: None))
+            )
         if self._watched_imports:
             # Before the function fixes: importing their modules may import watched ones.
             self._watch_imports(stack)
@@ -298,13 +351,19 @@ class DevicePortability:
     def _watch_imports(self, stack: ExitStack) -> None:
         stand_ins: dict[str, ModuleType] = {}
         for watched in self._watched_imports.values():
-            if watched.stand_in is not None and watched.name not in sys.modules and importlib.util.find_spec(watched.name) is None:
+            if (
+                watched.stand_in is not None
+                and watched.name not in sys.modules
+                and importlib.util.find_spec(watched.name) is None
+            ):
                 stand_ins.update(watched.stand_in())
         missing = {name.split(".")[0] for name in stand_ins}
         # Not mock.patch.dict: on exit it would also drop every module imported meanwhile.
         sys.modules.update(stand_ins)
         stack.callback(self._remove_stand_ins, stand_ins)
-        stack.enter_context(mock.patch.object(builtins, "__import__", self._recording_import(builtins.__import__, missing)))
+        stack.enter_context(
+            mock.patch.object(builtins, "__import__", self._recording_import(builtins.__import__, missing))
+        )
 
     @staticmethod
     def _remove_stand_ins(stand_ins: dict[str, ModuleType]) -> None:
@@ -316,7 +375,9 @@ class DevicePortability:
         portability = self
 
         @functools.wraps(original)
-        def recording_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        def recording_import(
+            name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
+        ) -> Any:
             watched = portability._watched_imports.get(name.split(".")[0]) if level == 0 else None
             # Only imports written in the model source count (not, e.g., torch importing triton).
             if watched is not None and sys._getframe(1).f_code.co_filename.startswith(portability.source_root):
@@ -326,7 +387,7 @@ class DevicePortability:
 
         return recording_import
 
-    def _recorded_fix(self, fix: "FunctionFix", original: Callable[..., Any]) -> Callable[..., Any]:
+    def _recorded_fix(self, fix: FunctionFix, original: Callable[..., Any]) -> Callable[..., Any]:
         replacement = fix.make(original)
 
         @functools.wraps(original)

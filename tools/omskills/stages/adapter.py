@@ -55,12 +55,17 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
                 for d in decisions:
                     rec.boundaries[d.candidate] = d
                     strategy = d.shape_strategy.kind if d.shape_strategy else "none"
-                    rec.decide("analyze_boundaries", f"{d.candidate}: {'exportable' if d.exportable else 'not exportable'}, strategy {strategy}",
-                               (d.shape_strategy.rationale if d.shape_strategy else "; ".join(d.reasons)))
+                    rec.decide(
+                        "analyze_boundaries",
+                        f"{d.candidate}: {'exportable' if d.exportable else 'not exportable'}, strategy {strategy}",
+                        (d.shape_strategy.rationale if d.shape_strategy else "; ".join(d.reasons)),
+                    )
 
             step.update(store)
     table = workdir / "contracts" / "boundaries.md"
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text(render_contract_table(contracts, decisions))
-    control = driver_for(record.intake.model, workdir).control_plane_notes() + sorted({line for d in decisions for line in d.control_plane})
+    control = driver_for(record.intake.model, workdir).control_plane_notes() + sorted(
+        {line for d in decisions for line in d.control_plane}
+    )
     return BoundariesResult(decisions=decisions, table_path=str(table.relative_to(workdir)), control_plane=control)

@@ -18,7 +18,9 @@ from omskills.stages.steps import relative_args, relative_text, relative_to_run
 
 
 def _io(specs: list[TensorSpec]) -> str:
-    return ", ".join(f"{s.name} {s.dtype}{s.shape}" for s in specs[:4]) + (f" (+{len(specs) - 4})" if len(specs) > 4 else "")
+    return ", ".join(f"{s.name} {s.dtype}{s.shape}" for s in specs[:4]) + (
+        f" (+{len(specs) - 4})" if len(specs) > 4 else ""
+    )
 
 
 def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
@@ -26,14 +28,18 @@ def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
     if record.weights() == "random":
         limits.append("random weights: the figures prove parity of the spliced pipeline, not the model's quality")
     if any(tc.atc and tc.atc.status != "converted" for tc in record.toolchain.values()):
-        limits.append("no OM was built here (ATC not available); the ATC commands above are ready to run where CANN is installed")
+        limits.append(
+            "no OM was built here (ATC not available); the ATC commands above are ready to run where CANN is installed"
+        )
     for cand in record.plan.candidates if record.plan else []:
         if cand.status in ("failed", "excluded", "deferred") and not cand.inside:  # inside: part of a deployed graph
             limits.append(f"{cand.name} stays in PyTorch: {cand.reason}")
     for name, tc in record.toolchain.items():
         if tc.batch_split is not None:
-            limits.append(f"{name} ran on ONNX Runtime with the batch in chunks of {tc.batch_split.max_batch} "
-                          f"({tc.batch_split.reason}); the OM keeps its batch gears")
+            limits.append(
+                f"{name} ran on ONNX Runtime with the batch in chunks of {tc.batch_split.max_batch} "
+                f"({tc.batch_split.reason}); the OM keeps its batch gears"
+            )
     limits += [f"verification setting {line}" for line in settings]
     limits += record.verification.notes if record.verification else []
     if record.precision_plan is not None and record.precision_plan.verdict != "pass":
@@ -58,9 +64,15 @@ def atc_blocks(record: TaskRecord, workdir: Path) -> list[AtcBlock]:
         if chain.atc is None or not chain.atc.command:
             continue
         script = relative_to_run(chain.atc.script, workdir)
-        blocks.append(AtcBlock(graph=graph, status=chain.atc.status, reason=chain.atc.reason,
-                               script=script if script and (workdir / script).is_file() else None,
-                               command=shell_line(relative_args(chain.atc.command, workdir))))
+        blocks.append(
+            AtcBlock(
+                graph=graph,
+                status=chain.atc.status,
+                reason=chain.atc.reason,
+                script=script if script and (workdir / script).is_file() else None,
+                command=shell_line(relative_args(chain.atc.command, workdir)),
+            )
+        )
     return blocks
 
 
@@ -72,13 +84,17 @@ class DocumentLink(NamedTuple):
 def document_links(record: TaskRecord, workdir: Path) -> list[DocumentLink]:
     """The run's reports (verification, inventory) and the planning chart that exist, for DELIVERY.md to link."""
     candidates = []
-    for title, report in (("verification report", record.verification),
-                          ("verification report, Ascend precision emulated", record.verification_emulated)):
+    for title, report in (
+        ("verification report", record.verification),
+        ("verification report, Ascend precision emulated", record.verification_emulated),
+    ):
         if report is not None:
             candidates += [DocumentLink(title, report.report_html), DocumentLink(f"{title} (JSON)", report.report_json)]
     if record.plan is not None:
-        candidates += [DocumentLink("inventory report", record.plan.report_path or ""),
-                       DocumentLink("compute share at planning", record.plan.chart_path or "")]
+        candidates += [
+            DocumentLink("inventory report", record.plan.report_path or ""),
+            DocumentLink("compute share at planning", record.plan.chart_path or ""),
+        ]
     return [link for link in candidates if link.path and (workdir / link.path).is_file()]
 
 
@@ -88,8 +104,11 @@ def pictures(record: TaskRecord, workdir: Path) -> list[DocumentLink]:
     if report is None:
         return []
     prefix = Path(report.report_html).stem + "-"  # figures are named <report>-<what>.png
-    return [DocumentLink(Path(p).stem.removeprefix(prefix).replace("-", " "), p)
-            for p in report.figures if (workdir / p).is_file()]
+    return [
+        DocumentLink(Path(p).stem.removeprefix(prefix).replace("-", " "), p)
+        for p in report.figures
+        if (workdir / p).is_file()
+    ]
 
 
 def _seen_from(value: object, workdir: Path) -> object:
@@ -110,27 +129,52 @@ def write_delivery_doc(task_path: Path) -> Path:
     task_name = Path(task_path).name
     stages = stage_status(record, record.verification)
     model = record.intake.model
-    model = model.model_copy(update={"source": _seen_from(model.source, workdir), "checkpoint": _seen_from(model.checkpoint, workdir)})
+    model = model.model_copy(
+        update={"source": _seen_from(model.source, workdir), "checkpoint": _seen_from(model.checkpoint, workdir)}
+    )
     inputs = {key: _seen_from(value, workdir) for key, value in bound.inputs.model_dump(mode="json").items()}
-    text = template_environment().get_template("delivery.md.j2").render(
-        r=record, m=model, family=bound.driver.family, inputs=inputs, weights=_seen_from(record.weights(), workdir),
-        plan=record.plan, env=record.environment, v=record.verification, ve=record.verification_emulated, toolchain=record.toolchain,
-        pp=record.precision_plan,
-        task_name=task_name,
-        strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},
-        serves={n: b.shape_strategy.serves() for n, b in record.boundaries.items() if b.shape_strategy},
-        ios={n: (_io(c.inputs), _io(c.outputs)) for n, c in record.contracts.items()},
-        graphs={c.name: [g.candidate for g in record.contracts_of(c.name)] for c in record.plan.candidates},
-        control_plane=sorted({line for b in record.boundaries.values() for line in b.control_plane})[:8],
-        adapt_command=shell_line(["omskills", "adapt", task_name, "--out", "."]),
-        bundle_command=shell_line(["omskills", "bundle", task_name]),
-        npu_check_command=shell_line(["omskills", "npu-check", task_name]),
-        compare_layers_command=shell_line(["omskills", "tool", "compare_layers", "--args", json.dumps(
-            {"task": task_name, "candidate": "<name>", "against": "npu_dump"})]),
-        limits=known_limits(record, settings), atc=atc_blocks(record, workdir),
-        links=document_links(record, workdir), pictures=pictures(record, workdir),
-        stages=stages, stage_names=STAGES, stage_notes=stage_notes(stages),
-        items=item_table(record.verification.item_figures if record.verification else []),
+    text = (
+        template_environment()
+        .get_template("delivery.md.j2")
+        .render(
+            r=record,
+            m=model,
+            family=bound.driver.family,
+            inputs=inputs,
+            weights=_seen_from(record.weights(), workdir),
+            plan=record.plan,
+            env=record.environment,
+            v=record.verification,
+            ve=record.verification_emulated,
+            toolchain=record.toolchain,
+            pp=record.precision_plan,
+            task_name=task_name,
+            strategies={n: b.shape_strategy.kind for n, b in record.boundaries.items() if b.shape_strategy},
+            serves={n: b.shape_strategy.serves() for n, b in record.boundaries.items() if b.shape_strategy},
+            ios={n: (_io(c.inputs), _io(c.outputs)) for n, c in record.contracts.items()},
+            graphs={c.name: [g.candidate for g in record.contracts_of(c.name)] for c in record.plan.candidates},
+            control_plane=sorted({line for b in record.boundaries.values() for line in b.control_plane})[:8],
+            adapt_command=shell_line(["omskills", "adapt", task_name, "--out", "."]),
+            bundle_command=shell_line(["omskills", "bundle", task_name]),
+            npu_check_command=shell_line(["omskills", "npu-check", task_name]),
+            compare_layers_command=shell_line(
+                [
+                    "omskills",
+                    "tool",
+                    "compare_layers",
+                    "--args",
+                    json.dumps({"task": task_name, "candidate": "<name>", "against": "npu_dump"}),
+                ]
+            ),
+            limits=known_limits(record, settings),
+            atc=atc_blocks(record, workdir),
+            links=document_links(record, workdir),
+            pictures=pictures(record, workdir),
+            stages=stages,
+            stage_names=STAGES,
+            stage_notes=stage_notes(stages),
+            items=item_table(record.verification.item_figures if record.verification else []),
+        )
     )
     path = workdir / "DELIVERY.md"
     path.write_text(relative_text(text, workdir))

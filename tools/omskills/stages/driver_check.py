@@ -52,9 +52,11 @@ def _check(task_path: Path, report: DriverCheck) -> None:
     report.modules = sum(1 for _ in loaded.root.modules())
     report.parameters = sum(p.numel() for p in loaded.root.parameters())
     report.notes += list(loaded.notes)
+
     def run_pass(profiler: ModuleProfiler) -> MainPathRun:
-        return run_seeded(driver, loaded, data, bound.inputs, bound.verification,
-                                    RunHooks(on_step=lambda _i: profiler.mark_frame()))
+        return run_seeded(
+            driver, loaded, data, bound.inputs, bound.verification, RunHooks(on_step=lambda _i: profiler.mark_frame())
+        )
 
     profile, run = discovery_profile(loaded.root, run_pass)
     report.steps = len(run.steps)
@@ -70,8 +72,10 @@ def _check(task_path: Path, report: DriverCheck) -> None:
     for check in checks:
         for name in [check.output] + ([check.key] if check.key else []):
             if name not in first:
-                report.problems.append(f"the comparison checks output {name!r}, which the main path does not return "
-                                       f"(it returns {sorted(first)})")
+                report.problems.append(
+                    f"the comparison checks output {name!r}, which the main path does not return "
+                    f"(it returns {sorted(first)})"
+                )
     _check_candidates(report, driver, loaded, bound, data, profile)
 
 
@@ -85,20 +89,24 @@ def _check_candidates(report, driver, loaded, bound, data, profile: ProfileRepor
             loaded.root.get_submodule(seed.module_path)
         except AttributeError:
             missing.append(seed)
-            report.problems.append(f"seed candidate {seed.name}: no module {seed.module_path!r} in {type(loaded.root).__name__}")
+            report.problems.append(
+                f"seed candidate {seed.name}: no module {seed.module_path!r} in {type(loaded.root).__name__}"
+            )
     seeds = [s for s in seeds if s not in missing]
     if not seeds:
         found = f" ({why_no_seeds(profile)})" if not declared else ""
-        report.problems.append("no candidate: name SEED_CANDIDATES, or check that the main path calls modules with "
-                               f"parameters{found}")
+        report.problems.append(
+            f"no candidate: name SEED_CANDIDATES, or check that the main path calls modules with parameters{found}"
+        )
         return
 
     def run() -> None:
         run_seeded(driver, loaded, data, bound.inputs, bound.verification)
 
     try:
-        contracts = capture_contracts(loaded.root, {s.name: s.module_path for s in seeds}, run,
-                                      derived_args=driver.derived_args())
+        contracts = capture_contracts(
+            loaded.root, {s.name: s.module_path for s in seeds}, run, derived_args=driver.derived_args()
+        )
     except OmskillsError as err:  # e.g. a seed never called on the main path
         report.problems.append(str(err))
         return
@@ -107,9 +115,16 @@ def _check_candidates(report, driver, loaded, bound, data, profile: ProfileRepor
         decisions = [analyze_boundary(c) for c in graphs]
         exportable = bool(decisions) and all(d.exportable for d in decisions)
         node = profile.node(seed.module_path)
-        report.candidates.append(CandidateCheck(
-            name=seed.name, module_path=seed.module_path, share=round(node.share, 4) if node else 0.0,
-            calls=node.calls if node else 0, graphs=len(graphs), exportable=exportable,
-            reason="; ".join(r for d in decisions for r in d.reasons[:1]) or "never called"))
+        report.candidates.append(
+            CandidateCheck(
+                name=seed.name,
+                module_path=seed.module_path,
+                share=round(node.share, 4) if node else 0.0,
+                calls=node.calls if node else 0,
+                graphs=len(graphs),
+                exportable=exportable,
+                reason="; ".join(r for d in decisions for r in d.reasons[:1]) or "never called",
+            )
+        )
     if not any(c.exportable for c in report.candidates):
         report.problems.append("no candidate has a boundary a graph can take (see each candidate's reason)")

@@ -52,11 +52,17 @@ def check_environment(task_path: Path) -> EnvironmentReport:
         rec.environment = report
         dropped = drop_results_for_other_soc(rec)
         if dropped.atc or dropped.precheck:
-            rec.decide("check_environment", dropped.summary(),
-                       f"they were written for another SoC than {SOC_FIELD} {rec.intake.target.soc}")
+            rec.decide(
+                "check_environment",
+                dropped.summary(),
+                f"they were written for another SoC than {SOC_FIELD} {rec.intake.target.soc}",
+            )
         blocked = [s.stage for s in report.stages if not s.can_run]
         rec.stages["environment"] = StageResult(
-            status="done", started=started, finished=now_iso(), seconds=round(time.perf_counter() - clock, 3),
+            status="done",
+            started=started,
+            finished=now_iso(),
+            seconds=round(time.perf_counter() - clock, 3),
             note=f"cannot run here: {', '.join(blocked)}" if blocked else "every stage can run here",
         )
     return report
@@ -76,7 +82,9 @@ def confine_record(record: TaskRecord, workdir: Path, driver: ModelDriver) -> No
         optimize = chain.optimize
         for variant in optimize.variants if optimize else []:
             if variant.path:
-                confined_path(variant.path, f"toolchain.{graph}.optimize.variants.{variant.name}.path", workdir, inside_run)
+                confined_path(
+                    variant.path, f"toolchain.{graph}.optimize.variants.{variant.name}.path", workdir, inside_run
+                )
         if optimize and optimize.preferred_path:
             confined_path(optimize.preferred_path, f"toolchain.{graph}.optimize.preferred_path", workdir, inside_run)
 
@@ -100,15 +108,22 @@ def check_task_inputs(bound: BoundIntake, spec: ModelSpec, workdir: Path, model_
         checked.append(driver.check_builder(spec))
     if found is None:
         weights = driver.builder_weights(spec)
-        return checked + [f"intake.model.checkpoint: none ({f'the builder loads {weights}' if weights else 'seeded random weights'})"]
+        return checked + [
+            f"intake.model.checkpoint: none ({f'the builder loads {weights}' if weights else 'seeded random weights'})"
+        ]
     with driver_checks(driver, "expected_state_keys"):
         expected = driver.expected_state_keys(spec)
     mismatch = key_mismatch(expected, found) if expected is not None else None
     if mismatch:
-        raise InputError(f"intake.model.checkpoint: {spec.checkpoint} does not fit the {spec.scale} "
-                         f"{driver.family} model: {mismatch}")
-    fit = (f"its keys fit the {spec.scale} model" if expected is not None
-           else f"keys not checked here (the {driver.family} driver cannot list them without building the model)")
+        raise InputError(
+            f"intake.model.checkpoint: {spec.checkpoint} does not fit the {spec.scale} "
+            f"{driver.family} model: {mismatch}"
+        )
+    fit = (
+        f"its keys fit the {spec.scale} model"
+        if expected is not None
+        else f"keys not checked here (the {driver.family} driver cannot list them without building the model)"
+    )
     return checked + [f"intake.model.checkpoint: {spec.checkpoint}, {len(found)} tensors, {fit}"]
 
 
@@ -119,8 +134,11 @@ class DroppedForSoc(NamedTuple):
     precheck: list[str]
 
     def summary(self) -> str:
-        parts = [f"{what} dropped for {', '.join(graphs)}"
-                 for what, graphs in (("ATC results", self.atc), ("operator prechecks", self.precheck)) if graphs]
+        parts = [
+            f"{what} dropped for {', '.join(graphs)}"
+            for what, graphs in (("ATC results", self.atc), ("operator prechecks", self.precheck))
+            if graphs
+        ]
         return "; ".join(parts)
 
 

@@ -23,16 +23,26 @@ def take_inventory(task_path: Path) -> Inventory | None:
     package = driver.source_package(spec)
     inventory = None
     if package is not None:
-        inventory = scan_source(driver.source_root(spec), package, driver.builder_name(spec), family=driver.family,
-                                entry_methods=driver.entry_methods, entry_classes=driver.entry_classes,
-                                source=record.intake.model.source)
+        inventory = scan_source(
+            driver.source_root(spec),
+            package,
+            driver.builder_name(spec),
+            family=driver.family,
+            entry_methods=driver.entry_methods,
+            entry_classes=driver.entry_classes,
+            source=record.intake.model.source,
+        )
     with updating(task_path) as rec:
         if inventory is not None and rec.inventory is not None:
             inventory.merge_runtime_findings([f for f in rec.inventory.portability if f.seen_at_runtime])
         rec.inventory = inventory
-        note = (f"{len(inventory.predictors)} entry classes, {len(inventory.control_plane)} control-plane sites, "
-                f"{len(inventory.portability)} portability findings in {inventory.files_scanned} files"
-                if inventory else f"the {driver.family} driver names no source package: nothing to scan")
-        rec.stages["inventory"] = StageResult(status="done", started=started, finished=now_iso(),
-                                              seconds=round(time.perf_counter() - clock, 3), note=note)
+        note = (
+            f"{len(inventory.predictors)} entry classes, {len(inventory.control_plane)} control-plane sites, "
+            f"{len(inventory.portability)} portability findings in {inventory.files_scanned} files"
+            if inventory
+            else f"the {driver.family} driver names no source package: nothing to scan"
+        )
+        rec.stages["inventory"] = StageResult(
+            status="done", started=started, finished=now_iso(), seconds=round(time.perf_counter() - clock, 3), note=note
+        )
     return inventory

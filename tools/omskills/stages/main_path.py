@@ -54,18 +54,31 @@ def run_and_report(record: TaskRecord, task_dir: Path, out_dir: Path) -> tuple[M
         progress.report(done[0], None, f"running the main path: {unit} {done[0]} done")
 
     run = model.run(RunHooks(on_step=on_step))
-    progress.report(done[0], None, f"main path done ({len(run.steps)} {unit}(s) in {run.total_seconds:.1f} s); "
-                                   f"writing outputs and pictures to {out_dir}...")
+    progress.report(
+        done[0],
+        None,
+        f"main path done ({len(run.steps)} {unit}(s) in {run.total_seconds:.1f} s); "
+        f"writing outputs and pictures to {out_dir}...",
+    )
     report = write_main_path(record, model.bound, model.loaded, run, model.data, out_dir, model.load_seconds)
     return report, run
 
 
-def write_main_path(record: TaskRecord, bound: BoundIntake, loaded: LoadedModel, run: MainPathRun, data: Any,
-                    out_dir: Path, load_seconds: float) -> MainPathReport:
+def write_main_path(
+    record: TaskRecord,
+    bound: BoundIntake,
+    loaded: LoadedModel,
+    run: MainPathRun,
+    data: Any,
+    out_dir: Path,
+    load_seconds: float,
+) -> MainPathReport:
     out_dir.mkdir(parents=True, exist_ok=True)
     driver = bound.driver
     outputs_path = out_dir / "outputs.npz"
-    np.savez_compressed(outputs_path, **{f"{s.index}/{name}": value for s in run.steps for name, value in s.outputs.items()})
+    np.savez_compressed(
+        outputs_path, **{f"{s.index}/{name}": value for s in run.steps for name, value in s.outputs.items()}
+    )
     pictures = []
     for step in run.steps:
         image = driver.picture(data, step, f"{driver.step_name} {step.index} | weights: {loaded.weights}")
@@ -75,16 +88,32 @@ def write_main_path(record: TaskRecord, bound: BoundIntake, loaded: LoadedModel,
     n = max(len(run.steps), 1)
     model = record.intake.model
     report = MainPathReport(
-        task_id=record.id, model_family=driver.family, scale=model.scale, weights=loaded.weights, device=model.device,
-        inputs=bound.inputs.model_dump(mode="json"), step_name=driver.step_name, num_steps=len(run.steps),
+        task_id=record.id,
+        model_family=driver.family,
+        scale=model.scale,
+        weights=loaded.weights,
+        device=model.device,
+        inputs=bound.inputs.model_dump(mode="json"),
+        step_name=driver.step_name,
+        num_steps=len(run.steps),
         verification=driver.settings_notes(bound.verification),
-        load_seconds=round(load_seconds, 3), setup_seconds=round(run.setup_seconds, 3),
-        total_seconds=round(run.total_seconds, 3), seconds_per_step=round(sum(s.seconds for s in run.steps) / n, 3),
+        load_seconds=round(load_seconds, 3),
+        setup_seconds=round(run.setup_seconds, 3),
+        total_seconds=round(run.total_seconds, 3),
+        seconds_per_step=round(sum(s.seconds for s in run.steps) / n, 3),
         peak_rss_mb=round(peak_rss_mb(), 1),
-        steps=[StepRecord(index=s.index, seconds=round(s.seconds, 3),
-                          outputs=[summarise(name, value) for name, value in s.outputs.items()]) for s in run.steps],
-        outputs_path=outputs_path.name, pictures=pictures,
-        portability_findings=loaded.findings(), notes=list(loaded.notes) + run.notes,
+        steps=[
+            StepRecord(
+                index=s.index,
+                seconds=round(s.seconds, 3),
+                outputs=[summarise(name, value) for name, value in s.outputs.items()],
+            )
+            for s in run.steps
+        ],
+        outputs_path=outputs_path.name,
+        pictures=pictures,
+        portability_findings=loaded.findings(),
+        notes=list(loaded.notes) + run.notes,
     )
     (out_dir / "main_path.json").write_text(report.model_dump_json(indent=2))
     return report

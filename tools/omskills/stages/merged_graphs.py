@@ -35,9 +35,17 @@ from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import main_path_parity
 
 
-def merged_run(record: TaskRecord, workdir: Path, model: TaskModel, reference: MainPathRun,
-               replacements: list[tuple[ContractSpec, SpliceBackend]], strategies: dict[str, ShapeStrategy],
-               proposals: list[MergeProposal], checks: list[OutputCheck], backend: str) -> MergedRun | None:
+def merged_run(
+    record: TaskRecord,
+    workdir: Path,
+    model: TaskModel,
+    reference: MainPathRun,
+    replacements: list[tuple[ContractSpec, SpliceBackend]],
+    strategies: dict[str, ShapeStrategy],
+    proposals: list[MergeProposal],
+    checks: list[OutputCheck],
+    backend: str,
+) -> MergedRun | None:
     """The main path with every chain of mergeable graphs composed into one; None when none can merge."""
     chains, not_taken = merge_chains(proposals)
     if not chains:
@@ -88,24 +96,46 @@ def merge_chains(proposals: list[MergeProposal]) -> tuple[list[tuple[list[str], 
 def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[dict[str, str]]) -> MergedGraph:
     name = f"{names[0]}_to_{names[-1]}"
     out = workdir / "onnx" / "merged" / f"{name}.onnx"
-    base = MergedGraph(name=name, graphs=names, io_maps=maps, prefixes=[composed_prefix(g) for g in names[1:]],
-                       status="refused", reason="")
+    base = MergedGraph(
+        name=name,
+        graphs=names,
+        io_maps=maps,
+        prefixes=[composed_prefix(g) for g in names[1:]],
+        status="refused",
+        reason="",
+    )
     if chunked := [g for g in names if record.batch_split_of(g) is not None]:
-        return base.model_copy(update={"reason": (
-            f"{', '.join(chunked)} run(s) the batch in chunks on the CPU (probe_onnx found the whole batch does not "
-            "fit): the composed graph would hold every member's whole batch at once")})
+        return base.model_copy(
+            update={
+                "reason": (
+                    f"{', '.join(chunked)} run(s) the batch in chunks on the CPU (probe_onnx found the whole batch does not "
+                    "fit): the composed graph would hold every member's whole batch at once"
+                )
+            }
+        )
     try:
         compose_chain([record.preferred_model(workdir, g) for g in names], names, maps, out)
         mode, keep, emulated = _precision(record, workdir, base, out)
         command, script = _atc(record, workdir, name, names[0], out, mode, keep)
     except Exception as err:  # noqa: BLE001 - a merge is an optimisation: the graphs apart still serve
         return base.model_copy(update={"reason": f"cannot compose: {one_line(err, 300)}"})
-    return base.model_copy(update={"onnx_path": str(out.relative_to(workdir)), "atc_command": command,
-                                   "atc_script": script, "precision_mode": mode, "keep_dtype_nodes": keep,
-                                   "precision": emulated, "status": "failed", "reason": "not run yet"})
+    return base.model_copy(
+        update={
+            "onnx_path": str(out.relative_to(workdir)),
+            "atc_command": command,
+            "atc_script": script,
+            "precision_mode": mode,
+            "keep_dtype_nodes": keep,
+            "precision": emulated,
+            "status": "failed",
+            "reason": "not run yet",
+        }
+    )
 
 
-def _precision(record: TaskRecord, workdir: Path, graph: MergedGraph, model: Path) -> tuple[str, list[str], EmulatedResult | None]:
+def _precision(
+    record: TaskRecord, workdir: Path, graph: MergedGraph, model: Path
+) -> tuple[str, list[str], EmulatedResult | None]:
     """The slowest of the members' chosen modes, each member's keep list (prefixed), and that
     mode emulated on the composed graph; if the composition fails there, every dtype kept."""
     chains = [record.toolchain_of(g) for g in graph.graphs]
@@ -113,8 +143,11 @@ def _precision(record: TaskRecord, workdir: Path, graph: MergedGraph, model: Pat
     mode = fastest_first(modes)[-1]
     if mode == UNCHECKED_PRECISION_MODE:
         return mode, [], None
-    keep = [prefix + node for chain, own, prefix in zip(chains, modes, ["", *graph.prefixes])
-            for node in atc_keep_nodes(chain, own)]
+    keep = [
+        prefix + node
+        for chain, own, prefix in zip(chains, modes, ["", *graph.prefixes])
+        for node in atc_keep_nodes(chain, own)
+    ]
     feeds, _ = first_feeds(record, workdir, graph.graphs[0])
     gates = chains[0].precision.gates if chains[0].precision else PrecisionGates()
     emulated = emulation_runner(model, feeds)(emulate_graph, model, mode, keep, feeds, gates)
@@ -123,17 +156,23 @@ def _precision(record: TaskRecord, workdir: Path, graph: MergedGraph, model: Pat
     return mode, keep, emulated
 
 
-def _atc(record: TaskRecord, workdir: Path, name: str, first: str, model: Path, mode: str,
-         keep: list[str]) -> tuple[list[str], str | None]:
+def _atc(
+    record: TaskRecord, workdir: Path, name: str, first: str, model: Path, mode: str, keep: list[str]
+) -> tuple[list[str], str | None]:
     boundary = record.boundaries.get(first)
     if boundary is None or boundary.shape_strategy is None:
         return [], None
     folder = workdir / "om" / name
     folder.mkdir(parents=True, exist_ok=True)
     kept = write_keep_dtype(keep, folder, name) if keep else None
-    options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(folder / name),
-                                       soc_version=record.intake.target.soc, precision_mode=mode,
-                                       **({"keep_dtype": str(kept)} if kept else {}))
+    options = AtcOptions.from_strategy(
+        boundary.shape_strategy,
+        model=str(model),
+        output=str(folder / name),
+        soc_version=record.intake.target.soc,
+        precision_mode=mode,
+        **({"keep_dtype": str(kept)} if kept else {}),
+    )
     script = folder / f"{name}_atc.sh"
     script.write_text(conversion_script(options, None, folder))
     script.chmod(0o755)
@@ -143,10 +182,19 @@ def _atc(record: TaskRecord, workdir: Path, name: str, first: str, model: Path, 
 def _judged(graph: MergedGraph, verdict: str, fallbacks: int, answered: dict[str, int]) -> MergedGraph:
     hits = [answered.get(g, 0) for g in graph.graphs[1:]]
     if verdict == "pass" and fallbacks == 0 and all(hits):
-        return graph.model_copy(update={"status": "verified", "reason": (
-            f"the main path passed with it; {sum(hits)} calls of {', '.join(graph.graphs[1:])} answered inside "
-            f"{graph.graphs[0]}'s")})
+        return graph.model_copy(
+            update={
+                "status": "verified",
+                "reason": (
+                    f"the main path passed with it; {sum(hits)} calls of {', '.join(graph.graphs[1:])} answered inside "
+                    f"{graph.graphs[0]}'s"
+                ),
+            }
+        )
     idle = [g for g, n in zip(graph.graphs[1:], hits) if not n]
-    why = (f"no call of {', '.join(idle)} was answered by it" if idle
-           else f"the main path with it: {verdict}, {fallbacks} fallback(s)")
+    why = (
+        f"no call of {', '.join(idle)} was answered by it"
+        if idle
+        else f"the main path with it: {verdict}, {fallbacks} fallback(s)"
+    )
     return graph.model_copy(update={"status": "failed", "reason": why})

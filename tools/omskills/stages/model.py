@@ -27,8 +27,9 @@ class TaskModel:
         return self.bound.driver
 
     def run(self, hooks: RunHooks | None = None) -> MainPathRun:
-        return run_seeded(self.driver, self.loaded, self.data, self.bound.inputs, self.bound.verification,
-                                         hooks or RunHooks())
+        return run_seeded(
+            self.driver, self.loaded, self.data, self.bound.inputs, self.bound.verification, hooks or RunHooks()
+        )
 
 
 def open_model(record: TaskRecord, workdir: Path, spec: ModelSpec | None = None) -> TaskModel:

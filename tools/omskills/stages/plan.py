@@ -57,25 +57,46 @@ def _candidate(seed: Seed, profile: ProfileReport, contracts: list[ContractSpec]
     score = share * clarity * (STATE_FACTOR if state else 1.0)
     dispatched = [c.dispatch.label() for c in contracts if c.dispatch]
     description = seed.description + (f" (one graph per value: {'; '.join(dispatched)})" if dispatched else "")
-    return Candidate(
-        name=seed.name, module_path=seed.module_path, module_class=node.module_class if node else "?",
-        description=description, group=seed.group, share=round(share, 5), calls=node.calls if node else 0,
-        calls_per_frame=node.calls_per_frame if node else None, params=node.params_total if node else 0,
-        boundary_clarity=clarity, state_dependent=state, score=round(score, 6), rank=0,
-        status="pending", reason="",
-    ), exportable, reasons
+    return (
+        Candidate(
+            name=seed.name,
+            module_path=seed.module_path,
+            module_class=node.module_class if node else "?",
+            description=description,
+            group=seed.group,
+            share=round(share, 5),
+            calls=node.calls if node else 0,
+            calls_per_frame=node.calls_per_frame if node else None,
+            params=node.params_total if node else 0,
+            boundary_clarity=clarity,
+            state_dependent=state,
+            score=round(score, 6),
+            rank=0,
+            status="pending",
+            reason="",
+        ),
+        exportable,
+        reasons,
+    )
 
 
-def plan_from_study(seeds: list[Seed], profile: ProfileReport, contracts: dict[str, ContractSpec],
-                    deploy: list[str] | None = None, defer: list[str] | None = None) -> Plan:
+def plan_from_study(
+    seeds: list[Seed],
+    profile: ProfileReport,
+    contracts: dict[str, ContractSpec],
+    deploy: list[str] | None = None,
+    defer: list[str] | None = None,
+) -> Plan:
     """Rank the seeds; `deploy` (intake.target.deploy) names candidates selected whatever their
     share, `defer` (intake.target.defer) candidates deferred whatever their share."""
     deploy, defer = deploy or [], defer or []
     for field, names in (("deploy", deploy), ("defer", defer)):
         unknown = sorted(set(names) - {seed.name for seed in seeds})
         if unknown:
-            raise TaskRecordError(f"intake.target.{field}: {unknown} are not candidates of this model "
-                                  f"({', '.join(seed.name for seed in seeds)})")
+            raise TaskRecordError(
+                f"intake.target.{field}: {unknown} are not candidates of this model "
+                f"({', '.join(seed.name for seed in seeds)})"
+            )
     both = sorted(set(deploy) & set(defer))
     if both:
         raise TaskRecordError(f"intake.target.defer: {both} are named in intake.target.deploy too")
@@ -93,17 +114,21 @@ def plan_from_study(seeds: list[Seed], profile: ProfileReport, contracts: dict[s
             cand.status, cand.reason = "deferred", f"share {cand.share:.2%} < {MIN_SHARE:.1%} of the main path"
         else:
             cand.status = "selected"
-            cand.reason = (f"{cand.share:.1%} of main-path time, {cand.calls} calls"
-                           f"{f' ({cand.calls_per_frame:.2f}/step)' if cand.calls_per_frame else ''}; clear tensor boundary"
-                           + ("; reads session state (bridged from Python each step)" if cand.state_dependent else "")
-                           + ("; named in intake.target.deploy" if cand.name in deploy else ""))
+            cand.reason = (
+                f"{cand.share:.1%} of main-path time, {cand.calls} calls"
+                f"{f' ({cand.calls_per_frame:.2f}/step)' if cand.calls_per_frame else ''}; clear tensor boundary"
+                + ("; reads session state (bridged from Python each step)" if cand.state_dependent else "")
+                + ("; named in intake.target.deploy" if cand.name in deploy else "")
+            )
             batch.append(cand.name)
     batch = _outermost(rows, batch)
     covered = sum(c.share for c, _, _ in rows if c.name in batch)
-    rationale = (f"first batch = every candidate with an exportable boundary and >= {MIN_SHARE:.1%} share "
-                 f"or named in intake.target.deploy, the outermost of nested ones, "
-                 f"ranked by share x clarity x state factor; together {covered:.1%} of main-path wall time "
-                 f"(the rest is Python control plane, post-processing and small modules)")
+    rationale = (
+        f"first batch = every candidate with an exportable boundary and >= {MIN_SHARE:.1%} share "
+        f"or named in intake.target.deploy, the outermost of nested ones, "
+        f"ranked by share x clarity x state factor; together {covered:.1%} of main-path wall time "
+        f"(the rest is Python control plane, post-processing and small modules)"
+    )
     return Plan(candidates=[r[0] for r in rows], first_batch=batch, rationale=rationale)
 
 
@@ -117,7 +142,10 @@ def _outermost(rows: list[tuple[Candidate, bool, list[str]]], batch: list[str]) 
         if outer is None:
             kept.append(name)
         else:
-            cand.status, cand.reason = "deferred", f"runs inside {outer.name} ({outer.module_path}), which is deployed whole"
+            cand.status, cand.reason = (
+                "deferred",
+                f"runs inside {outer.name} ({outer.module_path}), which is deployed whole",
+            )
             cand.inside = outer.name
     return kept
 
@@ -131,16 +159,23 @@ def plan_candidates(task_path: Path) -> Plan:
     record = load_record(task_path)
     require_study(record)
     assert record.profile is not None and record.study is not None
-    inputs_hash = fingerprint(record.stages["study"].inputs_hash if "study" in record.stages else None,
-                              record.intake.target.deploy, record.intake.target.defer)
+    inputs_hash = fingerprint(
+        record.stages["study"].inputs_hash if "study" in record.stages else None,
+        record.intake.target.deploy,
+        record.intake.target.defer,
+    )
     workdir = TaskRecord.workdir(task_path)
     if is_done(record, "plan", inputs_hash, workdir):
         if record.plan is None:  # is_done checks the step's results; a record edited by hand may still lack them
-            raise StageError(f"{task_path}: stage plan is marked done but the record has no plan: rerun plan_candidates")
+            raise StageError(
+                f"{task_path}: stage plan is marked done but the record has no plan: rerun plan_candidates"
+            )
         return record.plan
     with running_step(task_path, "plan", inputs_hash) as step:
         target = record.intake.target
-        plan = plan_from_study(record.study.seeds, record.profile, record.contracts, deploy=target.deploy, defer=target.defer)
+        plan = plan_from_study(
+            record.study.seeds, record.profile, record.contracts, deploy=target.deploy, defer=target.defer
+        )
         report = render_plan_report(plan, record.inventory, record.profile, workdir / "plan")
         plan.report_path = str(report.relative_to(workdir))
         chart = report.parent / "compute_share.png"

@@ -10,8 +10,9 @@ is more than its whole emulation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,14 +28,13 @@ from omskills.errors import InputError, OmskillsError, StageError
 from omskills.isolation import model_bytes, run_in_child
 from omskills.models import cache as model_cache
 from omskills.records.choices import CompareAgainst
-from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.contracts import ContractSpec
+from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.toolchain import BatchSplit
 from omskills.runtime.memory_estimate import MIB, GraphMemory
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
-
 
 T = TypeVar("T")
 
@@ -73,8 +73,14 @@ def _checked_modes(modes: list[str] | None) -> list[str]:
     return chosen
 
 
-def _precision_on_sample(model: Path, feeds: dict[str, np.ndarray], sample_path: Path, sample: str, modes: list[str],
-                         split: BatchSplit | None) -> PrecisionReport:
+def _precision_on_sample(
+    model: Path,
+    feeds: dict[str, np.ndarray],
+    sample_path: Path,
+    sample: str,
+    modes: list[str],
+    split: BatchSplit | None,
+) -> PrecisionReport:
     """`precision_report` against the sample's PyTorch outputs, read here: in a child, rather than
     held by the server for as long as the child runs, beside the child's own copy (the server
     grew by 0.9 GB for a full-scale backbone's sample)."""
@@ -94,15 +100,25 @@ def first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str,
 def _sample_chunks(path: Path, split: BatchSplit | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """A sample's inputs and PyTorch outputs, cut to the first chunk of `split`'s batch."""
     feeds, outputs = sample_arrays(path)
-    return (_first_chunk(feeds, split.input_axes if split else None, split),
-            _first_chunk(outputs, split.output_axes if split else None, split))
+    return (
+        _first_chunk(feeds, split.input_axes if split else None, split),
+        _first_chunk(outputs, split.output_axes if split else None, split),
+    )
 
 
-def _first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int] | None, split: BatchSplit | None) -> dict[str, np.ndarray]:
+def _first_chunk(
+    arrays: dict[str, np.ndarray], axes: dict[str, int] | None, split: BatchSplit | None
+) -> dict[str, np.ndarray]:
     if split is None or axes is None:
         return arrays
-    return {k: (np.take(v, range(min(split.max_batch, v.shape[axis])), axis=axis) if (axis := axes.get(k)) is not None else v)
-            for k, v in arrays.items()}
+    return {
+        k: (
+            np.take(v, range(min(split.max_batch, v.shape[axis])), axis=axis)
+            if (axis := axes.get(k)) is not None
+            else v
+        )
+        for k, v in arrays.items()
+    }
 
 
 def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None) -> PrecisionReport:
@@ -110,10 +126,19 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     workdir = TaskRecord.workdir(task_path)
     chosen = _checked_modes(modes)
     model = record.preferred_model(workdir, name)
-    require_intact(record, workdir, {"study": record.contract(name).samples[:1], f"export:{name}": None,
-                                     f"optimize:{name}": None}, "export_onnx / optimize_onnx")
-    inputs_hash = fingerprint(record.exports[name].sha256, str(model.relative_to(workdir)), chosen,
-                              record.contract(name).samples[:1], EMULATION_REVISION)
+    require_intact(
+        record,
+        workdir,
+        {"study": record.contract(name).samples[:1], f"export:{name}": None, f"optimize:{name}": None},
+        "export_onnx / optimize_onnx",
+    )
+    inputs_hash = fingerprint(
+        record.exports[name].sha256,
+        str(model.relative_to(workdir)),
+        chosen,
+        record.contract(name).samples[:1],
+        EMULATION_REVISION,
+    )
     step = f"precision:{name}"
     existing = record.toolchain_of(name).precision
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
@@ -122,8 +147,9 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
-            report = emulation_runner(model, feeds)(_precision_on_sample, model, feeds, workdir / sample, sample, chosen,
-                                                    record.batch_split_of(name))
+            report = emulation_runner(model, feeds)(
+                _precision_on_sample, model, feeds, workdir / sample, sample, chosen, record.batch_split_of(name)
+            )
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types
@@ -132,17 +158,30 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
 
         def store(rec: TaskRecord) -> None:
             rec.chain(name).precision = report
-            table = "; ".join(f"{m.mode} {'pass' if m.result.passed else 'fail'} (cos {m.result.cosine:.5f}"
-                              f"{f', keep {len(m.keep)}' if m.keep else ''})" for m in report.modes)
-            rec.decide("emulate_precision", f"{name}: convert with {report.chosen_mode}", f"{report.why}; emulated on CPU: {table}")
+            table = "; ".join(
+                f"{m.mode} {'pass' if m.result.passed else 'fail'} (cos {m.result.cosine:.5f}"
+                f"{f', keep {len(m.keep)}' if m.keep else ''})"
+                for m in report.modes
+            )
+            rec.decide(
+                "emulate_precision",
+                f"{name}: convert with {report.chosen_mode}",
+                f"{report.why}; emulated on CPU: {table}",
+            )
 
         handle.update(store)
     return report
 
 
-def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16", keep: list[str] | None = None,
-                             against: CompareAgainst = "emulated", dump_dir: Path | None = None,
-                             om_json: Path | None = None) -> LayerComparison:
+def compare_candidate_layers(
+    task_path: Path,
+    name: str,
+    mode: str = "force_fp16",
+    keep: list[str] | None = None,
+    against: CompareAgainst = "emulated",
+    dump_dir: Path | None = None,
+    om_json: Path | None = None,
+) -> LayerComparison:
     """One candidate's graph in fp32, node by node, on its first sample, against `mode`
     emulated (with `keep` kept), an OM's dump from an NPU, or the PyTorch module's outputs."""
     record = load_record(task_path)
@@ -154,8 +193,10 @@ def compare_candidate_layers(task_path: Path, name: str, mode: str = "force_fp16
     if against == "npu_dump":
         inputs = write_npu_inputs(workdir / "precision" / name / "npu_inputs", record.contract(name), feeds)
         if dump_dir is None:
-            raise InputError(f"dump_dir: give the folder the OM's dump went to; on the NPU run "
-                             f"`{npu_dump_command(_om_file(record, name), inputs)}` (the inputs are this candidate's first sample)")
+            raise InputError(
+                f"dump_dir: give the folder the OM's dump went to; on the NPU run "
+                f"`{npu_dump_command(_om_file(record, name), inputs)}` (the inputs are this candidate's first sample)"
+            )
         model_cache.release()
         comparison = run_in_child(_compare_dump, model, Path(dump_dir), om_json and Path(om_json), feeds)
     else:
@@ -171,18 +212,29 @@ def _compare_file(model: Path, mode: str, keep: list[str], feeds: dict[str, np.n
         if unknown:
             raise InputError(f"keep: no node named {unknown[:5]} in {model.name}")
         suffix = f" keeping {len(keep)} node(s)" if keep else ""
-        return compare_layers(prepared, precisions_for(prepared, mode, keep), feeds, candidate=f"{mode} emulated{suffix}")
+        return compare_layers(
+            prepared, precisions_for(prepared, mode, keep), feeds, candidate=f"{mode} emulated{suffix}"
+        )
 
 
 def _compare_dump(model: Path, dump_dir: Path, om_json: Path | None, feeds: dict[str, np.ndarray]) -> LayerComparison:
     prepared = prepare(model)
     dump = read_dump(dump_dir, prepared, om_json)
-    notes = [*dump.notes, f"compared with the first run of each op ({dump.repeats} later file(s) left out); "
-                          f"{dump.skipped} file(s) of ops ATC adds skipped; assumes the OM ran on this candidate's "
-                          f"first sample (precision/<candidate>/npu_inputs)"]
-    return compare_observed(prepared, dump.observed, feeds, reference="onnxruntime fp32",
-                            candidate=f"NPU dump {dump_dir}", backend="OM on an Ascend NPU (dumped there, read here)",
-                            notes=notes)
+    notes = [
+        *dump.notes,
+        f"compared with the first run of each op ({dump.repeats} later file(s) left out); "
+        f"{dump.skipped} file(s) of ops ATC adds skipped; assumes the OM ran on this candidate's "
+        f"first sample (precision/<candidate>/npu_inputs)",
+    ]
+    return compare_observed(
+        prepared,
+        dump.observed,
+        feeds,
+        reference="onnxruntime fp32",
+        candidate=f"NPU dump {dump_dir}",
+        backend="OM on an Ascend NPU (dumped there, read here)",
+        notes=notes,
+    )
 
 
 def _compare_with_module(record: TaskRecord, workdir: Path, name: str, feeds: dict[str, np.ndarray]) -> LayerComparison:
@@ -196,14 +248,23 @@ def _compare_with_module(record: TaskRecord, workdir: Path, name: str, feeds: di
     loaded = open_model(record, workdir).loaded
     wrapper = ContractWrapper(loaded.root.get_submodule(contract.module_path), contract)
     prepared = prepare(path)
-    observed, notes = module_observations(wrapper, [torch.from_numpy(feeds[s.name]) for s in contract.inputs],
-                                          prepared, DEFAULT_BUDGET_BYTES)
+    observed, notes = module_observations(
+        wrapper, [torch.from_numpy(feeds[s.name]) for s in contract.inputs], prepared, DEFAULT_BUDGET_BYTES
+    )
     if not observed:
-        raise StageError(f"{name}: no submodule output could be matched to a node of {path.name} "
-                         "(the exporter wrote no module scopes)")
-    comparison = compare_observed(prepared, observed, feeds, reference="onnxruntime fp32 (the export)",
-                                  candidate=f"PyTorch module {contract.module_path}", backend="pytorch eager (CPU)",
-                                  notes=notes)
+        raise StageError(
+            f"{name}: no submodule output could be matched to a node of {path.name} "
+            "(the exporter wrote no module scopes)"
+        )
+    comparison = compare_observed(
+        prepared,
+        observed,
+        feeds,
+        reference="onnxruntime fp32 (the export)",
+        candidate=f"PyTorch module {contract.module_path}",
+        backend="pytorch eager (CPU)",
+        notes=notes,
+    )
     return comparison.model_copy(update={"model": str(path.relative_to(workdir))})
 
 
@@ -226,5 +287,7 @@ def _om_file(record: TaskRecord, name: str) -> str:
 
 
 def npu_dump_command(om: str, inputs: list[Path]) -> str:
-    return (f"msit benchmark --om-model {om} --input {','.join(str(p) for p in inputs)} "
-            f"--output <dump_dir> --dump 1 --dump-npy 1")
+    return (
+        f"msit benchmark --om-model {om} --input {','.join(str(p) for p in inputs)} "
+        f"--output <dump_dir> --dump 1 --dump-npy 1"
+    )

@@ -30,7 +30,6 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import MainPathParity, VerifyReport
 from omskills.runtime.splice import SpliceHandle, splice
 from omskills.stages.model import TaskModel, open_model
-from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
 from omskills.stages.spliced_runs import (
     Emulation,
     chosen_emulation,
@@ -39,6 +38,7 @@ from omskills.stages.spliced_runs import (
     page_out_spliced,
     spliceable,
 )
+from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
 from omskills.stages.verify_report import verification_report, write_verification_report
 
 STEP = "precision_plan"
@@ -86,8 +86,10 @@ class _Runner:
             raise OutOfBudget
         progress.report(len(self.attempts), self.budget, f"precision plan: {purpose}...")
         started = time.perf_counter()
-        backends = [(self.record.contracts[g], open_spliced(self.record, self.workdir, g, "onnxruntime", plan.get(g)))
-                    for g in self.graphs]
+        backends = [
+            (self.record.contracts[g], open_spliced(self.record, self.workdir, g, "onnxruntime", plan.get(g)))
+            for g in self.graphs
+        ]
         strategies = {g: s for g in self.graphs if (s := self.record.boundaries[g].shape_strategy)}
         try:
             with splice(self.model.loaded.root, backends, strategies=strategies) as handle:
@@ -102,11 +104,21 @@ class _Runner:
             # before the next run builds its own (a full-scale video model peaked in this step).
             return_freed_memory()
         checks = self.model.driver.comparison(self.model.bound.verification)
-        parity, _ = main_path_parity(expand(checks, self.reference.steps[0].outputs) if self.reference.steps else checks,
-                                     self.reference, spliced, sum(s.fallbacks for s in handle.stats()))
-        self.attempts.append(PlanAttempt(purpose=purpose, emulated={g: e.describe() for g, e in plan.items()},
-                                         verdict=parity.verdict, summary=parity.summary(),
-                                         seconds=round(time.perf_counter() - started, 3)))
+        parity, _ = main_path_parity(
+            expand(checks, self.reference.steps[0].outputs) if self.reference.steps else checks,
+            self.reference,
+            spliced,
+            sum(s.fallbacks for s in handle.stats()),
+        )
+        self.attempts.append(
+            PlanAttempt(
+                purpose=purpose,
+                emulated={g: e.describe() for g, e in plan.items()},
+                verdict=parity.verdict,
+                summary=parity.summary(),
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        )
         return _Outcome(dict(plan), spliced, handle, parity)
 
     def fails(self, plan: Plan, purpose: str) -> bool:
@@ -120,11 +132,17 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
     workdir = TaskRecord.workdir(task_path)
     names, _ = spliceable(record)
     graphs = [n for n in names if record.toolchain_of(n).precision is not None]
-    require_intact(record, workdir, {f"{kind}:{n}": None for n in graphs for kind in ("export", "optimize")},
-                   "export_onnx / optimize_onnx")
+    require_intact(
+        record,
+        workdir,
+        {f"{kind}:{n}": None for n in graphs for kind in ("export", "optimize")},
+        "export_onnx / optimize_onnx",
+    )
     reports = {g: record.toolchain_of(g).precision for g in graphs}
     # The per-graph results, not the chosen modes: this step changes those.
-    inputs_hash = fingerprint(graphs, [record.exports[g].sha256 for g in graphs], [r.modes for r in reports.values()], budget)
+    inputs_hash = fingerprint(
+        graphs, [record.exports[g].sha256 for g in graphs], [r.modes for r in reports.values()], budget
+    )
     if is_done(record, STEP, inputs_hash, workdir) and record.precision_plan is not None:
         return record.precision_plan
     model = open_model(record, workdir)
@@ -145,16 +163,25 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
                 summary.why += f"; the runs made narrowed the fault to {', '.join(summary.narrowed_to)}"
         report = None
         if last is not None:  # the last run of a whole plan: the report shows it, passed or not
-            report = verification_report(record, workdir, model, runner.reference, last.run, last.handle, names,
-                                         {g: e.describe() for g, e in last.plan.items()})
+            report = verification_report(
+                record,
+                workdir,
+                model,
+                runner.reference,
+                last.run,
+                last.handle,
+                names,
+                {g: e.describe() for g, e in last.plan.items()},
+            )
             report.notes += notes
             report = write_verification_report(report, record, model, runner.reference, last.run, workdir)
         step.update(_stored(summary, report, plan))
     return summary
 
 
-def _settle(runner: _Runner, plan: Plan, reports: dict[str, PrecisionReport]
-            ) -> tuple[_Outcome | None, Plan, dict[str, str], list[str]]:
+def _settle(
+    runner: _Runner, plan: Plan, reports: dict[str, PrecisionReport]
+) -> tuple[_Outcome | None, Plan, dict[str, str], list[str]]:
     """Run the plan; while it fails and the budget lasts, move the graphs at fault one step safer.
     When the graphs fail only together (each half passes alone: their errors add up), bisection
     cannot name one, and the graph whose own emulation strays furthest is moved, one at a time.
@@ -172,12 +199,17 @@ def _settle(runner: _Runner, plan: Plan, reports: dict[str, PrecisionReport]
             together = together or (len(found) > 1 and set(found) == set(emulated))
             if together:
                 found = [max(emulated, key=lambda g: _stray(reports[g], plan[g]))]
-            why = ("the graphs fail only together; its own emulation strays furthest" if together
-                   else "emulated with the rest in fp32, it broke the main path")
+            why = (
+                "the graphs fail only together; its own emulation strays furthest"
+                if together
+                else "emulated with the rest in fp32, it broke the main path"
+            )
             at_fault += [g for g in found if g not in at_fault]
             for graph in found:
                 safer = _safer(plan[graph], reports[graph])
-                moved[graph] = f"{moved[graph].split(' -> ')[0] if graph in moved else plan[graph].describe()} -> {safer.describe()}: {why}"
+                moved[graph] = (
+                    f"{moved[graph].split(' -> ')[0] if graph in moved else plan[graph].describe()} -> {safer.describe()}: {why}"
+                )
                 plan[graph] = safer
             last = runner.run(plan, f"after moving {', '.join(found)} to safer modes")
     except OutOfBudget:
@@ -232,17 +264,29 @@ def _safest(plan: Plan, at_fault: list[str]) -> Plan:
     return {g: (Emulation(SAFEST) if g in suspects else e) for g, e in plan.items()}
 
 
-def _plan_record(runner: _Runner, plan: Plan, passed: bool, moved: dict[str, str], at_fault: list[str], budget: int,
-                 seconds: float) -> PrecisionPlan:
+def _plan_record(
+    runner: _Runner, plan: Plan, passed: bool, moved: dict[str, str], at_fault: list[str], budget: int, seconds: float
+) -> PrecisionPlan:
     if passed:
-        why = (f"the main path passes with every graph in its mode (emulated) after {len(runner.attempts)} run(s)"
-               + (f"; moved {', '.join(moved)}" if moved else ""))
+        why = f"the main path passes with every graph in its mode (emulated) after {len(runner.attempts)} run(s)" + (
+            f"; moved {', '.join(moved)}" if moved else ""
+        )
     else:
-        why = (f"no plan passed within {budget} run(s); graphs at fault: {', '.join(at_fault) or 'not found'} "
-               f"(they convert with {SAFEST}, unchecked end to end)")
-    return PrecisionPlan(verdict="pass" if passed else "fail", modes={g: e.describe() for g, e in plan.items()},
-                         moved=moved, at_fault=at_fault, attempts=runner.attempts, runs=len(runner.attempts),
-                         budget=budget, seconds=round(seconds, 3), why=why)
+        why = (
+            f"no plan passed within {budget} run(s); graphs at fault: {', '.join(at_fault) or 'not found'} "
+            f"(they convert with {SAFEST}, unchecked end to end)"
+        )
+    return PrecisionPlan(
+        verdict="pass" if passed else "fail",
+        modes={g: e.describe() for g, e in plan.items()},
+        moved=moved,
+        at_fault=at_fault,
+        attempts=runner.attempts,
+        runs=len(runner.attempts),
+        budget=budget,
+        seconds=round(seconds, 3),
+        why=why,
+    )
 
 
 def _stored(plan_record: PrecisionPlan, report: VerifyReport | None, plan: Plan):
@@ -252,7 +296,10 @@ def _stored(plan_record: PrecisionPlan, report: VerifyReport | None, plan: Plan)
             rec.verification_emulated = report
         for graph, emulation in plan.items():
             chosen = rec.chain(graph).precision
-            if chosen is not None and (chosen.chosen_mode, tuple(chosen.chosen_keep)) != (emulation.mode, emulation.keep):
+            if chosen is not None and (chosen.chosen_mode, tuple(chosen.chosen_keep)) != (
+                emulation.mode,
+                emulation.keep,
+            ):
                 chosen.why += f"; end to end: {plan_record.moved.get(graph) or 'no plan passed, kept in its dtype'}"
                 chosen.chosen_mode, chosen.chosen_keep = emulation.mode, list(emulation.keep)
         rec.decide(STEP, f"precision plan end to end: {plan_record.verdict}", plan_record.why)

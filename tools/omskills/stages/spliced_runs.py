@@ -67,8 +67,9 @@ def chosen_emulation(record: TaskRecord, name: str) -> Emulation:
     return Emulation(report.chosen_mode, tuple(report.chosen_keep))
 
 
-def open_spliced(record: TaskRecord, workdir: Path, name: str, backend: str,
-                 emulation: Emulation | None = None) -> SpliceBackend:
+def open_spliced(
+    record: TaskRecord, workdir: Path, name: str, backend: str, emulation: Emulation | None = None
+) -> SpliceBackend:
     """The graph's backend, opened as a deployment opens it (runtime.serving): on ONNX Runtime's CPU
     the batch in chunks where probe_onnx found it must be; an OM in the mode of its shape strategy,
     its batch gears serving other sizes. `emulation`: the graph rewritten to compute as that ATC
@@ -76,8 +77,13 @@ def open_spliced(record: TaskRecord, workdir: Path, name: str, backend: str,
     if backend not in SERVING_BACKENDS:  # a third party's backend: opened on the preferred model as it is
         return open_backend(record.preferred_model(workdir, name), backend)
     model = _emulated_model(record, workdir, name, emulation) if emulation is not None else None
-    return open_graph(graph_from_record(record, workdir, name), workdir, backend,
-                      device_id=record.intake.target.device_id, model=model)
+    return open_graph(
+        graph_from_record(record, workdir, name),
+        workdir,
+        backend,
+        device_id=record.intake.target.device_id,
+        model=model,
+    )
 
 
 def _emulated_model(record: TaskRecord, workdir: Path, name: str, emulation: Emulation) -> Path:
@@ -103,7 +109,9 @@ def page_out_spliced(root: Any, record: TaskRecord, names: list[str], workdir: P
     try:
         page_out([root.get_submodule(record.contracts[n].module_path) for n in names], workdir / "verify")
     except Exception as err:  # noqa: BLE001 - best effort: any failure leaves the weights where they were
-        return [f"the spliced candidates' PyTorch weights stayed in memory (paging them out failed: {one_line(err, 300)})"]
+        return [
+            f"the spliced candidates' PyTorch weights stayed in memory (paging them out failed: {one_line(err, 300)})"
+        ]
     return []
 
 
@@ -115,23 +123,45 @@ def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[Ch
         for result in results:
             if worst is None or worse(check.metric, result.value, worst):
                 worst = result.value
-        summaries.append(CheckSummary(output=check.output, metric=check.metric, title=check.title, worst=worst,
-                                      passed=all(r.passed for r in results), gating=check.gating))
+        summaries.append(
+            CheckSummary(
+                output=check.output,
+                metric=check.metric,
+                title=check.title,
+                worst=worst,
+                passed=all(r.passed for r in results),
+                gating=check.gating,
+            )
+        )
     return summaries
 
 
-def main_path_parity(checks: list[OutputCheck], reference: MainPathRun, spliced: MainPathRun,
-                     fallbacks: int) -> tuple[MainPathParity, list[StepParity]]:
+def main_path_parity(
+    checks: list[OutputCheck], reference: MainPathRun, spliced: MainPathRun, fallbacks: int
+) -> tuple[MainPathParity, list[StepParity]]:
     """Two runs of the main path judged by the (expanded) checks, step by step and as a whole."""
-    per_step = [StepParity(index=r.index, checks=compare_step(checks, r.outputs, s.outputs),
-                           torch_seconds=round(r.seconds, 3), spliced_seconds=round(s.seconds, 3))
-                for r, s in zip(reference.steps, spliced.steps)]
+    per_step = [
+        StepParity(
+            index=r.index,
+            checks=compare_step(checks, r.outputs, s.outputs),
+            torch_seconds=round(r.seconds, 3),
+            spliced_seconds=round(s.seconds, 3),
+        )
+        for r, s in zip(reference.steps, spliced.steps)
+    ]
     n = max(len(per_step), 1)
     torch_s = sum(s.torch_seconds for s in per_step) / n
     spliced_s = sum(s.spliced_seconds for s in per_step) / n
     steps_equal = [s.index for s in reference.steps] == [s.index for s in spliced.steps]
-    main = MainPathParity(steps=len(per_step), steps_equal=steps_equal, checks=_summaries(checks, per_step),
-                          fallbacks=fallbacks, torch_s_per_step=round(torch_s, 3), spliced_s_per_step=round(spliced_s, 3),
-                          latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0,
-                          torch_pass_s=round(reference.total_seconds, 3), spliced_pass_s=round(spliced.total_seconds, 3))
+    main = MainPathParity(
+        steps=len(per_step),
+        steps_equal=steps_equal,
+        checks=_summaries(checks, per_step),
+        fallbacks=fallbacks,
+        torch_s_per_step=round(torch_s, 3),
+        spliced_s_per_step=round(spliced_s, 3),
+        latency_ratio=round(spliced_s / torch_s, 3) if torch_s else 0.0,
+        torch_pass_s=round(reference.total_seconds, 3),
+        spliced_pass_s=round(spliced.total_seconds, 3),
+    )
     return main, per_step

@@ -20,9 +20,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
-from collections.abc import Collection, Mapping
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from omskills.errors import StageError
 from omskills.files import process_alive
@@ -75,11 +75,16 @@ def require_intact(record: TaskRecord, workdir: Path, reads: Mapping[str, Collec
         result = record.stages.get(step)
         if result is None:
             continue
-        problems = [problem for artifact in result.artifacts
-                    if (files is None or artifact.path in files) and (problem := artifact.problem(workdir))]
+        problems = [
+            problem
+            for artifact in result.artifacts
+            if (files is None or artifact.path in files) and (problem := artifact.problem(workdir))
+        ]
         if problems:
-            raise StageError(f"{'; '.join(problems)}: written by step {step}, which must run again "
-                             f"({tool}, or rerun `omskills adapt`)")
+            raise StageError(
+                f"{'; '.join(problems)}: written by step {step}, which must run again "
+                f"({tool}, or rerun `omskills adapt`)"
+            )
 
 
 def artifacts_of(paths: list[Path], workdir: Path) -> list[Artifact]:
@@ -91,7 +96,10 @@ def path_in_run(path: Path, workdir: Path) -> str | None:
     """`path` relative to the run folder (posix), or None when it lies outside. Compared as given
     first, so a sub-folder that is a symlink to another disk still belongs to the run; then with
     symlinks resolved on both sides."""
-    for inside, root in ((Path(path).absolute(), Path(workdir).absolute()), (Path(path).resolve(), Path(workdir).resolve())):
+    for inside, root in (
+        (Path(path).absolute(), Path(workdir).absolute()),
+        (Path(path).resolve(), Path(workdir).resolve()),
+    ):
         relative = os.path.relpath(inside, root)
         if not relative.startswith(".."):
             return Path(relative).as_posix()
@@ -177,12 +185,16 @@ def reap_interrupted(record: TaskRecord, record_path: str) -> list[str]:
         if result.status != "running":
             continue
         here = result.pid == os.getpid()
-        if result.pid is not None and ((here and (record_path, name) in _ACTIVE) or (not here and process_alive(result.pid))):
+        if result.pid is not None and (
+            (here and (record_path, name) in _ACTIVE) or (not here and process_alive(result.pid))
+        ):
             continue
         owner = f"pid {result.pid}" if result.pid is not None else "an earlier omskills"
         result.status = "failed"
-        result.error = (f"interrupted: the process that ran it ({owner}) stopped before it finished "
-                        "(killed, cancelled, or out of disk); rerun to redo it")
+        result.error = (
+            f"interrupted: the process that ran it ({owner}) stopped before it finished "
+            "(killed, cancelled, or out of disk); rerun to redo it"
+        )
         reaped.append(name)
     return reaped
 

@@ -8,8 +8,8 @@ mid-stage redoes only the unfinished candidate.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from omskills import progress
 from omskills.ascend.atc import AtcOptions, build_atc_command, run_atc
@@ -91,9 +91,15 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
     with running_step(task_path, step, inputs_hash) as handle:
         handle.result.logs.append(str((out.parent / f"{name}.onnx.export.log").relative_to(workdir)))
         with driver.export_patches(loaded, contract.plan_candidate):
-            result = _export(module, contract, [sample.inputs[s.name] for s in contract.inputs], out,
-                             dynamic_dims=dims,
-                             exporter=exporter, log_path=out.parent / f"{name}.onnx.export.log")
+            result = _export(
+                module,
+                contract,
+                [sample.inputs[s.name] for s in contract.inputs],
+                out,
+                dynamic_dims=dims,
+                exporter=exporter,
+                log_path=out.parent / f"{name}.onnx.export.log",
+            )
         result.path = str(Path(result.path).resolve().relative_to(workdir))
         result.log_path = relative_to_run(result.log_path, workdir) or result.log_path
 
@@ -113,8 +119,11 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
 def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> Sample:
     """The first sample in which no dynamic dim is 1: torch.export specialises a dim whose example
     value is 1 (a detector batching frames may see chunks of 1 and 2), so its graph would only run at 1."""
+
     def has_a_one(sample: Sample) -> bool:
-        return any(sample.inputs[name].shape[i] == 1 for name, axes in dims.items() for i in axes if name in sample.inputs)
+        return any(
+            sample.inputs[name].shape[i] == 1 for name, axes in dims.items() for i in axes if name in sample.inputs
+        )
 
     return next((s for s in samples if not has_a_one(s)), samples[0])
 
@@ -135,7 +144,9 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     path = record.model_path(workdir, name, variant)
-    require_intact(record, workdir, _model_steps(name, variant, record.contract(name).samples), "export_onnx / optimize_onnx")
+    require_intact(
+        record, workdir, _model_steps(name, variant, record.contract(name).samples), "export_onnx / optimize_onnx"
+    )
     # A variant is made from the export deterministically: its sha and the samples fix the result.
     inputs_hash = fingerprint(record.exports[name].sha256, variant, record.contract(name).samples)
     step = f"probe:{name}:{variant}"
@@ -160,19 +171,28 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             chain.batch_split = split
             chunked = f"; batch in chunks of {split.max_batch}: {split.reason}" if split else ""
             chunked += f"; {predicted}" if predicted else ""
-            rec.decide("probe_onnx", f"{name}/{variant}: probe {report.verdict}",
-                       f"{_probed_count(len(sample_paths), captured)}; worst cosine {report.worst_cosine:.6f}, "
-                       f"max abs {report.worst_max_abs:.2e}{chunked}")
+            rec.decide(
+                "probe_onnx",
+                f"{name}/{variant}: probe {report.verdict}",
+                f"{_probed_count(len(sample_paths), captured)}; worst cosine {report.worst_cosine:.6f}, "
+                f"max abs {report.worst_max_abs:.2e}{chunked}",
+            )
 
         handle.update(store)
     return report
 
 
 def _probed_count(probed: int, captured: int) -> str:
-    return f"{captured} captured samples" if probed == captured else f"{probed} of {captured} captured samples (one per input shape)"
+    return (
+        f"{captured} captured samples"
+        if probed == captured
+        else f"{probed} of {captured} captured samples (one per input shape)"
+    )
 
 
-def _model_steps(name: str, variant: str | None = None, samples: list[str] | None = None) -> dict[str, list[str] | None]:
+def _model_steps(
+    name: str, variant: str | None = None, samples: list[str] | None = None
+) -> dict[str, list[str] | None]:
     """The steps whose files a step reading this graph's ONNX depends on, with the files it reads:
     the graph's samples (study) when given, the export, and the optimised variants unless only
     the original is read."""
@@ -185,24 +205,32 @@ def _model_steps(name: str, variant: str | None = None, samples: list[str] | Non
 
 def _relative_optimize(result: OptimizeResult, workdir: Path) -> OptimizeResult:
     """The variants' paths relative to the run folder (a copied run must not read the original's files)."""
+
     def rel(value: str | None) -> str | None:
         return relative_to_run(value, workdir)
 
     variants = [v.model_copy(update={"path": rel(v.path), "built_from": rel(v.built_from)}) for v in result.variants]
-    return result.model_copy(update={"original": rel(result.original), "variants": variants,
-                                     "preferred_path": rel(result.preferred_path)})
+    return result.model_copy(
+        update={"original": rel(result.original), "variants": variants, "preferred_path": rel(result.preferred_path)}
+    )
 
 
 def _relative_atc(result: AtcResult, workdir: Path) -> AtcResult:
-    return result.model_copy(update={
-        "command": relative_args(result.command, workdir), "script": relative_to_run(result.script, workdir),
-        "log": relative_to_run(result.log, workdir), "om_path": relative_to_run(result.om_path, workdir),
-        "reason": relative_text(result.reason, workdir) if result.reason else result.reason,
-        "errors": [e.model_copy(update={"message": relative_text(e.message, workdir)}) for e in result.errors]})
+    return result.model_copy(
+        update={
+            "command": relative_args(result.command, workdir),
+            "script": relative_to_run(result.script, workdir),
+            "log": relative_to_run(result.log, workdir),
+            "om_path": relative_to_run(result.om_path, workdir),
+            "reason": relative_text(result.reason, workdir) if result.reason else result.reason,
+            "errors": [e.model_copy(update={"message": relative_text(e.message, workdir)}) for e in result.errors],
+        }
+    )
 
 
-def _probe_reports(record: TaskRecord, name: str, path: Path,
-                   sample_paths: list[Path]) -> tuple[list[ParityReport], BatchSplit | None, str | None]:
+def _probe_reports(
+    record: TaskRecord, name: str, path: Path, sample_paths: list[Path]
+) -> tuple[list[ParityReport], BatchSplit | None, str | None]:
     """Probe reports, the batch split they needed, and what was predicted of the memory when no
     split came of it. A big model is probed in a child, its batch in chunks when the peak predicted
     from the graph does not fit the memory there is (ORT on CPU materialises attention scores); a
@@ -216,13 +244,19 @@ def _probe_reports(record: TaskRecord, name: str, path: Path,
     try:
         return run_in_child(probe_samples, path, sample_paths, split), split, predicted
     except ChildDied as err:
-        died = f"the process probing {path.name}{f' in batch chunks of {split.max_batch}' if split else ''} died ({err})"
+        died = (
+            f"the process probing {path.name}{f' in batch chunks of {split.max_batch}' if split else ''} died ({err})"
+        )
         retry = None if recorded else _split_after_death(record, name)
         if retry is None or (split is not None and retry.max_batch >= split.max_batch):
             raise StageError(f"{name}: {died}") from err
         if split is not None:  # the prediction was wrong: say so beside it
-            retry = retry.model_copy(update={"reason": f"{split.reason}; yet the process probing in chunks of "
-                                                       f"{split.max_batch} died, so chunks of the smallest gear"})
+            retry = retry.model_copy(
+                update={
+                    "reason": f"{split.reason}; yet the process probing in chunks of "
+                    f"{split.max_batch} died, so chunks of the smallest gear"
+                }
+            )
     logger.warning("%s: %s; probing again with the batch in chunks of %d", name, died, retry.max_batch)
     try:
         return run_in_child(probe_samples, path, sample_paths, retry), retry, predicted
@@ -230,8 +264,9 @@ def _probe_reports(record: TaskRecord, name: str, path: Path,
         raise StageError(f"{name}: {died}; in batch chunks of {retry.max_batch} it died too ({err})") from err
 
 
-def _split_from_prediction(record: TaskRecord, name: str, path: Path,
-                           sample_paths: list[Path]) -> tuple[BatchSplit | None, str | None]:
+def _split_from_prediction(
+    record: TaskRecord, name: str, path: Path, sample_paths: list[Path]
+) -> tuple[BatchSplit | None, str | None]:
     """The batch split the peak predicted for the largest sample asks for, or None with what was
     predicted (the whole batch fits, cannot be split, or the prediction failed: the probe then
     runs whole and a death stays the handled failure)."""
@@ -239,8 +274,14 @@ def _split_from_prediction(record: TaskRecord, name: str, path: Path,
     try:
         # In a child too: a graph under 2 GB keeps its weights inline, and reading it would leave
         # this long-lived process that much bigger.
-        plan = run_in_child(plan_probe, path, sample_paths, record.contract(name),
-                            decision.shape_strategy if decision else None, probe_budget_bytes())
+        plan = run_in_child(
+            plan_probe,
+            path,
+            sample_paths,
+            record.contract(name),
+            decision.shape_strategy if decision else None,
+            probe_budget_bytes(),
+        )
     except Exception as err:  # the prediction only advises: whatever stops it, the probe runs whole
         return None, f"peak not predicted ({one_line(err)})"
     if plan.split is not None:
@@ -255,9 +296,13 @@ def _split_after_death(record: TaskRecord, name: str) -> BatchSplit | None:
     if strategy is None or not strategy.gears:
         return None
     smallest = min(gear[0] for gear in strategy.gears)
-    return batch_split_for(record.contract(name), strategy, smallest,
-                           "the process probing the whole batch died (out of memory?); "
-                           "the chunks' outputs are compared with PyTorch's whole-batch run")
+    return batch_split_for(
+        record.contract(name),
+        strategy,
+        smallest,
+        "the process probing the whole batch died (out of memory?); "
+        "the chunks' outputs are compared with PyTorch's whole-batch run",
+    )
 
 
 def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
@@ -279,8 +324,9 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     with running_step(task_path, step, inputs_hash) as handle:
         progress.report(0, None, f"optimize {name}: building and checking each variant (onnxslim, auto_optimizer)...")
         probed = record.toolchain_of(name).probes.get("original")
-        result = _relative_optimize(optimize_variants(original, original.parent, samples, original_probe=probed,
-                                                      batch_split=split), workdir)
+        result = _relative_optimize(
+            optimize_variants(original, original.parent, samples, original_probe=probed, batch_split=split), workdir
+        )
         made = [workdir / v.path for v in result.variants if v.path and v.name != "original"]
         handle.result.artifacts += artifacts_of(made + [p.with_name(p.name + ".data") for p in made], workdir)
 
@@ -308,8 +354,13 @@ def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> Op
     with updating(task_path) as rec:
         rec.chain(name).precheck = result
         pitfalls = "; ".join(f"{h.id} ({h.count} node(s), {'/'.join(h.modes)})" for h in result.pitfalls) or "none"
-        decide_unless_repeated(rec, "precheck_ops", name, f"{name}: operator precheck {result.verdict}",
-                               f"counts {result.counts} against {result.table}; known precision pitfalls: {pitfalls}")
+        decide_unless_repeated(
+            rec,
+            "precheck_ops",
+            name,
+            f"{name}: operator precheck {result.verdict}",
+            f"counts {result.counts} against {result.table}; known precision pitfalls: {pitfalls}",
+        )
     return result
 
 
@@ -330,9 +381,13 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     model = record.preferred_model(workdir, name)
     require_intact(record, workdir, _model_steps(name), "export_onnx / optimize_onnx")
     out_dir = workdir / "om" / name
-    options = AtcOptions.from_strategy(boundary.shape_strategy, model=str(model), output=str(out_dir / name),
-                                       soc_version=record.intake.target.soc,
-                                       **_precision_options(record, name, precision_mode, out_dir))
+    options = AtcOptions.from_strategy(
+        boundary.shape_strategy,
+        model=str(model),
+        output=str(out_dir / name),
+        soc_version=record.intake.target.soc,
+        **_precision_options(record, name, precision_mode, out_dir),
+    )
     # Relative paths: the same ATC run in a copied run folder has the same inputs.
     inputs_hash = fingerprint(relative_args(build_atc_command(options), workdir))
     step = f"atc:{name}"
@@ -358,16 +413,28 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
             if result.status == "converted":
                 rec.set_status(name, "converted")
                 cand = rec.plan_candidate_of(name)
-                if cand is not None and len(rec.contracts_of(cand.name)) <= 1:  # graphs of one value each keep theirs in atc
+                if (
+                    cand is not None and len(rec.contracts_of(cand.name)) <= 1
+                ):  # graphs of one value each keep theirs in atc
                     cand.om_path = result.om_path
-            decide_unless_repeated(rec, "convert_atc", name, f"{name}: ATC {result.status}",
-                                   result.reason or "ATC exited 0 and wrote the OM")
+            decide_unless_repeated(
+                rec,
+                "convert_atc",
+                name,
+                f"{name}: ATC {result.status}",
+                result.reason or "ATC exited 0 and wrote the OM",
+            )
             if precision_mode is None and rec.toolchain_of(name).precision is None:
                 failed = rec.stages.get(f"precision:{name}")
                 why = f"its emulation failed ({failed.error})" if failed and failed.error else "no mode was emulated"
-                decide_unless_repeated(rec, "convert_atc", name, f"{name}: --precision_mode={UNCHECKED_PRECISION_MODE}",
-                                       f"{why}: every op stays in its original dtype, slower but safe; "
-                                       "emulate_precision again to choose a faster mode")
+                decide_unless_repeated(
+                    rec,
+                    "convert_atc",
+                    name,
+                    f"{name}: --precision_mode={UNCHECKED_PRECISION_MODE}",
+                    f"{why}: every op stays in its original dtype, slower but safe; "
+                    "emulate_precision again to choose a faster mode",
+                )
 
         handle.update(store)
     return result
@@ -389,10 +456,16 @@ def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir
     return options
 
 
-
-def for_each_candidate(task_path: Path, candidate: str | None, batch: CandidateBatch[ResultT],
-                       run: Callable[[str], ResultT], desc: str, promote_inner: bool = False,
-                       advisory: bool = False, needs_export: bool = True) -> CandidateBatch[ResultT]:
+def for_each_candidate(
+    task_path: Path,
+    candidate: str | None,
+    batch: CandidateBatch[ResultT],
+    run: Callable[[str], ResultT],
+    desc: str,
+    promote_inner: bool = False,
+    advisory: bool = False,
+    needs_export: bool = True,
+) -> CandidateBatch[ResultT]:
     """Run one step per graph; a failing one is recorded (status failed) and the rest go on. With
     `promote_inner`, the candidates deferred inside a failed one join the batch and take the step.
     An `advisory` step (its result informs, the graph does not depend on it) records its failure
@@ -432,7 +505,9 @@ def _export_failed(record: TaskRecord, name: str) -> str | None:
     return f"its export failed ({one_line(step.error or 'failed', 300)})"
 
 
-def _record_failure(task_path: Path, name: str, desc: str, err: Exception, promote_inner: bool, advisory: bool) -> list[str]:
+def _record_failure(
+    task_path: Path, name: str, desc: str, err: Exception, promote_inner: bool, advisory: bool
+) -> list[str]:
     """Record a graph's failed step; returns the graphs promoted to take the step in its place."""
     with updating(task_path) as rec:
         if advisory:

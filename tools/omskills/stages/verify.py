@@ -5,7 +5,6 @@ step every output check of the driver is applied (ids, region IoU, coordinates, 
 the report says which backend really ran each graph.
 """
 
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +14,8 @@ from omskills.errors import InputError
 from omskills.isolation import return_freed_memory
 from omskills.models.api import MainPathRun, RunHooks
 from omskills.records.contracts import ContractSpec, ShapeStrategy
-from omskills.records.traffic import MergedRun
 from omskills.records.task import TaskRecord, load_record
+from omskills.records.traffic import MergedRun
 from omskills.records.verify import VerifyReport
 from omskills.runtime import BACKENDS
 from omskills.runtime.splice import SpliceBackend, splice
@@ -41,8 +40,12 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, skipped = spliceable(record)
-    require_intact(record, workdir, {f"{kind}:{n}": None for n in names for kind in ("export", "optimize")},
-                   "export_onnx / optimize_onnx")
+    require_intact(
+        record,
+        workdir,
+        {f"{kind}:{n}": None for n in names for kind in ("export", "optimize")},
+        "export_onnx / optimize_onnx",
+    )
     modes = chosen_modes(record, names) if emulated else {}
     model = open_model(record, workdir)
     driver, loaded = model.driver, model.loaded
@@ -52,9 +55,13 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         reference = model.run()
         notes = page_out_spliced(loaded.root, record, names, workdir)
         return_freed_memory()  # the reference run's activations go back too
-        replacements = [(record.contracts[n], open_spliced(record, workdir, n, backend,
-                                                           chosen_emulation(record, n) if emulated else None))
-                        for n in names]
+        replacements = [
+            (
+                record.contracts[n],
+                open_spliced(record, workdir, n, backend, chosen_emulation(record, n) if emulated else None),
+            )
+            for n in names
+        ]
         strategies = {n: record.boundaries[n].shape_strategy for n in names if record.boundaries[n].shape_strategy}
         progress.report(1, 3, f"verify: spliced run, {len(names)} graph(s) on {backend}...")
         with splice(loaded.root, replacements, strategies=strategies) as handle:
@@ -69,23 +76,33 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     return report
 
 
-def _merged(record: TaskRecord, workdir: Path, model: TaskModel, reference: MainPathRun,
-            replacements: list[tuple[ContractSpec, SpliceBackend]], strategies: dict[str, ShapeStrategy],
-            report: VerifyReport, backend: str) -> MergedRun | None:
+def _merged(
+    record: TaskRecord,
+    workdir: Path,
+    model: TaskModel,
+    reference: MainPathRun,
+    replacements: list[tuple[ContractSpec, SpliceBackend]],
+    strategies: dict[str, ShapeStrategy],
+    report: VerifyReport,
+    backend: str,
+) -> MergedRun | None:
     """Graphs that read only another's unchanged outputs, composed with it and verified (a
     composed graph is an ONNX graph: on another backend the merges are proposed, not run)."""
     if backend != "onnxruntime":
         report.notes.append(f"merge proposals not run: composed graphs are ONNX, the spliced run used {backend}")
         return None
     progress.report(2, 3, "verify: the main path again with mergeable graphs composed into one...")
-    return merged_run(record, workdir, model, reference, replacements, strategies, report.traffic.merges,
-                      report.comparison, backend)
+    return merged_run(
+        record, workdir, model, reference, replacements, strategies, report.traffic.merges, report.comparison, backend
+    )
 
 
 def _stored(report: VerifyReport):
     def store(rec: TaskRecord) -> None:
-        summary = (f"{report.main_path.summary()}; fallbacks {report.main_path.fallbacks}, "
-                   f"spliced/torch latency {report.main_path.latency_ratio:.2f}")
+        summary = (
+            f"{report.main_path.summary()}; fallbacks {report.main_path.fallbacks}, "
+            f"spliced/torch latency {report.main_path.latency_ratio:.2f}"
+        )
         if report.precision == "emulated":  # expected parity on Ascend; statuses stay those of fp32
             rec.verification_emulated = report
             rec.decide("verify_main_path", f"main path with Ascend precision emulated: {report.verdict}", summary)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import onnxruntime
 
+
 def _acl():
     """pyACL: the double beside this package on sys.path, one a test installed, or None."""
     if "acl" in sys.modules:
@@ -151,13 +152,21 @@ class InferSessionDouble:
         return [self._desc(arg) for arg in self._ort.get_outputs()]
 
     def infer(self, feeds, mode="static", custom_sizes=100000, out_array=True):
-        self.calls.append(InferCall(mode=mode, custom_sizes=custom_sizes, feed_shapes=[tuple(f.shape) for f in feeds],
-                                    feed_dtypes=[str(f.dtype) for f in feeds]))
+        self.calls.append(
+            InferCall(
+                mode=mode,
+                custom_sizes=custom_sizes,
+                feed_shapes=[tuple(f.shape) for f in feeds],
+                feed_dtypes=[str(f.dtype) for f in feeds],
+            )
+        )
         if mode not in DOCUMENTED_MODES:
             raise RuntimeError(f"mode {mode} invalid")
         if self.acl is not None and self.context is not None and self.acl.rt.get_context()[0] != self.context:
-            raise RuntimeError("ACL error 107003: the stream is not in the current context "
-                               "(the session's context is not current on this thread)")
+            raise RuntimeError(
+                "ACL error 107003: the stream is not in the current context "
+                "(the session's context is not current on this thread)"
+            )
         names = [arg.name for arg in self._ort.get_inputs()]
         if self.built:
             self._check_built(mode, dict(zip(names, feeds)))
@@ -167,14 +176,20 @@ class InferSessionDouble:
         built = self.built
         if mode != built.mode:
             raise RuntimeError(f"infer mode {mode!r} does not match the OM, which ATC built for {built.mode!r}")
-        dynamic = [int(size) for name, value in feeds.items()
-                   for size, want in zip(value.shape, built.input_shapes.get(name, list(value.shape))) if want == -1]
+        dynamic = [
+            int(size)
+            for name, value in feeds.items()
+            for size, want in zip(value.shape, built.input_shapes.get(name, list(value.shape)))
+            if want == -1
+        ]
         for name, value in feeds.items():
             want = built.input_shapes.get(name)
             if want and any(w != -1 and w != s for s, w in zip(value.shape, want)):
                 raise RuntimeError(f"input {name} has shape {list(value.shape)}, the OM was built for {want}")
         if mode == "dymbatch" and dynamic and [dynamic[0]] not in built.gears:
-            raise RuntimeError(f"aclmdlSetDynamicBatchSize failed: batch {dynamic[0]} is not one of the OM's gears {built.gears}")
+            raise RuntimeError(
+                f"aclmdlSetDynamicBatchSize failed: batch {dynamic[0]} is not one of the OM's gears {built.gears}"
+            )
         if mode in ("dymdims", "dymhw") and dynamic not in built.gears:
             raise RuntimeError(f"dynamic dims {dynamic} are not one of the OM's gears {built.gears}")
 
