@@ -15,7 +15,10 @@ install: $(BIN)/omskills
 run: install bytecode  ## the main job: adapt SAM 3 (built-in task, full scale) end to end
 	$(BIN)/omskills adapt task_records/sam3-video-text.yaml
 
-test: install chromium bytecode  ## the test suite (tiny SAM 3 on CPU) and the skill validation gate
+test: install chromium bytecode  ## lint, format and import layers; the skill validation gate; the test suite (tiny SAM 3 on CPU)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/omskills validate
 	$(BIN)/pytest -q
 

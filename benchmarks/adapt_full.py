@@ -427,7 +427,8 @@ def _print_table(result: AdaptBenchmark) -> None:
     if result.floor is not None:
         f = result.floor
         print(
-            f"E (eager pass)       {f.eager_seconds:.1f} s = {f.steps} {f.step_name}s | S (spliced pass) {f.spliced_seconds:.1f} s"
+            f"E (eager pass)       {f.eager_seconds:.1f} s = {f.steps} {f.step_name}s | "
+            f"S (spliced pass) {f.spliced_seconds:.1f} s"
         )
     print(f"marked ' !'          above {ABOVE}x the floor")
     if result.resumed:
@@ -459,7 +460,8 @@ def _markdown(result: AdaptBenchmark, scale: str, frames: int | None) -> str:
         )
     total_ratio = f"{result.wall_seconds / result.floor_seconds:.2f}" if result.floor_seconds else "-"
     lines.append(
-        f"| **total** | | {result.wall_seconds:.1f} | {_num(result.floor_seconds)} | {total_ratio} | wall, launch to exit |"
+        f"| **total** | | {result.wall_seconds:.1f} | {_num(result.floor_seconds)} | {total_ratio} | "
+        "wall, launch to exit |"
     )
     if result.resumed:
         lines += [

@@ -89,7 +89,8 @@ def main() -> int:
     deployed = measure("deployed", ns.path, ns.backend, ns.repeat)
     for row in (eager, deployed):
         print(
-            f"{row['side']:9s} import {row['import_s']:6.2f} s | load {row['load_s']:7.2f} s | setup {row['setup_s']:6.2f} s | "
+            f"{row['side']:9s} import {row['import_s']:6.2f} s | load {row['load_s']:7.2f} s | "
+            f"setup {row['setup_s']:6.2f} s | "
             f"{row['s_per_step']:8.3f} s per step over {row['steps']} | peak RSS {row['peak_rss_gb']:.2f} GB"
         )
     print(f"load parts (deployed): {json.dumps({k: round(v, 2) for k, v in deployed['load_parts_s'].items()})}")

@@ -212,7 +212,8 @@ def main() -> None:
     folder = args.out or Path(tempfile.mkdtemp(prefix="memory-calibration-"))
     folder.mkdir(parents=True, exist_ok=True)
     print(
-        f"{'model':<36} {'batch':>5} {'predicted MB':>12} {'measured MB':>11} {'ratio':>6} {'need MB':>8} {'covered':>7} "
+        f"{'model':<36} {'batch':>5} {'predicted MB':>12} {'measured MB':>11} {'ratio':>6} {'need MB':>8} "
+        f"{'covered':>7} "
         f"{'weights MB':>10} {'loaded MB':>9} {'fused MB':>8}  largest tensor"
     )
     for name in filter(None, args.models.split(",")):

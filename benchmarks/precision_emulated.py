@@ -38,7 +38,8 @@ def main() -> int:
         for m in report.modes:
             r, k = m.result, m.with_keep
             kept = (
-                f" | keep {len(m.keep)} {m.keep[:4]} -> cos {k.cosine:.6f} max abs {k.max_abs:.3g} {'pass' if k.passed else 'fail'}"
+                f" | keep {len(m.keep)} {m.keep[:4]} -> cos {k.cosine:.6f} max abs {k.max_abs:.3g} "
+                f"{'pass' if k.passed else 'fail'}"
                 if k
                 else ""
             )

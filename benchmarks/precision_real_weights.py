@@ -85,7 +85,8 @@ def independent_fp16(record, workdir: Path, graph: str, feeds: dict, module) -> 
         return "onnxconverter-common fp16 graph on ONNX Runtime CPU", dict(zip(names, session.run(None, feeds)))
     except Exception as err:  # noqa: BLE001 - an fp16 kernel missing on this CPU: the second way
         print(
-            f"  {graph}: ONNX Runtime cannot run the fp16 graph here ({str(err).splitlines()[0][:120]}); PyTorch in half"
+            f"  {graph}: ONNX Runtime cannot run the fp16 graph here ({str(err).splitlines()[0][:120]}); "
+            "PyTorch in half"
         )
     contract = record.contract(graph)
     wrapper = ContractWrapper(module, contract).half()

@@ -53,7 +53,7 @@ class FirstCalls:
     def __init__(self, modules: dict[str, SplicedModule]) -> None:
         self.calls: dict[str, tuple[SplicedModule, tuple, dict]] = {}
         self._wrapped: list[tuple[SplicedModule, Any]] = []
-        for name, module in modules.items():
+        for _name, module in modules.items():
             if module in [m for m, _ in self._wrapped]:
                 continue
             inner = module._contract_call

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Union
+from typing import Any
 
 Reply = dict[str, Any]
 
@@ -37,8 +37,8 @@ def overloaded(**headers: str) -> HttpError:
     return HttpError(529, "overloaded_error", "Overloaded", dict(headers))
 
 
-Answer = Union[Reply, HttpError]
-Entry = Union[Answer, Callable[[dict[str, Any]], Answer]]
+Answer = Reply | HttpError
+Entry = Answer | Callable[[dict[str, Any]], Answer]
 _ids = itertools.count(1)
 
 

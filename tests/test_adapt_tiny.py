@@ -74,7 +74,10 @@ def test_candidates_named_in_the_intake_defer_list_stay_in_pytorch_whatever_thei
 
 def test_contract_provenance_matches_the_main_path(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
-    kinds = lambda name: {s.provenance.kind for s in record.contracts[name].inputs if s.provenance}
+
+    def kinds(name):
+        return {s.provenance.kind for s in record.contracts[name].inputs if s.provenance}
+
     assert kinds("text_encoder") == {"input"}
     assert "input" in kinds("vision_backbone")
     assert "text prompt tokens" in record.contracts["text_encoder"].inputs[0].provenance.source
@@ -542,3 +545,98 @@ def test_a_bisection_the_budget_cut_short_names_the_fewest_graphs_a_failed_run_e
     attempts = [attempt("fail", *graphs), attempt("fail", "a", "b"), attempt("pass", "a"), attempt("fail", "c", "d")]
     assert narrowed_to(attempts, graphs) == ["a", "b"]  # the first of the smallest failing groups
     assert narrowed_to([attempt("fail", *graphs)], graphs) == []  # the whole plan failing narrows nothing
+
+
+# A runtime backend from another distribution: known to omskills only through its entry point in
+# the `omskills.backends` group. It runs the ONNX files on ONNX Runtime's CPU and counts its calls.
+COUNTING_BACKEND = """
+import onnxruntime
+from omskills.runtime.base import IOSpec, RuntimeBackend
+from omskills.runtime.onnxruntime_backend import numpy_dtype_of
+
+CALLS = []
+
+
+def _specs(args):
+    return [IOSpec(name=a.name, shape=list(a.shape), dtype=numpy_dtype_of(a.type)) for a in args]
+
+
+class CountingBackend(RuntimeBackend):
+    kind = "counting"
+
+    def _activate_impl(self):
+        self._session = onnxruntime.InferenceSession(str(self.path), providers=["CPUExecutionProvider"])
+        self.device = "counting-cpu"
+        return _specs(self._session.get_inputs()), _specs(self._session.get_outputs())
+
+    def _infer_impl(self, feeds):
+        CALLS.append(self.path.name)
+        names = [spec.name for spec in self._outputs]
+        return dict(zip(names, self._session.run(names, feeds)))
+
+    def _deactivate_impl(self):
+        self._session = None
+"""
+
+SERVED_BY_ENTRY_POINT = """
+import json, sys
+from pathlib import Path
+import counting_backend
+from omskills.deploy import load_adapted
+from omskills.deploy.bundle import write_bundle
+from omskills.models.api import save_run
+task, out = Path(sys.argv[1]), Path(sys.argv[2])
+seen = {}
+write_bundle(task, out / "bundle")
+for name, source in (("record", task), ("bundle", out / "bundle")):
+    counting_backend.CALLS.clear()
+    with load_adapted(source, backend="counting", strict=True) as model:
+        save_run(model.run_main_path(), out / f"{name}.npz")
+        seen[name] = {"backends": model.backend_of(), "calls": len(counting_backend.CALLS)}
+print(json.dumps(seen))
+"""
+
+
+def test_a_backend_registered_only_by_entry_point_serves_load_adapted_and_a_bundle(tiny_adaptation, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from omskills.models.api import load_run
+
+    site = tmp_path / "site"
+    (site / "counting_backend-0.1.dist-info").mkdir(parents=True)
+    (site / "counting_backend.py").write_text(COUNTING_BACKEND)
+    (site / "counting_backend-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: counting-backend\nVersion: 0.1\n"
+    )
+    (site / "counting_backend-0.1.dist-info" / "entry_points.txt").write_text(
+        "[omskills.backends]\ncounting = counting_backend:CountingBackend\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run(
+        [sys.executable, "-c", SERVED_BY_ENTRY_POINT, str(tiny_adaptation / "task.yaml"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    record = load_record(tiny_adaptation / "task.yaml")
+    integrated = {c.name for c in record.verification.candidates if c.status == "integrated"}
+    for served in seen.values():
+        assert set(served["backends"]) == integrated
+        assert all(described.startswith("counting") for described in served["backends"].values())
+        assert served["calls"] >= len(integrated)
+    verified = load_run(tiny_adaptation / record.verification.outputs_spliced)
+    _same_steps(load_run(tmp_path / "record.npz"), verified)
+    _same_steps(load_run(tmp_path / "bundle.npz"), verified)
+    example = subprocess.run(
+        [sys.executable, str(tmp_path / "bundle" / "example.py"), "--backend", "counting", "--strict"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert json.loads(example.stdout[example.stdout.index("\n{") + 1 :])["backend"] == "counting"

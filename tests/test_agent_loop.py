@@ -327,7 +327,8 @@ def test_without_an_api_key_the_cli_says_so_in_one_line(world):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "omskills: error: ANTHROPIC_API_KEY is not set: export it (and ANTHROPIC_BASE_URL for a proxy), or use `--agent plan`"
+        "omskills: error: ANTHROPIC_API_KEY is not set: "
+        "export it (and ANTHROPIC_BASE_URL for a proxy), or use `--agent plan`"
     ]
 
 

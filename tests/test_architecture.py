@@ -4,42 +4,21 @@ engine that names no model (only the drivers do)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[1] / "tools" / "omskills"
+import pytest
 
-# Lower layers never import higher ones. Mechanisms (one layer) may use each other.
-LAYERS = {
-    "errors": 0,
-    "progress": 0,
-    "stdio": 0,
-    "registry": 0,
-    "isolation": 0,
-    "files": 0,
-    "version": 0,
-    "records": 1,
-    "contracts": 2,
-    "boundary": 2,
-    "convert": 2,
-    "ascend": 2,
-    "runtime": 2,
-    "compare": 2,
-    "source": 2,
-    "profiling": 2,
-    "report": 2,
-    "host": 2,
-    "models": 3,
-    "deploy": 4,
-    "stages": 5,
-}
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = REPO / "tools" / "omskills"
+
 DRIVER_FILES = {"models/sam3.py", "models/sam31.py"}
 NAMES_A_MODEL = re.compile(r"sam[0-9._]*\b|mask_iou|segment", re.IGNORECASE)
-
-
-def part_of(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
 
 
 def engine_modules():
@@ -60,28 +39,6 @@ def omskills_imports(path: Path):
             yield node.module, node.lineno
         elif isinstance(node, ast.Import):
             yield from ((a.name, node.lineno) for a in node.names if a.name.startswith("omskills"))
-
-
-def test_every_engine_module_belongs_to_a_layer():
-    unknown = {
-        str(rel)
-        for rel, _ in engine_modules()
-        if rel.parts[0] != "__init__.py" and Path(rel.parts[0]).stem not in LAYERS
-    }
-    assert not unknown
-
-
-def test_no_import_runs_upward():
-    upward = []
-    for rel, path in engine_modules():
-        own = Path(rel.parts[0]).stem
-        if own == "__init__":
-            continue
-        for module, line in omskills_imports(path):
-            target = part_of(module)
-            if target in LAYERS and LAYERS[target] > LAYERS[own]:
-                upward.append(f"{rel}:{line} ({own}) imports {module} ({target})")
-    assert not upward, "\n".join(upward)
 
 
 def test_stage_modules_do_not_borrow_each_others_record_queries():
@@ -125,3 +82,73 @@ def test_the_records_hold_no_torch():
         if name.split(".")[0] in {"torch", "onnx", "onnxruntime"}
     ]
     assert not heavy
+
+
+# lint-imports (pyproject's [tool.importlinter]) checks the layers; these tests show it counts every
+# kind of import. Each plants one upward import, records -> stages, in a copy of the checkout.
+PLANTED = {
+    "absolute": "from omskills.stages import steps\n",
+    "relative": "from ..stages import steps\n",
+    "dynamic": "def _steps():\n    import importlib\n\n    return importlib.import_module('omskills.stages.steps')\n",
+}
+
+
+def lint_imports(checkout: Path) -> subprocess.CompletedProcess[str]:
+    """lint-imports on a copy of the checkout, which alone provides `omskills` (-S keeps the
+    editable install's .pth, which names this checkout, off sys.path)."""
+    paths = [str(checkout / "tools"), str(checkout / "orchestrator"), sysconfig.get_paths()["purelib"]]
+    run = (
+        f"import sys; sys.path[:0] = {paths!r}; "
+        "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    )
+    return subprocess.run(
+        [sys.executable, "-S", "-c", run, "--no-cache"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "300"},  # rich wraps a report's lines at the terminal's width
+    )
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    copy = tmp_path_factory.mktemp("checkout")
+    ignore = shutil.ignore_patterns("__pycache__")
+    for folder in ("tools", "orchestrator", "skills"):
+        shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
+    (copy / "tests").mkdir()
+    shutil.copy(REPO / "tests" / "import_contracts.py", copy / "tests")
+    shutil.copy(REPO / "pyproject.toml", copy)
+    return copy
+
+
+def test_the_checkout_keeps_its_import_contracts(checkout):
+    result = lint_imports(checkout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_an_upward_import_of_any_kind_breaks_the_layers(checkout, tmp_path, kind):
+    planted = tmp_path / "checkout"
+    shutil.copytree(checkout, planted)
+    task = planted / "tools" / "omskills" / "records" / "task.py"
+    task.write_text(task.read_text() + "\n\n" + PLANTED[kind])
+    result = lint_imports(planted)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "omskills imports run downwards BROKEN" in result.stdout
+    assert "omskills.records.task -> omskills.stages.steps" in result.stdout
+
+
+def test_a_skill_script_importing_the_agent_side_breaks_the_layers(checkout, tmp_path):
+    planted = tmp_path / "checkout"
+    shutil.copytree(checkout, planted)
+    script = next((planted / "skills").glob("*/scripts/*.py"))
+    script.write_text(script.read_text() + "\nfrom omskills.orchestrator import cli\n")
+    result = lint_imports(planted)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        f"omskills._skills.{script.parent.parent.name.replace('-', '_')}.{script.stem} -> omskills.orchestrator.cli"
+        in (result.stdout)
+    )

@@ -256,8 +256,8 @@ def test_a_graph_split_twice_keeps_its_node_names_unique():
 
 def test_shapes_of_a_graph_with_a_long_vector_are_inferred_without_data_propagation(tmp_path, monkeypatch):
     # Propagation would turn the vector's million values into dims (gigabytes): the plain inference answers.
-    import omskills.convert.inspect as inspect
-    from omskills.convert.inspect import inferred_shapes
+    import omskills.onnxfiles.inspect as inspect
+    from omskills.onnxfiles.inspect import inferred_shapes
 
     propagated = []
     infer = onnx.shape_inference.infer_shapes

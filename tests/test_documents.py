@@ -295,7 +295,8 @@ class DevTools:
 PAGE_FACTS = """(() => {
   const rows = (selector) => [...document.querySelectorAll(selector)];
   return {
-    images: [...document.images].map(i => ({alt: i.alt, loaded: i.complete && i.naturalWidth > 0, width: i.naturalWidth})),
+    images: [...document.images].map(i => ({
+      alt: i.alt, loaded: i.complete && i.naturalWidth > 0, width: i.naturalWidth})),
     sections: rows('h2[id]').map(h => h.id),
     stages: rows('table.stages tr[data-candidate]').map(r => ({
       candidate: r.dataset.candidate,

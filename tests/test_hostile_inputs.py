@@ -268,7 +268,7 @@ def test_a_tampered_bundle_is_refused(bundle, tmp_path, tamper, refused):
 def test_external_data_outside_the_models_folder_is_refused_not_measured(tmp_path):
     import numpy as np
     import onnx
-    from omskills.convert.inspect import inspect_onnx
+    from omskills.onnxfiles.inspect import inspect_onnx
     from onnx import TensorProto, helper, numpy_helper
 
     weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")

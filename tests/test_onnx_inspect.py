@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from omskills.convert.inspect import inspect_onnx
 from omskills.errors import InputError
+from omskills.onnxfiles.inspect import inspect_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]

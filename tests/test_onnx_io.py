@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from omskills.convert import onnx_io
-from omskills.convert.onnx_io import save_onnx_streamed
+from omskills.onnxfiles.onnx_io import save_onnx_streamed
 from onnx import TensorProto, helper, numpy_helper
 
 

@@ -158,7 +158,7 @@ class Weighty(torch.nn.Module):
 
 @pytest.mark.parametrize("stored", ["external", "inline"])
 def test_a_big_graph_is_rewritten_without_its_weights_and_keeps_their_bytes(tmp_path, stored):
-    from omskills.convert.onnx_io import save_onnx
+    from omskills.onnxfiles.onnx_io import save_onnx
 
     model = Weighty().eval()
     path = tmp_path / "weighty.onnx"

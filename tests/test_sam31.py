@@ -217,9 +217,10 @@ def test_fp32_addmm_act_is_the_fused_op_in_fp32(activation):
 def test_forced_detections_keep_exactly_the_top_k_of_the_prompted_frame_only():
     model = SimpleNamespace(score_threshold_detection=0.4, new_det_thresh=0.65)
     forced = MultiplexForcedDetections(model, k=2, prompt_frame=0)
-    nothing_kept = lambda pred_probs, pred_masks, prob_threshold, iou_threshold, **_: torch.zeros_like(
-        pred_probs, dtype=torch.bool
-    )
+
+    def nothing_kept(pred_probs, pred_masks, prob_threshold, iou_threshold, **_):
+        return torch.zeros_like(pred_probs, dtype=torch.bool)
+
     probs = torch.tensor([[0.10, 0.30, 0.20, 0.05], [0.9, 0.8, 0.7, 0.6]])
     nms = forced._nms(nothing_kept)
     forced._nms_frames = [0, 1]  # a batched chunk: rows are frames 0 and 1

@@ -242,7 +242,8 @@ def test_main_path_says_what_it_does_from_its_first_line(tmp_path):
     probe = (
         "import sys\nfrom omskills.orchestrator import job_commands\nshow = job_commands.PhaseLines.__call__\n"
         "def spy(self, done, total, message):\n"
-        "    if not hasattr(spy, 'said'):\n        spy.said = print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+        "    if not hasattr(spy, 'said'):\n"
+        "        spy.said = print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
         "    show(self, done, total, message)\n"
         "job_commands.PhaseLines.__call__ = spy\n"
         "from omskills.orchestrator.cli import main\nsys.exit(main())"

@@ -90,6 +90,24 @@ def test_validate_passes_on_the_shipped_skills():
     assert report.ok, "\n".join(f"{p.where}: {p.message}" for p in report.problems)
 
 
+def test_the_workflow_that_starts_the_adaptation_must_name_the_plan_in_its_order(tmp_path):
+    shipped = skills_root() / "om-deployer"
+    skill = tmp_path / "om-deployer"
+    shutil.copytree(shipped, skill, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (shipped / "SKILL.md").read_text()
+    swapped = text.replace("`precheck_ops`, `convert_atc`", "`convert_atc`, `precheck_ops`", 1)
+    assert swapped != text
+    (skill / "SKILL.md").write_text(swapped)
+    [problem] = validate_skills([skill], run_help=False).problems
+    assert "name the plan's tools in the order" in problem.message
+    assert "convert_atc -> precheck_ops" in problem.message and "precheck_ops -> convert_atc" in problem.message
+    dropped = text.replace("then `check_precision_plan`", "then the precision plan", 1)
+    assert dropped != text
+    (skill / "SKILL.md").write_text(dropped)
+    [problem] = validate_skills([skill], run_help=False).problems
+    assert "never name ['check_precision_plan']" in problem.message
+
+
 # ---- each way a skill can be broken, and the reason the gate gives
 
 
@@ -274,15 +292,18 @@ def test_install_skills_never_overwrites_local_edits_silently(tmp_path):
 def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "HOME": str(home)}
-    run = lambda *args: subprocess.run(
-        [*CLI, "install-skills", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,  # noqa: E731
-        env=env,
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-    )
+
+    def run(*args):
+        return subprocess.run(
+            [*CLI, "install-skills", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+        )
+
     first = run("--user")
     assert first.returncode == 0, first.stderr
     installed = home / ".claude" / "skills"
@@ -311,3 +332,23 @@ def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
         f"omskills: error: {skill_md.parent} installed by an older omskills (no install manifest, "
         "diff above): nothing was installed; rerun with --force to update"
     )
+
+
+def test_a_scaffolded_skills_tests_run_with_the_suite_and_pass_its_lint(tmp_path):
+    checkout = tmp_path / "checkout"
+    (checkout / "skills").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "pyproject.toml", checkout)
+    created = new_skill("demo-model", skills_dir=checkout / "skills")
+    suite = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert suite.returncode == 0, suite.stdout[-3000:] + suite.stderr[-2000:]
+    assert "2 passed" in suite.stdout
+    ruff = Path(sys.executable).with_name("ruff")
+    for check in (["check"], ["format", "--check"]):
+        linted = subprocess.run([str(ruff), *check, str(created.folder)], cwd=checkout, capture_output=True, text=True)
+        assert linted.returncode == 0, linted.stdout + linted.stderr

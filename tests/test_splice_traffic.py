@@ -231,7 +231,7 @@ def _run_pair(onnx_pair, resident: bool, glue: bool = False):
 
 
 def test_an_output_read_unchanged_by_the_next_graph_is_handed_on_as_the_sessions_own_value(onnx_pair):
-    host, x = onnx_pair[0], onnx_pair[1]
+    x = onnx_pair[1]
     resident, report = _run_pair(onnx_pair, resident=True)
     host_arrays, plain = _run_pair(onnx_pair, resident=False)
     assert report.resident_copies_per_step == 1.0 and plain.resident_copies_per_step == 0.0

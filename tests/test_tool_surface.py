@@ -291,7 +291,8 @@ def test_discovery_and_serving_import_no_torch_onnx_or_driver():
         server = build_server(Path.cwd())
         tools = asyncio.run(server.list_tools())
         print(json.dumps({{"after_discovery": after_discovery, "after_listing": heavy(),
-                          "tools": {{t.name: [t.input_schema.get("type") == "object", bool(t.output_schema)] for t in tools}}}}))
+                          "tools": {{t.name: [t.input_schema.get("type") == "object", bool(t.output_schema)]
+                                    for t in tools}}}}))
     """)
     proc = run(sys.executable, "-c", probe)
     assert proc.returncode == 0, proc.stderr

@@ -95,7 +95,8 @@ def agent_settings(
             values["api_retry"] = RetryPolicy(total_seconds=float(retry))
         except ValueError:
             raise OmskillsError(
-                f"API retry time (--retry-seconds / OMSKILLS_API_RETRY_SECONDS): {retry!r} is not a number of seconds >= 0"
+                "API retry time (--retry-seconds / OMSKILLS_API_RETRY_SECONDS): "
+                f"{retry!r} is not a number of seconds >= 0"
             ) from None
     return AgentSettings(**values)
 
@@ -230,15 +231,18 @@ def system_prompt(library: SkillLibrary, task: Path | None, workspace: Path) -> 
         else "No task record is open yet; ask for one or create it with the tools if the user wants to adapt a model."
     )
     parts = [
-        "You are the omskills agent. You adapt PyTorch models (a model family with a driver, or the user's own code through a new driver) to Huawei Ascend NPUs along the "
+        "You are the omskills agent. You adapt PyTorch models (a model family with a driver, or the user's own code "
+        "through a new driver) to Huawei Ascend NPUs along the "
         "OM route by calling the omskills tools, which read and update a task record (YAML) at every stage.",
         task_line,
         f"Workspace root: {workspace}. Every path you pass must be inside it.",
         "How to work:\n"
         f"- Follow the {ENTRY_SKILL} workflow below, in its order, respecting its gates.\n"
-        f"- Before using another skill's tools, call `{LOAD_SKILL}` to read its SKILL.md; read a reference file only when you need its detail.\n"
+        f"- Before using another skill's tools, call `{LOAD_SKILL}` to read its SKILL.md; "
+        "read a reference file only when you need its detail.\n"
         "- When a tool returns an error, read the message and change what it names; do not repeat an identical call.\n"
-        "- This machine may have no Ascend NPU, CANN or atc: never claim an OM was built or run unless a tool result says so.\n"
+        "- This machine may have no Ascend NPU, CANN or atc: "
+        "never claim an OM was built or run unless a tool result says so.\n"
         f"- Record each important choice with `{RECORD_DECISION}` (what, and why with the evidence).\n"
         "- End with a short summary: what ran, what was decided and why, what is left.",
     ]
@@ -261,7 +265,10 @@ def local_tools(library: SkillLibrary, with_task: bool) -> list[dict[str, Any]]:
     tools = [
         {
             "name": LOAD_SKILL,
-            "description": f"Read a skill's SKILL.md (its workflow and which tools to call), or one of its reference files. References: {refs}.",
+            "description": (
+                "Read a skill's SKILL.md (its workflow and which tools to call), or one of its reference files. "
+                f"References: {refs}."
+            ),
             "input_schema": {
                 "type": "object",
                 "properties": {
@@ -600,7 +607,8 @@ class AgentSession:
         try:
             outcome = await self.client.call(name, arguments, on_progress=display.on_progress)
         except MCPError as err:
-            # The server answered with a protocol error or is gone (killed for memory?): the model reads it as a failed call.
+            # The server answered with a protocol error or is gone (killed for memory?): the model reads it
+            # as a failed call.
             outcome = ToolCallOutcome(
                 name=name,
                 arguments=arguments,
@@ -679,7 +687,10 @@ def file_run_in_record(task: Path, result: AgentResult, settings: AgentSettings,
     with updating(task) as record:
         record.decide(
             by="agent",
-            what=f"agent run with {settings.model} ended ({result.stop}) after {result.turns} turn(s) and {len(result.tool_calls)} tool call(s)",
+            what=(
+                f"agent run with {settings.model} ended ({result.stop}) after {result.turns} turn(s) "
+                f"and {len(result.tool_calls)} tool call(s)"
+            ),
             why=why,
         )
         record.stages[AGENT_STAGE] = StageResult(

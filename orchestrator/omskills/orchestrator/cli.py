@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
 from omskills.errors import OmskillsError, one_line
+from omskills.orchestrator.command_table import COMMANDS, command
 from omskills.orchestrator.version import installed_version
-
-Handler = Callable[[argparse.Namespace], int]
-_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
-
-
-def command(name: str, configure: Callable[[argparse.ArgumentParser], None]) -> Callable[[Handler], Handler]:
-    def register(handler: Handler) -> Handler:
-        _COMMANDS[name] = (configure, handler)
-        return handler
-
-    return register
 
 
 def _tool_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"omskills {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (configure, handler) in _COMMANDS.items():
+    for name, (configure, handler) in COMMANDS.items():
         p = sub.add_parser(name, help=(handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None)
         configure(p)
         p.set_defaults(handler=handler)

@@ -6,7 +6,7 @@ import argparse
 from typing import get_args
 
 from .choices import Client, Scope
-from .cli import command
+from .command_table import command
 
 # --------------------------------------------------------------------------- MCP server, agent, skills
 # (serve, chat, new-skill, validate, install-skills, install-client; owned with mcp_server/agent/skills_admin)
@@ -130,7 +130,8 @@ def _install_skills(ns: argparse.Namespace) -> int:
         edited = [c for s in report.skills if not s.older_install for c in s.local_edits]
         if older:
             print(
-                f"omskills: error: {', '.join(older)} installed by an older omskills (no install manifest, diff above): "
+                f"omskills: error: {', '.join(older)} installed by an older omskills "
+                "(no install manifest, diff above): "
                 "nothing was installed; rerun with --force to update",
                 file=sys.stderr,
             )

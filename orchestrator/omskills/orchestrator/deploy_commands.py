@@ -11,7 +11,7 @@ from typing import get_args
 from omskills.errors import InputError
 from omskills.records.literals import BundleArtifact
 
-from .cli import command
+from .command_table import command
 
 
 def _bundle_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,9 @@ def _bundle_args(p: argparse.ArgumentParser) -> None:
         "--artifact",
         choices=get_args(BundleArtifact),
         default="auto",
-        help="auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come",
+        help=(
+            "auto: the OMs ATC built; om: every graph's OM (each must have one); onnx: none. The ONNX files always come"
+        ),
     )
     p.add_argument("--no-weights", action="store_true", help="do not copy the checkpoint (the loader must be given it)")
     p.add_argument(
@@ -81,7 +83,8 @@ def _npu_check(ns: argparse.Namespace) -> int:
 
     figures = npu_check(Path(ns.task))
     print(
-        f"verify --backend om: {figures.verdict} ({figures.summary}); example {figures.example.s_per_step:.3f} s per step, "
+        f"verify --backend om: {figures.verdict} ({figures.summary}); "
+        f"example {figures.example.s_per_step:.3f} s per step, "
         f"outputs equal to verify's: {figures.example_matches_verify}",
         file=sys.stderr,
     )

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli import command
+from .command_table import command
 
 
 @command("drivers", lambda p: None)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import command
+from .command_table import command
 
 
 def _main_path_args(p: argparse.ArgumentParser) -> None:
@@ -103,34 +103,17 @@ def _main_path(ns: argparse.Namespace) -> int:
 
 
 def adaptation_plan(task: str, precision_budget: int | None = None) -> list:
-    """The built-in deterministic plan: stages 1 -> 4, each a skill tool called through MCP.
-    `precision_budget`: spliced runs the end-to-end precision check may make (the tool's default if None)."""
+    """The built-in deterministic plan: the declared adaptation steps (records.stage_order), each a
+    skill tool called through MCP. `precision_budget`: spliced runs the end-to-end precision check
+    may make (the tool's default if None)."""
+    from omskills.records.stage_order import ADAPTATION_STEPS
+
     from .plan_runner import PlanStep
 
-    def step(tool: str, stage: str, label: str, **extra: object) -> PlanStep:
-        return PlanStep(tool=tool, args={"task": task, **extra}, stage=stage, label=label)
-
+    extra = {"check_precision_plan": {"budget": precision_budget}} if precision_budget is not None else {}
     return [
-        step("check_environment", "1 inventory & plan", "environment gate"),
-        step("inventory_entries", "1 inventory & plan", "static inventory of the model source"),
-        step("profile_main_path", "1 inventory & plan", "instrumented main-path run (profile + contracts)"),
-        step("plan_candidates", "1 inventory & plan", "rank candidates, choose the first batch"),
-        step("capture_contracts", "2 contracts & boundaries", "contracts of the selected candidates"),
-        step("analyze_boundaries", "2 contracts & boundaries", "exportability and ATC shape strategy"),
-        step("export_onnx", "3 ONNX -> OM", "export to ONNX"),
-        step("probe_onnx", "3 ONNX -> OM", "probe ONNX Runtime against PyTorch"),
-        step("optimize_onnx", "3 ONNX -> OM", "onnxslim / auto_optimizer variants"),
-        step("emulate_precision", "3 ONNX -> OM", "ATC precision modes emulated on CPU, keep lists"),
-        step(
-            "check_precision_plan",
-            "3 ONNX -> OM",
-            "precision plan checked end to end (emulated), fixed if it fails",
-            **({"budget": precision_budget} if precision_budget is not None else {}),
-        ),
-        step("precheck_ops", "3 ONNX -> OM", "operator precheck and known precision pitfalls"),
-        step("convert_atc", "3 ONNX -> OM", "ATC command (run where CANN exists)"),
-        step("verify_main_path", "4 splice & verify", "spliced vs PyTorch main path"),
-        step("write_delivery_doc", "4 splice & verify", "delivery document"),
+        PlanStep(tool=s.tool, args={"task": task, **extra.get(s.tool, {})}, stage=s.stage, label=s.label)
+        for s in ADAPTATION_STEPS
     ]
 
 
@@ -182,7 +165,8 @@ def _adapt(ns: argparse.Namespace) -> int:
             record.intake = intake
             for step in reap_interrupted(record, str(task.resolve())):
                 print(
-                    f"omskills: step {step} was left running by a process that is gone: marked failed, this run redoes it",
+                    f"omskills: step {step} was left running by a process that is gone: "
+                    "marked failed, this run redoes it",
                     file=sys.stderr,
                 )
     else:
@@ -251,7 +235,8 @@ def _print_summary(task: Path) -> None:
         m, unit = verification.main_path, verification.step_name
         print(
             f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "
-            f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, spliced {m.spliced_s_per_step:.2f} s/{unit} "
+            f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, "
+            f"spliced {m.spliced_s_per_step:.2f} s/{unit} "
             f"(ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}",
             file=sys.stderr,
         )
@@ -259,6 +244,7 @@ def _print_summary(task: Path) -> None:
     if plan is not None:
         figures = f" | {emulated.main_path.summary()}" if emulated is not None else ""
         print(
-            f"precision plan end to end (Ascend modes emulated on CPU, not an NPU): {plan.verdict}{figures} | {plan.why}",
+            "precision plan end to end (Ascend modes emulated on CPU, not an NPU): "
+            f"{plan.verdict}{figures} | {plan.why}",
             file=sys.stderr,
         )

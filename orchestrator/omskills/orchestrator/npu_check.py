@@ -111,7 +111,8 @@ def _markdown(f: NpuFigures) -> str:
     )
     return (
         f"# {f.task_id} on the OM backend\n\n"
-        f"verify_main_path --backend om: **{f.verdict}** ({f.summary}); spliced/PyTorch per step {f.latency_ratio:.2f}.\n\n"
+        f"verify_main_path --backend om: **{f.verdict}** ({f.summary}); "
+        f"spliced/PyTorch per step {f.latency_ratio:.2f}.\n\n"
         f"| graph | backend (as the runtime reported it) | ms per call |\n|---|---|---|\n{rows}\n\n"
         f"Bundle example (`{f.bundle}/example.py --backend om`, a fresh process): import {f.example.import_s:.2f} s, "
         f"load {f.example.load_s:.2f} s, {f.example.s_per_step:.3f} s per step over {f.example.steps} steps, "

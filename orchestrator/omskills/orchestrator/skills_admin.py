@@ -32,6 +32,7 @@ from omskills.host.mcp_server import registration_problem
 from omskills.host.toolkit import TOOL_NAME, ToolInfo, hints_of, load_tool, parameter_description, skills_root
 from omskills.orchestrator.choices import Client, Scope
 from omskills.orchestrator.version import installed_version
+from omskills.records.stage_order import ADAPTATION_STEPS
 from pydantic import BaseModel, Field
 from skills_ref.validator import validate_metadata
 
@@ -199,8 +200,41 @@ def _help_problem(script: Path) -> str | None:
     return None
 
 
+def _tool_mention(text: str, tool: str) -> re.Match[str] | None:
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(tool)}(?![A-Za-z0-9_])", text)
+
+
 def _names_tool(skill_md: str, tool: str) -> bool:
-    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(tool)}(?![A-Za-z0-9_])", skill_md) is not None
+    return _tool_mention(skill_md, tool) is not None
+
+
+def numbered_steps(skill_md: str) -> str:
+    """The text of a SKILL.md's numbered lists: each "N. " item with its indented continuation lines."""
+    kept, inside = [], False
+    for line in skill_md.splitlines():
+        inside = bool(re.match(r"\d+\. ", line)) or (inside and line.startswith("   "))
+        if inside:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def plan_order_problem(skill_md: str) -> str | None:
+    """Numbered steps that start the adaptation (name the plan's first tool) must name every tool of
+    the plan, first in the plan's order (records.stage_order declares it)."""
+    steps = numbered_steps(skill_md)
+    plan = [step.tool for step in ADAPTATION_STEPS]
+    if not _names_tool(steps, plan[0]):
+        return None
+    missing = [tool for tool in plan if not _names_tool(steps, tool)]
+    if missing:
+        return f"the numbered steps run the adaptation but never name {missing} (the plan: {' -> '.join(plan)})"
+    named = sorted(plan, key=lambda tool: _tool_mention(steps, tool).start())  # type: ignore[union-attr]
+    if named != plan:
+        return (
+            f"the numbered steps name the plan's tools in the order {' -> '.join(named)}; "
+            f"the plan runs {' -> '.join(plan)}"
+        )
+    return None
 
 
 def _where(path: Path) -> str:
@@ -246,6 +280,8 @@ def validate_skills(paths: Iterable[Path] | None = None, *, run_help: bool = Tru
             add(skill / "SKILL.md", message)
         skill_md_path = skills_ref.find_skill_md(skill)
         skill_md = skill_md_path.read_text(encoding="utf-8") if skill_md_path else ""
+        if order := plan_order_problem(skill_md):
+            add(skill / "SKILL.md", order)
         for script in script_files(skill):
             report.tools += 1
             info, problems = _check_tool(script)

@@ -159,9 +159,10 @@ class ResultPager:
             "chars": len(text),
             "limit": self.limit,
             "how_to_read": (
-                f"This result has {len(text):,} characters, more than the {self.limit:,} sent at once, so this is its outline: "
-                "a long list is shown as {list_length, first_items}, a long string as {string_length, start}, a deep object as "
-                f"{{object_keys, keys_total}}. Read any part whole with {PAGER_TOOL}(call_id={call_id!r}, path=<JSON Pointer>, "
+                f"This result has {len(text):,} characters, more than the {self.limit:,} sent at once, "
+                "so this is its outline: a long list is shown as {list_length, first_items}, "
+                "a long string as {string_length, start}, a deep object as {object_keys, keys_total}. "
+                f"Read any part whole with {PAGER_TOOL}(call_id={call_id!r}, path=<JSON Pointer>, "
                 f"offset=<from the previous page's next_offset>), e.g. path={start!r}."
             ),
         }

@@ -39,9 +39,9 @@ def write_bundle(
         list[dict[str, Any]] | None,
         Field(
             description=(
-                'Input sets the deployment will meet, each fields of intake.inputs (e.g. [{"prompt": "a red car"}]): the main '
-                "path runs once on each (ONNX Runtime CPU), and graphs fed from user inputs alone (a text encoder) carry "
-                "their outputs in the bundle, answered from memory when deployed."
+                'Input sets the deployment will meet, each fields of intake.inputs (e.g. [{"prompt": "a red car"}]): '
+                "the main path runs once on each (ONNX Runtime CPU), and graphs fed from user inputs alone "
+                "(a text encoder) carry their outputs in the bundle, answered from memory when deployed."
             )
         ),
     ] = None,

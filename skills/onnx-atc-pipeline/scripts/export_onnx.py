@@ -11,7 +11,8 @@ from omskills.records.results import ExportBatch
 from pydantic import Field
 
 
-# destructive: a new export (another exporter, a changed contract) drops the candidate's probe, variants, precheck and ATC.
+# destructive: a new export (another exporter, a changed contract) drops the candidate's probe, variants,
+# precheck and ATC.
 @tool_hints(title="Export to ONNX", read_only=False, destructive=True, idempotent=True, long_running=True)
 def export_onnx(
     task: TaskPath,

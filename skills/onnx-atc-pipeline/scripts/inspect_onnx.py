@@ -17,7 +17,7 @@ def inspect_onnx(path: Annotated[WorkspacePath, Field(description="The .onnx fil
     files.
 
     Use it after export and after each optimisation to see what ATC will receive."""
-    from omskills.convert.inspect import inspect_onnx as _inspect_onnx
+    from omskills.onnxfiles.inspect import inspect_onnx as _inspect_onnx
 
     return _inspect_onnx(path)
 

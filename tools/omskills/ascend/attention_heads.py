@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from omskills.convert.inspect import default_opset, inferred_shapes
+from omskills.onnxfiles.inspect import default_opset, inferred_shapes
 from onnx import helper, numpy_helper
 
 # Score tensors below this size are left whole: splitting them saves little and adds nodes.

@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 from omskills.ascend.attention_heads import sliced_from, split_attention_heads
 from omskills.ascend.precision_modes import FP16_MAX, node_precisions
-from omskills.convert.detached_weights import move_inline_weights
-from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.files import process_alive
+from omskills.onnxfiles.detached_weights import move_inline_weights
+from omskills.onnxfiles.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.records.precision import (
     EMULATED_BACKEND,
     LayerComparison,
@@ -767,7 +767,9 @@ def session_beside(original: Path, model: ModelProto) -> Iterator[Any]:
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     options.enable_cpu_mem_arena = False
-    options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED  # in the order the nodes are written: the default order can hold every activation alive (see _Rewriter.count_overflow)
+    # In the order the nodes are written: the default order can hold every activation alive
+    # (see _Rewriter.count_overflow).
+    options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
     with tempfile.NamedTemporaryFile(dir=original.parent, prefix=f".{original.stem}.", suffix=".onnx") as handle:
         onnx.save_model(model, handle.name)
         yield onnxruntime.InferenceSession(handle.name, sess_options=options, providers=["CPUExecutionProvider"])

@@ -78,7 +78,8 @@ def read_dump(folder: Path, prepared: PreparedGraph, om_json: Path | None = None
         raw = sum(1 for p in folder.rglob("*") if p.is_file() and RAW_NPU_FILE.match(p.name))
         hint = (
             (
-                f"it holds {raw} raw dump file(s): convert them to .npy with `msit benchmark ... --dump 1 --dump-npy 1` "
+                f"it holds {raw} raw dump file(s): convert them to .npy with "
+                "`msit benchmark ... --dump 1 --dump-npy 1` "
                 f"or CANN's `msaccucmp.py convert -d <dump> -out <folder>`"
             )
             if raw

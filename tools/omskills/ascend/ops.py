@@ -17,8 +17,8 @@ from pathlib import Path
 
 import onnx
 from omskills.ascend.atc import KNOWN_SOCS
-from omskills.convert.inspect import DEFAULT_DOMAIN, default_opset, load_model_proto, walk_nodes
 from omskills.errors import InputError
+from omskills.onnxfiles.inspect import DEFAULT_DOMAIN, default_opset, load_model_proto, walk_nodes
 from omskills.records.toolchain import OpCheckRow, OpPrecheck, OpStatus
 from onnx import NodeProto
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import yaml
 from omskills.ascend.precision_modes import FP16_MAX
-from omskills.convert.inspect import walk_nodes
+from omskills.onnxfiles.inspect import walk_nodes
 from omskills.records.base import Record
 from omskills.records.precision import PrecisionReport
 from omskills.records.toolchain import PitfallHit

@@ -317,7 +317,10 @@ def _static(
             "(a single sample cannot show which dims vary)"
         )
     else:
-        why = f"{contract.calls} call{'s' if contract.calls != 1 else ''} observed, no dimension varies and no source range is declared"
+        why = (
+            f"{contract.calls} call{'s' if contract.calls != 1 else ''} observed, "
+            "no dimension varies and no source range is declared"
+        )
     return ShapeStrategy(kind="static", input_shapes=input_shapes, rationale="; ".join([why] + notes))
 
 

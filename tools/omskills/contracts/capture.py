@@ -474,7 +474,7 @@ def _bind_derived(contract: ContractSpec, calls: list[_Call], derivations: dict[
     for path, derivation in derivations.items():
         arg = by_path[path]
 
-        def agrees(call: _Call) -> bool:
+        def agrees(call: _Call, arg: NonTensorArg = arg, derivation: ShapeDerivedArg = derivation) -> bool:
             def shape_of(ref: str) -> tuple[int, ...]:
                 return call.in_leaves[contract.inputs[contract.input_index(ref)].flat_index].shape
 

@@ -1,2 +1,2 @@
 """Export and ONNX mechanisms: the contract wrapper and exporters, custom translations, optimised
-variants (onnxslim, auto_optimizer), inspection and saving of models of any size."""
+variants (onnxslim, auto_optimizer, each checked by running it) and composing a chain of graphs."""

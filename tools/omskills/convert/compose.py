@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 import onnx.version_converter
-from omskills.convert.onnx_io import save_onnx
+from omskills.onnxfiles.onnx_io import save_onnx
 from onnx import compose
 
 

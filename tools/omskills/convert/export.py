@@ -34,10 +34,10 @@ import onnx.version_converter
 import torch
 from omskills.contracts.layout import TreeLayout, dtype_name
 from omskills.contracts.pytree import flatten, spec_from_str, unflatten_call
-from omskills.convert.onnx_io import data_path, save_onnx_streamed
 from omskills.convert.translations import translated_ops, translation_table
 from omskills.errors import InputError, OmskillsError
 from omskills.files import process_alive
+from omskills.onnxfiles.onnx_io import data_path, save_onnx_streamed
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy
 from omskills.records.export import ExporterName, ExportResult
 from torch import nn

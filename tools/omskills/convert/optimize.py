@@ -2,7 +2,7 @@
 
 Variants: `original` (the export as is), `onnxslim` (onnxslim's graph simplification) and
 `auto_optimizer` (Huawei's msit surgeon knowledge bases, through `auto_optimizer_compat`).
-Both optimisers work on the graph with its weights detached (`convert.detached_weights`), so
+Both optimisers work on the graph with its weights detached (`onnxfiles.detached_weights`), so
 a 2 GB model is rewritten as a graph of a few MB. A variant that changes nothing is `unchanged`:
 not saved, not probed. On a big graph, a variant that adds or removes under MARGINAL_SHARE of
 its nodes is `marginal`, not saved either: its probe would be a full run of the graph (minutes
@@ -25,10 +25,10 @@ import onnx
 from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import load_sample
 from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
-from omskills.convert.detached_weights import attach, detach, discard
-from omskills.convert.inspect import load_model_proto
 from omskills.errors import InputError, OmskillsError
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, return_freed_memory, run_in_child
+from omskills.onnxfiles.detached_weights import attach, detach, discard
+from omskills.onnxfiles.inspect import load_model_proto
 from omskills.records.parity import OutputParity, ParityReport, Verdict, overall_verdict, verdict_rank
 from omskills.records.toolchain import (
     BatchSplit,
@@ -39,7 +39,7 @@ from omskills.records.toolchain import (
     VariantResult,
 )
 from omskills.runtime.base import BackendError
-from omskills.runtime.batch_split import open_onnxruntime
+from omskills.runtime.onnxruntime_backend import open_onnxruntime
 from omskills.stdio import stdout_to_stderr
 
 # One probe sample: feeds by input name, reference (PyTorch) outputs by output name.
@@ -260,7 +260,7 @@ def _signature(model: onnx.ModelProto) -> Counter[bytes]:
 
 
 def make_onnxslim(source: Path, target: Path, min_share: float = 0.0) -> float | None:
-    """onnxslim on the graph with its weights detached (see convert.detached_weights). Returns
+    """onnxslim on the graph with its weights detached (see onnxfiles.detached_weights). Returns
     None when it changed nothing, else the share of the graph's nodes it added or removed
     (`_operator_share`, 0 when it only rewrote some); nothing is kept when it changed nothing or
     under `min_share`."""

@@ -135,7 +135,8 @@ def load_adapted(
     """Load an adapted model from its task record (`task.yaml` of a run) or a bundle folder.
 
     backend: "om" (ais_bench InferSession), "onnxruntime" (on `providers`, default the best present:
-    CANN, CUDA, CPU) or "auto" (the OM where every graph has one and ais_bench is installed).
+    CANN, CUDA, CPU), any other backend registered in `omskills.backends` (opened as its class
+    serves a graph), or "auto" (the OM where every graph has one and ais_bench is installed).
     device_id: the NPU (default the record's intake.target.device_id). strict: a call outside a
     graph's contract raises instead of running PyTorch. source / checkpoint / device override the
     record's model (a checkout path elsewhere, the weights, the PyTorch device).

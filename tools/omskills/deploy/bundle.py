@@ -58,7 +58,8 @@ def write_bundle(
     """Write the bundle of the verified adaptation `task_path` into `out` (default: <run>/bundle).
 
     artifact: "onnx" (no OM), "om" (every graph's OM, which each must have) or "auto" (the OMs
-    ATC built); the ONNX files always come too (the contracts' reference and the ATC scripts' input). weights: copy the checkpoint (else the loader must be given `checkpoint=`).
+    ATC built); the ONNX files always come too (the contracts' reference and the ATC scripts'
+    input). weights: copy the checkpoint (else the loader must be given `checkpoint=`).
     precompute: input sets (fields of intake.inputs, e.g. {"prompt": "a red car"}) the deployment
     will meet: the main path runs once on each, and the outputs of every graph fed from user inputs
     alone (a text encoder) go into the bundle, so the deployed model answers those calls from memory."""

@@ -306,7 +306,8 @@ def _notes(intake: Intake | None, cann: CannProbe, npu: NpuProbe) -> list[str]:
     target = intake.target
     if npu.soc and npu.soc != target.soc:
         notes.append(
-            f"intake.target.soc is {target.soc} but npu-smi reports {npu.soc}: ATC's --soc_version must match the device"
+            f"intake.target.soc is {target.soc} but npu-smi reports {npu.soc}: "
+            "ATC's --soc_version must match the device"
         )
     if cann.version and target.cann_version and not cann.version.startswith(target.cann_version):
         notes.append(

@@ -345,7 +345,8 @@ def _jsonable_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
 _DETACH = (
     "import subprocess, sys; "
     "log = open(sys.argv[1], 'ab'); "
-    "runner = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True); "
+    "runner = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, "
+    "start_new_session=True); "
     "print(runner.pid)"
 )
 
@@ -409,7 +410,8 @@ class JobRegistry:
             if holder is not None:
                 raise InputError(
                     f"argument 'task': the task record {task_label or task} is held by job {holder.id} "
-                    f"({holder.tool}, running for {holder.elapsed:.0f} s): follow it with job_status or stop it with cancel_job"
+                    f"({holder.tool}, running for {holder.elapsed:.0f} s): "
+                    "follow it with job_status or stop it with cancel_job"
                 )
         stored = StoredJob(
             job_id=self.store.new_id(),

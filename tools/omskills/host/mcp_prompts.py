@@ -99,7 +99,9 @@ delivery note and the verification report of the run (listed as run:// resources
     @server.prompt(
         name=WHY_PROMPT,
         title="Why did this candidate fail?",
-        description="Find why a candidate failed a step (export, probe, optimise, precheck, ATC, verify) and what to change.",
+        description=(
+            "Find why a candidate failed a step (export, probe, optimise, precheck, ATC, verify) and what to change."
+        ),
     )
     def why_candidate_failed(task: TaskArgument, candidate: CandidateArgument) -> str:
         record = record_of(task)
@@ -125,10 +127,12 @@ How to look:
 3. Ask the tools, with task="{rel}" and candidate="{candidate}": `inspect_onnx` (the graph), `probe_onnx` (ONNX Runtime
    vs PyTorch), `precheck_ops` (operators CANN lacks, known precision pitfalls), `emulate_precision` and
    `compare_layers` (where precision is lost), `analyze_boundaries` (what crosses the boundary).
-4. Read the references of skill://onnx-atc-pipeline/SKILL.md and skill://pipeline-adapter/SKILL.md for the failure's kind.
+4. Read the references of skill://onnx-atc-pipeline/SKILL.md and skill://pipeline-adapter/SKILL.md \
+for the failure's kind.
 
 Answer with the step that failed, the cause in one or two sentences with the evidence (log line, node, tensor), and the
-change to make (export option, boundary, precision mode, driver) — or say plainly that the candidate should stay in PyTorch."""
+change to make (export option, boundary, precision mode, driver) — or say plainly that the candidate should \
+stay in PyTorch."""
 
     @server.completion()
     async def complete(

@@ -254,7 +254,8 @@ OUTPUT_KINDS: list[tuple[str, str]] = [
     ),
     (
         "verify/*.html",
-        "Verification report (report.html): spliced pipeline vs PyTorch, per-step output checks, parity per graph, pictures",
+        "Verification report (report.html): spliced pipeline vs PyTorch, per-step output checks, "
+        "parity per graph, pictures",
     ),
     ("verify/*.json", "Verification result (JSON): the output checks, parity and latency behind the report"),
     ("npu/FIGURES.md", "Figures measured on an Ascend NPU by omskills npu-check"),

@@ -567,7 +567,8 @@ RUN_TEMPLATES: list[tuple[str, str, str, str]] = [
         "run://{+path}/DELIVERY.md",
         "delivery note",
         "text/markdown",
-        "The delivery note of a run (path: the run folder): boundary, environment, ATC commands, validation figures, limits.",
+        "The delivery note of a run (path: the run folder): boundary, environment, ATC commands, "
+        "validation figures, limits.",
     ),
     (
         "run://{+path}.html",

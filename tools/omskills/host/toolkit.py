@@ -76,7 +76,8 @@ class ToolHints(BaseModel):
 
 
 def tool_hints(**hints: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator for a tool function: `@tool_hints(title="Profile the main path", read_only=False, long_running=True)`."""
+    """Decorator for a tool function:
+    `@tool_hints(title="Profile the main path", read_only=False, long_running=True)`."""
     parsed = ToolHints(**hints)
 
     def attach(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, ContextManager
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import numpy as np
 from omskills.errors import InputError, OmskillsError, one_line
@@ -71,7 +71,7 @@ class LoadedModel:
     source_root: Path  # folder holding the model's Python source (for file:line findings)
     weights: str  # "random" or the checkpoint path
     # Entered around every run and export: the device-portability layer, or nothing.
-    portability: ContextManager[Any] = field(default_factory=contextlib.nullcontext)
+    portability: contextlib.AbstractContextManager[Any] = field(default_factory=contextlib.nullcontext)
     notes: list[str] = field(default_factory=list)
     # Fingerprint of the inputs and settings ModelDriver.prepare last ran with (None: not yet).
     prepared_for: str | None = None

@@ -490,9 +490,7 @@ class SamVideoDriver(ModelDriver):
         yield
 
     @staticmethod
-    def _propagate(
-        predictor: Any, session_id: str, hooks: RunHooks, logits: TrackerMaskLogits
-    ) -> Iterator[StepOutput]:
+    def _propagate(predictor: Any, session_id: str, hooks: RunHooks, logits: TrackerMaskLogits) -> Iterator[StepOutput]:
         """Frames may arrive in post-processing batches (SAM 3.1): each one's `seconds` is its
         share of the wait since the previous one."""
         request = {
@@ -726,9 +724,9 @@ class Sam3Driver(SamVideoDriver):
                     # The remainder of prompt.shape[0] / HW, written with // rather than %: torch.export then
                     # simplifies the RoPE slice length (prompt.shape[0] - num_obj_ptr_tokens) to a multiple of HW.
                     expression="prompt.shape[0] - src_0.shape[0] * (prompt.shape[0] // src_0.shape[0])",
-                    evidence="sam3/model/sam3_tracker_base.py:683-780 builds prompt as memory frames of HW image tokens each "
-                    "(HW = src_0.shape[0]) followed by hidden_dim // mem_dim tokens per object pointer, fewer than HW "
-                    "in all; num_obj_ptr_tokens = obj_ptrs.shape[0] is the remainder",
+                    evidence="sam3/model/sam3_tracker_base.py:683-780 builds prompt as memory frames of HW image "
+                    "tokens each (HW = src_0.shape[0]) followed by hidden_dim // mem_dim tokens per object pointer, "
+                    "fewer than HW in all; num_obj_ptr_tokens = obj_ptrs.shape[0] is the remainder",
                 )
             }
         }

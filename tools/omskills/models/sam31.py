@@ -495,8 +495,8 @@ class Sam31Driver(SamVideoDriver):
             "memory_attention": {
                 "kwargs['num_obj_ptr_tokens']": ShapeDerivedArg(
                     expression="memory.shape[0] - memory_image.shape[0]",
-                    evidence="sam3/model/decoder.py:1371 asserts memory.shape[1] - memory_image.shape[1] == num_obj_ptr_tokens "
-                    "(batch first)",
+                    evidence="sam3/model/decoder.py:1371 asserts "
+                    "memory.shape[1] - memory_image.shape[1] == num_obj_ptr_tokens (batch first)",
                 )
             }
         }

@@ -29,10 +29,14 @@ class ScaffoldedDriver(BaseModel):
     )
     task: str = Field(description="Path of the task record written (<name>.yaml), naming the driver file.")
     test: str = Field(
-        description="Path of the test written (test_<name>_driver.py): validate-driver, then adapt with a passing verdict."
+        description=(
+            "Path of the test written (test_<name>_driver.py): validate-driver, then adapt with a passing verdict."
+        )
     )
     next_steps: list[str] = Field(
-        description="What to do next, in order: edit the driver to call the model as your application does, validate it, adapt."
+        description=(
+            "What to do next, in order: edit the driver to call the model as your application does, validate it, adapt."
+        )
     )
 
 

@@ -3,9 +3,10 @@
 A subtree is kept when it holds parameters (weights belong on the device), runs for at least
 AUTO_MIN_SHARE of the time spent in the model and lies at most AUTO_MAX_DEPTH calls below the
 root: depth counts the modules that call each other, not the dots of a path, so containers
-never called (a ModuleList of blocks) are no level. The share is of the model's time (its top-level module calls), not of the whole step: the
-driver's own Python (decoding, pre- and post-processing, waiting for the CPU on a loaded
-machine) is never a candidate, and a step it dominates still has a heaviest part of the model.
+never called (a ModuleList of blocks) are no level. The share is of the model's time (its
+top-level module calls), not of the whole step: the driver's own Python (decoding, pre- and
+post-processing, waiting for the CPU on a loaded machine) is never a candidate, and a step it
+dominates still has a heaviest part of the model.
 The plan then judges each candidate by its share of the whole main path.
 
 Nested ones are kept too: when a subtree's contract is not tensor-only, its children are the cut;

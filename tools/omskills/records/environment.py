@@ -65,10 +65,16 @@ class EnvironmentReport(Record):
         description="The operating system, its release and the machine's architecture (platform.platform())."
     )
     torch: TorchProbe = Field(
-        description="torch's version (null when it does not import), whether it sees a CUDA device and whether torch_npu imports."
+        description=(
+            "torch's version (null when it does not import), whether it sees a CUDA device "
+            "and whether torch_npu imports."
+        )
     )
     packages: list[PackageProbe] = Field(
-        description="onnx, onnxruntime, onnxscript, onnxslim, auto_optimizer, ais_bench and aclruntime: whether each imports, its version, why not."
+        description=(
+            "onnx, onnxruntime, onnxscript, onnxslim, auto_optimizer, ais_bench and aclruntime: "
+            "whether each imports, its version, why not."
+        )
     )
     onnxruntime_providers: list[str] = Field(
         default_factory=list,
@@ -83,7 +89,10 @@ class EnvironmentReport(Record):
         description="Per adaptation stage (inventory to verify): whether it can run here, and why or why not."
     )
     backends: list[str] = Field(
-        description="Backends the verification can run graphs on: 'onnxruntime:<provider>' per provider, and 'om' when an NPU can run OM files."
+        description=(
+            "Backends the verification can run graphs on: 'onnxruntime:<provider>' per provider, "
+            "and 'om' when an NPU can run OM files."
+        )
     )
     notes: list[str] = Field(
         default_factory=list,
@@ -92,7 +101,8 @@ class EnvironmentReport(Record):
     checked: list[str] = Field(
         default_factory=list,
         description=(
-            "What the gate checked of the task before probing, one line each: the input files (a video's frames), the builder, the checkpoint and its keys."
+            "What the gate checked of the task before probing, one line each: the input files (a video's frames), "
+            "the builder, the checkpoint and its keys."
         ),
     )
 

@@ -50,13 +50,15 @@ class Candidate(Record):
 class Plan(Record):
     candidates: list[Candidate] = Field(
         description=(
-            "Every seed candidate, highest score (share x boundary clarity x state factor) first, with its status and the reason for it."
+            "Every seed candidate, highest score (share x boundary clarity x state factor) first, "
+            "with its status and the reason for it."
         )
     )
     first_batch: list[str] = Field(
         description=(
-            "The candidates to adapt first: exportable, at or above the minimum share of main-path time the rationale names "
-            "(or named in intake.target.deploy), not named in intake.target.defer, and not inside another selected one."
+            "The candidates to adapt first: exportable, at or above the minimum share of main-path time "
+            "the rationale names (or named in intake.target.deploy), not named in intake.target.defer, "
+            "and not inside another selected one."
         )
     )
     rationale: str = Field(

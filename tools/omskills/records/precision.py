@@ -74,7 +74,8 @@ class LayerComparison(Record):
     reference: str = Field(description="The baseline run: the graph in fp32 on ONNX Runtime (CPU).")
     candidate: str = Field(
         description=(
-            "The run judged against it: a precision mode emulated (with how many nodes kept), an NPU dump's folder, or a PyTorch module."
+            "The run judged against it: a precision mode emulated (with how many nodes kept), "
+            "an NPU dump's folder, or a PyTorch module."
         )
     )
     backend: str = Field(description="What computed the judged run; an emulation says it is not an NPU result.")
@@ -85,34 +86,41 @@ class LayerComparison(Record):
     first: LayerFinding | None = Field(
         None,
         description=(
-            "The first flagged node in graph order, and whether its error is local, accumulated or undetermined; null when none is flagged."
+            "The first flagged node in graph order, and whether its error is local, accumulated or undetermined; "
+            "null when none is flagged."
         ),
     )
     outputs: list[TensorError] = Field(
         default_factory=list,
         description=(
-            "The graph's outputs, judged run against fp32: cosine, max abs difference, overflowed and NaN elements (against a dump, the outputs it kept)."
+            "The graph's outputs, judged run against fp32: cosine, max abs difference, overflowed and NaN elements "
+            "(against a dump, the outputs it kept)."
         ),
     )
     outputs_pass: bool = Field(
         description=(
-            "Whether every compared graph output meets the output gate (its cosine, no overflow, no NaN); with no output compared, whether no node is flagged."
+            "Whether every compared graph output meets the output gate (its cosine, no overflow, no NaN); "
+            "with no output compared, whether no node is flagged."
         )
     )
     overflow: int = Field(
         0,
-        description="Elements infinite in the judged run and finite in fp32, summed over each compared node's worst output.",
+        description=(
+            "Elements infinite in the judged run and finite in fp32, summed over each compared node's worst output."
+        ),
     )
     unmatched: int = Field(
         0,
         description=(
-            "Tensors of the other run that match no float node output, or whose shape cannot be brought to it (a fused op's output, "
-            "a layout ATC changed); a few are named in notes. 0 for an emulation."
+            "Tensors of the other run that match no float node output, or whose shape cannot be brought to it "
+            "(a fused op's output, a layout ATC changed); a few are named in notes. 0 for an emulation."
         ),
     )
     notes: list[str] = Field(
         default_factory=list,
-        description="What the comparison left out or assumed (unmatched tensors, dump files skipped, the sample the OM ran on).",
+        description=(
+            "What the comparison left out or assumed (unmatched tensors, dump files skipped, the sample the OM ran on)."
+        ),
     )
     flagged: list[NodeComparison] = Field(
         default_factory=list, description="The flagged nodes, lowest cosine first (at most 50)."
@@ -180,8 +188,9 @@ class PrecisionPlan(Record):
 
     verdict: Literal["pass", "fail"] = Field(
         description=(
-            "pass: the main path, every graph emulated in `modes`, passes the driver's checks; fail: no plan did within "
-            "the budget of runs (the graphs at fault then convert with must_keep_origin_dtype)."
+            "pass: the main path, every graph emulated in `modes`, passes the driver's checks; "
+            "fail: no plan did within the budget of runs "
+            "(the graphs at fault then convert with must_keep_origin_dtype)."
         )
     )
     modes: dict[str, str] = Field(description="Graph -> the ATC precision mode it converts with (and nodes kept).")

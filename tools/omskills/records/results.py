@@ -40,7 +40,9 @@ class ProfileSummary(Record):
     control_plane_seconds: float = Field(description="Seconds spent outside every module (Python control plane).")
     top_modules: list[ModuleShare] = Field(description="The heaviest modules by inclusive time, heaviest first.")
     seeds_from: Literal["driver", "profile"] = Field(
-        description="Where the seed candidates came from: named by the driver, or the heaviest subtrees of a profile-only run."
+        description=(
+            "Where the seed candidates came from: named by the driver, or the heaviest subtrees of a profile-only run."
+        )
     )
     candidate_shares: dict[str, float] = Field(
         default_factory=dict, description="Seed candidate name -> share of the main path's time."

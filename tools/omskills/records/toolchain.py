@@ -56,12 +56,15 @@ class OnnxSummary(Record):
     ir_version: int = Field(description="The ONNX IR version the file declares.")
     producer: str | None = Field(
         None,
-        description="The producer's name and version the file records (e.g. 'pytorch 2.9.0'); null when it records none.",
+        description=(
+            "The producer's name and version the file records (e.g. 'pytorch 2.9.0'); null when it records none."
+        ),
     )
     opsets: dict[str, int] = Field(description="Operator-set domain ('ai.onnx' for the default domain) -> its version.")
     inputs: list[OnnxTensorInfo] = Field(
         description=(
-            "The graph's inputs (initializers left out): name, dtype, shape with symbolic dims by name and undeclared ones as '?'."
+            "The graph's inputs (initializers left out): name, dtype, "
+            "shape with symbolic dims by name and undeclared ones as '?'."
         )
     )
     outputs: list[OnnxTensorInfo] = Field(
@@ -76,7 +79,8 @@ class OnnxSummary(Record):
     subgraph_node_count: int = Field(0, description="Nodes inside If/Loop/Scan bodies, at any depth.")
     op_histogram: dict[str, int] = Field(
         description=(
-            "Op type -> node count over the main graph and its subgraphs, most frequent first; ops of other domains as 'domain::Op'."
+            "Op type -> node count over the main graph and its subgraphs, most frequent first; "
+            "ops of other domains as 'domain::Op'."
         )
     )
     local_functions: list[str] = Field(

@@ -35,7 +35,8 @@ class GraphTraffic(Record):
     resident_copies: int = Field(
         0,
         description=(
-            "Input copies not made: hand-offs given to the runtime as the producing session's own value (counted, not predicted)."
+            "Input copies not made: hand-offs given to the runtime as the producing session's own value "
+            "(counted, not predicted)."
         ),
     )
     resident_in: int = Field(0, description="Bytes of those inputs.")
@@ -106,7 +107,8 @@ class LinkCost(Record):
     round_trip_us: float = Field(
         ge=0,
         description=(
-            "Fixed cost of one synchronous host<->device operation (a launch, or a copy whatever its size), microseconds."
+            "Fixed cost of one synchronous host<->device operation (a launch, or a copy whatever its size), "
+            "microseconds."
         ),
     )
     source: str = Field(
@@ -121,7 +123,8 @@ class MergeProposal(Record):
     upstream: str | None = Field(description="The graph whose outputs it reads unchanged, if any (the largest source).")
     mergeable: bool = Field(
         description=(
-            "True when every input byte is `upstream`'s output passed on unchanged and the two are called equally often."
+            "True when every input byte is `upstream`'s output passed on unchanged "
+            "and the two are called equally often."
         )
     )
     reason: str = Field(description="Why it can or cannot merge, from the counted calls and hand-offs.")
@@ -149,7 +152,8 @@ class TrafficReport(Record):
     )
     predicted_link_s_per_step: float = Field(
         description=(
-            "Predicted (not measured) host<->device seconds per step: (calls + copies) x round trip + bytes / bandwidth."
+            "Predicted (not measured) host<->device seconds per step: "
+            "(calls + copies) x round trip + bytes / bandwidth."
         )
     )
     predicted_link_s_per_step_handed_off: float = Field(
@@ -164,8 +168,8 @@ class TrafficReport(Record):
     merges: list[MergeProposal] = Field(
         default_factory=list,
         description=(
-            "Per called graph, whether it could merge with the graph feeding it, from the counts (verify builds the merged "
-            "graphs of those that can and reports them apart)."
+            "Per called graph, whether it could merge with the graph feeding it, from the counts "
+            "(verify builds the merged graphs of those that can and reports them apart)."
         ),
     )
     label: str = Field(
@@ -217,7 +221,8 @@ class MergedGraph(Record):
     status: Literal["verified", "failed", "refused"] = Field(
         description=(
             "'verified': the main path with it spliced in passed its checks with no fallback and it answered every "
-            "later member's calls; 'failed': it was built but that run did not show it; 'refused': it could not be built."
+            "later member's calls; 'failed': it was built but that run did not show it; "
+            "'refused': it could not be built."
         )
     )
     reason: str = Field(description="Why it was verified, failed or refused.")

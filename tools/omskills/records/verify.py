@@ -160,8 +160,8 @@ class VerifyReport(Record):
     )
     candidates: list[CandidateVerification] = Field(
         description=(
-            "Per spliced graph: integrated or fallback, what ran it, its probe's verdict, cosine and max abs, ms per call "
-            "in PyTorch and on the backend, calls and fallbacks."
+            "Per spliced graph: integrated or fallback, what ran it, its probe's verdict, cosine and max abs, "
+            "ms per call in PyTorch and on the backend, calls and fallbacks."
         )
     )
     comparison: list[OutputCheck] = Field(
@@ -169,7 +169,8 @@ class VerifyReport(Record):
     )
     main_path: MainPathParity = Field(
         description=(
-            "The whole main path: steps, each check's worst figure over all steps, fallbacks, seconds per step of each run and their ratio."
+            "The whole main path: steps, each check's worst figure over all steps, fallbacks, "
+            "seconds per step of each run and their ratio."
         )
     )
     per_step: list[StepParity] = Field(description="Every step's check results and the seconds each run took on it.")
@@ -189,7 +190,8 @@ class VerifyReport(Record):
     )
     splice_stats: list[SpliceStats] = Field(
         description=(
-            "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, and backend time."
+            "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, "
+            "and backend time."
         )
     )
     fallback_events: list[FallbackEvent] = Field(
@@ -216,7 +218,8 @@ class VerifyReport(Record):
     outputs_pytorch: str | None = Field(
         None,
         description=(
-            "Run-folder path of the .npz with every step's outputs of the PyTorch run, to compare other runs with bit for bit."
+            "Run-folder path of the .npz with every step's outputs of the PyTorch run, "
+            "to compare other runs with bit for bit."
         ),
     )
     outputs_spliced: str | None = Field(
@@ -225,23 +228,27 @@ class VerifyReport(Record):
     item_figures: list[ItemFigure] = Field(
         default_factory=list,
         description=(
-            "Per item of every keyed check (e.g. each object, matched by id) and step: its figure and whether it passed."
+            "Per item of every keyed check (e.g. each object, matched by id) and step: "
+            "its figure and whether it passed."
         ),
     )
     figures: list[str] = Field(
         default_factory=list,
         description=(
-            "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); the HTML embeds them too."
+            "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); "
+            "the HTML embeds them too."
         ),
     )
     notes: list[str] = Field(
         default_factory=list,
         description=(
-            "What the run did not do as planned without changing its figures (a memory optimisation that could not apply)."
+            "What the run did not do as planned without changing its figures "
+            "(a memory optimisation that could not apply)."
         ),
     )
     verdict: str = Field(
         description=(
-            "'pass' when both runs have the same steps, every gating check held on all of them and no call fell back; else 'fail'."
+            "'pass' when both runs have the same steps, every gating check held on all of them "
+            "and no call fell back; else 'fail'."
         )
     )

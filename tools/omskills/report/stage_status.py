@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Literal
 
 from omskills.records.base import Record
+from omskills.records.stage_order import STAGE_COLUMNS
 from omskills.records.task import TaskRecord
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
 
 CellStatus = Literal["done", "failed", "not_run"]
-STAGES = ("export", "probe", "optimise", "precision emulation", "precheck", "ATC", "verify")
+STAGES = STAGE_COLUMNS
 
 
 class StageCell(Record):
@@ -63,15 +64,18 @@ def stage_status(record: TaskRecord, verification: VerifyReport | None) -> list[
 
 def _cells(record: TaskRecord, graph: str, candidate: str, verification: VerifyReport | None) -> list[StageCell]:
     chain = record.toolchain_of(graph)
-    found = [
-        _step_cell(record, "export", f"export:{graph}", _export_detail(record, graph)),
-        _probe_cell(record, graph, chain),
-        _step_cell(record, "optimise", f"optimize:{graph}", _optimise_detail(chain)),
-        _step_cell(record, "precision emulation", f"precision:{graph}", _precision_detail(chain)),
-        _precheck_cell(chain),
-        _step_cell(record, "ATC", f"atc:{graph}", _atc_detail(chain)),
-        _verify_cell(record, graph, candidate, verification),
-    ]
+    cell_of = {
+        "export": lambda: _step_cell(record, "export", f"export:{graph}", _export_detail(record, graph)),
+        "probe": lambda: _probe_cell(record, graph, chain),
+        "optimise": lambda: _step_cell(record, "optimise", f"optimize:{graph}", _optimise_detail(chain)),
+        "precision emulation": lambda: _step_cell(
+            record, "precision emulation", f"precision:{graph}", _precision_detail(chain)
+        ),
+        "precheck": lambda: _precheck_cell(chain),
+        "ATC": lambda: _step_cell(record, "ATC", f"atc:{graph}", _atc_detail(chain)),
+        "verify": lambda: _verify_cell(record, graph, candidate, verification),
+    }
+    found = [cell_of[column]() for column in STAGES]
     return _after_failures(found)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from omskills.convert.inspect import default_opset, inferred_shapes
+from omskills.onnxfiles.inspect import default_opset, inferred_shapes
 from onnx import helper, numpy_helper
 
 MS_DOMAIN = "com.microsoft"

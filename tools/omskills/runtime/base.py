@@ -4,6 +4,10 @@ Shaped like NVIDIA Polygraphy's runners: this base class owns the life cycle
 (activate -> run -> close), checks each feed against the model's input metadata before the
 backend sees it, and times the inference; a backend only implements the three `_impl`
 hooks. A spliced module therefore behaves the same whichever backend runs underneath.
+
+The class also holds its serving policy, which load_adapted, verify and bundles go through
+(`runtime.serving`): whether this machine can run it, whether it can open a deployed graph's
+artifact, how it opens one (device, mode, batch) and where "auto" ranks it.
 """
 
 from __future__ import annotations
@@ -11,13 +15,18 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from omskills.errors import OmskillsError
 from omskills.records.base import Record
+from omskills.records.deploy import DeployedGraph
 from pydantic import field_validator
+
+if TYPE_CHECKING:
+    from omskills.runtime.batch_split import SplitBatchBackend
 
 # The name a backend is registered under in omskills.runtime.BACKENDS ("onnxruntime", "om", or a third party's).
 BackendKind = str
@@ -55,6 +64,15 @@ class IOSpec(Record):
         return all(isinstance(d, int) for d in self.shape)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What a deployment asks of the backend that opens a graph; the backend picks its device from it."""
+
+    device_id: int = 0  # the NPU
+    providers: tuple[str, ...] | None = None  # ONNX Runtime's providers in order (None: the preferred ones present)
+    model: Path | None = None  # opened instead of the graph's ONNX file (an emulated rewrite of it, say)
+
+
 class RuntimeBackend(ABC):
     """A loaded model that maps named numpy feeds to named numpy outputs.
 
@@ -63,6 +81,8 @@ class RuntimeBackend(ABC):
     """
 
     kind: ClassVar[BackendKind]
+    # Where "auto" tries this backend (lowest first); None: used only when asked for by name.
+    auto_rank: ClassVar[int | None] = None
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -75,6 +95,24 @@ class RuntimeBackend(ABC):
         self._inputs: list[IOSpec] = []
         self._outputs: list[IOSpec] = []
         self._active = False
+
+    # -- serving policy -----------------------------------------------------------------------
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this machine cannot run this backend, or None."""
+        return None
+
+    @classmethod
+    def cannot_serve(cls, graph: DeployedGraph) -> str | None:
+        """Why this backend cannot open `graph`'s artifact, or None (by default it opens the ONNX file)."""
+        return None
+
+    @classmethod
+    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> RuntimeBackend | SplitBatchBackend:
+        """`graph` opened as a deployment runs it (artifact paths are relative to `root`). By default:
+        its ONNX file, or `placement.model`, with the backend's default options."""
+        return cls(placement.model or root / graph.onnx.path).activate()
 
     # -- life cycle -------------------------------------------------------------------------
 

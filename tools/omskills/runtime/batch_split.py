@@ -20,21 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.toolchain import BatchSplit
 from omskills.runtime.base import BackendInputError, IOSpec, RuntimeBackend
-
-
-def open_onnxruntime(path: str | Path, split: BatchSplit | None) -> RuntimeBackend | SplitBatchBackend:
-    """An ONNX Runtime session on `path`, running the batch in chunks when `split` is given."""
-    from omskills.runtime import open_backend
-
-    backend = open_backend(path, "onnxruntime")
-    return SplitBatchBackend(backend, split) if split is not None else backend
 
 
 def batch_split_for(

@@ -153,7 +153,7 @@ class GraphMemory:
 
     def __init__(self, path: str | Path) -> None:
         import onnx
-        from omskills.convert.onnx_io import released
+        from omskills.onnxfiles.onnx_io import released
 
         self.path = Path(path)
         if not self.path.is_file():
@@ -217,7 +217,7 @@ class GraphMemory:
         for value in graph.output:
             value.type.tensor_type.ClearField("shape")
         try:
-            from omskills.convert.inspect import infer_with_data_prop
+            from omskills.onnxfiles.inspect import infer_with_data_prop
 
             return infer_with_data_prop(model)
         except Exception as err:
@@ -649,7 +649,10 @@ def plan_probe(
     if choice.whole_bytes <= budget_bytes:
         return ProbePlan(note=f"{whole}: probing {probed}{detail}")
     if choice.chunk is None:
-        why = "the batch cannot be split (no dynamic_batch_size strategy with outputs that follow the batch, or no smaller gear)"
+        why = (
+            "the batch cannot be split (no dynamic_batch_size strategy with outputs that follow the batch, "
+            "or no smaller gear)"
+        )
         return ProbePlan(note=f"{whole}; {why}: probing {probed}{detail}")
     over = "" if choice.fits else " (still over the budget: the smallest gear)"
     reason = (

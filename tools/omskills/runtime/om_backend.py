@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
-from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend
+from omskills.records.deploy import DeployedGraph
+from omskills.runtime.base import BackendError, IOSpec, Placement, RuntimeBackend
+from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
 
 OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]
 OM_MODES: tuple[str, ...] = get_args(OmMode)
@@ -137,6 +139,34 @@ class AclContexts:
 
 class OmBackend(RuntimeBackend):
     kind = "om"
+    auto_rank = 0  # "auto" takes the OM wherever every graph has one and ais_bench is installed
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None if ais_bench_available() else "ais_bench is not installed"
+
+    @classmethod
+    def cannot_serve(cls, graph: DeployedGraph) -> str | None:
+        if graph.om is None:
+            return f"no OM was built (run its ATC script where CANN is installed: {graph.atc_script or 'convert_atc'})"
+        return None
+
+    @classmethod
+    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> RuntimeBackend | SplitBatchBackend:
+        """An InferSession in the mode of the ATC shape strategy the OM was built with, on the NPU
+        `placement.device_id`; an OM built with batch gears serves any batch as gear-sized calls."""
+        if graph.om is None:
+            raise BackendError(f"{graph.name}: {cls.cannot_serve(graph)}, so it cannot run on the om backend")
+        strategy = graph.strategy
+        mode = om_mode_for_strategy(strategy.kind) if strategy else "static"
+        sizes = _dymshape_sizes(graph) if mode == "dymshape" else None
+        om = cls(root / graph.om.path, device_id=placement.device_id, mode=mode, custom_sizes=sizes).activate()
+        if strategy is not None and strategy.kind == "dynamic_batch_size":
+            gears = sorted({gear[0] for gear in strategy.gears if gear})
+            split = batch_split_for(graph.contract, strategy, max(gears), "the OM runs only its batch gears")
+            if split is not None:
+                return SplitBatchBackend(om, split, gears=gears)
+        return om
 
     def __init__(
         self,
@@ -235,3 +265,18 @@ def _numpy_dtype(datatype: object, name: str) -> str:
         return np.dtype(label).name
     except TypeError:
         raise BackendError(f"OM I/O '{name}': unsupported datatype {datatype!r}") from None
+
+
+# InferSession in dymshape mode needs each output's buffer size up front. The sizes come from the
+# largest output seen at capture, times this margin (calls within the strategy's ranges may be larger).
+DYMSHAPE_OUTPUT_MARGIN = 4
+
+
+def _dymshape_sizes(graph: DeployedGraph) -> list[int]:
+    sizes = []
+    for index, spec in enumerate(graph.contract.outputs):
+        shapes = [call.outputs[index] for call in graph.contract.call_shapes if index < len(call.outputs)]
+        largest = max(int(np.prod(shape)) if shape else 1 for shape in shapes or [spec.shape])
+        itemsize = 2 if spec.dtype == "bfloat16" else np.dtype(spec.dtype).itemsize  # numpy has no bfloat16
+        sizes.append(largest * itemsize * DYMSHAPE_OUTPUT_MARGIN)
+    return sizes

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 from omskills.isolation import trim_heap
-from omskills.runtime.base import BackendError, IOSpec, RuntimeBackend, check_feeds
+from omskills.records.deploy import DeployedGraph
+from omskills.records.toolchain import BatchSplit
+from omskills.runtime.base import BackendError, IOSpec, Placement, RuntimeBackend, check_feeds
+from omskills.runtime.batch_split import SplitBatchBackend
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
 # of this project), then a GPU, then the CPU that is always there.
@@ -22,6 +25,7 @@ PREFERRED_PROVIDERS = ("CANNExecutionProvider", "CUDAExecutionProvider", "CPUExe
 logger = logging.getLogger(__name__)
 
 CPU_PROVIDER = "CPUExecutionProvider"
+CANN_PROVIDER = "CANNExecutionProvider"
 
 # Attention is fused in memory for models up to this size: the rewrite holds the model twice
 # (parsed and serialised) next to the session's own copy; a bigger model opens as exported.
@@ -62,6 +66,21 @@ def numpy_dtype_of(ort_type: str) -> str:
 
 class OnnxRuntimeBackend(RuntimeBackend):
     kind = "onnxruntime"
+    auto_rank = 1  # "auto" falls back to it: it opens every graph's ONNX file
+
+    @classmethod
+    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> RuntimeBackend | SplitBatchBackend:
+        """A session on the providers asked for (or the preferred ones present). The CANN provider
+        gets the NPU and the precision mode chosen in emulation; on the CPU the batch runs in the
+        chunks probe_onnx found it needs."""
+        cann = {"device_id": str(placement.device_id)}
+        if graph.precision_mode:
+            cann["precision_mode"] = graph.precision_mode
+        model = placement.model or root / graph.onnx.path
+        backend = cls(model, providers=placement.providers, provider_options={CANN_PROVIDER: cann}).activate()
+        if graph.batch_split is not None and backend.device == CPU_PROVIDER:
+            return SplitBatchBackend(backend, graph.batch_split)
+        return backend
 
     def __init__(
         self,
@@ -239,3 +258,9 @@ def _specs(node_args) -> list[IOSpec]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_onnxruntime(path: str | Path, split: BatchSplit | None) -> RuntimeBackend | SplitBatchBackend:
+    """An ONNX Runtime session on `path`, running the batch in chunks when `split` is given."""
+    backend = OnnxRuntimeBackend(path).activate()
+    return SplitBatchBackend(backend, split) if split is not None else backend

@@ -566,7 +566,8 @@ def scan_source(
         if chosen is None:
             known = ", ".join(sorted({b.name for b in builders})) or "none"
             raise OmskillsError(
-                f"intake.model.builder: builder {builder!r} not found in {source_root / package} (builders there: {known})"
+                f"intake.model.builder: builder {builder!r} not found in {source_root / package} "
+                f"(builders there: {known})"
             )
         start_file = chosen.file
     else:

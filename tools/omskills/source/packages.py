@@ -25,5 +25,6 @@ def package_root(source: str, package: str) -> Path:
     if path.name == package and (path / "__init__.py").is_file():
         return path.resolve().parent
     raise InputError(
-        f"intake.model.source: {path} does not contain the {package!r} package (expected {path / package / '__init__.py'})"
+        f"intake.model.source: {path} does not contain the {package!r} package "
+        f"(expected {path / package / '__init__.py'})"
     )

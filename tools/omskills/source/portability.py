@@ -184,8 +184,8 @@ class DevicePortability:
         with self._lock:
             items = sorted(self._counts.items())
         return [
-            PortabilityFinding(file=f, line=l, kind=k, detail=f"{a} (x{n})", action=a, seen_at_runtime=True)
-            for (f, l, k, a), n in items
+            PortabilityFinding(file=f, line=line_no, kind=k, detail=f"{a} (x{n})", action=a, seen_at_runtime=True)
+            for (f, line_no, k, a), n in items
         ]
 
     # -- redirections ------------------------------------------------------------------

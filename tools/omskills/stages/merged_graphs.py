@@ -108,8 +108,9 @@ def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[di
         return base.model_copy(
             update={
                 "reason": (
-                    f"{', '.join(chunked)} run(s) the batch in chunks on the CPU (probe_onnx found the whole batch does not "
-                    "fit): the composed graph would hold every member's whole batch at once"
+                    f"{', '.join(chunked)} run(s) the batch in chunks on the CPU "
+                    "(probe_onnx found the whole batch does not fit): "
+                    "the composed graph would hold every member's whole batch at once"
                 )
             }
         )

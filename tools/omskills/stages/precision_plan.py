@@ -208,7 +208,8 @@ def _settle(
             for graph in found:
                 safer = _safer(plan[graph], reports[graph])
                 moved[graph] = (
-                    f"{moved[graph].split(' -> ')[0] if graph in moved else plan[graph].describe()} -> {safer.describe()}: {why}"
+                    f"{moved[graph].split(' -> ')[0] if graph in moved else plan[graph].describe()} "
+                    f"-> {safer.describe()}: {why}"
                 )
                 plan[graph] = safer
             last = runner.run(plan, f"after moving {', '.join(found)} to safer modes")

@@ -15,9 +15,8 @@ from omskills.errors import StageError, one_line
 from omskills.models.api import MainPathRun
 from omskills.records.task import TaskRecord
 from omskills.records.verify import CheckSummary, MainPathParity, OutputCheck, StepParity
-from omskills.runtime import open_backend
 from omskills.runtime.paged_weights import page_out
-from omskills.runtime.serving import SERVING_BACKENDS, open_graph
+from omskills.runtime.serving import open_graph
 from omskills.runtime.splice import SpliceBackend
 from omskills.stages.steps import fingerprint
 
@@ -72,10 +71,8 @@ def open_spliced(
 ) -> SpliceBackend:
     """The graph's backend, opened as a deployment opens it (runtime.serving): on ONNX Runtime's CPU
     the batch in chunks where probe_onnx found it must be; an OM in the mode of its shape strategy,
-    its batch gears serving other sizes. `emulation`: the graph rewritten to compute as that ATC
-    precision mode would, on ONNX Runtime CPU."""
-    if backend not in SERVING_BACKENDS:  # a third party's backend: opened on the preferred model as it is
-        return open_backend(record.preferred_model(workdir, name), backend)
+    its batch gears serving other sizes; any other backend as its class serves a graph.
+    `emulation`: the graph rewritten to compute as that ATC precision mode would, on ONNX Runtime CPU."""
     model = _emulated_model(record, workdir, name, emulation) if emulation is not None else None
     return open_graph(
         graph_from_record(record, workdir, name),

@@ -30,8 +30,9 @@ from omskills.records.parity import ParityReport, verdict_rank
 from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
 from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
-from omskills.runtime.batch_split import batch_split_for, open_onnxruntime
+from omskills.runtime.batch_split import batch_split_for
 from omskills.runtime.memory_estimate import plan_probe, probe_budget_bytes
+from omskills.runtime.onnxruntime_backend import open_onnxruntime
 from omskills.stages.model import open_model
 from omskills.stages.steps import (
     artifacts_of,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import onnx
 from google.protobuf.message import DecodeError
-from omskills.convert.onnx_io import all_tensors
 from omskills.errors import InputError
 from omskills.files import inside_without_links
+from omskills.onnxfiles.onnx_io import all_tensors
 from omskills.records.toolchain import ExternalDataInfo, OnnxSummary, OnnxTensorInfo
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 from onnx.external_data_helper import load_external_data_for_model

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import onnx
-from omskills.convert.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
+from omskills.onnxfiles.onnx_io import EXTERNAL_TENSOR_MIN_BYTES, released
 from omskills.records.deploy import external_data_path
 from onnx import TensorProto, helper
 
