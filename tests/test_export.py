@@ -148,7 +148,7 @@ def test_a_conversion_onnx_cannot_do_fails_with_the_reason(tmp_path):
 
 
 def test_a_model_too_big_for_protobuf_gets_one_external_data_file(tmp_path, monkeypatch):
-    from omskills.convert import onnx_io
+    from omskills.onnxfiles import onnx_io
 
     monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_THRESHOLD_BYTES", 0)  # every model counts as big
     mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))  # 16 KiB weights: external

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from omskills.convert import onnx_io
+from omskills.onnxfiles import onnx_io
 from omskills.onnxfiles.onnx_io import save_onnx_streamed
 from onnx import TensorProto, helper, numpy_helper
 
