@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/omskills: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -e '.[test,sam3,zoo]'
+	$(BIN)/pip install -e '.[test,sam3,zoo,fleet]'
 	# Huawei's auto_optimizer: its metadata pins onnxruntime<1.16; the API we use needs none of it.
 	$(BIN)/pip install --no-deps ait-surgeon==0.1.1
 	touch $@

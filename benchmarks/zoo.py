@@ -1,15 +1,17 @@
-"""Benchmark: every zoo model (examples/zoo/) through the whole adaptation, one process each.
+"""Benchmark: every zoo model (examples/zoo/) through the whole adaptation, through `omskills fleet`.
 
-For each model of `examples/zoo/index.yaml` (or those named): `omskills adapt` on its record in
-a fresh run folder, with the RSS of its whole process tree sampled every 0.5 s; then, in another
-fresh process, the deployed model loaded with `load_adapted` and run on the model's held-out
-inputs (another size than the task's, never seen by the adaptation), counting fallbacks. One
-row per model: the stage reached, the verdict, graphs deployed / graphs planned, fallbacks,
-the worst probe cosine, spliced/eager latency, emulated precision, the held-out run, wall, peak
-tree RSS, tracebacks seen, and for a failure its category and one line. The table is printed and
-appended, dated, to benchmarks/RESULTS.md (unless --no-results).
+The models of `examples/zoo/index.yaml` (or those named) run as Ray tasks of a local Ray instance
+(`omskills.orchestrator.fleet`), each `omskills adapt` in a fresh run folder with its process
+tree's memory sampled; `--one-at-a-time` gives the instance one CPU, so the same tasks run one
+after another (the baseline for the fleet's wall). Then, in another fresh process, each deployed
+model is loaded with `load_adapted` and run on the model's held-out inputs (another size than
+the task's, never seen by the adaptation), counting fallbacks. One row per model: the stage
+reached, the verdict, graphs deployed / graphs planned, fallbacks, the worst probe cosine,
+spliced/eager latency, emulated precision, the held-out run, wall, peak tree RSS, tracebacks
+seen, and for a failure its category and one line. The table is printed and appended, dated,
+to benchmarks/RESULTS.md (unless --no-results).
 
-    .venv/bin/python benchmarks/zoo.py [NAMES...] [--slice] [--out DIR] [--no-results] [--keep]
+    .venv/bin/python benchmarks/zoo.py [NAMES...] [--slice] [--one-at-a-time] [--out DIR] [--no-results] [--keep]
 """
 
 from __future__ import annotations
@@ -17,23 +19,20 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import yaml
-from _adapt_watch import ConsoleTracker, TreeSampler, tee
+from omskills.orchestrator.fleet import plan_jobs, run_adaptation, run_fleet
+from omskills.orchestrator.run_rows import AdaptationRow, cells, last_line
 from pydantic import BaseModel, ConfigDict, Field
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO = REPO / "examples" / "zoo"
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
-CLI = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
-TRACEBACK = "Traceback (most recent call last)"
 ADAPT_TIMEOUT_S = 3600
 
 
@@ -78,33 +77,9 @@ class HeldOut(BaseModel):
         )
 
 
-class ZooRow(BaseModel):
-    name: str
+class ZooRow(AdaptationRow):
     kind: str
-    exit_code: int
-    stage: str  # the last plan step that finished
-    verdict: str | None = None
-    deployed: int = 0  # graphs integrated (spliced, no fallback)
-    planned: int = 0  # graphs of the plan's first batch
-    fallbacks: int | None = None
-    worst_probe_cosine: float | None = None
-    latency_ratio: float | None = None
-    precision: str = "-"  # emulated precision over the deployed graphs
     held_out: HeldOut | None = None
-    wall_s: float = 0.0
-    peak_tree_gb: float | None = None
-    tracebacks: int = 0
-    failure: str | None = None  # "<category>: <one line>"
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.exit_code == 0
-            and self.verdict == "pass"
-            and self.deployed > 0
-            and self.fallbacks == 0
-            and self.tracebacks == 0
-        )
 
 
 HELD_OUT = """
@@ -127,126 +102,17 @@ def held_out_run(task: Path, overrides: dict[str, Any]) -> HeldOut:
         timeout=ADAPT_TIMEOUT_S,
     )
     if done.returncode != 0:
-        return HeldOut(ok=False, error=_last_line(done.stderr))
+        return HeldOut(ok=False, error=last_line(done.stderr))
     return HeldOut.model_validate_json(done.stdout.strip().splitlines()[-1])
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "no output"
-
-
-def adapt(model: ZooModel, out: Path, log: Path) -> tuple[int, float, float | None, str]:
-    """`omskills adapt` on the model's record, its tree's memory sampled; exit code, wall, peak GB, output."""
-    cmd = [sys.executable, "-c", CLI, "adapt", str(model.record), "--out", str(out)]
-    tracker = ConsoleTracker()
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        readers = [
-            threading.Thread(target=tee, args=(pipe, sink, tracker), daemon=True) for pipe in (proc.stdout, proc.stderr)
-        ]
-        sampler = TreeSampler(proc.pid, tracker)
-        for thread in (*readers, sampler):
-            thread.start()
-        try:
-            code = proc.wait(timeout=ADAPT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        wall = tracker.elapsed()
-        sampler.stop()
-        for thread in (*readers, sampler):
-            thread.join(timeout=10)
-    return code, wall, sampler.peak.tree_gb if sampler.peak else None, log.read_text(errors="replace")
-
-
-def _stage_reached(output: str) -> str:
-    done = re.findall(r"^\[(\d+)/(\d+)\] ([^:\n]+): ok", output, flags=re.M)
-    return done[-1][2] if done else "none"
-
-
-def _failure(code: int, output: str, row: ZooRow) -> str | None:
-    """The category of what went wrong and its one line (None: nothing did)."""
-    if code == 2:
-        return "input: " + _error_line(output)
-    failed = re.findall(r"^\[\d+/\d+\] [^:\n]+: FAILED in [\d.]+s — (.*)$", output, flags=re.M)
-    if failed:
-        return "step failed: " + failed[-1][:300]
-    if code != 0:
-        return "crash: " + _error_line(output)
-    if row.tracebacks:
-        return "traceback in the output (the run went on)"
-    if row.verdict != "pass":
-        return "parity: verdict " + str(row.verdict)
-    if not row.deployed:
-        return "nothing deployed"
-    if row.fallbacks:
-        return f"fallbacks: {row.fallbacks}"
-    return None
-
-
-def _error_line(output: str) -> str:
-    errors = [line for line in output.splitlines() if line.startswith("omskills: error:")]
-    return (errors[-1].removeprefix("omskills: error: ") if errors else _last_line(output))[:300]
-
-
-def _from_record(row: ZooRow, task: Path) -> None:
-    from omskills.records.task import load_record
-
-    record = load_record(task)
-    graphs = [g for name in (record.plan.first_batch if record.plan else []) for g in record.graphs(name)]
-    row.planned = len(graphs)
-    report = record.verification
-    if report is not None:
-        row.verdict, row.fallbacks, row.latency_ratio = (
-            report.verdict,
-            report.main_path.fallbacks,
-            report.main_path.latency_ratio,
-        )
-        row.deployed = sum(1 for c in report.candidates if c.status == "integrated")
-        deployed = [c.name for c in report.candidates if c.status == "integrated"]
-    else:
-        deployed = []
-    probes = [p for g in graphs if (p := record.toolchain_of(g).probes.get("original")) and p.worst_cosine is not None]
-    row.worst_probe_cosine = min((p.worst_cosine for p in probes), default=None)
-    row.precision = _precision_cell(record, deployed)
-
-
-def _precision_cell(record: Any, deployed: list[str]) -> str:
-    if not deployed:
-        return "-"
-    failed = [g for g in deployed if (s := record.stages.get(f"precision:{g}")) and s.status == "failed"]
-    modes = [record.toolchain_of(g).precision.chosen_mode for g in deployed if record.toolchain_of(g).precision]
-    cell = f"{len(modes)}/{len(deployed)} emulated"
-    if modes:
-        cell += " (" + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes)) + ")"
-    if failed:
-        cell += f"; failed: {', '.join(failed)}"
-    emulated = record.verification_emulated
-    if emulated is not None:
-        cell += f"; end to end {emulated.verdict}"
-    return cell
-
-
 def run_model(model: ZooModel, out: Path) -> ZooRow:
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    code, wall, peak, output = adapt(model, out, out.parent / f"{model.name}.log")
-    row = ZooRow(
-        name=model.name,
-        kind=model.kind,
-        exit_code=code,
-        stage=_stage_reached(output),
-        wall_s=round(wall, 1),
-        peak_tree_gb=round(peak, 2) if peak else None,
-        tracebacks=output.count(TRACEBACK),
-    )
-    if (out / "task.yaml").exists():
-        _from_record(row, out / "task.yaml")
+    """One model without Ray (the test suite's zoo slice): a fresh adaptation, then its held-out run."""
+    shutil.rmtree(out, ignore_errors=True)
+    [job] = plan_jobs([model.record], out.parent, None, [])
+    row = ZooRow(**run_adaptation(job.model_copy(update={"run": out.resolve()}), 1).row.model_dump(), kind=model.kind)
     if row.deployed:
         row.held_out = held_out_run(out / "task.yaml", model.held_out)
-    row.failure = _failure(code, output, row)
     return row
 
 
@@ -257,14 +123,9 @@ def markdown(rows: list[ZooRow], title: str) -> str:
     )
     lines = [f"### {title}", "", head, "|" + "---|" * 14]
     for r in rows:
-        cos = f"{r.worst_probe_cosine:.6f}" if r.worst_probe_cosine is not None else "-"
-        ratio = f"{r.latency_ratio:.2f}" if r.latency_ratio is not None else "-"
-        lines.append(
-            f"| {r.name} | {r.kind} | {r.stage} | {r.verdict or '-'} | {r.deployed} / {r.planned} "
-            f"| {r.fallbacks if r.fallbacks is not None else '-'} | {cos} | {ratio} | {r.precision} "
-            f"| {r.held_out.cell() if r.held_out else '-'} | {r.wall_s:.0f} | {r.peak_tree_gb or '-'} "
-            f"| {r.tracebacks} | {(r.failure or '-').replace('|', '/')} |"
-        )
+        shown = cells(r)
+        held = r.held_out.cell() if r.held_out else "-"
+        lines.append("| " + " | ".join([r.name, r.kind, *shown[:7], held, *shown[7:]]) + " |")
     passed = sum(r.passed for r in rows)
     served = sum(1 for r in rows if r.held_out and r.held_out.ok and r.held_out.fallbacks == 0)
     lines += [
@@ -286,22 +147,37 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="zoo models to run (default: all)")
     parser.add_argument("--slice", action="store_true", help="only the fast slice the test suite runs")
+    parser.add_argument("--one-at-a-time", action="store_true", help="a one-CPU Ray instance: one model at a time")
     parser.add_argument("--out", default=str(REPO / "runs" / "zoo"), help="parent of the run folders")
     parser.add_argument("--no-results", action="store_true", help="print the table only")
     parser.add_argument("--keep", action="store_true", help="keep each run's ONNX files and samples")
     ns = parser.parse_args()
+    out = Path(ns.out)
+    models = zoo_models(ns.names, ns.slice)
+    for model in models:  # fresh runs: a benchmark measures whole adaptations, not resumes
+        shutil.rmtree(out / model.name, ignore_errors=True)
+    jobs = plan_jobs([m.record for m in models], out, None, [])
+    load = _load()
+    report = run_fleet(jobs, local_cpus=1 if ns.one_at_a_time else None)
     rows = []
-    for model in zoo_models(ns.names, ns.slice):
-        print(f"== {model.name} ({model.kind})", flush=True)
-        row = run_model(model, Path(ns.out) / model.name)
+    for model, result in zip(models, report.results):
+        last = result.attempts[-1].row
+        row = ZooRow(**last.model_dump(), kind=model.kind)
+        if row.deployed:
+            row.held_out = held_out_run(out / model.name / "task.yaml", model.held_out)
         print(f"   {'pass' if row.passed else 'FAIL'}: {row.model_dump_json(exclude_none=True)}", flush=True)
         rows.append(row)
         if not ns.keep:
             for heavy in ("onnx", "samples", "om"):
-                shutil.rmtree(Path(ns.out) / model.name / heavy, ignore_errors=True)
-    table = markdown(rows, f"{len(rows)} zoo models, tiny inputs, one `omskills adapt` each (machine: {_load()})")
+                shutil.rmtree(out / model.name / heavy, ignore_errors=True)
+    how = "one at a time" if ns.one_at_a_time else f"{report.nodes} node(s), as many at once as CPUs and memory allow"
+    table = markdown(
+        rows,
+        f"{len(rows)} zoo models, tiny inputs, through `omskills fleet` ({how}): wall {report.wall_s:.0f} s "
+        f"(machine: {load})",
+    )
     print("\n" + table)
-    (Path(ns.out) / "zoo.json").write_text(json.dumps([r.model_dump() for r in rows], indent=1))
+    (out / "zoo.json").write_text(json.dumps([r.model_dump() for r in rows], indent=1))
     if not ns.no_results:
         append_results(table)
     return 0 if all(r.passed for r in rows) else 1

@@ -34,7 +34,13 @@ def _tool(ns: argparse.Namespace) -> int:
 
 def _load_subcommand_modules() -> None:
     # Each front-end module registers its commands with @command on import.
-    from omskills.orchestrator import commands, deploy_commands, driver_commands, job_commands  # noqa: F401
+    from omskills.orchestrator import (  # noqa: F401
+        commands,
+        deploy_commands,
+        driver_commands,
+        fleet_commands,
+        job_commands,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,10 +21,11 @@ def _override_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale")
     p.add_argument("--frames", type=int, help="override intake.inputs.frames (drivers whose inputs have frames)")
     p.add_argument("--source", help="override intake.model.source (a checkout path, or `package`)")
+    p.add_argument("--soc", help="override intake.target.soc (the Ascend SoC the ATC command targets)")
 
 
 def _with_overrides(record, base_dir: Path, ns: argparse.Namespace):
-    """Apply --scale/--frames/--source to the record in memory (the YAML file is not changed)."""
+    """Apply --scale/--frames/--source/--soc to the record in memory (the YAML file is not changed)."""
     from omskills.errors import InputError
     from omskills.models.registry import bind_intake, driver_for
 
@@ -36,6 +37,8 @@ def _with_overrides(record, base_dir: Path, ns: argparse.Namespace):
         record.intake.model.source = os.environ[driver.source_env]
     if ns.scale:
         record.intake.model.scale = ns.scale
+    if ns.soc:
+        record.intake.target.soc = ns.soc
     if ns.frames is not None:
         if "frames" not in driver.inputs_model.model_fields:
             raise InputError(f"--frames: the inputs of the {driver.family} driver have no frames field")

@@ -255,6 +255,9 @@ class ModelDriver(ABC):
     # and, when not empty, the only class names it reports.
     entry_methods: ClassVar[tuple[str, ...]] = ()
     entry_classes: ClassVar[tuple[str, ...]] = ()
+    # GB a whole adaptation of this model may take, per scale ("tiny", "full"): what `omskills fleet`
+    # asks Ray for before any run of it was measured (a scale's default where this says nothing).
+    adaptation_memory_gb: ClassVar[dict[str, float]] = {}
 
     # -- where the model comes from --------------------------------------------------------
 

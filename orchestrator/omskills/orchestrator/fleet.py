@@ -1,0 +1,383 @@
+"""Many adaptations at once: each the same resumable `omskills adapt`, in its own run folder, as a
+Ray task on a local Ray instance or on a cluster the user already has (`--address`).
+
+- Each task asks Ray for the memory its adaptation needs (`memory_request`), so Ray never packs
+  two that do not fit on one node; a task that fits no node fails at once, saying so.
+- A failed task is tried once more, on another node where there is one; its reason is kept.
+- Run folders live under one folder every worker reaches (a shared file system on a cluster);
+  a rerun with the same folder resumes each run (`adapt` skips the steps already done).
+- `--soc A B`: the first SoC's adaptation runs whole; each other SoC starts from a copy of that
+  run folder, so the study, exports and probes are shared and only the SoC's steps run again.
+
+Ray is an optional extra: `pip install -e '.[fleet]'`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from omskills.errors import InputError
+from pydantic import BaseModel, Field
+
+from .run_rows import HEADERS, AdaptationRow, cells, row_of_run
+
+RAY_MISSING = "omskills fleet needs Ray, an optional extra: pip install -e '.[fleet]'"
+CLI = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
+GB = 1e9
+# Without a measurement: what an adaptation of each scale may take (a tiny zoo model peaked at
+# 1.5-2.6 GB of process tree; a full-scale one at about 10 GB).
+SCALE_MEMORY_GB = {"tiny": 3.0, "full": 12.0}
+MEASURED_MARGIN = 1.25  # over a previous run's measured peak: inputs and load differ between runs
+# The study's peak is one process's; the adaptation runs the model again beside ONNX Runtime in its
+# tools' processes (export, probe, verify): twice that, as a rule of thumb.
+STUDY_FACTOR = 2.0
+ATTEMPTS = 2  # a failed task is tried once more
+FLEET_FOLDER = "fleet"  # inside a run folder: each attempt's log and measured peak
+
+
+class FleetJob(BaseModel):
+    name: str = Field(description="The run folder's name: the record's id, '-<soc>' when fanned out over SoCs.")
+    record: Path = Field(description="The task record (absolute).")
+    run: Path = Field(description="The run folder (absolute, where every worker reaches it).")
+    scale: str | None = Field(None, description="--scale given to adapt.")
+    soc: str | None = Field(None, description="--soc given to adapt.")
+    seed_from: Path | None = Field(None, description="A run folder this one starts as a copy of (the first SoC's).")
+    memory_gb: float = Field(description="The memory the task asks Ray for, GB.")
+    memory_from: str = Field(description="Where that figure comes from.")
+
+
+class Attempt(BaseModel):
+    number: int
+    node_id: str = Field(description="The Ray node that ran it ('' when the task never started).")
+    node_ip: str = Field("", description="The node's address, as Ray reports it.")
+    started: float = Field(0.0, description="When it started on its node (seconds since the epoch).")
+    ended: float = Field(0.0, description="When it ended (seconds since the epoch).")
+    log: str = Field("", description="The attempt's console output, relative to the run folder.")
+    row: AdaptationRow
+
+
+class FleetResult(BaseModel):
+    job: FleetJob
+    attempts: list[Attempt] = Field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1].row.passed
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.passed or not self.attempts else self.attempts[-1].row.failure
+
+
+class FleetReport(BaseModel):
+    address: str = Field(description="The Ray cluster ('local': an instance started for this run).")
+    nodes: int
+    started: str
+    wall_s: float
+    results: list[FleetResult]
+
+    def markdown(self, title: str) -> str:
+        head = ["run", *HEADERS[:-1], "attempts (node)", HEADERS[-1]]
+        lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for result in self.results:
+            row = result.attempts[-1].row if result.attempts else None
+            shown = cells(row) if row else ["not run"] + ["-"] * (len(HEADERS) - 1)
+            tried = ", ".join(f"{a.number} ({a.node_ip or '-'} {a.node_id[:8]})" for a in result.attempts) or "-"
+            lines.append("| " + " | ".join([result.job.name, *shown[:-1], tried, shown[-1]]) + " |")
+        passed = sum(r.passed for r in self.results)
+        lines += ["", f"{passed} of {len(self.results)} pass; wall {self.wall_s:.0f} s on {self.nodes} node(s)."]
+        return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def memory_request(record: Path, run: Path, scale: str | None) -> tuple[float, str]:
+    """GB to ask for, and why: a previous run's measured peak, else the study's, else the
+    driver's estimate, else the scale's."""
+    measured = [json.loads(p.read_text())["peak_tree_gb"] for p in sorted((run / FLEET_FOLDER).glob("peak-*.json"))]
+    measured = [m for m in measured if m]
+    if measured:
+        return round(max(measured) * MEASURED_MARGIN, 2), f"measured peak {max(measured):.2f} GB of a previous run"
+    study = _study_peak_gb(run)
+    if study:
+        return round(study * STUDY_FACTOR, 2), f"twice the study's measured peak ({study:.2f} GB)"
+    from omskills.models.registry import driver_for
+    from omskills.records.task import load_record
+
+    spec = load_record(record).intake.model
+    chosen = scale or spec.scale
+    driver = driver_for(spec, record.parent)
+    estimate = driver.adaptation_memory_gb.get(chosen)
+    if estimate:
+        return estimate, f"the {driver.family} driver's estimate for scale {chosen}"
+    return SCALE_MEMORY_GB[chosen], f"default for scale {chosen}"
+
+
+def _study_peak_gb(run: Path) -> float | None:
+    task = run / "task.yaml"
+    if not task.is_file():
+        return None
+    from omskills.records.main_path import MainPathReport
+    from omskills.records.task import load_record
+
+    study = load_record(task).study
+    report = run / study.main_path_json if study else None
+    if report is None or not report.is_file():
+        return None
+    return MainPathReport.model_validate_json(report.read_text()).peak_rss_mb / 1024
+
+
+def plan_jobs(records: Sequence[Path], out: Path, scale: str | None, socs: Sequence[str]) -> list[FleetJob]:
+    """One job per record, or per record and SoC; run folders `out/<id>[-<soc>]`."""
+    from omskills.records.task import load_record
+
+    jobs: list[FleetJob] = []
+    for record in records:
+        record = record.resolve()
+        if not record.is_file():
+            raise InputError(f"task record not found: {record}")
+        ident = load_record(record).id
+        leader: Path | None = None
+        for soc in socs or [None]:
+            name = f"{ident}-{soc}" if soc else ident
+            run = (out / name).resolve()
+            memory, why = memory_request(record, leader or run, scale)
+            jobs.append(
+                FleetJob(
+                    name=name,
+                    record=record,
+                    run=run,
+                    scale=scale,
+                    soc=soc,
+                    seed_from=leader,
+                    memory_gb=memory,
+                    memory_from=why,
+                )
+            )
+            leader = leader or run
+    names = [job.name for job in jobs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InputError(f"two records share the id(s) {twice}: each run folder is named after its record's id")
+    return jobs
+
+
+def zoo_records(names: Sequence[str], zoo_index: Path) -> list[Path]:
+    """The zoo's task records (all, or those named), from the checkout's index."""
+    import yaml
+
+    if not zoo_index.is_file():
+        raise InputError(f"--zoo: no zoo index at {zoo_index} (the zoo ships with the checkout)")
+    known = [entry["name"] for entry in yaml.safe_load(zoo_index.read_text())["models"]]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise InputError(f"--zoo: no zoo model named {', '.join(unknown)}; known: {', '.join(known)}")
+    return [zoo_index.parent / f"{name}.yaml" for name in known if not names or name in names]
+
+
+# --------------------------------------------------------------------------- one attempt (on a worker)
+
+
+def adapt_attempt(job: FleetJob, number: int, events) -> Attempt:
+    """The Ray task: says on `events` that it started on this node, then runs the adaptation."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    events.put(("running", job.name, number, node_id))
+    return run_adaptation(job, number, node_id)
+
+
+def run_adaptation(job: FleetJob, number: int, node_id: str = "local") -> Attempt:
+    """`omskills adapt` on the job's record in its run folder, the process tree's memory sampled.
+    Its console output goes to `<run>/fleet/attempt-<n>.log`."""
+    if job.seed_from is not None and not (job.run / "task.yaml").exists():
+        shutil.copytree(job.seed_from, job.run, symlinks=True, dirs_exist_ok=True)
+    folder = job.run / FLEET_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / f"attempt-{number}.log"
+    command = [sys.executable, "-c", CLI, "adapt", str(job.record), "--out", str(job.run)]
+    command += [*(["--scale", job.scale] if job.scale else []), *(["--soc", job.soc] if job.soc else [])]
+    started, began = time.perf_counter(), time.time()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        sampler = TreePeak(proc.pid)
+        sampler.start()
+        code = proc.wait()
+        sampler.stop()
+    wall = time.perf_counter() - started
+    (folder / f"peak-{number}.json").write_text(json.dumps({"peak_tree_gb": sampler.peak_gb}))
+    output = log.read_text(errors="replace")
+    row = row_of_run(job.name, job.run, code, output, wall, sampler.peak_gb)
+    return Attempt(
+        number=number,
+        node_id=node_id,
+        started=began,
+        ended=time.time(),
+        log=log.relative_to(job.run).as_posix(),
+        row=row,
+    )
+
+
+class TreePeak(threading.Thread):
+    """The peak RSS of a process and all its children, sampled every half second."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_gb, self._stop_event = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self._stop_event.wait(0.5):
+            try:
+                root = psutil.Process(self.pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            rss = 0
+            for proc in tree:
+                try:
+                    rss += proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_gb = max(self.peak_gb, rss / GB)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+# --------------------------------------------------------------------------- the fleet (the driver side)
+
+State = Literal["waiting", "running", "passed", "failed"]
+
+
+class Board:
+    """The live count, and one line per change of a task's state."""
+
+    def __init__(self, jobs: Sequence[FleetJob], echo: Callable[[str], None]) -> None:
+        self.states: dict[str, State] = {job.name: "waiting" for job in jobs}
+        self.echo = echo
+
+    def move(self, name: str, state: State, what: str) -> None:
+        self.states[name] = state
+        counts = {s: list(self.states.values()).count(s) for s in ("running", "passed", "failed", "waiting")}
+        count = ", ".join(f"{n} {s}" for s, n in counts.items())
+        self.echo(f"[fleet] {name}: {what} | {count}")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise InputError(RAY_MISSING) from None
+    return ray
+
+
+def run_fleet(
+    jobs: Sequence[FleetJob],
+    *,
+    address: str | None = None,
+    local_cpus: int | None = None,
+    echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> FleetReport:
+    """Every job as a Ray task; a failed one tried once more on another node. Blocks until all end."""
+    ray = import_ray()
+    from ray.util.queue import Empty, Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    started, clock = dt.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
+    options = {"address": address} if address else {"num_cpus": local_cpus, "include_dashboard": False}
+    ray.init(logging_level="ERROR", log_to_driver=False, **options)
+    try:
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+        largest = max(n["Resources"].get("memory", 0) for n in nodes)
+        events = Queue(actor_options={"num_cpus": 0})
+        board = Board(jobs, echo)
+        results = {job.name: FleetResult(job=job) for job in jobs}
+        followers = {job.name: [f for f in jobs if f.seed_from == job.run] for job in jobs}
+        pending: dict = {}
+
+        def submit(job: FleetJob, number: int, avoid: str | None = None) -> None:
+            if job.memory_gb * GB > largest:
+                why = f"needs {job.memory_gb:.1f} GB ({job.memory_from}); the largest node offers {largest / GB:.1f} GB"
+                row = AdaptationRow(name=job.name, exit_code=-1, stage="none", failure=f"memory: {why}")
+                finish(job, Attempt(number=number, node_id="", row=row))
+                return
+            others = [n["NodeID"] for n in nodes if n["NodeID"] != avoid]
+            strategy = NodeAffinitySchedulingStrategy(others[0], soft=True) if avoid and others else "DEFAULT"
+            task = ray.remote(adapt_attempt).options(
+                num_cpus=1, memory=int(job.memory_gb * GB), max_retries=0, scheduling_strategy=strategy
+            )
+            pending[task.remote(job, number, events)] = (job, number)
+            how = f" on another node than {avoid[:8]}" if avoid else ""
+            board.move(job.name, "waiting", f"attempt {number} asks {job.memory_gb:.1f} GB ({job.memory_from}){how}")
+
+        def finish(job: FleetJob, attempt: Attempt) -> None:
+            attempt.node_ip = ip_of.get(attempt.node_id, "")
+            results[job.name].attempts.append(attempt)
+            where = f" on {attempt.node_ip} ({attempt.node_id[:8]})" if attempt.node_id else ""
+            if attempt.row.passed:
+                board.move(job.name, "passed", f"passed{where} in {attempt.row.wall_s:.0f} s")
+            elif attempt.number < ATTEMPTS and attempt.node_id:
+                board.move(job.name, "waiting", f"failed{where}: {attempt.row.failure}; trying again")
+                submit(job, attempt.number + 1, avoid=attempt.node_id)
+                return
+            else:
+                board.move(
+                    job.name, "failed", f"failed{where} after {attempt.number} attempt(s): {attempt.row.failure}"
+                )
+            for follower in followers[job.name]:
+                submit(follower, 1)
+
+        for job in jobs:
+            if job.seed_from is None:
+                submit(job, 1)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            while True:
+                try:
+                    _, name, number, node_id = events.get_nowait()
+                except Empty:
+                    break
+                board.move(name, "running", f"attempt {number} running on {ip_of.get(node_id)} ({node_id[:8]})")
+            for ref in ready:
+                job, number = pending.pop(ref)
+                try:
+                    attempt = ray.get(ref)
+                except ray.exceptions.RayError as err:  # the worker died (killed for memory, a node lost)
+                    row = AdaptationRow(name=job.name, exit_code=-1, stage="none", failure=f"worker: {err}"[:300])
+                    attempt = Attempt(number=number, node_id="?", row=row)
+                finish(job, attempt)
+        return FleetReport(
+            address=address or "local",
+            nodes=len(nodes),
+            started=started,
+            wall_s=round(time.perf_counter() - clock, 1),
+            results=[results[job.name] for job in jobs],
+        )
+    finally:
+        ray.shutdown()
+
+
+def write_report(report: FleetReport, out: Path) -> tuple[Path, Path]:
+    """fleet.json (every attempt) and fleet.md (the table) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    data, table = out / "fleet.json", out / "fleet.md"
+    data.write_text(report.model_dump_json(indent=1))
+    table.write_text(report.markdown(f"{len(report.results)} adaptations through `omskills fleet`"))
+    return data, table
