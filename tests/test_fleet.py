@@ -209,3 +209,21 @@ def test_without_ray_fleet_says_how_to_install_it_in_one_line(records):
         result.stderr.strip()
         == "omskills: error: omskills fleet needs Ray, an optional extra: pip install -e '.[fleet]'"
     )
+
+
+def test_soc_fan_out_shares_the_first_socs_study_and_redoes_only_what_the_soc_changes(cluster, records, tmp_path):
+    address, env = cluster
+    result = fleet(
+        str(records[0]), "--soc", "Ascend910B4", "Ascend310P3", "--address", address, "--out", str(tmp_path), env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = (
+        yaml.safe_load((tmp_path / f"toy-a-{soc}" / "task.yaml").read_text()) for soc in ("Ascend910B4", "Ascend310P3")
+    )
+    assert (first["intake"]["target"]["soc"], second["intake"]["target"]["soc"]) == ("Ascend910B4", "Ascend310P3")
+    for step in ("study", "plan", *(k for k in first["stages"] if k.startswith(("export:", "probe:")))):
+        assert second["stages"][step]["finished"] == first["stages"][step]["finished"], step
+    graphs = [k.removeprefix("atc:") for k in second["stages"] if k.startswith("atc:")]
+    assert graphs and all(second["toolchain"][g]["precheck"]["soc"] == "Ascend310P3" for g in graphs)
+    scripts = list((tmp_path / "toy-a-Ascend310P3" / "om").rglob("convert_*.sh"))
+    assert scripts and all("--soc_version=Ascend310P3" in s.read_text() for s in scripts)

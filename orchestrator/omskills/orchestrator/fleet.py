@@ -215,8 +215,15 @@ def run_adaptation(job: FleetJob, number: int, node_id: str = "local") -> Attemp
         )
         sampler = TreePeak(proc.pid)
         sampler.start()
-        code = proc.wait()
-        sampler.stop()
+        try:
+            code = proc.wait()
+        except BaseException:  # the task was cancelled (Ray raises KeyboardInterrupt in it)
+            from omskills.host.parent_watch import end_descendants
+
+            end_descendants()  # this worker's only children: the adaptation's process tree
+            raise
+        finally:
+            sampler.stop()
     wall = time.perf_counter() - started
     (folder / f"peak-{number}.json").write_text(json.dumps({"peak_tree_gb": sampler.peak_gb}))
     output = log.read_text(errors="replace")
@@ -294,84 +301,113 @@ def run_fleet(
     local_cpus: int | None = None,
     echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> FleetReport:
-    """Every job as a Ray task; a failed one tried once more on another node. Blocks until all end."""
+    """Every job as a Ray task; a failed one tried once more on another node. Blocks until all end;
+    an interrupt cancels the tasks still pending or running."""
     ray = import_ray()
-    from ray.util.queue import Empty, Queue
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     started, clock = dt.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
     options = {"address": address} if address else {"num_cpus": local_cpus, "include_dashboard": False}
     ray.init(logging_level="ERROR", log_to_driver=False, **options)
     try:
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
-        largest = max(n["Resources"].get("memory", 0) for n in nodes)
-        events = Queue(actor_options={"num_cpus": 0})
-        board = Board(jobs, echo)
-        results = {job.name: FleetResult(job=job) for job in jobs}
-        followers = {job.name: [f for f in jobs if f.seed_from == job.run] for job in jobs}
-        pending: dict = {}
-
-        def submit(job: FleetJob, number: int, avoid: str | None = None) -> None:
-            if job.memory_gb * GB > largest:
-                why = f"needs {job.memory_gb:.1f} GB ({job.memory_from}); the largest node offers {largest / GB:.1f} GB"
-                row = AdaptationRow(name=job.name, exit_code=-1, stage="none", failure=f"memory: {why}")
-                finish(job, Attempt(number=number, node_id="", row=row))
-                return
-            others = [n["NodeID"] for n in nodes if n["NodeID"] != avoid]
-            strategy = NodeAffinitySchedulingStrategy(others[0], soft=True) if avoid and others else "DEFAULT"
-            task = ray.remote(adapt_attempt).options(
-                num_cpus=1, memory=int(job.memory_gb * GB), max_retries=0, scheduling_strategy=strategy
-            )
-            pending[task.remote(job, number, events)] = (job, number)
-            how = f" on another node than {avoid[:8]}" if avoid else ""
-            board.move(job.name, "waiting", f"attempt {number} asks {job.memory_gb:.1f} GB ({job.memory_from}){how}")
-
-        def finish(job: FleetJob, attempt: Attempt) -> None:
-            attempt.node_ip = ip_of.get(attempt.node_id, "")
-            results[job.name].attempts.append(attempt)
-            where = f" on {attempt.node_ip} ({attempt.node_id[:8]})" if attempt.node_id else ""
-            if attempt.row.passed:
-                board.move(job.name, "passed", f"passed{where} in {attempt.row.wall_s:.0f} s")
-            elif attempt.number < ATTEMPTS and attempt.node_id:
-                board.move(job.name, "waiting", f"failed{where}: {attempt.row.failure}; trying again")
-                submit(job, attempt.number + 1, avoid=attempt.node_id)
-                return
-            else:
-                board.move(
-                    job.name, "failed", f"failed{where} after {attempt.number} attempt(s): {attempt.row.failure}"
-                )
-            for follower in followers[job.name]:
-                submit(follower, 1)
-
-        for job in jobs:
-            if job.seed_from is None:
-                submit(job, 1)
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-            while True:
-                try:
-                    _, name, number, node_id = events.get_nowait()
-                except Empty:
-                    break
-                board.move(name, "running", f"attempt {number} running on {ip_of.get(node_id)} ({node_id[:8]})")
-            for ref in ready:
-                job, number = pending.pop(ref)
-                try:
-                    attempt = ray.get(ref)
-                except ray.exceptions.RayError as err:  # the worker died (killed for memory, a node lost)
-                    row = AdaptationRow(name=job.name, exit_code=-1, stage="none", failure=f"worker: {err}"[:300])
-                    attempt = Attempt(number=number, node_id="?", row=row)
-                finish(job, attempt)
+        fleet = _Fleet(ray, jobs, Board(jobs, echo))
+        fleet.run()
         return FleetReport(
             address=address or "local",
-            nodes=len(nodes),
+            nodes=len(fleet.nodes),
             started=started,
             wall_s=round(time.perf_counter() - clock, 1),
-            results=[results[job.name] for job in jobs],
+            results=[fleet.results[job.name] for job in jobs],
         )
     finally:
         ray.shutdown()
+
+
+class _Fleet:
+    """The driver side of one fleet run: submits, collects, retries, starts the SoC followers."""
+
+    def __init__(self, ray, jobs: Sequence[FleetJob], board: Board) -> None:
+        from ray.util.queue import Queue
+
+        self.ray, self.board = ray, board
+        self.nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        self.largest = max(n["Resources"].get("memory", 0) for n in self.nodes.values())
+        self.events = Queue(actor_options={"num_cpus": 0})  # "started on node N", from the tasks
+        self.jobs = jobs
+        self.results = {job.name: FleetResult(job=job) for job in jobs}
+        self.pending: dict = {}  # Ray object ref -> (job, attempt number)
+
+    def run(self) -> None:
+        for job in self.jobs:
+            if job.seed_from is None:
+                self.submit(job, 1)
+        try:
+            while self.pending:
+                ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=1.0)
+                self.show_started()
+                for ref in ready:
+                    job, number = self.pending.pop(ref)
+                    self.finish(job, self.collect(ref, number, job))
+        except KeyboardInterrupt:
+            for ref in self.pending:
+                self.ray.cancel(ref)  # the task ends its adaptation's process tree (run_adaptation)
+            raise
+
+    def submit(self, job: FleetJob, number: int, avoid: str | None = None) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if job.memory_gb * GB > self.largest:
+            offers = f"the largest node offers {self.largest / GB:.1f} GB"
+            row = AdaptationRow(
+                name=job.name, exit_code=-1, stage="none", failure=f"memory: needs {job.memory_gb:.1f} GB "
+                f"({job.memory_from}); {offers}"
+            )  # fmt: skip
+            self.finish(job, Attempt(number=number, node_id="", row=row))
+            return
+        others = [node for node in self.nodes if node != avoid]
+        strategy = NodeAffinitySchedulingStrategy(others[0], soft=True) if avoid and others else "DEFAULT"
+        task = self.ray.remote(adapt_attempt).options(
+            num_cpus=1, memory=int(job.memory_gb * GB), max_retries=0, scheduling_strategy=strategy
+        )
+        self.pending[task.remote(job, number, self.events)] = (job, number)
+        how = f" on another node than {avoid[:8]}" if avoid else ""
+        self.board.move(job.name, "waiting", f"attempt {number} asks {job.memory_gb:.1f} GB ({job.memory_from}){how}")
+
+    def collect(self, ref, number: int, job: FleetJob) -> Attempt:
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayError as err:  # the worker died (killed for memory, a node lost)
+            row = AdaptationRow(name=job.name, exit_code=-1, stage="none", failure=f"worker: {err}"[:300])
+            return Attempt(number=number, node_id="", row=row)
+
+    def show_started(self) -> None:
+        from ray.util.queue import Empty
+
+        while True:
+            try:
+                _, name, number, node_id = self.events.get_nowait()
+            except Empty:
+                return
+            self.board.move(name, "running", f"attempt {number} running on {self.address_of(node_id)} ({node_id[:8]})")
+
+    def address_of(self, node_id: str) -> str:
+        return self.nodes[node_id]["NodeManagerAddress"] if node_id in self.nodes else ""
+
+    def finish(self, job: FleetJob, attempt: Attempt) -> None:
+        attempt.node_ip = self.address_of(attempt.node_id)
+        self.results[job.name].attempts.append(attempt)
+        where = f" on {attempt.node_ip} ({attempt.node_id[:8]})" if attempt.node_id else ""
+        if attempt.row.passed:
+            self.board.move(job.name, "passed", f"passed{where} in {attempt.row.wall_s:.0f} s")
+        elif attempt.number < ATTEMPTS and not (attempt.row.failure or "").startswith("memory:"):
+            self.board.move(job.name, "waiting", f"failed{where}: {attempt.row.failure}; trying again")
+            self.submit(job, attempt.number + 1, avoid=attempt.node_id or None)
+            return
+        else:
+            tries = f"{attempt.number} attempt(s)"
+            self.board.move(job.name, "failed", f"failed{where} after {tries}: {attempt.row.failure}")
+        for follower in (f for f in self.jobs if f.seed_from == job.run):
+            # Asked for what the run it starts from measured, now that it has run.
+            memory, why = memory_request(follower.record, job.run, follower.scale)
+            self.submit(follower.model_copy(update={"memory_gb": memory, "memory_from": why}), 1)
 
 
 def write_report(report: FleetReport, out: Path) -> tuple[Path, Path]:
