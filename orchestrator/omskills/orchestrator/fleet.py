@@ -14,15 +14,18 @@ Ray is an optional extra: `pip install -e '.[fleet]'`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -102,9 +105,9 @@ class FleetReport(BaseModel):
 # --------------------------------------------------------------------------- jobs
 
 
-def memory_request(record: Path, run: Path, scale: str | None) -> tuple[float, str]:
-    """GB to ask for, and why: a previous run's measured peak, else the study's, else the
-    driver's estimate, else the scale's."""
+def memory_request(record: Path, run: Path, scale: str | None, unmeasured_gb: float | None = None) -> tuple[float, str]:
+    """GB to ask for, and why: a previous run's measured peak, else the study's, else
+    `unmeasured_gb` (the user's figure), else the driver's estimate, else the scale's."""
     measured = [json.loads(p.read_text())["peak_tree_gb"] for p in sorted((run / FLEET_FOLDER).glob("peak-*.json"))]
     measured = [m for m in measured if m]
     if measured:
@@ -112,6 +115,8 @@ def memory_request(record: Path, run: Path, scale: str | None) -> tuple[float, s
     study = _study_peak_gb(run)
     if study:
         return round(study * STUDY_FACTOR, 2), f"twice the study's measured peak ({study:.2f} GB)"
+    if unmeasured_gb:
+        return unmeasured_gb, "--memory-gb"
     from omskills.models.registry import driver_for
     from omskills.records.task import load_record
 
@@ -138,7 +143,13 @@ def _study_peak_gb(run: Path) -> float | None:
     return MainPathReport.model_validate_json(report.read_text()).peak_rss_mb / 1024
 
 
-def plan_jobs(records: Sequence[Path], out: Path, scale: str | None, socs: Sequence[str]) -> list[FleetJob]:
+def plan_jobs(
+    records: Sequence[Path],
+    out: Path,
+    scale: str | None,
+    socs: Sequence[str],
+    unmeasured_gb: float | None = None,
+) -> list[FleetJob]:
     """One job per record, or per record and SoC; run folders `out/<id>[-<soc>]`."""
     from omskills.records.task import load_record
 
@@ -152,7 +163,7 @@ def plan_jobs(records: Sequence[Path], out: Path, scale: str | None, socs: Seque
         for soc in socs or [None]:
             name = f"{ident}-{soc}" if soc else ident
             run = (out / name).resolve()
-            memory, why = memory_request(record, leader or run, scale)
+            memory, why = memory_request(record, leader or run, scale, unmeasured_gb)
             jobs.append(
                 FleetJob(
                     name=name,
@@ -286,12 +297,17 @@ class Board:
         self.echo(f"[fleet] {name}: {what} | {count}")
 
 
-def import_ray():
+def require_ray() -> None:
+    """Says how to install Ray when it is missing (without importing it: Ray reads its
+    authentication settings once, on import)."""
+    import importlib.util
+
     try:
-        import ray
-    except ImportError:
-        raise InputError(RAY_MISSING) from None
-    return ray
+        found = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # ValueError: a module entry set to None
+        found = False
+    if not found:
+        raise InputError(RAY_MISSING)
 
 
 def run_fleet(
@@ -303,22 +319,44 @@ def run_fleet(
 ) -> FleetReport:
     """Every job as a Ray task; a failed one tried once more on another node. Blocks until all end;
     an interrupt cancels the tasks still pending or running."""
-    ray = import_ray()
+    require_ray()
     started, clock = dt.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
     options = {"address": address} if address else {"num_cpus": local_cpus, "include_dashboard": False}
-    ray.init(logging_level="ERROR", log_to_driver=False, **options)
-    try:
-        fleet = _Fleet(ray, jobs, Board(jobs, echo))
-        fleet.run()
-        return FleetReport(
-            address=address or "local",
-            nodes=len(fleet.nodes),
-            started=started,
-            wall_s=round(time.perf_counter() - clock, 1),
-            results=[fleet.results[job.name] for job in jobs],
-        )
-    finally:
-        ray.shutdown()
+    with _local_auth_token(address):
+        import ray  # after the token settings: Ray reads them on import
+
+        ray.init(logging_level="ERROR", log_to_driver=False, **options)
+        try:
+            fleet = _Fleet(ray, jobs, Board(jobs, echo))
+            fleet.run()
+            return FleetReport(
+                address=address or "local",
+                nodes=len(fleet.nodes),
+                started=started,
+                wall_s=round(time.perf_counter() - clock, 1),
+                results=[fleet.results[job.name] for job in jobs],
+            )
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def _local_auth_token(address: str | None) -> Iterator[None]:
+    """A local instance authenticates with a token of its own (Ray would otherwise write one to
+    ~/.ray), kept in a private temporary folder while the instance lives (its processes read it
+    when they start). A cluster (`address`) or a user's own RAY_AUTH_* settings are left alone."""
+    if address or any(key.startswith("RAY_AUTH") for key in os.environ):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="omskills-ray-") as folder:
+        token = Path(folder) / "token"
+        token.write_text(secrets.token_hex(32))
+        os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+        try:
+            yield
+        finally:
+            for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):
+                os.environ.pop(key, None)
 
 
 class _Fleet:
@@ -406,7 +444,7 @@ class _Fleet:
             self.board.move(job.name, "failed", f"failed{where} after {tries}: {attempt.row.failure}")
         for follower in (f for f in self.jobs if f.seed_from == job.run):
             # Asked for what the run it starts from measured, now that it has run.
-            memory, why = memory_request(follower.record, job.run, follower.scale)
+            memory, why = memory_request(follower.record, job.run, follower.scale, follower.memory_gb)
             self.submit(follower.model_copy(update={"memory_gb": memory, "memory_from": why}), 1)
 
 

@@ -19,6 +19,12 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/fleet", help="parent of the run folders, on a path every worker reaches")
     p.add_argument("--scale", choices=["tiny", "full"], help="override intake.model.scale of every record")
     p.add_argument("--soc", nargs="+", default=[], help="adapt each record for these SoCs (the study shared)")
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        help="what a task asks Ray for when no run of it was measured (default: the driver's estimate, "
+        "else 3 GB for a tiny scale, 12 GB for a full one)",
+    )
 
 
 @command("fleet", _fleet_args)
@@ -27,16 +33,18 @@ def _fleet(ns: argparse.Namespace) -> int:
     from omskills.errors import InputError
     from omskills.host.toolkit import repo_root
 
-    from .fleet import import_ray, plan_jobs, run_fleet, write_report, zoo_records
+    from .fleet import plan_jobs, require_ray, run_fleet, write_report, zoo_records
 
-    import_ray()  # says how to install Ray before any record is read
+    require_ray()  # says how to install Ray before any record is read
     records = [Path(r) for r in ns.records]
     if ns.zoo is not None:
         records += zoo_records(ns.zoo, repo_root() / "examples" / "zoo" / "index.yaml")
     if not records:
         raise InputError("name task records, or --zoo")
     out = Path(ns.out).resolve()
-    jobs = plan_jobs(records, out, ns.scale, ns.soc)
+    if ns.memory_gb is not None and ns.memory_gb <= 0:
+        raise InputError(f"--memory-gb: {ns.memory_gb} is not a positive number of GB")
+    jobs = plan_jobs(records, out, ns.scale, ns.soc, ns.memory_gb)
     report = run_fleet(jobs, address=ns.address, local_cpus=ns.cpus)
     data, table = write_report(report, out)
     print(table.read_text())
