@@ -129,17 +129,20 @@ def finished_steps(run: Path) -> dict[str, str]:
     return {k: v["finished"] for k, v in stages.items() if v["status"] == "done" and k.startswith(STEPS_KEPT_ON_RESUME)}
 
 
-def test_without_an_address_a_local_ray_instance_runs_the_fleet_with_a_token_of_its_own(records, tmp_path):
+def test_without_an_address_a_local_ray_instance_runs_one_task_per_cpu_with_a_token_of_its_own(records, tmp_path):
     # First in the file: the module's cluster is not up yet, so this instance is the only one.
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
-    result = fleet(str(records[0]), "--cpus", "1", "--memory-gb", "2", "--out", str(tmp_path / "out"), env=env)
+    two = [str(records[0]), str(records[1])]
+    result = fleet(*two, "--cpus", "1", "--memory-gb", "2", "--out", str(tmp_path / "out"), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "fleet.json").read_text())
     assert report["address"] == "local" and report["nodes"] == 1
-    [entry] = report["results"]
-    assert entry["job"]["memory_from"] == "--memory-gb" and entry["attempts"][0]["row"]["verdict"] == "pass"
+    assert all(r["job"]["memory_from"] == "--memory-gb" for r in report["results"])
+    assert all(r["attempts"][0]["row"]["verdict"] == "pass" for r in report["results"])
+    first, second = sorted((r["attempts"][0]["started"], r["attempts"][0]["ended"]) for r in report["results"])
+    assert second[0] >= first[1], "two tasks ran at once on one CPU"
     assert not (home / ".ray").exists(), "Ray wrote its token into the user's home"
 
 

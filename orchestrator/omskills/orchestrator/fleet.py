@@ -200,12 +200,13 @@ def zoo_records(names: Sequence[str], zoo_index: Path) -> list[Path]:
 # --------------------------------------------------------------------------- one attempt (on a worker)
 
 
-def adapt_attempt(job: FleetJob, number: int, events) -> Attempt:
-    """The Ray task: says on `events` that it started on this node, then runs the adaptation."""
+def adapt_attempt(job: FleetJob, number: int, starts) -> Attempt:
+    """The Ray task: tells the `StartLog` actor it started on this node, then runs the adaptation."""
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    events.put(("running", job.name, number, node_id))
+    # Not waited for: a task blocked in ray.get gives its CPU back and Ray starts another beside it.
+    starts.started.remote(job.name, number, node_id)
     return run_adaptation(job, number, node_id)
 
 
@@ -359,16 +360,28 @@ def _local_auth_token(address: str | None) -> Iterator[None]:
                 os.environ.pop(key, None)
 
 
+class StartLog:
+    """A Ray actor: each task says here that it started; the driver takes what is new."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[str, int, str]] = []
+
+    def started(self, name: str, number: int, node_id: str) -> None:
+        self.starts.append((name, number, node_id))
+
+    def take(self) -> list[tuple[str, int, str]]:
+        taken, self.starts = self.starts, []
+        return taken
+
+
 class _Fleet:
     """The driver side of one fleet run: submits, collects, retries, starts the SoC followers."""
 
     def __init__(self, ray, jobs: Sequence[FleetJob], board: Board) -> None:
-        from ray.util.queue import Queue
-
         self.ray, self.board = ray, board
         self.nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         self.largest = max(n["Resources"].get("memory", 0) for n in self.nodes.values())
-        self.events = Queue(actor_options={"num_cpus": 0})  # "started on node N", from the tasks
+        self.starts = ray.remote(num_cpus=0)(StartLog).remote()
         self.jobs = jobs
         self.results = {job.name: FleetResult(job=job) for job in jobs}
         self.pending: dict = {}  # Ray object ref -> (job, attempt number)
@@ -380,10 +393,10 @@ class _Fleet:
         try:
             while self.pending:
                 ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=1.0)
-                self.show_started()
-                for ref in ready:
+                for ref in ready:  # ends first: a task that starts as another ends is not counted twice
                     job, number = self.pending.pop(ref)
                     self.finish(job, self.collect(ref, number, job))
+                self.show_started()
         except KeyboardInterrupt:
             for ref in self.pending:
                 self.ray.cancel(ref)  # the task ends its adaptation's process tree (run_adaptation)
@@ -405,7 +418,7 @@ class _Fleet:
         task = self.ray.remote(adapt_attempt).options(
             num_cpus=1, memory=int(job.memory_gb * GB), max_retries=0, scheduling_strategy=strategy
         )
-        self.pending[task.remote(job, number, self.events)] = (job, number)
+        self.pending[task.remote(job, number, self.starts)] = (job, number)
         how = f" on another node than {avoid[:8]}" if avoid else ""
         self.board.move(job.name, "waiting", f"attempt {number} asks {job.memory_gb:.1f} GB ({job.memory_from}){how}")
 
@@ -417,13 +430,9 @@ class _Fleet:
             return Attempt(number=number, node_id="", row=row)
 
     def show_started(self) -> None:
-        from ray.util.queue import Empty
-
-        while True:
-            try:
-                _, name, number, node_id = self.events.get_nowait()
-            except Empty:
-                return
+        for name, number, node_id in self.ray.get(self.starts.take.remote()):
+            if len(self.results[name].attempts) >= number:  # that attempt has already ended
+                continue
             self.board.move(name, "running", f"attempt {number} running on {self.address_of(node_id)} ({node_id[:8]})")
 
     def address_of(self, node_id: str) -> str:
