@@ -244,3 +244,10 @@ def test_soc_fan_out_shares_the_first_socs_study_and_redoes_only_what_the_soc_ch
     assert graphs and all(second["toolchain"][g]["precheck"]["soc"] == "Ascend310P3" for g in graphs)
     scripts = list((tmp_path / "toy-a-Ascend310P3" / "om").rglob("convert_*.sh"))
     assert scripts and all("--soc_version=Ascend310P3" in s.read_text() for s in scripts)
+
+
+def test_a_soc_is_checked_before_it_names_a_run_folder(records, tmp_path):
+    result = fleet(str(records[0]), "--soc", "../../etc", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.startswith("omskills: error: --soc: unknown SoC '../../etc'")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "etc").exists()

@@ -151,8 +151,11 @@ def plan_jobs(
     unmeasured_gb: float | None = None,
 ) -> list[FleetJob]:
     """One job per record, or per record and SoC; run folders `out/<id>[-<soc>]`."""
+    from omskills.ascend.atc import check_soc
     from omskills.records.task import load_record
 
+    for soc in socs:  # a SoC names a run folder: only those ATC knows
+        check_soc(soc, "--soc")
     jobs: list[FleetJob] = []
     for record in records:
         record = record.resolve()
