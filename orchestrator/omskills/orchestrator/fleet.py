@@ -77,10 +77,6 @@ class FleetResult(BaseModel):
     def passed(self) -> bool:
         return bool(self.attempts) and self.attempts[-1].row.passed
 
-    @property
-    def reason(self) -> str | None:
-        return None if self.passed or not self.attempts else self.attempts[-1].row.failure
-
 
 class FleetReport(BaseModel):
     address: str = Field(description="The Ray cluster ('local': an instance started for this run).")
