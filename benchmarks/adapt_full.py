@@ -12,7 +12,8 @@ Runs `omskills adapt` and measures, in the same run:
   main-path pass E (session setup and every step) and one spliced pass S. Study = E (one
   instrumented pass), export = itself, probe = one ONNX Runtime run per candidate on its samples
   ~ E x the probed candidates' share of main-path time, optimize and precision emulation =
-  optional, precheck and ATC = itself, verify = E + S.
+  optional, the precision plan = S (a plan the user ships is confirmed by one spliced pass, its
+  graphs emulated), precheck and ATC = itself, verify = E + S.
 It prints each step beside its floor (rows above 1.5x marked), the verify summary, and a Markdown
 table for benchmarks/RESULTS.md; the figures go to RUN/benchmark/summary.json. Exits with adapt's code.
 
@@ -69,7 +70,7 @@ TOOL_STEPS: dict[str, tuple[tuple[str, ...], FloorRule]] = {
     "probe_onnx": (("probe",), "pass"),
     "optimize_onnx": (("optimize",), "optional"),
     "emulate_precision": (("precision",), "optional"),
-    "check_precision_plan": (("precision_plan",), "optional"),
+    "check_precision_plan": (("precision_plan",), "pass"),
     "precheck_ops": ((), "itself"),
     "convert_atc": (("atc",), "itself"),
     "verify_main_path": (("verify",), "pass"),
@@ -379,6 +380,9 @@ def _pass_floor(row: StageRow, kinds: list[str], floor: Floor | None) -> None:
             outside.append(f"session setup {floor.study_setup_seconds:.1f} s (instrumented)")
         what = f"setup + {floor.steps} {unit}s" if floor.whole_pass else f"{floor.steps} {unit}s"
         row.note = f"E = one eager pass ({what})" + (f"; outside E: {', '.join(outside)}" if outside else "")
+    elif "precision_plan" in kinds:
+        row.floor_seconds = s
+        row.note = f"S {s:.1f} s: one spliced pass confirms the plan (its graphs emulated)"
     elif "verify" in kinds:
         row.floor_seconds = e + s
         setups = "" if floor.whole_pass else " and the two session setups"

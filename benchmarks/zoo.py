@@ -123,13 +123,14 @@ def run_model(model: ZooModel, out: Path) -> ZooRow:
 def markdown(rows: list[ZooRow], title: str) -> str:
     head = (
         "| model | kind | stage reached | verdict | deployed / planned | fallbacks | worst probe cos | spliced/eager "
-        "| emulated precision | held-out (load_adapted) | wall s | peak tree GB | tracebacks | failure |"
+        "| emulated precision | fp16 Cube MACs | precision runs / s | held-out (load_adapted) | wall s | peak tree GB "
+        "| tracebacks | failure |"
     )
-    lines = [f"### {title}", "", head, "|" + "---|" * 14]
+    lines = [f"### {title}", "", head, "|" + "---|" * 16]
     for r in rows:
         shown = cells(r)
         held = r.held_out.cell() if r.held_out else "-"
-        lines.append("| " + " | ".join([r.name, r.kind, *shown[:7], held, *shown[7:]]) + " |")
+        lines.append("| " + " | ".join([r.name, r.kind, *shown[:9], held, *shown[9:]]) + " |")
     passed = sum(r.passed for r in rows)
     served = sum(1 for r in rows if r.held_out and r.held_out.ok and r.held_out.fallbacks == 0)
     lines += [

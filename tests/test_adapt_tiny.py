@@ -467,7 +467,12 @@ def test_a_bundle_checks_its_files_format_and_contract_schema_on_load(tiny_adapt
 def test_adapt_checks_the_precision_plan_end_to_end_and_reports_it_beside_the_fp32_verdict(tiny_adaptation):
     record = load_record(tiny_adaptation / "task.yaml")
     plan = record.precision_plan
-    assert plan is not None and plan.attempts and plan.attempts[0].purpose.startswith("every graph in the mode")
+    assert plan is not None and plan.attempts and plan.attempts[0].purpose.startswith("every graph in its mode")
+    # One confirmation run against the study's outputs (no PyTorch run of its own), at most two.
+    assert 1 <= plan.runs <= 2 and plan.reference.startswith("the study's run")
+    # What the plan is worth: its share of Cube MACs in fp16 and a predicted time on the target.
+    assert 0.0 < plan.fp16_mac_share <= 1.0 and plan.predicted.soc == record.intake.target.soc
+    assert plan.predicted.all_fp16_ms <= plan.predicted.plan_ms <= plan.predicted.all_fp32_ms
     assert set(plan.modes) == {c.name for c in record.verification.candidates}
     emulated = record.verification_emulated
     assert emulated is not None and emulated.precision == "emulated" and emulated.verdict == plan.attempts[-1].verdict
@@ -475,6 +480,7 @@ def test_adapt_checks_the_precision_plan_end_to_end_and_reports_it_beside_the_fp
     assert (
         f"### The plan, checked end to end: {plan.verdict}" in text and "Expected on Ascend from fp16 numerics" in text
     )
+    assert "of the Cube multiply-accumulates run in fp16" in text and "predicted" in text
     for graph, mode in plan.modes.items():  # the ATC commands carry the plan the check left
         assert f"--precision_mode={mode.split(' ')[0]}" in record.toolchain[graph].atc.command
 
@@ -494,11 +500,13 @@ class Overflowing:
         return {k: (np.full_like(v, np.inf) if v.dtype.kind == "f" else v) for k, v in self.opened.run(feeds).items()}
 
 
-def test_a_graph_that_breaks_the_main_path_in_fp16_is_found_moved_and_the_plan_then_passes(
+def test_a_graph_that_breaks_the_main_path_in_fp16_is_named_by_its_own_error_refitted_and_passes_in_two_runs(
     tiny_adaptation, tmp_path, monkeypatch
 ):
-    """Every graph passed alone, yet one graph's force_fp16 breaks the main path: the end-to-end
-    check fails, bisection names that graph, it moves one step safer, and the plan passes."""
+    """Every graph passed its own gate, yet one graph's force_fp16 breaks the main path: the
+    confirmation fails, the graph whose own error used most of its tolerance is named without any
+    main-path bisection, its keep list is searched again against a tighter tolerance, and the
+    second run, the last of the budget, passes."""
     import omskills.stages.precision_plan as precision_plan
     from omskills.records.task import updating
     from omskills.stages.toolchain import convert_candidate
@@ -508,43 +516,44 @@ def test_a_graph_that_breaks_the_main_path_in_fp16_is_found_moved_and_the_plan_t
     with updating(run / "task.yaml") as rec:
         rec.precision_plan = None
         rec.stages.pop("precision_plan", None)
-        # Two graphs in force_fp16, every other in the safest mode: nine random-weight graphs all
-        # in fp16 can flip masks at the threshold together, which is not what this test is about.
         for graph in rec.graphs():
             report = rec.chain(graph).precision
             report.chosen_mode = "force_fp16" if graph in (fragile, sound) else precision_plan.SAFEST
             report.chosen_keep = []
+        # Its own emulation strayed most (cosine 0.9995 against a gate of 0.999).
+        rec.chain(fragile).precision.mode("force_fp16").result.cosine = 0.9995
+        rec.chain(sound).precision.mode("force_fp16").result.cosine = 0.99999
     opened = precision_plan.open_spliced
 
-    def fragile_in_fp16(record, workdir, name, backend, emulation=None):
+    def fragile_until_refitted(record, workdir, name, backend, emulation=None):
         backend_ = opened(record, workdir, name, backend, emulation)
-        return Overflowing(backend_) if name == fragile and emulation and emulation.mode == "force_fp16" else backend_
+        broken = name == fragile and emulation and emulation.mode == "force_fp16" and not emulation.keep
+        return Overflowing(backend_) if broken else backend_
 
-    monkeypatch.setattr(precision_plan, "open_spliced", fragile_in_fp16)
-    plan = precision_plan.check_precision_plan(run / "task.yaml", budget=12)
+    searched = []
 
-    assert plan.attempts[0].verdict == "fail" and plan.attempts[-1].verdict == "pass" and plan.verdict == "pass"
-    assert plan.at_fault == [fragile]
-    assert plan.moved[fragile].startswith("force_fp16 -> allow_mix_precision")
-    assert any(a.purpose.startswith("finding the graphs at fault") for a in plan.attempts)
-    record = load_record(run / "task.yaml")
-    assert record.toolchain[fragile].precision.chosen_mode == "allow_mix_precision"
-    assert "--precision_mode=allow_mix_precision" in convert_candidate(run / "task.yaml", fragile).command
+    def search(model, feeds, mode, keep, gates):
+        searched.append((Path(model).name, mode, gates.output_min_cosine))
+        from omskills.records.precision import EmulatedResult, ModePrecision
 
-
-def test_a_bisection_the_budget_cut_short_names_the_fewest_graphs_a_failed_run_emulated():
-    from omskills.records.precision import PlanAttempt
-    from omskills.stages.precision_plan import narrowed_to
-
-    def attempt(verdict: str, *graphs: str) -> PlanAttempt:
-        return PlanAttempt(
-            purpose="p", emulated={g: "force_fp16" for g in graphs}, verdict=verdict, summary="s", seconds=1.0
+        passed = EmulatedResult(cosine=0.99999, max_abs=1e-4, overflow=0, passed=True, fp16_nodes=3)
+        return ModePrecision(
+            mode=mode, result=passed, keep=["kept_node"], searched=["kept_node"], with_keep=passed, search_runs=3
         )
 
-    graphs = ["a", "b", "c", "d"]
-    attempts = [attempt("fail", *graphs), attempt("fail", "a", "b"), attempt("pass", "a"), attempt("fail", "c", "d")]
-    assert narrowed_to(attempts, graphs) == ["a", "b"]  # the first of the smallest failing groups
-    assert narrowed_to([attempt("fail", *graphs)], graphs) == []  # the whole plan failing narrows nothing
+    monkeypatch.setattr(precision_plan, "open_spliced", fragile_until_refitted)
+    monkeypatch.setattr(precision_plan, "_search_tighter", search)
+    plan = precision_plan.check_precision_plan(run / "task.yaml")
+
+    assert [a.verdict for a in plan.attempts] == ["fail", "pass"] and plan.verdict == "pass" and plan.runs == 2
+    assert plan.at_fault == [fragile] and [a.graph for a in plan.attribution] == [fragile, sound]
+    assert plan.attribution[0].score == pytest.approx(0.5) and plan.reference.startswith("the study's run")
+    ((model, mode, gate),) = searched
+    assert mode == "force_fp16" and gate > 0.999  # the graph-local tolerance tightened
+    assert plan.moved[fragile].startswith("force_fp16 -> force_fp16 keeping 1 node(s)")
+    record = load_record(run / "task.yaml")
+    assert record.toolchain[fragile].precision.chosen_keep == ["kept_node"]
+    assert "--keep_dtype=" in " ".join(convert_candidate(run / "task.yaml", fragile).command)
 
 
 # A runtime backend from another distribution: known to omskills only through its entry point in
@@ -640,3 +649,20 @@ def test_a_backend_registered_only_by_entry_point_serves_load_adapted_and_a_bund
     )
     assert example.returncode == 0, example.stderr[-3000:]
     assert json.loads(example.stdout[example.stdout.index("\n{") + 1 :])["backend"] == "counting"
+
+
+def test_a_plan_whose_every_graph_keeps_its_dtypes_is_not_judged_by_the_precision_check(tiny_adaptation, tmp_path):
+    """Nothing computes in fp16: that is the fp32 verification's to judge, and no main-path run is made."""
+    import omskills.stages.precision_plan as precision_plan
+    from omskills.records.task import updating
+
+    run = copy_run(tiny_adaptation, tmp_path / "run")
+    with updating(run / "task.yaml") as rec:
+        rec.precision_plan = None
+        rec.stages.pop("precision_plan", None)
+        for graph in rec.graphs():
+            report = rec.chain(graph).precision
+            report.chosen_mode, report.chosen_keep = precision_plan.SAFEST, []
+    plan = precision_plan.check_precision_plan(run / "task.yaml")
+    assert plan.verdict == "not_judged" and plan.runs == 0 and plan.attempts == []
+    assert plan.fp16_mac_share == 0.0 and "fp32 verification" in plan.why

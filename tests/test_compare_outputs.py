@@ -134,3 +134,52 @@ def test_lower_iou_and_higher_differences_are_worse():
 def test_metrics_that_need_a_gate_refuse_to_be_declared_without_one():
     with pytest.raises(ValueError, match="metric iou needs a threshold"):
         OutputCheck(output="regions", metric="iou")
+
+
+def _decision_check(**extra) -> OutputCheck:
+    return OutputCheck(output="logits", metric="decision", threshold=0.99, decision_at=0.0, **extra)
+
+
+def test_a_flip_where_the_reference_sat_at_the_threshold_is_a_near_threshold_flip_not_a_divergence():
+    """Logits within +-0.2 of the threshold, moved by 0.001: pixels at the threshold flip, as a tiny
+    SAM 3.1's did on random weights; nothing diverges and the decided pixels agree."""
+    rng = np.random.default_rng(0)
+    reference = rng.uniform(-0.2, 0.2, (1, 64, 64)).astype(np.float32)
+    spliced = reference + rng.uniform(-1e-3, 1e-3, reference.shape).astype(np.float32)
+    flipped = int(((reference > 0) != (spliced > 0)).sum())
+    assert flipped > 0
+    result = compare_step([_decision_check()], {"logits": reference}, {"logits": spliced})[0]
+    assert result.passed and result.value == 1.0 and result.divergent == 0
+    assert result.near_threshold_flips == flipped and "near-threshold flip" in result.detail
+
+
+def test_a_saturated_boundary_that_moves_by_under_a_pixel_is_no_divergence_but_a_flip_far_from_it_is():
+    """Logits saturated at +-1024 with a boundary between: a boundary pixel going from -476 to +646
+    is a boundary moving by under half a pixel; a pixel deep inside flipping is a divergence."""
+    reference = np.full((1, 16, 16), -1024.0, np.float32)
+    reference[0, :, 9:] = 1024.0
+    reference[0, :, 8] = -476.0  # the boundary column
+    moved = reference.copy()
+    moved[0, 3, 8] = 646.0
+    result = compare_step([_decision_check()], {"logits": reference}, {"logits": moved})[0]
+    assert result.passed and result.near_threshold_flips == 1 and result.divergent == 0
+
+    broken = reference.copy()
+    broken[0, :8, 2] = 1024.0  # a column deep in the negative region turns positive
+    result = compare_step([_decision_check()], {"logits": reference}, {"logits": broken})[0]
+    assert not result.passed and result.divergent == 8 and result.value < 0.99
+    assert "moved beyond their tolerance" in result.detail
+
+
+def test_a_value_far_from_its_threshold_may_move_a_lot_one_near_it_only_a_little():
+    far = np.array([-500.0, -300.0, 400.0, -600.0])
+    moved = far + np.array([-288.0, 0.0, 0.0, 0.0])  # -500 -> -788: it stays far on its side
+    assert compare_step([_decision_check()], {"logits": far}, {"logits": moved})[0].divergent == 0
+    near = np.array([0.05, -0.1, 0.08, -0.06])
+    moved = near + np.array([0.85, 0.0, 0.0, 0.0])  # 0.05 -> 0.9: far more than its margin
+    assert compare_step([_decision_check()], {"logits": near}, {"logits": moved})[0].divergent == 1
+
+
+def test_a_decision_check_needs_the_value_it_thresholds_at():
+    with pytest.raises(ValueError, match="decision_at"):
+        OutputCheck(output="logits", metric="decision", threshold=0.99)

@@ -86,14 +86,44 @@ def test_a_matmul_beyond_fp16_overflows_under_force_fp16_and_passes_kept_in_fp32
     assert kept.outputs_pass and kept.outputs[0].max_abs == 0.0 and kept.outputs[0].ref_max_abs == 72000.0
 
 
-def test_the_report_proposes_exactly_the_overflowing_node_and_atc_gets_exactly_it(matmul_beyond_fp16, tmp_path):
-    path, feeds = matmul_beyond_fp16
+@pytest.fixture()
+def overflow_then_scale(tmp_path):
+    """A planted overflow: 60 x 300 summed over 4 = 72000 (above fp16's 65504), scaled down by 1e-3
+    to 72, which fp16 holds, then a Relu: only the MatMul's output leaves fp16's range."""
+    weight = numpy_helper.from_array(np.full((4, 4), 300.0, np.float32), "w")
+    scale = numpy_helper.from_array(np.array([1e-3], np.float32), "s")
+    path = _save(
+        tmp_path,
+        "mm_scaled",
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+            helper.make_node("Mul", ["h", "s"], ["h2"], name="scale"),
+            helper.make_node("Relu", ["h2"], ["y"], name="relu"),
+        ],
+        [_vi("x", [2, 4])],
+        [_vi("y", [2, 4])],
+        [weight, scale],
+    )
+    return path, {"x": np.full((2, 4), 60.0, np.float32)}
+
+
+def test_a_planted_overflow_is_kept_by_calibration_alone_and_the_first_emulation_passes(overflow_then_scale, tmp_path):
+    path, feeds = overflow_then_scale
     report = precision_report(path, feeds, sample="s0")
+    kept = [(k.node, k.op_type, k.rule, k.figure, k.limit) for k in report.calibration.keep]
+    # The MatMul writes 72000 and the Mul reads it: both would overflow in fp16.
+    assert kept == [("mm", "MatMul", "overflow", 72000.0, 65504.0), ("scale", "Mul", "overflow", 72000.0, 65504.0)]
     fp16 = report.mode("force_fp16")
-    assert not fp16.result.passed and fp16.result.overflow == 8 and fp16.keep == ["mm"] and fp16.with_keep.passed
-    assert report.chosen_mode == "force_fp16" and report.chosen_keep == ["mm"]
+    # Kept before anything was emulated: the first emulation, with the Relu still in fp16, passes;
+    # no search ran.
+    assert fp16.result.passed and fp16.result.fp16_nodes == 1 and fp16.result.overflow == 0
+    assert fp16.searched == [] and fp16.search_runs == 0 and fp16.keep == ["mm", "scale"]
+    assert report.chosen_mode == "force_fp16" and report.chosen_keep == ["mm", "scale"]
+    assert "2 by calibration or a known pitfall" in report.why
+    # The one Cube op keeps its dtype: none of its 32 multiply-accumulates runs in fp16.
+    assert (report.macs.total, report.macs.fp16, report.macs.fp16_share) == (2 * 4 * 4, 0, 0.0)
     keep_file = write_keep_dtype(report.chosen_keep, tmp_path / "om", "mm")
-    assert keep_file.read_text() == "mm\n"
+    assert keep_file.read_text() == "mm\nscale\n"
     options = AtcOptions.checked(
         model=str(path),
         output=str(tmp_path / "om" / "mm"),
@@ -106,8 +136,58 @@ def test_the_report_proposes_exactly_the_overflowing_node_and_atc_gets_exactly_i
     assert "--precision_mode=force_fp16" in command and f"--keep_dtype={keep_file}" in command
 
 
+def test_calibration_keeps_the_consumers_of_weights_beyond_fp16_and_of_constants_it_flushes_to_zero(tmp_path):
+    big = numpy_helper.from_array(np.array([1e6], np.float32), "big")  # ATC clips it to 65504
+    eps = numpy_helper.from_array(np.array([1e-12], np.float32), "eps")  # 0 in fp16
+    path = _save(
+        tmp_path,
+        "consts",
+        [
+            helper.make_node("Mul", ["x", "big"], ["a"], name="times_big"),
+            helper.make_node("Add", ["x", "eps"], ["b"], name="plus_eps"),
+            helper.make_node("Sub", ["a", "b"], ["y"], name="diff"),
+        ],
+        [_vi("x", [2, 4])],
+        [_vi("y", [2, 4])],
+        [big, eps],
+    )
+    from omskills.ascend.calibration import calibrate
+
+    prepared = prepare(path)
+    calibration, observed = calibrate(prepared, {"x": np.full((2, 4), 1e-3, np.float32)}, "s0")
+    rules = {k.node: k.rule for k in calibration.keep}
+    assert rules == {"times_big": "weight_range", "plus_eps": "constant_underflow"}
+    assert observed.magnitude["a"] == pytest.approx(1000.0) and calibration.largest == pytest.approx(1000.0)
+
+
+def test_a_sensitive_node_no_range_rule_sees_is_found_by_the_graph_local_search_within_its_stated_runs(
+    layernorm_softmax,
+):
+    """Values 1000 +- 0.01 stay far inside fp16's range (no calibration rule fires), but rounded to
+    fp16 (a step of 0.5 at 1000) the subtraction of the mean loses everything: only the search,
+    ranking nodes by the error each adds, can find what to keep."""
+    from omskills.ascend.precision_fix import most_runs, ranked_by_added_error
+
+    path, feeds = layernorm_softmax
+    report = precision_report(path, feeds, sample="s0")
+    assert report.calibration.keep == [] and report.calibration.largest < 2000
+    fp16 = report.mode("force_fp16")
+    assert not fp16.result.passed and fp16.result.cosine < 0.9
+    assert "sub" in fp16.searched and fp16.with_keep.passed and fp16.with_keep.cosine >= 0.999
+    prepared = prepare(path)
+    precisions = precisions_for(prepared, "force_fp16")
+    from omskills.ascend.emulation import node_errors
+    from omskills.records.precision import PrecisionGates
+
+    ranked = ranked_by_added_error(prepared, node_errors(prepared, precisions, feeds, PrecisionGates())[0], precisions)
+    assert ranked[0] == "sub"  # the node that loses the precision ranks first
+    assert fp16.search_runs <= most_runs(len(ranked)) and fp16.keep == fp16.searched
+    assert report.chosen_mode == "force_fp16" and report.chosen_keep == fp16.keep
+    assert "found by the graph-local search" in report.why
+
+
 def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothing_is_left_behind(tmp_path, monkeypatch):
-    from omskills.ascend import emulation
+    from omskills.ascend import calibration, emulation
 
     weight = numpy_helper.from_array(np.full((64, 64), 300.0, np.float32), "w")  # 16 KB: a weight, not a shape constant
     path = _save(
@@ -129,12 +209,11 @@ def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothin
         return run_beside(original, model, feeds)
 
     monkeypatch.setattr(emulation, "run_beside", recording)
+    monkeypatch.setattr(calibration, "run_beside", recording)
     report = precision_report(path, {"x": np.full((2, 64), 60.0, np.float32)}, sample="s0")
-    fp16 = report.mode("force_fp16")
-    assert (
-        fp16.result.overflow == 128 and report.chosen_keep == ["mm"] and fp16.with_keep.passed
-    )  # 60 x 300 x 64 > 65504
-    assert len(graphs_run) >= 3 and max(graphs_run) < weight.ByteSize()  # each graph reads the weight from a file
+    # 60 x 300 x 64 > 65504: calibration keeps the MatMul, and nothing is left to emulate in fp16.
+    assert report.chosen_keep == ["mm"] and report.calibration.keep[0].rule == "overflow"
+    assert len(graphs_run) >= 1 and max(graphs_run) < weight.ByteSize()  # each graph reads the weight from a file
     assert [p.name for p in tmp_path.iterdir()] == ["inline.onnx"] and path.read_bytes() == before
 
 
@@ -171,13 +250,8 @@ def test_the_bisect_names_the_subtraction_that_loses_the_normalisation_and_says_
     assert compare_layers(prepared, precisions_for(prepared, "force_fp16", keep=["sub", "mean"]), feeds).first is None
 
 
-def test_keeping_the_named_node_fixes_the_chain_and_the_mode_is_chosen_with_it(layernorm_softmax):
-    path, feeds = layernorm_softmax
-    report = precision_report(path, feeds, sample="s0")
-    fp16 = report.mode("force_fp16")
-    assert fp16.keep[0] == "sub" and fp16.with_keep.passed and fp16.with_keep.cosine >= 0.999
-    assert report.chosen_mode == "force_fp16" and report.chosen_keep == fp16.keep
-    # The fastest mode passed with its keep list: the slower ones are not emulated, and say so.
+def test_once_the_fastest_mode_passes_the_slower_ones_are_not_emulated_and_say_so(layernorm_softmax):
+    report = precision_report(*layernorm_softmax, sample="s0")
     assert [m.mode for m in report.modes] == ["force_fp16", "must_keep_origin_dtype"]
     assert report.not_evaluated == ["allow_mix_precision", "allow_fp32_to_fp16"]
     assert "not emulated, as slower: allow_mix_precision, allow_fp32_to_fp16" in report.why
@@ -349,23 +423,11 @@ def test_a_mask_that_is_minus_inf_in_fp32_too_is_compared_over_its_finite_elemen
     assert output.cosine > 0.9999 and 0 < output.max_abs < 1e-2 and np.isfinite(output.ref_max_abs)
 
 
-def test_the_modes_are_compared_with_the_pytorch_outputs_the_study_captured_when_given(layernorm_softmax):
+def test_the_modes_are_compared_with_the_fp32_outputs_of_the_calibration_pass(layernorm_softmax):
     path, feeds = layernorm_softmax
-    x = feeds["x"].astype(np.float64)
-    n = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
-    exact = np.exp(n - n.max(-1, keepdims=True))
-    captured = {"y": (exact / exact.sum(-1, keepdims=True)).astype(np.float32)}  # what PyTorch gave
-
-    report = precision_report(path, feeds, sample="s0", outputs=captured)
-    assert report.reference == "PyTorch's outputs for the sample"
-    assert (
-        report.chosen_mode == "force_fp16"
-        and report.chosen_keep == precision_report(path, feeds, sample="s0").chosen_keep
-    )
-
-    # Outputs that are not the graph's (another contract's names) are not used: the graph runs in fp32.
-    other = precision_report(path, feeds, sample="s0", outputs={"logits": captured["y"]})
-    assert other.reference == "the graph in fp32 on ONNX Runtime"
+    report = precision_report(path, feeds, sample="s0")
+    assert report.reference.startswith("the graph in fp32 on ONNX Runtime (the calibration pass)")
+    assert report.calibration.sample == "s0" and report.calibration.tensors >= 9  # x and every node output
 
 
 def test_a_small_graph_is_emulated_in_process_and_a_big_or_unreadable_one_in_a_child(tmp_path, matmul_beyond_fp16):

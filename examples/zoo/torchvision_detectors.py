@@ -20,7 +20,9 @@ model for the one-stage detectors) so a fixed number of detections is kept whate
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 from unittest import mock
@@ -28,6 +30,7 @@ from unittest import mock
 import numpy as np
 import torch
 from omskills.models.kit import (
+    FP16_GATES,
     InputPath,
     LoadedModel,
     MainPathRun,
@@ -141,21 +144,19 @@ class TorchvisionDetector(ModelDriver):
         model, steps = loaded.entry, []
         post = _postprocessor(model)
         start = time.perf_counter()
+        before_nms: dict[str, np.ndarray] = {}
         with (
             mock.patch.object(post, "score_thresh", verification.min_score),
             mock.patch.object(post, "detections_per_img", verification.detections_per_image),
+            _scores_before_nms(model, before_nms),
             torch.no_grad(),
         ):
             for index, image in enumerate(data):
                 t0 = time.perf_counter()
                 [found] = model([_tensor(image)])
-                steps.append(
-                    StepOutput(
-                        index=index,
-                        seconds=time.perf_counter() - t0,
-                        outputs={name: value.cpu().numpy() for name, value in found.items()},
-                    )
-                )
+                outputs = {name: value.cpu().numpy() for name, value in found.items()}
+                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs=outputs | before_nms))
+                before_nms = {}
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 
@@ -169,6 +170,21 @@ class TorchvisionDetector(ModelDriver):
             OutputCheck(output="scores", metric="max_abs", threshold=1e-4, label="scores"),
             *self.extra_checks,
         ]
+
+    def precision_checks(self, verification: DetectionVerification) -> list[OutputCheck]:
+        """Under fp16, the continuous values before NMS decide: the class logits the post-processing
+        ranks (a one-stage detector's head; a two-stage one's RPN objectness and, over the same
+        proposals, its RoI head's logits), held to fp16's gates. Which boxes survive the score
+        threshold and NMS flips on ties that random weights make everywhere: the kept instances are
+        reported beside them."""
+        before_nms = [
+            OutputCheck(output=name, metric="tensor", gates=FP16_GATES, optional=True, label=label)
+            for name, label in (
+                ("class_logits", "class logits before NMS"),
+                ("rpn_objectness", "RPN objectness before NMS (two-stage)"),
+            )
+        ]
+        return [*before_nms, *(c.model_copy(update={"gating": False}) for c in self.comparison(verification))]
 
     def settings_notes(self, verification: DetectionVerification) -> list[str]:
         notes = [
@@ -190,6 +206,33 @@ class TorchvisionDetector(ModelDriver):
             f"{title} labels {step.outputs['labels'].tolist()}",
             normalised=False,
         )
+
+
+@contextlib.contextmanager
+def _scores_before_nms(model: torch.nn.Module, captured: dict[str, np.ndarray]) -> Iterator[None]:
+    """Fill `captured` on each call with the scores the post-processing ranks before its threshold
+    and NMS: the class logits (`postprocess_detections`' first argument: a tensor for the RoI
+    heads, the head's outputs for a one-stage detector) and a two-stage detector's RPN objectness."""
+    post = _postprocessor(model)
+    original = post.postprocess_detections
+
+    def ranked(first, *args, **kwargs):
+        logits = first["cls_logits"] if isinstance(first, dict) else first
+        captured["class_logits"] = logits.detach().float().cpu().numpy()
+        return original(first, *args, **kwargs)
+
+    def objectness(module, inputs, output):
+        levels = output[0]
+        captured["rpn_objectness"] = torch.cat([t.flatten() for t in levels]).detach().float().cpu().numpy()
+
+    rpn = getattr(model, "rpn", None)
+    handle = rpn.head.register_forward_hook(objectness) if rpn is not None else None
+    try:
+        with mock.patch.object(post, "postprocess_detections", ranked):
+            yield
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 class TorchvisionMaskDetector(TorchvisionDetector):

@@ -121,8 +121,8 @@ def adaptation_plan(task: str, precision_budget: int | None = None) -> list:
 
 
 def _precision_budget(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 64:
-        raise argparse.ArgumentTypeError(f"a whole number of runs from 1 to 64, got {text!r}")
+    if not text.isdigit() or not 1 <= int(text) <= 8:
+        raise argparse.ArgumentTypeError(f"a whole number of runs from 1 to 8, got {text!r}")
     return int(text)
 
 
@@ -138,8 +138,8 @@ def _adapt_args(p: argparse.ArgumentParser) -> None:
         type=_precision_budget,
         default=None,
         metavar="N",
-        help="spliced main-path runs the end-to-end precision check may make, attribution and fixes "
-        "included (default 8; each is one full pass of the main path)",
+        help="spliced main-path runs the end-to-end precision check may make (default 2: the confirmation, "
+        "and one after the graphs at fault get longer keep lists; each is one full pass of the main path)",
     )
     _agent_limits(p)
 
@@ -246,8 +246,13 @@ def _print_summary(task: Path) -> None:
     plan, emulated = record.precision_plan, record.verification_emulated
     if plan is not None:
         figures = f" | {emulated.main_path.summary()}" if emulated is not None else ""
+        worth = f" | Cube MACs in fp16: {plan.fp16_mac_share:.1%}"
+        if plan.predicted is not None and plan.predicted.plan_ms is not None:
+            t = plan.predicted
+            others = " / ".join(f"{v:.2f} ms" if v is not None else "-" for v in (t.all_fp16_ms, t.all_fp32_ms))
+            worth += f" | predicted Cube time on {t.soc}: {t.plan_ms:.2f} ms (all fp16 / all fp32: {others})"
         print(
             "precision plan end to end (Ascend modes emulated on CPU, not an NPU): "
-            f"{plan.verdict}{figures} | {plan.why}",
+            f"{plan.verdict} in {plan.runs} main-path run(s){figures}{worth} | {plan.why}",
             file=sys.stderr,
         )

@@ -25,6 +25,11 @@ class AdaptationRow(BaseModel):
     worst_probe_cosine: float | None = Field(None, description="The lowest probe cosine over the planned graphs.")
     latency_ratio: float | None = Field(None, description="Spliced over eager time per step.")
     precision: str = Field("-", description="Emulated ATC precision over the deployed graphs.")
+    fp16_macs: float | None = Field(None, description="Share of the plan's Cube MACs in fp16 (emulated plan).")
+    precision_runs: int | None = Field(None, description="Main-path runs of the precision step.")
+    precision_s: float | None = Field(
+        None, description="Seconds of the precision steps: per-graph emulation and the end-to-end check."
+    )
     wall_s: float = Field(0.0, description="Wall time of the adaptation, seconds.")
     peak_tree_gb: float | None = Field(None, description="Peak RSS of the adaptation's whole process tree, GB.")
     tracebacks: int = Field(0, description="Python tracebacks in the output (a run that went on after one counts).")
@@ -107,6 +112,11 @@ def _from_record(row: AdaptationRow, task: Path) -> None:
     probes = [p for g in graphs if (p := record.toolchain_of(g).probes.get("original")) and p.worst_cosine is not None]
     row.worst_probe_cosine = min((p.worst_cosine for p in probes), default=None)
     row.precision = _precision_cell(record, deployed)
+    plan = record.precision_plan
+    if plan is not None:
+        row.fp16_macs, row.precision_runs = plan.fp16_mac_share, plan.runs
+        steps = [s for key, s in record.stages.items() if key == "precision_plan" or key.startswith("precision:")]
+        row.precision_s = round(sum(s.seconds or 0.0 for s in steps), 1)
 
 
 def _precision_cell(record, deployed: list[str]) -> str:
@@ -119,9 +129,11 @@ def _precision_cell(record, deployed: list[str]) -> str:
         cell += " (" + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes)) + ")"
     if failed:
         cell += f"; failed: {', '.join(failed)}"
-    emulated = record.verification_emulated
-    if emulated is not None:
-        cell += f"; end to end {emulated.verdict}"
+    plan = record.precision_plan
+    if plan is not None:
+        cell += f"; end to end {plan.verdict}"
+        if plan.verdict == "fail":
+            cell += f" ({plan.attempts[-1].summary if plan.attempts else plan.why})"
     return cell
 
 
@@ -137,6 +149,8 @@ def cells(row: AdaptationRow) -> list[str]:
         cos,
         ratio,
         row.precision,
+        f"{row.fp16_macs:.1%}" if row.fp16_macs is not None else "-",
+        f"{row.precision_runs} / {row.precision_s:.0f}" if row.precision_runs is not None else "-",
         f"{row.wall_s:.0f}",
         str(row.peak_tree_gb or "-"),
         str(row.tracebacks),
@@ -152,6 +166,8 @@ HEADERS = [
     "worst probe cos",
     "spliced/eager",
     "emulated precision",
+    "fp16 Cube MACs",
+    "precision runs / s",
     "wall s",
     "peak tree GB",
     "tracebacks",

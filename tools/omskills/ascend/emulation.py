@@ -45,7 +45,7 @@ from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_h
 
 MAX_FLAGGED_LISTED = 50
 # Bumped when the emulation computes differently, so recorded results of an older one are redone.
-EMULATION_REVISION = 3
+EMULATION_REVISION = 4  # 4: calibration, graph-local keep-list search
 
 # Float inputs that say how an operator works rather than what it computes on (a Resize's region
 # and scales): ATC leaves them as they are, and rounded they could change an output's size.
@@ -467,12 +467,7 @@ def compare_layers(
     """Run fp32 and emulated side by side on `feeds`; every float node output compared. The
     first node over the gate is run once more alone on the fp32 inputs (local or accumulated)."""
     gates = gates or PrecisionGates()
-    model, stats = _comparison_model(prepared, precisions)
-    values = run_beside(prepared.path, model, feeds)
-    nodes = _node_comparisons(prepared, precisions, stats, values, gates)
-    outputs = [
-        tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output if f"stat__{o.name}" in values
-    ]
+    nodes, outputs = node_errors(prepared, precisions, feeds, gates)
     outputs_pass = all(passes_output_gate(e, gates) for e in outputs)
     flagged = [n for n in nodes if n.flagged]
     if flagged:
@@ -491,6 +486,22 @@ def compare_layers(
         overflow=sum(n.worst.overflow for n in nodes),
         flagged=sorted(flagged, key=lambda n: n.worst.cosine)[:MAX_FLAGGED_LISTED],
     )
+
+
+def node_errors(
+    prepared: PreparedGraph,
+    precisions: Mapping[str, NodePrecision],
+    feeds: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+) -> tuple[list[NodeComparison], list[TensorError]]:
+    """Every float node output and every graph output, emulated against fp32, from one side-by-side run."""
+    model, stats = _comparison_model(prepared, precisions)
+    values = run_beside(prepared.path, model, feeds)
+    nodes = _node_comparisons(prepared, precisions, stats, values, gates)
+    outputs = [
+        tensor_error(o.name, values[f"stat__{o.name}"]) for o in prepared.graph.output if f"stat__{o.name}" in values
+    ]
+    return nodes, outputs
 
 
 def _local_error(

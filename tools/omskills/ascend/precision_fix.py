@@ -1,46 +1,63 @@
-"""From the per-layer bisect to ATC options: the smallest keep list that makes a mode pass in
-emulation, every mode emulated without and with its list, the mode to convert with, and the
-`--keep_dtype` / `--modify_mixlist` files that carry the list to ATC.
+"""From calibration to ATC options: the keep list a graph needs for each precision mode, every
+mode emulated with it, the mode to convert with, and the `--keep_dtype` / `--modify_mixlist`
+files that carry the list to ATC.
 
-The keep list grows one finding at a time: the first node whose error crosses the gate is
-kept when it loses precision by itself (local); when its error was accumulated, the fp16
-nodes that feed it are kept instead. Each round emulates the graph again.
+Per graph, on one recorded call:
+1. calibration (`ascend.calibration`): one fp32 pass; nodes whose values leave fp16's useful range
+   are kept before anything is emulated.
+2. each mode, fastest first, emulated with that keep list; the first that passes the graph's gate
+   is chosen.
+3. when a mode fails, a graph-local search: one side-by-side run ranks the nodes by the error each
+   adds (its output's error beyond its inputs'), then bisection over prefixes of that order finds
+   the fewest top-ranked nodes whose keeping makes the mode pass: at most 1 + 2 * ceil(log2 N)
+   graph runs for N ranked nodes, capped at SEARCH_RUNS. A slower mode is tried only when no keep
+   list within the cap passes; must_keep_origin_dtype is the last resort.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from omskills.ascend.calibration import calibrate, fp16_macs
 from omskills.ascend.emulation import (
     PreparedGraph,
     compare_layers,
+    node_errors,
     passes_output_gate,
     precisions_for,
     prepared_light,
     run_emulated_with_overflow,
     run_reference,
 )
+from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
 from omskills.compare.parity import cosine_of
 from omskills.records.precision import (
+    CubeMacs,
     EmulatedResult,
     LayerComparison,
     ModePrecision,
+    NodeComparison,
     PrecisionGates,
     PrecisionReport,
     TensorError,
 )
+from omskills.records.toolchain import PitfallHit
 from omskills.records.toolchain_stage import CandidateToolchain
 
-MAX_KEEP_ROUNDS = 6
+# Graph runs one mode's keep-list search may make, its side-by-side ranking run included: enough
+# for 1 + 2 * ceil(log2 N) with N up to 64 ranked nodes; a larger graph's search stops at the cap
+# with the prefix it reached.
+SEARCH_RUNS = 13
 ASSUMPTIONS = (
     "Emulated on ONNX Runtime CPU: fp16 rounding (Cast to float16 and back) of the inputs and outputs of every "
     "node the mode runs in fp16, arithmetic between roundings in fp32 (the Cube unit's fp32 accumulation; "
-    "for vector ops an optimistic assumption). It cannot see ATC's own lowering of the graph (fused or "
-    "rewritten operators, format changes): precheck_ops lists the known pitfalls, and compare_layers on an "
-    "NPU dump is the check to run on the device."
+    "for vector ops an optimistic assumption, which calibration's range rules cover where a value is large). "
+    "It cannot see ATC's own lowering of the graph (fused or rewritten operators, format changes): precheck_ops "
+    "lists the known pitfalls, and compare_layers on an NPU dump is the check to run on the device."
 )
 
 
@@ -68,9 +85,10 @@ def emulate_mode(
     gates: PrecisionGates,
     keep: Sequence[str] = (),
     reference: Mapping[str, np.ndarray] | None = None,
+    compare: bool = True,
 ) -> tuple[EmulatedResult, LayerComparison | None]:
-    """The mode emulated once (outputs and overflow count); only when that fails is the graph
-    compared node by node, for the bisect."""
+    """The mode emulated once (outputs and overflow count); with `compare`, a failing mode is
+    then compared node by node, for the report's first node over the gate."""
     precisions = precisions_for(prepared, mode, keep)
     if not _fp16_count(precisions):
         # Nothing computes in fp16: the emulated graph is the fp32 graph, nothing to run.
@@ -79,14 +97,16 @@ def emulate_mode(
     outputs, overflow = run_emulated_with_overflow(prepared, precisions, feeds)
     errors = [_output_error(name, reference[name], outputs[name]) for name in reference]
     passed = not overflow and all(passes_output_gate(e, gates) for e in errors)
-    if passed:
-        return EmulatedResult(
-            cosine=min(e.cosine for e in errors),
-            max_abs=max(e.max_abs for e in errors),
-            overflow=0,
-            passed=True,
-            fp16_nodes=_fp16_count(precisions),
-        ), None
+    result = EmulatedResult(
+        cosine=min((e.cosine for e in errors), default=1.0),
+        max_abs=max((e.max_abs for e in errors), default=0.0),
+        overflow=overflow,
+        nan=sum(e.nan for e in errors),
+        passed=passed,
+        fp16_nodes=_fp16_count(precisions),
+    )
+    if passed or not compare:
+        return result, None
     comparison = compare_layers(prepared, precisions, feeds, gates, candidate=f"{mode} emulated")
     return emulated_result(comparison, _fp16_count(precisions)), comparison
 
@@ -117,46 +137,85 @@ def _output_error(name: str, ref: np.ndarray, got: np.ndarray) -> TensorError:
     )
 
 
-def propose_keep(
+def search_keep(
     prepared: PreparedGraph,
     mode: str,
     feeds: Mapping[str, np.ndarray],
     gates: PrecisionGates,
-    first: LayerComparison,
-    reference: Mapping[str, np.ndarray] | None = None,
-) -> tuple[list[str], EmulatedResult | None, str | None]:
-    """The keep list for `mode`, grown from `first` (the mode emulated with nothing kept), and
-    the emulated result with it; a note when no list makes the mode pass."""
-    keep: list[str] = []
-    comparison = first
-    for _ in range(MAX_KEEP_ROUNDS):
-        finding = comparison.first
-        if finding is None:
-            return keep, None, "the outputs miss the gate but no single node does: no node to keep"
-        added = _to_keep(prepared, mode, keep, finding.node, finding.origin)
-        if not added:
-            return keep, None, f"{finding.node} is already computed in fp32; its inputs carry the error"
-        keep += added
-        result, comparison = emulate_mode(prepared, mode, feeds, gates, keep, reference)
-        if comparison is None or result.passed:
-            return keep, result, None
-    return (
-        keep,
-        emulated_result(comparison, _fp16_count(precisions_for(prepared, mode, keep))),
-        (f"still failing after {MAX_KEEP_ROUNDS} rounds; must_keep_origin_dtype is the safe choice"),
-    )
-
-
-def _to_keep(prepared: PreparedGraph, mode: str, keep: list[str], node_name: str, origin: str) -> list[str]:
+    reference: Mapping[str, np.ndarray],
+    keep: Sequence[str] = (),
+    budget: int = SEARCH_RUNS,
+) -> tuple[list[str], EmulatedResult | None, int, str | None]:
+    """The fewest nodes, besides `keep`, whose keeping makes `mode` pass: ranked by the error each
+    adds in one side-by-side run, then bisection over prefixes of that order. Returns the nodes
+    added, the result with them (None when none passed), the graph runs made and a note."""
     precisions = precisions_for(prepared, mode, keep)
-    if origin == "local" and precisions.get(node_name, "fp32") != "fp32":
-        return [node_name]
-    node = prepared.node_named[node_name]
-    feeders = [prepared.producers[i].name for i in node.input if i in prepared.producers]
-    chosen = [f for f in dict.fromkeys(feeders) if precisions.get(f, "fp32") != "fp32"]
-    if chosen:
-        return chosen
-    return [node_name] if precisions.get(node_name, "fp32") != "fp32" else []
+    nodes, _ = node_errors(prepared, precisions, feeds, gates)
+    order = ranked_by_added_error(prepared, nodes, precisions)
+    runs = 1
+    if not order:
+        return [], None, runs, "the outputs miss the gate but no node computing in fp16 adds error: nothing to keep"
+
+    def attempt(count: int) -> EmulatedResult:
+        nonlocal runs
+        runs += 1
+        result, _ = emulate_mode(prepared, mode, feeds, gates, [*keep, *order[:count]], reference, compare=False)
+        return result
+
+    failing, passing, best = 0, None, None
+    count = 1
+    while runs < budget:  # doubling: 1, 2, 4, ... nodes, until a prefix passes
+        result = attempt(count)
+        if result.passed:
+            passing, best = count, result
+            break
+        failing = count
+        if count == len(order):
+            break
+        count = min(2 * count, len(order))
+    if passing is None:
+        return (
+            [],
+            None,
+            runs,
+            f"still failing with the {failing} node(s) that add most error kept ({runs} graph runs of "
+            f"{budget}): a slower mode is next",
+        )
+    while passing - failing > 1 and runs < budget:  # bisection between the last failing and passing prefix
+        middle = (failing + passing) // 2
+        result = attempt(middle)
+        if result.passed:
+            passing, best = middle, result
+        else:
+            failing = middle
+    return list(order[:passing]), best, runs, None
+
+
+def ranked_by_added_error(
+    prepared: PreparedGraph, nodes: Sequence[NodeComparison], precisions: Mapping[str, str]
+) -> list[str]:
+    """Nodes computing in fp16, ordered by the error each adds: its worst output's (1 - cosine) less
+    its inputs' worst, an overflow or NaN first. Nodes that add none are left out."""
+    bad = {n.node: _badness(n.worst) for n in nodes}
+    added = {}
+    for node in prepared.graph.node:
+        if node.name not in bad or precisions.get(node.name, "fp32") == "fp32":
+            continue
+        feeding = [bad.get(prepared.producers[i].name, 0.0) for i in node.input if i in prepared.producers]
+        gain = bad[node.name] - max(feeding, default=0.0)
+        if gain > 0:
+            added[node.name] = gain
+    return sorted(added, key=lambda n: -added[n])
+
+
+def _badness(error: TensorError) -> float:
+    return 1.0 + error.overflow + error.nan if error.overflow or error.nan else 1.0 - error.cosine
+
+
+def most_runs(ranked: int) -> int:
+    """The graph runs a search over `ranked` nodes can take at most (the side-by-side run, doubling, bisection)."""
+    steps = math.ceil(math.log2(ranked)) if ranked > 1 else 0
+    return min(SEARCH_RUNS, 1 + 2 * steps + 1)
 
 
 def op_types_of(prepared: PreparedGraph, nodes: Sequence[str]) -> list[str]:
@@ -170,33 +229,38 @@ def precision_report(
     sample: str,
     modes: Sequence[str] = DEFAULT_MODES,
     gates: PrecisionGates | None = None,
-    outputs: Mapping[str, np.ndarray] | None = None,
 ) -> PrecisionReport:
-    """The modes in `modes` emulated on one sample, fastest first, with its keep list where one
-    fails, until one passes: the slower ones would not be chosen. must_keep_origin_dtype, which
-    runs nothing, is always listed."""
+    """Calibration, then the modes in `modes` emulated on one sample, fastest first, each with the
+    calibration's keep list and, where it fails, a graph-local search for more, until one passes:
+    the slower ones would not be chosen. must_keep_origin_dtype, which runs nothing, is always listed."""
     gates = gates or PrecisionGates()
+    hits = check_pitfalls(model)
     with prepared_light(model) as prepared:
-        # `outputs`: PyTorch's outputs for these feeds (the study captured them with the sample). The
-        # graph computes them within the probe's tolerance, far inside an fp16 gate: comparing with
-        # them spares a run of the graph in fp32 (minutes for a full-scale backbone).
-        given = outputs is not None and set(outputs) == {o.name for o in prepared.model.graph.output}
-        reference = dict(outputs) if given else run_reference(prepared, feeds)
-        results, skipped = _emulate_until_one_passes(prepared, modes, feeds, gates, reference)
-    chosen, keep, why = _choose(results)
+        calibration, observed = calibrate(prepared, feeds, sample)
+        results, skipped = _emulate_until_one_passes(
+            prepared, modes, feeds, gates, observed.outputs, calibration.nodes, hits
+        )
+        chosen, keep, why = _choose(results)
+        macs = CubeMacs(
+            total=sum(observed.macs.values()),
+            fp16=fp16_macs(observed.macs, precisions_for(prepared, chosen, keep)),
+            by_node=observed.macs,
+        )
     if skipped:
         why += f"; not emulated, as slower: {', '.join(skipped)}"
     return PrecisionReport(
         model=str(model),
         sample=sample,
         gates=gates,
+        calibration=calibration,
+        macs=macs,
         modes=results,
         chosen_mode=chosen,
         chosen_keep=keep,
         why=why,
         not_evaluated=skipped,
         assumptions=ASSUMPTIONS,
-        reference="PyTorch's outputs for the sample" if given else "the graph in fp32 on ONNX Runtime",
+        reference="the graph in fp32 on ONNX Runtime (the calibration pass)",
     )
 
 
@@ -206,14 +270,20 @@ def _emulate_until_one_passes(
     feeds: Mapping[str, np.ndarray],
     gates: PrecisionGates,
     reference: Mapping[str, np.ndarray],
+    calibrated: Sequence[str],
+    hits: Sequence[PitfallHit] = (),
 ) -> tuple[list[ModePrecision], list[str]]:
-    """The modes emulated fastest first; after one passes, the slower ones are skipped."""
+    """The modes emulated fastest first, each keeping the calibrated nodes and those a known pitfall
+    of that mode names (so what is emulated is what ATC is told); after one passes, the slower
+    ones are skipped."""
     results, skipped = [], []
     for mode in fastest_first(modes):
         if any(_passes(r) for r in results) and mode != "must_keep_origin_dtype":
             skipped.append(mode)
             continue
-        results.append(_mode_precision(prepared, mode, feeds, gates, reference))
+        pitfalls = [n for h in hits if mode in h.modes for n in h.keep_nodes]
+        kept = list(dict.fromkeys([*calibrated, *pitfalls]))
+        results.append(mode_precision(prepared, mode, feeds, gates, reference, kept))
     return results, skipped
 
 
@@ -225,40 +295,51 @@ def _passes(mode: ModePrecision) -> bool:
     return mode.result.passed or (mode.with_keep is not None and mode.with_keep.passed)
 
 
-def _mode_precision(
+def mode_precision(
     prepared: PreparedGraph,
     mode: str,
     feeds: Mapping[str, np.ndarray],
     gates: PrecisionGates,
     reference: Mapping[str, np.ndarray],
+    calibrated: Sequence[str] = (),
+    budget: int = SEARCH_RUNS,
 ) -> ModePrecision:
-    result, comparison = emulate_mode(prepared, mode, feeds, gates, reference=reference)
-    if result.passed or comparison is None:
+    """`mode` emulated with the calibrated nodes it would run in fp16 kept, then searched when it fails."""
+    defaults = precisions_for(prepared, mode)
+    kept = [n for n in calibrated if defaults.get(n, "fp32") != "fp32"]
+    result, _ = emulate_mode(prepared, mode, feeds, gates, kept, reference, compare=False)
+    if result.passed or not result.fp16_nodes:
         note = (
             None if result.fp16_nodes else "no node computes in fp16 under this mode: the graph runs as exported (fp32)"
         )
-        return ModePrecision(mode=mode, result=result, note=note)
-    keep, with_keep, note = propose_keep(prepared, mode, feeds, gates, comparison, reference)
+        return ModePrecision(mode=mode, result=result, keep=kept, keep_op_types=op_types_of(prepared, kept), note=note)
+    added, with_keep, runs, note = search_keep(prepared, mode, feeds, gates, reference, kept, budget)
+    keep = [*kept, *added] if with_keep is not None else kept
     return ModePrecision(
-        mode=mode, result=result, keep=keep, keep_op_types=op_types_of(prepared, keep), with_keep=with_keep, note=note
+        mode=mode,
+        result=result,
+        keep=keep,
+        keep_op_types=op_types_of(prepared, keep),
+        searched=added,
+        with_keep=with_keep,
+        search_runs=runs,
+        note=note,
     )
 
 
 def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
-    """The fastest mode that passes as is or with its keep list."""
+    """The fastest mode that passes with its keep list."""
     by_mode = {m.mode: m for m in results}
     for mode in (by_mode[name] for name in fastest_first(list(by_mode))):
-        if mode.result.passed:
-            return mode.mode, [], f"{mode.mode} passes in emulation with nothing kept (fastest passing mode)"
-        if mode.with_keep is not None and mode.with_keep.passed:
-            return (
-                mode.mode,
-                mode.keep,
-                (
-                    f"{mode.mode} passes in emulation with {len(mode.keep)} node(s) kept at "
-                    f"their original dtype (fastest passing mode)"
-                ),
-            )
+        if not _passes(mode):
+            continue
+        calibrated = len(mode.keep) - len(mode.searched)
+        kept = [
+            *([f"{calibrated} by calibration or a known pitfall"] if calibrated else []),
+            *([f"{len(mode.searched)} found by the graph-local search"] if mode.searched else []),
+        ]
+        how = f"with {' and '.join(kept)} node(s) kept at their original dtype" if kept else "with nothing kept"
+        return mode.mode, mode.keep, f"{mode.mode} passes in emulation {how} (fastest passing mode)"
     return "must_keep_origin_dtype", [], "no emulated mode passes; must_keep_origin_dtype keeps every op's dtype"
 
 
@@ -267,7 +348,7 @@ def atc_keep_nodes(chain: CandidateToolchain, mode: str) -> list[str]:
     proposed (when the mode passed with them) and those a known pitfall of that mode names."""
     report = chain.precision
     emulated = report.mode(mode) if report else None
-    keep = list(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else []
+    keep = list(emulated.keep) if emulated and _passes(emulated) else []
     for hit in chain.precheck.pitfalls if chain.precheck else []:
         if mode in hit.modes:
             keep += [n for n in hit.keep_nodes if n not in keep]

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from omskills.compare.decision import decide
 from omskills.compare.parity import compare_arrays
-from omskills.records.verify import CheckResult, OutputCheck
+from omskills.records.verify import AGREEMENTS, CheckResult, OutputCheck
 from omskills.registry import Registry
 
 Outputs = Mapping[str, np.ndarray]
@@ -35,6 +36,8 @@ def _result(
 
 
 def _missing(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckResult | None:
+    if check.optional and check.output not in reference and check.output not in spliced:
+        return _result(check, None, True, "absent from both runs on this step")
     names = [check.output] + ([check.key] if check.key else [])
     absent = [
         f"{name} ({side})"
@@ -130,7 +133,43 @@ def max_abs(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckRe
     return _result(check, worst, passed, f"items {unmatched} of the reference are missing" if unmatched else None)
 
 
-for _metric, _comparator in (("exact", exact), ("tensor", tensor), ("iou", iou), ("max_abs", max_abs)):
+def decision(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckResult:
+    """A thresholded continuous output judged away from its threshold (`compare.decision`): the
+    least agreement over items, near-threshold flips and divergent elements counted."""
+    if (missing := _missing(check, reference, spliced)) is not None:
+        return missing
+    pairs, unmatched = _pairs(check, reference, spliced)
+    worst, near, divergent, passed, details = 1.0, 0, 0, not unmatched, []
+    for ref, got in pairs:
+        figures = decide(ref, got, check.decision_at)  # type: ignore[arg-type]
+        if figures is None:
+            worst, passed = 0.0, False
+            details.append(f"shape {list(np.shape(got))} != reference {list(np.shape(ref))}")
+            continue
+        worst, near, divergent = (
+            min(worst, figures.agreement),
+            near + figures.near_threshold_flips,
+            divergent + figures.divergent,
+        )
+        passed = passed and figures.passes(check.threshold)  # type: ignore[arg-type]
+    if unmatched:
+        worst = 0.0
+        details.append(f"items {unmatched} of the reference are missing")
+    if near:
+        details.append(f"{near} near-threshold flip(s): the reference sat within tolerance of {check.decision_at:g}")
+    if divergent:
+        details.append(f"{divergent} element(s) moved beyond their tolerance")
+    result = _result(check, worst, passed, "; ".join(details) or None)
+    return result.model_copy(update={"near_threshold_flips": near, "divergent": divergent})
+
+
+for _metric, _comparator in (
+    ("exact", exact),
+    ("tensor", tensor),
+    ("iou", iou),
+    ("max_abs", max_abs),
+    ("decision", decision),
+):
     COMPARATORS.register(_metric, _comparator)
 
 
@@ -154,9 +193,9 @@ def compare_step(checks: list[OutputCheck], reference: Outputs, spliced: Outputs
 
 def worse(metric: str, a: float | None, b: float | None) -> bool:
     """Whether figure `a` is worse than `b` for this metric (None is the worst). Figures are
-    differences, higher is worse, except iou's."""
+    differences, higher is worse, except agreements' (iou, decision)."""
     if a is None:
         return b is not None
     if b is None:
         return False
-    return a < b if metric == "iou" else a > b
+    return a < b if metric in AGREEMENTS else a > b

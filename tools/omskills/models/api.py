@@ -32,6 +32,7 @@ import numpy as np
 from omskills.errors import InputError, OmskillsError, one_line
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
+from omskills.records.parity import FP16_GATES
 from omskills.records.verify import OutputCheck
 from pydantic import BaseModel, ConfigDict
 
@@ -359,6 +360,18 @@ class ModelDriver(ABC):
         float ones by cosine / max abs, others exactly."""
         return [
             OutputCheck(output="*", metric="tensor", label="every output (floats by cosine / max abs, others exactly)")
+        ]
+
+    def precision_checks(self, verification: BaseModel) -> list[OutputCheck]:
+        """How a run with every graph emulated in its ATC precision mode is judged against the
+        PyTorch reference: checks that mean something at fp16's precision, on any weights. Default:
+        `comparison` with float tensors held to fp16's gates (`FP16_GATES`). A driver whose outputs
+        are thresholded (masks, detections after a score threshold, labels) should judge the
+        continuous values before the threshold with a `decision` check, so that a flip where the
+        reference sat at the threshold is reported as such and not as a divergence."""
+        return [
+            c.model_copy(update={"gates": c.gates or FP16_GATES}) if c.metric == "tensor" else c
+            for c in self.comparison(verification)
         ]
 
     def settings_notes(self, verification: BaseModel) -> list[str]:

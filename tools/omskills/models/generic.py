@@ -13,7 +13,7 @@ tuple or a dict of tensors); a generator yields one step per item. Before each r
 torch's, numpy's and Python's generators with 0, so random inputs are the same in every run.
 
 Optional names in the same file: `Inputs` (a pydantic model validating intake.inputs),
-`COMPARISON` (a list of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
+`COMPARISON` and `PRECISION_CHECKS` (lists of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
 `FAMILY`, `STEP_NAME`, and `WEIGHTS`: when `build_model` loads trained weights itself (files
 shipped in the model's wheel), what they are, said in every report instead of "random". Without
 seed candidates the study ranks the module tree.
@@ -148,6 +148,12 @@ class FunctionDriver(ModelDriver):
         declared = getattr(self.module, "COMPARISON", None)
         if declared is None:
             return super().comparison(verification)
+        return [OutputCheck.model_validate(c) if isinstance(c, dict) else c for c in declared]
+
+    def precision_checks(self, verification: BaseModel) -> list[OutputCheck]:
+        declared = getattr(self.module, "PRECISION_CHECKS", None)
+        if declared is None:
+            return super().precision_checks(verification)
         return [OutputCheck.model_validate(c) if isinstance(c, dict) else c for c in declared]
 
     def seed_candidates(self) -> list[SeedCandidate]:

@@ -28,7 +28,7 @@ from omskills.models.media import load_video
 from omskills.models.random_weights import calibrate_batch_norm
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
-from omskills.records.parity import ParityGates
+from omskills.records.parity import FP16_GATES, ParityGates
 from omskills.records.verify import OutputCheck
 from omskills.report.pictures import draw_instances, side_by_side, titled
 from omskills.source.packages import package_root
@@ -36,6 +36,7 @@ from omskills.source.portability import DevicePortability, FunctionFix, WatchedI
 
 __all__ = [
     "DevicePortability",
+    "FP16_GATES",
     "DimRef",
     "FunctionFix",
     "InputError",

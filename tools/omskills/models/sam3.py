@@ -541,6 +541,28 @@ class SamVideoDriver(ModelDriver):
             ),
         ]
 
+    def precision_checks(self, verification: SamVerification) -> list[OutputCheck]:
+        """Under fp16 the masks are judged at the threshold that makes them: the low-res mask logits
+        by a decision check at 0 (pixels whose reference logit sat within tolerance of 0 may flip;
+        the IoU of the others must hold), the object ids exactly; the binary masks' IoU, scores and
+        boxes are reported beside it (on random weights most logits sit near 0)."""
+        fp32 = {c.output: c for c in self.comparison(verification)}
+        return [
+            fp32["obj_ids"],
+            OutputCheck(
+                output="mask_logits",
+                metric="decision",
+                key="obj_ids",
+                threshold=0.99,
+                decision_at=0.0,
+                optional=True,  # a frame whose logits the driver could not read
+                label="mask logits at the threshold (IoU of decided pixels)",
+            ),
+            fp32["masks"].model_copy(update={"gating": False}),
+            fp32["scores"],
+            fp32["boxes_xywh"],
+        ]
+
     def settings_notes(self, verification: SamVerification) -> list[str]:
         return verification.notes()
 

@@ -61,6 +61,11 @@ class ParityGates(Record):
         return "fail", _missed(cosine, max_abs, self.review_min_cosine, self.review_max_abs, scale, "review")
 
 
+# fp16 keeps 11 significant bits (a relative step of 4.9e-4); a pipeline of fp16 operators loses a few
+# more. What an emulated precision plan's float outputs are held to (`ModelDriver.precision_checks`).
+FP16_GATES = ParityGates(pass_min_cosine=0.999, pass_max_abs=1e-2, review_min_cosine=0.995, review_max_abs=3e-2)
+
+
 def _missed(cosine: float, max_abs: float, min_cosine: float, max_abs_below: float, scale: float, tier: str) -> str:
     misses = []
     if cosine < min_cosine:

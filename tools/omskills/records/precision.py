@@ -139,15 +139,56 @@ class EmulatedResult(Record):
     first: LayerFinding | None = None
 
 
+class CalibrationKeep(Record):
+    """A node the calibration pass keeps at its original dtype before any emulation, and why."""
+
+    node: str
+    op_type: str
+    rule: Literal["overflow", "headroom", "squares", "mean_of_large_sum", "weight_range", "constant_underflow"]
+    figure: float = Field(description="What the rule measured: a magnitude, or a magnitude times a reduction depth.")
+    limit: float = Field(description="The rule's limit the figure reached.")
+
+
+class GraphCalibration(Record):
+    """One fp32 pass of the graph on its recorded inputs: the largest magnitude of every float
+    tensor and weight, the depth of its mean reductions, and the nodes whose values leave fp16's
+    useful range (`ascend.calibration` states each rule and its limit)."""
+
+    sample: str = Field(description="The recorded call the pass ran on.")
+    tensors: int = Field(description="Float tensors whose largest magnitude was read.")
+    largest: float = Field(description="The largest magnitude of any float node output.")
+    keep: list[CalibrationKeep] = Field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(k.node for k in self.keep))
+
+
+class CubeMacs(Record):
+    """Multiply-accumulates of the graph's Cube operators (MatMul, Gemm, Conv, ConvTranspose,
+    Einsum) on the recorded call, and those a precision mode with its keep list runs in fp16."""
+
+    total: int = 0
+    fp16: int = 0
+    by_node: dict[str, int] = Field(default_factory=dict)  # Cube node -> its MACs, to count other keep lists
+
+    @property
+    def fp16_share(self) -> float:
+        return self.fp16 / self.total if self.total else 1.0
+
+
 class ModePrecision(Record):
-    """One ATC precision mode for one graph: emulated as is, the keep list the bisect proposes,
-    and emulated again with it."""
+    """One ATC precision mode for one graph: emulated with the calibration's keep list, the nodes
+    the graph-local search kept besides, and emulated again with them."""
 
     mode: str
-    result: EmulatedResult
-    keep: list[str] = Field(default_factory=list)  # node names to keep at their original dtype
+    result: EmulatedResult  # with the calibration's keep list (nothing else kept)
+    keep: list[str] = Field(default_factory=list)  # every node kept at its original dtype: calibration + search
     keep_op_types: list[str] = Field(default_factory=list)  # their ONNX op types, for the report
-    with_keep: EmulatedResult | None = None  # None: nothing to keep (or no fix found)
+    searched: list[str] = Field(default_factory=list)  # the nodes the graph-local search added
+    with_keep: EmulatedResult | None = None  # with `keep`, when the search added nodes
+    search_runs: int = 0  # graph runs the search made (side-by-side comparison included)
     note: str | None = None  # why no keep list, or what emulation cannot show
 
 
@@ -158,6 +199,8 @@ class PrecisionReport(Record):
     sample: str  # the captured sample it ran on
     backend: str = EMULATED_BACKEND
     gates: PrecisionGates = Field(default_factory=PrecisionGates)
+    calibration: GraphCalibration | None = None  # None: emulated before calibration existed
+    macs: CubeMacs = Field(default_factory=CubeMacs)  # fp16: under the chosen mode and keep list
     modes: list[ModePrecision]
     chosen_mode: str  # the fastest mode whose emulated result passes (with its keep list)
     chosen_keep: list[str] = Field(default_factory=list)
@@ -182,37 +225,67 @@ class PlanAttempt(Record):
     seconds: float
 
 
+class PlanTime(Record):
+    """Predicted NPU time of the Cube operators of every graph per main-path run (the cost model's
+    per-SoC rates; predicted, not measured): this plan, everything in fp16, everything in fp32."""
+
+    soc: str
+    plan_ms: float | None = Field(description="None: no rate for some precision the plan runs (see source).")
+    all_fp16_ms: float | None
+    all_fp32_ms: float | None
+    source: str = Field(description="The rates used and what they rest on.")
+
+
+class GraphAttribution(Record):
+    """One graph's share of a failed end-to-end run, from what its own emulation lost on its recorded
+    inputs (teacher forcing: fp32 inputs, no upstream error) against its graph-local tolerance."""
+
+    graph: str
+    own_error: float = Field(description="1 - cosine of its worst output, emulated on its recorded fp32 inputs.")
+    tolerance: float = Field(description="1 - the graph-local gate's cosine it was emulated against.")
+    score: float = Field(description="own_error / tolerance: how much of its local budget it used.")
+    fp16_macs: int = Field(0, description="Cube MACs it runs in fp16 (0: it keeps every dtype and cannot be at fault).")
+
+
 class PrecisionPlan(Record):
     """The ATC precision plan of every deployed graph, checked end to end on the main path with
     every graph in its mode (emulated on CPU, not an NPU result): what passed, what moved, why."""
 
-    verdict: Literal["pass", "fail"] = Field(
+    verdict: Literal["pass", "fail", "not_judged"] = Field(
         description=(
-            "pass: the main path, every graph emulated in `modes`, passes the driver's checks; "
-            "fail: no plan did within the budget of runs "
-            "(the graphs at fault then convert with must_keep_origin_dtype)."
+            "pass: the main path, every graph emulated in `modes`, passes the driver's precision checks; "
+            "fail: it did not within the budget of runs (the graphs at fault then convert with "
+            "must_keep_origin_dtype); not_judged: every graph keeps its dtypes, which the fp32 verification judges."
         )
     )
     modes: dict[str, str] = Field(description="Graph -> the ATC precision mode it converts with (and nodes kept).")
     moved: dict[str, str] = Field(
         default_factory=dict,
-        description=("Graph -> how and why the end-to-end check moved it from the mode its own emulation chose."),
+        description="Graph -> how and why the end-to-end check changed it (a longer keep list, or a safer mode).",
     )
-    at_fault: list[str] = Field(default_factory=list, description="Graphs whose emulation alone broke the main path.")
-    narrowed_to: list[str] = Field(
-        default_factory=list,
-        description=(
-            "When the budget ran out before the graphs at fault were found: the fewest graphs a failed run emulated "
-            "(the rest in fp32); the fault is among them."
-        ),
+    at_fault: list[str] = Field(default_factory=list, description="Graphs the attribution named after a failed run.")
+    attribution: list[GraphAttribution] = Field(
+        default_factory=list, description="After a failed run: every emulated graph's share, highest first."
     )
     attempts: list[PlanAttempt] = Field(
-        default_factory=list,
+        default_factory=list, description="Every spliced run the check made, in order: the plan, then the fixed plan."
+    )
+    reference: str = Field(
+        "",
+        description="Where the PyTorch outputs the runs are judged against come from (the study's run, or a run here).",
+    )
+    fallbacks: int = Field(
+        0,
         description=(
-            "Every spliced run the check made, in order: the chosen modes, the halves of a bisection, each fixed plan."
+            "Calls the emulated runs sent to PyTorch (outside a graph's shapes): reported, handled by the shape "
+            "strategy, never by a slower precision mode."
         ),
+    )
+    fp16_mac_share: float = Field(1.0, description="Cube MACs in fp16 over every graph of the plan (1: no Cube op).")
+    predicted: PlanTime | None = Field(
+        None, description="Predicted NPU time of the plan against all-fp16 and all-fp32."
     )
     runs: int = Field(description="Spliced main-path runs made (the budget's unit).")
     budget: int = Field(description="The most spliced runs the check was allowed.")
-    seconds: float = Field(description="The whole check: the reference run, every attempt, the report.")
+    seconds: float = Field(description="The whole check: every attempt, the attribution, the report.")
     why: str = Field(description="The outcome in one sentence: which plan passed, or why none did.")

@@ -16,9 +16,13 @@ from pydantic import Field, model_validator
 
 # A comparator registered in omskills.compare.outputs.COMPARATORS. The built-in ones: exact (equal
 # arrays: ids, labels, counts), tensor (cosine / max abs against ParityGates), iou (boolean region
-# maps of the same items, per item, at least `threshold`) and max_abs (largest absolute difference
-# at most `threshold`: coordinates, scores). Figures are differences (higher is worse) except iou's.
+# maps of the same items, per item, at least `threshold`), max_abs (largest absolute difference
+# at most `threshold`: coordinates, scores) and decision (a continuous output thresholded at
+# `decision_at`, judged away from that threshold: `omskills.compare.decision`). Figures are
+# differences (higher is worse) except iou's and decision's (agreements).
 MetricName = str
+# Metrics whose figure is an agreement (higher is better) rather than a difference.
+AGREEMENTS = frozenset({"iou", "decision"})
 
 
 class OutputCheck(Record):
@@ -30,15 +34,22 @@ class OutputCheck(Record):
     # Items (dim 0) of the output are matched across runs by the values of this output, e.g.
     # object ids: items the other run lacks count as the worst value.
     key: str | None = None
-    threshold: float | None = None  # iou: the least IoU; max_abs: the largest difference
+    threshold: float | None = None  # iou, decision: the least IoU; max_abs: the largest difference
+    # decision: the value a decision compares the output with (0 for logits, a score threshold).
+    decision_at: float | None = None
     gates: ParityGates | None = None  # tensor: default ParityGates()
     gating: bool = True  # False: reported beside the verdict, not part of it
     label: str = ""  # what reports call it, e.g. "object ids"
+    # True: a step where neither run has the output is no evidence either way (an output only some
+    # models of a driver produce); a step where one run lacks it still fails.
+    optional: bool = False
 
     @model_validator(mode="after")
     def _threshold_where_needed(self) -> OutputCheck:
-        if self.metric in ("iou", "max_abs") and self.threshold is None:
+        if self.metric in ("iou", "max_abs", "decision") and self.threshold is None:
             raise ValueError(f"metric {self.metric} needs a threshold")
+        if self.metric == "decision" and self.decision_at is None:
+            raise ValueError("metric decision needs decision_at (the value the output is thresholded at)")
         return self
 
     @property
@@ -58,6 +69,10 @@ class CheckResult(Record):
     passed: bool
     gating: bool = True
     detail: str | None = None
+    # decision only: elements whose side of the threshold changed although the reference sat within
+    # tolerance of it (not a divergence), and elements that moved beyond their tolerance.
+    near_threshold_flips: int | None = None
+    divergent: int | None = None
 
 
 class StepParity(Record):
@@ -135,7 +150,7 @@ def figure(value: float | None, metric: str) -> str:
     """A check's figure as reports print it: an IoU to 4 places, a difference in exponent form."""
     if value is None:
         return "-"
-    return f"{value:.4f}" if metric == "iou" else f"{value:.2e}"
+    return f"{value:.4f}" if metric in AGREEMENTS else f"{value:.2e}"
 
 
 class VerifyReport(Record):

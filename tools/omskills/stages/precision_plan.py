@@ -1,17 +1,21 @@
-"""The precision plan checked end to end, and fixed when it breaks the main path.
+"""The precision plan checked end to end, and fixed graph-locally when it breaks the main path.
 
-Each graph's ATC precision mode is chosen from that graph alone: the fastest mode whose emulated
-output passes the graph's own gate on one sample. Errors that pass one graph's gate can still add
-up through the pipeline (the memory of a tracker carries them from frame to frame), so the plan
-is judged where the user judges the model: the main path, every deployed graph emulated in its
-mode, against the PyTorch reference, by the driver's own checks.
+Each graph's ATC precision mode and keep list come from that graph alone (`emulate_precision`:
+calibration, the fastest mode, a graph-local keep-list search). Errors that pass one graph's gate
+can still add up through the pipeline (a tracker's memory carries them from frame to frame), so
+the plan is judged where the user judges the model: the main path, every deployed graph emulated
+in its mode, against the PyTorch reference (the study's run of the same inputs: no new PyTorch
+run), by the driver's precision checks.
 
-When that fails, the graphs at fault are found by bisection (a half of them emulated, the rest in
-fp32, cheapest to settle first), each moved one step down the ladder of safer modes (its own
-keep list for that mode when its emulation found one), and the plan checked again, within a
-budget of spliced runs. The ATC commands then carry the plan that passed; when none did, the
-graphs at fault convert with must_keep_origin_dtype and the record says so. Emulated, never an
-NPU result.
+Main-path runs are the expensive unit, so there are at most two: the confirmation, and one after
+a fix. When the confirmation fails, no graph is bisected on the main path: each emulated graph's
+own error on its recorded fp32 inputs (teacher forcing, from its emulation) against its
+graph-local tolerance names the graphs at fault; each gets a tolerance tightened by how far the
+end-to-end figure missed its gate, and its keep list is searched again on its recorded inputs
+(graph runs, not main-path runs). A graph whose search cannot meet the tighter tolerance keeps
+every dtype (must_keep_origin_dtype), the last resort, with the reason in one line. Fallbacks in an
+emulated run are reported and left to the shape strategy: they never move a graph to a slower
+mode. Emulated, never an NPU result.
 """
 
 from __future__ import annotations
@@ -21,15 +25,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omskills import progress
-from omskills.ascend.precision_modes import DEFAULT_MODES
+from omskills.ascend.compute import cube_ms, cube_rate
+from omskills.ascend.emulation import prepared_light, run_reference
+from omskills.ascend.precision_fix import mode_precision
+from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
 from omskills.compare.outputs import expand
 from omskills.isolation import return_freed_memory
-from omskills.models.api import MainPathRun, RunHooks
-from omskills.records.precision import PlanAttempt, PrecisionPlan, PrecisionReport
+from omskills.models.api import MainPathRun, RunHooks, StepOutput, load_run
+from omskills.records.precision import (
+    GraphAttribution,
+    ModePrecision,
+    PlanAttempt,
+    PlanTime,
+    PrecisionGates,
+    PrecisionPlan,
+    PrecisionReport,
+)
 from omskills.records.task import TaskRecord, load_record
-from omskills.records.verify import MainPathParity, VerifyReport
+from omskills.records.verify import AGREEMENTS, CheckSummary, MainPathParity, VerifyReport
 from omskills.runtime.splice import SpliceHandle, splice
 from omskills.stages.model import TaskModel, open_model
+from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import (
     Emulation,
     chosen_emulation,
@@ -42,18 +58,16 @@ from omskills.stages.steps import fingerprint, is_done, require_intact, running_
 from omskills.stages.verify_report import verification_report, write_verification_report
 
 STEP = "precision_plan"
-# Spliced runs of the main path the check may make, attribution included (a full-scale video
-# model's run is minutes).
-DEFAULT_BUDGET = 8
-# Safer and safer: each step keeps more of the graph in fp32 (the last keeps all of it).
-LADDER: tuple[str, ...] = DEFAULT_MODES
-SAFEST = LADDER[-1]
+# Main-path runs the check may make: the confirmation, and one after a fix.
+DEFAULT_BUDGET = 2
+SAFEST = UNCHECKED_PRECISION_MODE
+# A graph is at fault with the worst one when its own error used at least this share of what the
+# worst one used of its tolerance (errors of one size add up; a graph far below adds little).
+AT_FAULT_SHARE = 0.5
+# How much a graph at fault's tolerance tightens at least, and at most, after a failed run.
+TIGHTEN_MIN, TIGHTEN_MAX = 2.0, 100.0
 
 Plan = dict[str, Emulation]
-
-
-class OutOfBudget(Exception):
-    """The budget of runs is spent before the check could settle."""
 
 
 @dataclass
@@ -65,7 +79,8 @@ class _Outcome:
 
     @property
     def passed(self) -> bool:
-        return self.parity.verdict == "pass"
+        """Every gating precision check held on every step; fallbacks are reported, not judged here."""
+        return self.parity.steps_equal and all(c.passed for c in self.parity.checks if c.gating)
 
 
 @dataclass
@@ -82,8 +97,6 @@ class _Runner:
 
     def run(self, plan: Plan, purpose: str) -> _Outcome:
         """The main path with the graphs of `plan` emulated in their modes and every other in fp32."""
-        if len(self.attempts) >= self.budget:
-            raise OutOfBudget
         progress.report(len(self.attempts), self.budget, f"precision plan: {purpose}...")
         started = time.perf_counter()
         backends = [
@@ -103,31 +116,30 @@ class _Runner:
             # The sessions and the emulated models built for them are gone: their memory goes back
             # before the next run builds its own (a full-scale video model peaked in this step).
             return_freed_memory()
-        checks = self.model.driver.comparison(self.model.bound.verification)
+        checks = self.model.driver.precision_checks(self.model.bound.verification)
         parity, _ = main_path_parity(
             expand(checks, self.reference.steps[0].outputs) if self.reference.steps else checks,
             self.reference,
             spliced,
             sum(s.fallbacks for s in handle.stats()),
         )
+        outcome = _Outcome(dict(plan), spliced, handle, parity)
         self.attempts.append(
             PlanAttempt(
                 purpose=purpose,
                 emulated={g: e.describe() for g, e in plan.items()},
-                verdict=parity.verdict,
-                summary=parity.summary(),
+                verdict="pass" if outcome.passed else "fail",
+                summary=parity.summary() + (f"; fallbacks {parity.fallbacks}" if parity.fallbacks else ""),
                 seconds=round(time.perf_counter() - started, 3),
             )
         )
-        return _Outcome(dict(plan), spliced, handle, parity)
-
-    def fails(self, plan: Plan, purpose: str) -> bool:
-        return not self.run(plan, purpose).passed
+        return outcome
 
 
 def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> PrecisionPlan:
-    """The main path with every deployed graph in its chosen ATC precision mode, emulated; when it
-    fails, the graphs at fault moved to safer modes until it passes or `budget` runs are spent."""
+    """The main path with every deployed graph in its chosen ATC precision mode and keep list,
+    emulated; when it fails and the budget allows, the graphs at fault get longer keep lists found
+    on their recorded inputs, and the plan runs once more."""
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
     names, _ = spliceable(record)
@@ -145,163 +157,249 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
     )
     if is_done(record, STEP, inputs_hash, workdir) and record.precision_plan is not None:
         return record.precision_plan
-    model = open_model(record, workdir)
     started = time.perf_counter()
+    plan = {g: chosen_emulation(record, g) for g in graphs}
     with running_step(task_path, STEP, inputs_hash) as step:
-        progress.report(0, budget, "precision plan: reference run of the main path in PyTorch...")
-        runner = _Runner(record, workdir, model, graphs, model.run(), budget)
+        if not any(_fp16_macs_or_nodes(reports[g], plan[g]) for g in graphs):
+            summary = _not_judged(plan, budget, time.perf_counter() - started)
+            step.update(_stored(summary, None, plan, {}))
+            return summary
+        model = open_model(record, workdir)
+        reference, source = _reference(record, workdir, model)
+        runner = _Runner(record, workdir, model, graphs, reference, budget)
         notes = page_out_spliced(model.loaded.root, record, graphs, workdir)
         return_freed_memory()
-        last, plan, moved, at_fault = _settle(runner, {g: chosen_emulation(record, g) for g in graphs}, reports)
-        passed = last is not None and last.passed and last.plan == plan
+        last = runner.run(plan, "every graph in its mode and keep list")
+        moved: dict[str, str] = {}
+        refined: dict[str, ModePrecision] = {}
+        attribution: list[GraphAttribution] = []
+        if not last.passed:
+            attribution = attribute(graphs, reports, plan)
+            if len(runner.attempts) < budget and attribution:
+                tighten = _tightening(last.parity.checks)
+                for graph in at_fault(attribution):
+                    plan[graph], refined[graph], moved[graph] = _refit(
+                        record, workdir, graph, plan[graph], reports[graph], tighten
+                    )
+                last = runner.run(plan, f"after keeping more of {', '.join(moved)}")
+        passed = last.passed
+        faulty = at_fault(attribution) if attribution else []
         if not passed:
-            plan = _safest(plan, at_fault)
-        summary = _plan_record(runner, plan, passed, moved, at_fault, budget, time.perf_counter() - started)
-        if not passed and not at_fault:
-            summary.narrowed_to = narrowed_to(runner.attempts, graphs)
-            if summary.narrowed_to:
-                summary.why += f"; the runs made narrowed the fault to {', '.join(summary.narrowed_to)}"
-        report = None
-        if last is not None:  # the last run of a whole plan: the report shows it, passed or not
-            report = verification_report(
-                record,
-                workdir,
-                model,
-                runner.reference,
-                last.run,
-                last.handle,
-                names,
-                {g: e.describe() for g, e in last.plan.items()},
-            )
-            report.notes += notes
-            report = write_verification_report(report, record, model, runner.reference, last.run, workdir)
-        step.update(_stored(summary, report, plan))
+            plan = {g: (Emulation(SAFEST) if g in (faulty or graphs) else e) for g, e in plan.items()}
+        summary = _plan_record(
+            runner, plan, passed, moved, faulty, attribution, source, last, time.perf_counter() - started, reports
+        )
+        report = verification_report(
+            record, workdir, model, runner.reference, last.run, last.handle, names, dict(runner.attempts[-1].emulated)
+        )
+        report.notes += notes
+        report = write_verification_report(report, record, model, runner.reference, last.run, workdir)
+        step.update(_stored(summary, report, plan, refined))
     return summary
 
 
-def _settle(
-    runner: _Runner, plan: Plan, reports: dict[str, PrecisionReport]
-) -> tuple[_Outcome | None, Plan, dict[str, str], list[str]]:
-    """Run the plan; while it fails and the budget lasts, move the graphs at fault one step safer.
-    When the graphs fail only together (each half passes alone: their errors add up), bisection
-    cannot name one, and the graph whose own emulation strays furthest is moved, one at a time.
-    Returns the last run of a whole plan, the plan as it stands, the moves and the graphs at fault."""
-    moved: dict[str, str] = {}
-    at_fault: list[str] = []
-    last, together = None, False
-    try:
-        last = runner.run(plan, "every graph in the mode its own emulation chose")
-        while not last.passed:
-            emulated = {g: e for g, e in plan.items() if e.mode != SAFEST}
-            if not emulated:
-                break  # every graph keeps its dtype: what fails is not precision (see the fp32 verification)
-            found = [] if together else _at_fault(runner, emulated)
-            together = together or (len(found) > 1 and set(found) == set(emulated))
-            if together:
-                found = [max(emulated, key=lambda g: _stray(reports[g], plan[g]))]
-            why = (
-                "the graphs fail only together; its own emulation strays furthest"
-                if together
-                else "emulated with the rest in fp32, it broke the main path"
+def _reference(record: TaskRecord, workdir: Path, model: TaskModel) -> tuple[MainPathRun, str]:
+    """The PyTorch outputs the emulated runs are judged against: the study's run of the same inputs
+    (seeded like every run), or, when its outputs are gone, a run here."""
+    study = record.study
+    saved = workdir / "study" / "outputs.npz"
+    if study is not None and saved.is_file():
+        steps = [StepOutput(index=i, seconds=0.0, outputs=o) for i, o in sorted(load_run(saved).items())]
+        if steps:
+            return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=0.0), "the study's run (study/outputs.npz)"
+    progress.report(0, None, "precision plan: reference run of the main path in PyTorch...")
+    return model.run(), "a PyTorch run of the main path here (the study's outputs were not found)"
+
+
+def _fp16_macs_or_nodes(report: PrecisionReport, emulation: Emulation) -> bool:
+    """Whether the graph computes anything in fp16 under its chosen mode and keep list."""
+    if emulation.mode == SAFEST:
+        return False
+    mode = report.mode(emulation.mode)
+    result = mode.with_keep or mode.result if mode is not None else None
+    return result is None or result.fp16_nodes > 0
+
+
+def attribute(graphs: list[str], reports: dict[str, PrecisionReport], plan: Plan) -> list[GraphAttribution]:
+    """Every graph that computes in fp16, by the share of its graph-local tolerance its own error
+    used on its recorded fp32 inputs (teacher forcing), highest first."""
+    rows = []
+    for graph in graphs:
+        report, emulation = reports[graph], plan[graph]
+        mode = report.mode(emulation.mode)
+        if mode is None or not _fp16_macs_or_nodes(report, emulation):
+            continue
+        result = mode.with_keep or mode.result
+        tolerance = max(1e-12, 1.0 - report.gates.output_min_cosine)
+        own = 1.0 + result.overflow + result.nan if result.overflow or result.nan else max(0.0, 1.0 - result.cosine)
+        rows.append(
+            GraphAttribution(
+                graph=graph, own_error=own, tolerance=tolerance, score=own / tolerance, fp16_macs=report.macs.fp16
             )
-            at_fault += [g for g in found if g not in at_fault]
-            for graph in found:
-                safer = _safer(plan[graph], reports[graph])
-                moved[graph] = (
-                    f"{moved[graph].split(' -> ')[0] if graph in moved else plan[graph].describe()} "
-                    f"-> {safer.describe()}: {why}"
-                )
-                plan[graph] = safer
-            last = runner.run(plan, f"after moving {', '.join(found)} to safer modes")
-    except OutOfBudget:
-        pass
-    return last, plan, moved, at_fault
+        )
+    return sorted(rows, key=lambda a: -a.score)
 
 
-def _stray(report: PrecisionReport, emulation: Emulation) -> float:
-    """How far the graph's own emulation in this mode strayed from fp32 (1 - cosine; 0 unknown)."""
-    emulated = report.mode(emulation.mode)
-    if emulated is None:
-        return 0.0
-    result = emulated.with_keep if emulation.keep and emulated.with_keep is not None else emulated.result
-    return 1.0 - result.cosine
+def at_fault(attribution: list[GraphAttribution]) -> list[str]:
+    """The graph whose own error used most of its tolerance, and those within AT_FAULT_SHARE of it."""
+    if not attribution:
+        return []
+    top = attribution[0].score
+    return [a.graph for a in attribution if a.score >= AT_FAULT_SHARE * top]
 
 
-def _at_fault(runner: _Runner, failing: Plan) -> list[str]:
-    """The graphs whose emulation breaks the main path, by bisection over `failing` (a plan known
-    to fail): a half emulated with the rest in fp32. A group whose halves pass alone fails only
-    together: all of it is at fault."""
-    graphs = list(failing)
-    if len(graphs) == 1:
-        return graphs
-    half = len(graphs) // 2
-    found = []
-    for part in (graphs[:half], graphs[half:]):
-        sub = {g: failing[g] for g in part}
-        if runner.fails(sub, f"finding the graphs at fault: {', '.join(part)} emulated, the rest in fp32"):
-            found += _at_fault(runner, sub)
-    return found or graphs
+def _tightening(checks: list[CheckSummary]) -> float:
+    """How far the failed gating checks missed their gates, as a factor on the graphs' tolerance:
+    an agreement of 0.95 against 0.99 missed by (1 - 0.95) / (1 - 0.99) = 5."""
+    ratios = []
+    for check in checks:
+        if not check.gating or check.passed or check.worst is None:
+            continue
+        ratios.append((1.0 - check.worst) / 0.01 if check.metric in AGREEMENTS else 10.0)
+    return min(TIGHTEN_MAX, max([TIGHTEN_MIN, *ratios]))
 
 
-def _safer(current: Emulation, report: PrecisionReport) -> Emulation:
-    """The next mode down the ladder, with the keep list the graph's own emulation proposed for it."""
-    index = LADDER.index(current.mode) if current.mode in LADDER else len(LADDER) - 2
-    mode = LADDER[min(index + 1, len(LADDER) - 1)]
-    emulated = report.mode(mode)
-    keep = tuple(emulated.keep) if emulated and emulated.with_keep is not None and emulated.with_keep.passed else ()
-    return Emulation(mode, keep if mode != SAFEST else ())
+def _refit(
+    record: TaskRecord, workdir: Path, graph: str, emulation: Emulation, report: PrecisionReport, tighten: float
+) -> tuple[Emulation, ModePrecision, str]:
+    """The graph's keep list searched again on its recorded inputs against a tolerance `tighten`
+    times tighter; every dtype kept when no keep list meets it."""
+    gates = PrecisionGates(
+        node_min_cosine=report.gates.node_min_cosine,
+        output_min_cosine=1.0 - (1.0 - report.gates.output_min_cosine) / tighten,
+    )
+    feeds, _ = first_feeds(record, workdir, graph)
+    model = record.preferred_model(workdir, graph)
+    found = emulation_runner(model, feeds)(_search_tighter, model, feeds, emulation.mode, list(emulation.keep), gates)
+    before = emulation.describe()
+    if found.with_keep is not None or found.result.passed:
+        after = Emulation(emulation.mode, tuple(found.keep))
+        why = (
+            f"{before} -> {after.describe()}: its own error used most of its tolerance; "
+            f"cosine >= {gates.output_min_cosine:.6f} met on its recorded inputs"
+        )
+        return after, found, why
+    why = (
+        f"{before} -> {SAFEST}: no keep list within {found.search_runs} graph runs met cosine >= "
+        f"{gates.output_min_cosine:.6f} on its recorded inputs (the last resort)"
+    )
+    return Emulation(SAFEST), found, why
 
 
-def narrowed_to(attempts: list[PlanAttempt], graphs: list[str]) -> list[str]:
-    """Where a bisection the budget cut short left the fault: the fewest graphs a failed run
-    emulated (the rest in fp32), when fewer than all of them."""
-    failed = [a for a in attempts if a.verdict == "fail" and len(a.emulated) < len(graphs)]
-    return list(min(failed, key=lambda a: len(a.emulated)).emulated) if failed else []
+def _search_tighter(model: Path, feeds: dict, mode: str, keep: list[str], gates: PrecisionGates) -> ModePrecision:
+    with prepared_light(model) as prepared:
+        reference = run_reference(prepared, feeds)
+        return mode_precision(prepared, mode, feeds, gates, reference, keep)
 
 
-def _safest(plan: Plan, at_fault: list[str]) -> Plan:
-    """No plan passed within the budget: the graphs at fault (or, unknown, every one) keep their dtypes."""
-    suspects = at_fault or list(plan)
-    return {g: (Emulation(SAFEST) if g in suspects else e) for g, e in plan.items()}
+def _not_judged(plan: Plan, budget: int, seconds: float) -> PrecisionPlan:
+    return PrecisionPlan(
+        verdict="not_judged",
+        modes={g: e.describe() for g, e in plan.items()},
+        fp16_mac_share=0.0,
+        runs=0,
+        budget=budget,
+        seconds=round(seconds, 3),
+        why="every graph keeps its dtypes: nothing computes in fp16, and the fp32 verification judges the graphs",
+    )
 
 
 def _plan_record(
-    runner: _Runner, plan: Plan, passed: bool, moved: dict[str, str], at_fault: list[str], budget: int, seconds: float
+    runner: _Runner,
+    plan: Plan,
+    passed: bool,
+    moved: dict[str, str],
+    faulty: list[str],
+    attribution: list[GraphAttribution],
+    source: str,
+    last: _Outcome,
+    seconds: float,
+    reports: dict[str, PrecisionReport],
 ) -> PrecisionPlan:
+    fallbacks = last.parity.fallbacks
     if passed:
-        why = f"the main path passes with every graph in its mode (emulated) after {len(runner.attempts)} run(s)" + (
-            f"; moved {', '.join(moved)}" if moved else ""
+        why = (
+            "the main path passes the precision checks with every graph in its mode (emulated) after "
+            f"{len(runner.attempts)} run(s)" + (f"; keep lists refitted for {', '.join(moved)}" if moved else "")
         )
     else:
         why = (
-            f"no plan passed within {budget} run(s); graphs at fault: {', '.join(at_fault) or 'not found'} "
-            f"(they convert with {SAFEST}, unchecked end to end)"
+            f"the main path fails the precision checks after {len(runner.attempts)} run(s); graphs at fault: "
+            f"{', '.join(faulty) or 'not named'} (they convert with {SAFEST})"
         )
+    if fallbacks:
+        why += f"; {fallbacks} call(s) fell back to PyTorch in the last run (the shape strategy's, not precision's)"
+    calls = {s.candidate: s.calls for s in last.handle.stats()}
     return PrecisionPlan(
         verdict="pass" if passed else "fail",
         modes={g: e.describe() for g, e in plan.items()},
         moved=moved,
-        at_fault=at_fault,
+        at_fault=faulty,
+        attribution=attribution,
         attempts=runner.attempts,
+        reference=source,
+        fallbacks=fallbacks,
+        fp16_mac_share=_share(plan, reports),
+        predicted=predicted_time(runner.record.intake.target.soc, plan, reports, calls),
         runs=len(runner.attempts),
-        budget=budget,
+        budget=runner.budget,
         seconds=round(seconds, 3),
         why=why,
     )
 
 
-def _stored(plan_record: PrecisionPlan, report: VerifyReport | None, plan: Plan):
+def _fp16_macs(report: PrecisionReport, emulation: Emulation) -> int:
+    """The graph's Cube MACs computed in fp16 under `emulation` (its report's count when the plan is its choice)."""
+    if emulation.mode == SAFEST:
+        return 0
+    if (emulation.mode, list(emulation.keep)) == (report.chosen_mode, report.chosen_keep):
+        return report.macs.fp16
+    kept = set(emulation.keep)
+    return sum(m for node, m in report.macs.by_node.items() if node not in kept)
+
+
+def _share(plan: Plan, reports: dict[str, PrecisionReport]) -> float:
+    total = sum(reports[g].macs.total for g in plan)
+    return sum(_fp16_macs(reports[g], e) for g, e in plan.items()) / total if total else 1.0
+
+
+def predicted_time(soc: str, plan: Plan, reports: dict[str, PrecisionReport], calls: dict[str, int]) -> PlanTime | None:
+    """The Cube time of one main-path run on `soc` (each graph's MACs on its recorded call times its
+    calls in the run): the plan, all fp16, all fp32. Predicted from peak rates, never measured."""
+    rate = cube_rate(soc)
+    if rate is None:
+        return None
+    fp32_rate = rate.fp16_tflops * rate.fp32_ratio if rate.fp16_tflops and rate.fp32_ratio else None
+    total = sum(reports[g].macs.total * calls.get(g, 1) for g in plan)
+    fp16 = sum(_fp16_macs(reports[g], e) * calls.get(g, 1) for g, e in plan.items())
+    half, full = cube_ms(fp16, rate.fp16_tflops), cube_ms(total - fp16, fp32_rate)
+    return PlanTime(
+        soc=soc,
+        plan_ms=None if half is None or (full is None and total > fp16) else round(half + (full or 0.0), 3),
+        all_fp16_ms=_rounded(cube_ms(total, rate.fp16_tflops)),
+        all_fp32_ms=_rounded(cube_ms(total, fp32_rate)),
+        source=f"peak Cube rates, predicted: {rate.source}",
+    )
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _stored(plan_record: PrecisionPlan, report: VerifyReport | None, plan: Plan, refined: dict[str, ModePrecision]):
     def store(rec: TaskRecord) -> None:
         rec.precision_plan = plan_record
         if report is not None:
             rec.verification_emulated = report
         for graph, emulation in plan.items():
             chosen = rec.chain(graph).precision
-            if chosen is not None and (chosen.chosen_mode, tuple(chosen.chosen_keep)) != (
-                emulation.mode,
-                emulation.keep,
-            ):
-                chosen.why += f"; end to end: {plan_record.moved.get(graph) or 'no plan passed, kept in its dtype'}"
+            if chosen is None:
+                continue
+            if graph in refined and emulation.mode != SAFEST:
+                chosen.modes = [refined[graph] if m.mode == emulation.mode else m for m in chosen.modes]
+            if (chosen.chosen_mode, tuple(chosen.chosen_keep)) != (emulation.mode, emulation.keep):
+                chosen.why += f"; end to end: {plan_record.moved.get(graph) or 'no plan passed, every dtype kept'}"
+                chosen.macs = chosen.macs.model_copy(update={"fp16": _fp16_macs(chosen, emulation)})
                 chosen.chosen_mode, chosen.chosen_keep = emulation.mode, list(emulation.keep)
         rec.decide(STEP, f"precision plan end to end: {plan_record.verdict}", plan_record.why)
 

@@ -40,12 +40,13 @@ def verification_report(
     backend: str = "onnxruntime",
 ) -> VerifyReport:
     """The report of one spliced run of the main path against the reference (`modes`: the ATC
-    precision mode each graph was emulated in; empty for the graphs as exported)."""
+    precision mode each graph was emulated in, judged by the driver's precision checks; empty for
+    the graphs as exported, judged by its comparison)."""
     driver, verification = model.driver, model.bound.verification
     return _report(
         record,
         driver,
-        driver.comparison(verification),
+        driver.precision_checks(verification) if modes else driver.comparison(verification),
         driver.settings_notes(verification),
         workdir,
         backend,
