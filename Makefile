@@ -8,6 +8,8 @@ $(BIN)/omskills: pyproject.toml
 	$(BIN)/pip install -e '.[test,sam3,zoo,fleet]'
 	# Huawei's auto_optimizer: its metadata pins onnxruntime<1.16; the API we use needs none of it.
 	$(BIN)/pip install --no-deps ait-surgeon==0.1.1
+	# Resemblyzer (a zoo model with trained weights): its own dependencies are in the zoo extra (see pyproject).
+	$(BIN)/pip install --no-deps resemblyzer==0.1.4
 	touch $@
 
 install: $(BIN)/omskills

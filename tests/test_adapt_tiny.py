@@ -485,6 +485,12 @@ def test_adapt_checks_the_precision_plan_end_to_end_and_reports_it_beside_the_fp
         assert f"--precision_mode={mode.split(' ')[0]}" in record.toolchain[graph].atc.command
 
 
+def _only_the_safest_mode(report) -> None:
+    """As if the graph's own emulation had passed no faster mode than must_keep_origin_dtype."""
+    report.modes = [m for m in report.modes if m.mode == "must_keep_origin_dtype"]
+    report.chosen_mode, report.chosen_keep = "must_keep_origin_dtype", []
+
+
 class Overflowing:
     """A graph made fp16-fragile: its emulated force_fp16 run overflows (every output inf)."""
 
@@ -517,9 +523,8 @@ def test_a_graph_that_breaks_the_main_path_in_fp16_is_named_by_its_own_error_ref
         rec.precision_plan = None
         rec.stages.pop("precision_plan", None)
         for graph in rec.graphs():
-            report = rec.chain(graph).precision
-            report.chosen_mode = "force_fp16" if graph in (fragile, sound) else precision_plan.SAFEST
-            report.chosen_keep = []
+            if graph not in (fragile, sound):  # its own emulation chose to keep every dtype
+                _only_the_safest_mode(rec.chain(graph).precision)
         # Its own emulation strayed most (cosine 0.9995 against a gate of 0.999).
         rec.chain(fragile).precision.mode("force_fp16").result.cosine = 0.9995
         rec.chain(sound).precision.mode("force_fp16").result.cosine = 0.99999
@@ -661,8 +666,7 @@ def test_a_plan_whose_every_graph_keeps_its_dtypes_is_not_judged_by_the_precisio
         rec.precision_plan = None
         rec.stages.pop("precision_plan", None)
         for graph in rec.graphs():
-            report = rec.chain(graph).precision
-            report.chosen_mode, report.chosen_keep = precision_plan.SAFEST, []
+            _only_the_safest_mode(rec.chain(graph).precision)
     plan = precision_plan.check_precision_plan(run / "task.yaml")
     assert plan.verdict == "not_judged" and plan.runs == 0 and plan.attempts == []
     assert plan.fp16_mac_share == 0.0 and "fp32 verification" in plan.why

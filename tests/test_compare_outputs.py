@@ -167,8 +167,27 @@ def test_a_saturated_boundary_that_moves_by_under_a_pixel_is_no_divergence_but_a
     broken = reference.copy()
     broken[0, :8, 2] = 1024.0  # a column deep in the negative region turns positive
     result = compare_step([_decision_check()], {"logits": reference}, {"logits": broken})[0]
-    assert not result.passed and result.divergent == 8 and result.value < 0.99
+    # 8 divergent pixels in a positive union of 7 x 16 + 8 = 120.
+    assert not result.passed and result.divergent == 8 and result.value == pytest.approx(1 - 8 / 120)
     assert "moved beyond their tolerance" in result.detail
+
+
+def test_a_few_pixels_that_diverge_in_a_large_region_pass_and_a_lost_small_object_fails():
+    """The figure is the positive region's IoU counting only divergent pixels: a handful in a large
+    region (a small component a post-processing rule removed in one run) stays above 0.99; a
+    small object lost entirely does not, however small it is against the whole map."""
+    reference = np.full((1, 64, 64), -5.0, np.float32)
+    reference[0, 8:40, 8:40] = 5.0  # 1024 pixels
+    few = reference.copy()
+    few[0, 50:52, 50:52] = 5.0  # 4 far pixels turn positive
+    result = compare_step([_decision_check()], {"logits": reference}, {"logits": few})[0]
+    assert result.passed and result.value == pytest.approx(1 - 4 / 1028)
+    small = np.full((1, 64, 64), -5.0, np.float32)
+    small[0, 2:5, 2:5] = 5.0  # a 9-pixel object
+    lost = np.full_like(small, -5.0)
+    result = compare_step([_decision_check()], {"logits": small}, {"logits": lost})[0]
+    # Its rim is boundary (excused as a half-pixel move); its centre is not, and fails the check.
+    assert not result.passed and result.value == pytest.approx(1 - 1 / 9) and result.near_threshold_flips == 8
 
 
 def test_a_value_far_from_its_threshold_may_move_a_lot_one_near_it_only_a_little():

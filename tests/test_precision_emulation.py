@@ -485,3 +485,51 @@ def test_an_emulated_graph_of_an_inline_source_reads_the_weights_it_keeps_in_fp3
     )  # source untouched
     x = rng.normal(size=(2, 64)).astype(np.float32)
     np.testing.assert_allclose(run_emulated(out, {"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_cube_macs_count_matrix_products_and_recurrent_gates_from_the_recorded_shapes(tmp_path):
+    from omskills.ascend.calibration import calibrate
+
+    seq, batch, inputs, hidden = 5, 2, 3, 4
+    w = numpy_helper.from_array(np.ones((1, 4 * hidden, inputs), np.float32) * 0.1, "W")
+    r = numpy_helper.from_array(np.ones((1, 4 * hidden, hidden), np.float32) * 0.1, "R")
+    proj = numpy_helper.from_array(np.ones((hidden, 6), np.float32), "P")
+    path = _save(
+        tmp_path,
+        "rnn",
+        [
+            helper.make_node("LSTM", ["x", "W", "R"], ["", "h"], name="lstm", hidden_size=hidden),
+            helper.make_node("MatMul", ["h", "P"], ["y"], name="project"),
+        ],
+        [_vi("x", [seq, batch, inputs])],
+        [_vi("y", [1, batch, 6])],
+        [w, r, proj],
+    )
+    feeds = {"x": np.ones((seq, batch, inputs), np.float32)}
+    _, observed = calibrate(prepare(path), feeds, "s0")
+    assert observed.macs == {"lstm": seq * batch * 4 * hidden * (inputs + hidden), "project": batch * 6 * hidden}
+
+
+def test_an_emulated_graph_carries_only_the_weights_its_nodes_read_and_a_constant_output(tmp_path):
+    """A weight read only through its rounded copy is left out (ONNX Runtime would load it too); a
+    constant that is itself a graph output stays."""
+    weight = numpy_helper.from_array(np.full((64, 64), 0.5, np.float32), "w")  # 16 KB: rounded in a file
+    shape = numpy_helper.from_array(np.array([2.0, 64.0], np.float32), "shape")
+    path = _save(
+        tmp_path,
+        "weights",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        [_vi("x", [2, 64])],
+        [_vi("y", [2, 64]), _vi("shape", [2])],
+        [weight, shape],
+    )
+    from omskills.ascend.emulation import prepared_light
+
+    with prepared_light(path) as prepared:
+        model = emulated_model(prepared, precisions_for(prepared, "force_fp16"))
+        names = {t.name for t in model.graph.initializer}
+        assert "w" not in names and "w__fp16" in names and "shape" in names
+        outputs = run_emulated_with_overflow(
+            prepared, precisions_for(prepared, "force_fp16"), {"x": np.ones((2, 64), np.float32)}
+        )[0]
+    assert outputs["shape"].tolist() == [2.0, 64.0] and np.allclose(outputs["y"], 32.0)

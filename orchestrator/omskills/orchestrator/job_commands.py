@@ -249,8 +249,8 @@ def _print_summary(task: Path) -> None:
         worth = f" | Cube MACs in fp16: {plan.fp16_mac_share:.1%}"
         if plan.predicted is not None and plan.predicted.plan_ms is not None:
             t = plan.predicted
-            others = " / ".join(f"{v:.2f} ms" if v is not None else "-" for v in (t.all_fp16_ms, t.all_fp32_ms))
-            worth += f" | predicted Cube time on {t.soc}: {t.plan_ms:.2f} ms (all fp16 / all fp32: {others})"
+            others = " / ".join(f"{v:.3g} ms" if v is not None else "-" for v in (t.all_fp16_ms, t.all_fp32_ms))
+            worth += f" | predicted Cube time on {t.soc}: {t.plan_ms:.3g} ms (all fp16 / all fp32: {others})"
         print(
             "precision plan end to end (Ascend modes emulated on CPU, not an NPU): "
             f"{plan.verdict} in {plan.runs} main-path run(s){figures}{worth} | {plan.why}",

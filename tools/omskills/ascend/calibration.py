@@ -59,6 +59,10 @@ SQUARING_OPS = frozenset(
     }
 )
 MEAN_OPS = frozenset({"ReduceMean", "GlobalAveragePool"})
+# Recurrent ops compute their gates with matrix products (CANN's DynamicRNN / DynamicGRUV2 run them on
+# the Cube): counted with the Cube ops' MACs; gates per op.
+RECURRENT_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+MAC_OPS = CUBE_OPS | frozenset(RECURRENT_GATES)
 _MAG = "__calib_mag__"
 _SHAPE = "__calib_shape__"
 
@@ -199,7 +203,7 @@ def _shaped_tensors(model: onnx.ModelProto) -> list[str]:
     weights = {t.name for t in model.graph.initializer}
     wanted: list[str] = []
     for node in model.graph.node:
-        if node.op_type in CUBE_OPS or node.op_type in MEAN_OPS:
+        if node.op_type in MAC_OPS or node.op_type in MEAN_OPS:
             wanted += [t for t in [*node.input[:2], node.output[0]] if t and t not in weights]
     return list(dict.fromkeys(wanted))
 
@@ -297,7 +301,7 @@ def cube_macs(model: onnx.ModelProto, shapes: Mapping[str, list[int]]) -> dict[s
     known = {**{t.name: list(t.dims) for t in model.graph.initializer}, **shapes}
     macs: dict[str, int] = {}
     for node in model.graph.node:
-        if node.op_type in CUBE_OPS and (count := _node_macs(node, known)) is not None:
+        if node.op_type in MAC_OPS and (count := _node_macs(node, known)) is not None:
             origin = sliced_from(node.name) or node.name
             macs[origin] = macs.get(origin, 0) + count
     return macs
@@ -318,6 +322,12 @@ def _node_macs(node: NodeProto, shapes: Mapping[str, list[int]]) -> int | None:
         return int(np.prod(a, dtype=np.int64)) * int(np.prod(b[1:], dtype=np.int64))
     if node.op_type == "Einsum" and all(ins):
         return _einsum_macs(node, [s for s in ins if s is not None])
+    if node.op_type in RECURRENT_GATES and a and b and len(a) == 3 and len(b) == 3:
+        # X [seq, batch, input] (or batch first), W [directions, gates x hidden, input]: per step and
+        # direction, the gates' products with the input and with the hidden state.
+        directions, gates_hidden, inputs = b
+        hidden = gates_hidden // RECURRENT_GATES[node.op_type]
+        return a[0] * a[1] * directions * gates_hidden * (inputs + hidden)
     return None
 
 

@@ -743,10 +743,24 @@ def has_subgraph(node: NodeProto) -> bool:
 def _derived(
     prepared: PreparedGraph, nodes: list[NodeProto], outputs: list[onnx.ValueInfoProto], writer: _Rewriter
 ) -> ModelProto:
-    """A graph of `nodes` over `prepared`'s inputs and weights, and the rounded weights `writer` reads."""
-    return with_nodes(
-        prepared.model, nodes, outputs, initializers=[*prepared.graph.initializer, *writer.rounded_weights.values()]
-    )
+    """A graph of `nodes` over the weights they read: `prepared`'s, and the rounded ones `writer` made.
+    A weight only its rounded copy is read through is left out: ONNX Runtime would load it all the
+    same (a 2 GB backbone's fp32 weights beside their rounded copy in every emulated session)."""
+    read = _names_read(nodes) | {o.name for o in outputs}  # a constant can be an output itself
+    weights = [t for t in [*prepared.graph.initializer, *writer.rounded_weights.values()] if t.name in read]
+    return with_nodes(prepared.model, nodes, outputs, initializers=weights)
+
+
+def _names_read(nodes: Iterable[NodeProto]) -> set[str]:
+    """Every tensor name the nodes read, their subgraphs' (If / Loop / Scan bodies) included."""
+    read: set[str] = set()
+    for node in nodes:
+        read.update(node.input)
+        for attribute in node.attribute:
+            bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+            for body in bodies:
+                read |= _names_read(body.node)
+    return read
 
 
 def with_nodes(

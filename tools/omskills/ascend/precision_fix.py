@@ -327,6 +327,13 @@ def mode_precision(
     )
 
 
+def own_choice(report: PrecisionReport) -> tuple[str, list[str]]:
+    """The mode and keep list the graph's own emulation chose (the end-to-end check may have
+    recorded another as `chosen_mode`): where a rerun of that check starts from."""
+    mode, keep, _ = _choose(report.modes)
+    return mode, keep
+
+
 def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
     """The fastest mode that passes with its keep list."""
     by_mode = {m.mode: m for m in results}

@@ -13,14 +13,14 @@ output's scale allows (1 % of its RMS: fp16 keeps 11 bits, a pipeline of them lo
 second lets a boundary between -1024 and +1024 move by under half a cell, which changes one
 boundary element by hundreds and is no divergence.
 
-- an element is *near the threshold* when |reference - threshold| <= its tolerance; its flip is
-  a near-threshold flip, reported, never a divergence;
 - an element *diverges* when it moved more than its tolerance plus its margin (its distance to
-  the threshold): far from the threshold a value may move a lot, near it only a little, and
-  whichever way it moved, it could not have crossed the threshold by more than its tolerance;
-- the figure is the IoU of the positive side over the decided elements (not near the threshold),
-  and the check passes when it reaches the check's threshold and at most (1 - threshold) of the
-  elements diverge.
+  the threshold): far from the threshold a value may move a lot, near it only a little; one that
+  does not diverge may have crossed the threshold, but by no more than its tolerance;
+- a flip that does not diverge is a *near-threshold flip*: reported, never a failure;
+- the figure is the IoU of the positive side with only divergent elements counted as
+  disagreement (1 - divergent elements of the union / the union), and the check passes when it
+  reaches the check's threshold. Divergent elements on the negative side of both runs change no
+  decision: they are counted, not judged.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ MARGIN_SHARE = 1.0
 
 @dataclass(frozen=True)
 class DecisionFigures:
-    agreement: float  # IoU of the positive side over decided elements (1 when neither run has one)
+    agreement: float  # 1 - divergent elements of the positive union / the union (1 when it is empty)
     near_threshold_flips: int
     divergent: int
     elements: int
 
     def passes(self, least: float) -> bool:
-        return self.agreement >= least and self.divergent <= (1.0 - least) * self.elements
+        return self.agreement >= least
 
 
 def decide(reference: np.ndarray, candidate: np.ndarray, at: float) -> DecisionFigures | None:
@@ -52,15 +52,13 @@ def decide(reference: np.ndarray, candidate: np.ndarray, at: float) -> DecisionF
         return None
     if not ref.size:
         return DecisionFigures(1.0, 0, 0, 0)
-    tolerance = tolerances(ref)
     margin = np.abs(ref - at)
-    near = margin <= tolerance
+    divergent = np.abs(got - ref) > tolerances(ref) + MARGIN_SHARE * margin
     flips = (ref > at) != (got > at)
-    divergent = np.abs(got - ref) > tolerance + MARGIN_SHARE * margin
-    a, b = (ref > at) & ~near, (got > at) & ~near
-    union = int((a | b).sum())
-    agreement = 1.0 if union == 0 else float((a & b).sum() / union)
-    return DecisionFigures(agreement, int((flips & near).sum()), int(divergent.sum()), int(ref.size))
+    union = (ref > at) | (got > at)
+    size = int(union.sum())
+    agreement = 1.0 if size == 0 else 1.0 - float((divergent & union).sum()) / size
+    return DecisionFigures(agreement, int((flips & ~divergent).sum()), int(divergent.sum()), int(ref.size))
 
 
 def tolerances(reference: np.ndarray) -> np.ndarray:

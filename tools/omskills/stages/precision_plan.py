@@ -27,11 +27,12 @@ from pathlib import Path
 from omskills import progress
 from omskills.ascend.compute import cube_ms, cube_rate
 from omskills.ascend.emulation import prepared_light, run_reference
-from omskills.ascend.precision_fix import mode_precision
+from omskills.ascend.precision_fix import mode_precision, own_choice
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
 from omskills.compare.outputs import expand
 from omskills.isolation import return_freed_memory
 from omskills.models.api import MainPathRun, RunHooks, StepOutput, load_run
+from omskills.models.registry import bind_intake
 from omskills.records.precision import (
     GraphAttribution,
     ModePrecision,
@@ -48,7 +49,6 @@ from omskills.stages.model import TaskModel, open_model
 from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import (
     Emulation,
-    chosen_emulation,
     main_path_parity,
     open_spliced,
     page_out_spliced,
@@ -58,6 +58,8 @@ from omskills.stages.steps import fingerprint, is_done, require_intact, running_
 from omskills.stages.verify_report import verification_report, write_verification_report
 
 STEP = "precision_plan"
+# Bumped when the check judges differently, so a recorded plan of an older one is checked again.
+PLAN_REVISION = 2
 # Main-path runs the check may make: the confirmation, and one after a fix.
 DEFAULT_BUDGET = 2
 SAFEST = UNCHECKED_PRECISION_MODE
@@ -151,14 +153,21 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
         "export_onnx / optimize_onnx",
     )
     reports = {g: record.toolchain_of(g).precision for g in graphs}
-    # The per-graph results, not the chosen modes: this step changes those.
+    bound = bind_intake(record.intake, workdir)
+    # The per-graph results, not the chosen modes (this step changes those), and how runs are judged.
     inputs_hash = fingerprint(
-        graphs, [record.exports[g].sha256 for g in graphs], [r.modes for r in reports.values()], budget
+        graphs,
+        [record.exports[g].sha256 for g in graphs],
+        [r.modes for r in reports.values()],
+        budget,
+        bound.driver.precision_checks(bound.verification),
+        PLAN_REVISION,
     )
     if is_done(record, STEP, inputs_hash, workdir) and record.precision_plan is not None:
         return record.precision_plan
     started = time.perf_counter()
-    plan = {g: chosen_emulation(record, g) for g in graphs}
+    # Each graph's own choice, not the recorded `chosen_mode`, which an earlier check may have changed.
+    plan = {g: Emulation(mode, tuple(keep)) for g in graphs for mode, keep in [own_choice(reports[g])]}
     with running_step(task_path, STEP, inputs_hash) as step:
         if not any(_fp16_macs_or_nodes(reports[g], plan[g]) for g in graphs):
             summary = _not_judged(plan, budget, time.perf_counter() - started)
@@ -178,10 +187,12 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
             if len(runner.attempts) < budget and attribution:
                 tighten = _tightening(last.parity.checks)
                 for graph in at_fault(attribution):
-                    plan[graph], refined[graph], moved[graph] = _refit(
-                        record, workdir, graph, plan[graph], reports[graph], tighten
-                    )
-                last = runner.run(plan, f"after keeping more of {', '.join(moved)}")
+                    refit, refined[graph], why = _refit(record, workdir, graph, plan[graph], reports[graph], tighten)
+                    if refit != plan[graph]:
+                        plan[graph], moved[graph] = refit, why
+                # A plan no refit changed would fail the same way: the run is not made.
+                if moved:
+                    last = runner.run(plan, f"after keeping more of {', '.join(moved)}")
         passed = last.passed
         faulty = at_fault(attribution) if attribution else []
         if not passed:
@@ -327,6 +338,8 @@ def _plan_record(
             f"the main path fails the precision checks after {len(runner.attempts)} run(s); graphs at fault: "
             f"{', '.join(faulty) or 'not named'} (they convert with {SAFEST})"
         )
+        if attribution and not moved and runner.budget > 1:
+            why += "; no keep list changed under a tighter tolerance, so no second run was made"
     if fallbacks:
         why += f"; {fallbacks} call(s) fell back to PyTorch in the last run (the shape strategy's, not precision's)"
     calls = {s.candidate: s.calls for s in last.handle.stats()}
@@ -375,7 +388,7 @@ def predicted_time(soc: str, plan: Plan, reports: dict[str, PrecisionReport], ca
     half, full = cube_ms(fp16, rate.fp16_tflops), cube_ms(total - fp16, fp32_rate)
     return PlanTime(
         soc=soc,
-        plan_ms=None if half is None or (full is None and total > fp16) else round(half + (full or 0.0), 3),
+        plan_ms=None if half is None or (full is None and total > fp16) else _rounded(half + (full or 0.0)),
         all_fp16_ms=_rounded(cube_ms(total, rate.fp16_tflops)),
         all_fp32_ms=_rounded(cube_ms(total, fp32_rate)),
         source=f"peak Cube rates, predicted: {rate.source}",
@@ -383,7 +396,8 @@ def predicted_time(soc: str, plan: Plan, reports: dict[str, PrecisionReport], ca
 
 
 def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+    """Four significant figures: a small model's Cube time is microseconds."""
+    return None if value is None else float(f"{value:.4g}")
 
 
 def _stored(plan_record: PrecisionPlan, report: VerifyReport | None, plan: Plan, refined: dict[str, ModePrecision]):
