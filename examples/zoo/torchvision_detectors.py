@@ -218,7 +218,7 @@ def _scores_before_nms(model: torch.nn.Module, captured: dict[str, np.ndarray]) 
 
     def ranked(first, *args, **kwargs):
         logits = first["cls_logits"] if isinstance(first, dict) else first
-        captured["class_logits"] = logits.detach().float().cpu().numpy()
+        captured["class_logits"] = _flat(logits).detach().float().cpu().numpy()
         return original(first, *args, **kwargs)
 
     def objectness(module, inputs, output):
@@ -233,6 +233,14 @@ def _scores_before_nms(model: torch.nn.Module, captured: dict[str, np.ndarray]) 
     finally:
         if handle is not None:
             handle.remove()
+
+
+def _flat(value) -> torch.Tensor:
+    """A tensor, or the nested lists RetinaNet and FCOS split their head outputs into (per image,
+    per level), as one flat tensor."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.cat([_flat(v).flatten() for v in value])
 
 
 class TorchvisionMaskDetector(TorchvisionDetector):
