@@ -156,7 +156,7 @@ class TorchvisionDetector(ModelDriver):
                 [found] = model([_tensor(image)])
                 outputs = {name: value.cpu().numpy() for name, value in found.items()}
                 steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs=outputs | before_nms))
-                before_nms = {}
+                before_nms.clear()
                 hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
 
@@ -172,19 +172,26 @@ class TorchvisionDetector(ModelDriver):
         ]
 
     def precision_checks(self, verification: DetectionVerification) -> list[OutputCheck]:
-        """Under fp16, the continuous values before NMS decide: the class logits the post-processing
-        ranks (a one-stage detector's head; a two-stage one's RPN objectness and, over the same
-        proposals, its RoI head's logits), held to fp16's gates. Which boxes survive the score
-        threshold and NMS flips on ties that random weights make everywhere: the kept instances are
-        reported beside them."""
-        before_nms = [
+        """Under fp16, the continuous values before NMS decide: a one-stage detector's class logits
+        over every anchor, a two-stage detector's RPN objectness over every anchor, held to fp16's
+        gates. What NMS keeps flips on ties that random weights make everywhere: the RoI head's
+        logits (over the proposals NMS kept) and the kept instances are reported beside them."""
+        gating = [
             OutputCheck(output=name, metric="tensor", gates=FP16_GATES, optional=True, label=label)
             for name, label in (
-                ("class_logits", "class logits before NMS"),
+                ("class_logits", "class logits before NMS (one-stage)"),
                 ("rpn_objectness", "RPN objectness before NMS (two-stage)"),
             )
         ]
-        return [*before_nms, *(c.model_copy(update={"gating": False}) for c in self.comparison(verification))]
+        roi = OutputCheck(
+            output="roi_class_logits",
+            metric="tensor",
+            gates=FP16_GATES,
+            optional=True,
+            gating=False,
+            label="RoI class logits (two-stage)",
+        )
+        return [*gating, roi, *(c.model_copy(update={"gating": False}) for c in self.comparison(verification))]
 
     def settings_notes(self, verification: DetectionVerification) -> list[str]:
         notes = [
@@ -217,8 +224,10 @@ def _scores_before_nms(model: torch.nn.Module, captured: dict[str, np.ndarray]) 
     original = post.postprocess_detections
 
     def ranked(first, *args, **kwargs):
-        logits = first["cls_logits"] if isinstance(first, dict) else first
-        captured["class_logits"] = _flat(logits).detach().float().cpu().numpy()
+        # A one-stage detector's head scores every anchor; a two-stage one's RoI head scores the
+        # proposals its RPN kept after NMS, which fp16 can change: named apart.
+        name, logits = ("class_logits", first["cls_logits"]) if isinstance(first, dict) else ("roi_class_logits", first)
+        captured[name] = _flat(logits).detach().float().cpu().numpy()
         return original(first, *args, **kwargs)
 
     def objectness(module, inputs, output):

@@ -365,12 +365,17 @@ class ModelDriver(ABC):
     def precision_checks(self, verification: BaseModel) -> list[OutputCheck]:
         """How a run with every graph emulated in its ATC precision mode is judged against the
         PyTorch reference: checks that mean something at fp16's precision, on any weights. Default:
-        `comparison` with float tensors held to fp16's gates (`FP16_GATES`). A driver whose outputs
-        are thresholded (masks, detections after a score threshold, labels) should judge the
-        continuous values before the threshold with a `decision` check, so that a flip where the
-        reference sat at the threshold is reported as such and not as a divergence."""
+        `comparison` with its `tensor` and `max_abs` checks held to fp16's gates (`FP16_GATES`: the
+        max-abs bound scales with the reference's magnitude; a `max_abs` threshold is written for
+        fp32 parity), exact and IoU checks as they are. A driver whose outputs are thresholded
+        (masks, detections after a score threshold, labels, generated tokens) should judge the
+        continuous values before the threshold (with a `decision` check, or a tensor check of the
+        logits) and report the discrete ones, so that a flip where the reference sat at the threshold
+        is not taken for a divergence."""
         return [
-            c.model_copy(update={"gates": c.gates or FP16_GATES}) if c.metric == "tensor" else c
+            c.model_copy(update={"metric": "tensor", "threshold": None, "gates": c.gates or FP16_GATES})
+            if c.metric in ("tensor", "max_abs")
+            else c
             for c in self.comparison(verification)
         ]
 

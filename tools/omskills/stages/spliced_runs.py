@@ -117,7 +117,8 @@ def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[Ch
     for check in checks:
         results = [c for s in per_step for c in s.checks if c.output == check.output and c.metric == check.metric]
         worst = None
-        for result in results:
+        # A step where an optional output was absent from both runs passed with no figure: not the worst one.
+        for result in [r for r in results if r.value is not None or not r.passed]:
             if worst is None or worse(check.metric, result.value, worst):
                 worst = result.value
         summaries.append(
