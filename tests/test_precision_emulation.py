@@ -154,10 +154,12 @@ def test_calibration_keeps_the_consumers_of_weights_beyond_fp16_and_of_constants
     from omskills.ascend.calibration import calibrate
 
     prepared = prepare(path)
-    calibration, observed = calibrate(prepared, {"x": np.full((2, 4), 1e-3, np.float32)}, "s0")
+    precisions = precisions_for(prepared, "force_fp16")
+    calibration, run = calibrate(prepared, {"x": np.full((2, 4), 1e-3, np.float32)}, "s0", precisions)
     rules = {k.node: k.rule for k in calibration.keep}
     assert rules == {"times_big": "weight_range", "plus_eps": "constant_underflow"}
-    assert observed.magnitude["a"] == pytest.approx(1000.0) and calibration.largest == pytest.approx(1000.0)
+    # Read before its fp16 rounding: 1e-3 rounded is 0.0010004, times 1e6 (clipped to 65504 as ATC does).
+    assert run.magnitude["a"] == pytest.approx(65.5, rel=1e-3) and calibration.largest == run.magnitude["a"]
 
 
 def test_a_sensitive_node_no_range_rule_sees_is_found_by_the_graph_local_search_within_its_stated_runs(
@@ -187,7 +189,7 @@ def test_a_sensitive_node_no_range_rule_sees_is_found_by_the_graph_local_search_
 
 
 def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothing_is_left_behind(tmp_path, monkeypatch):
-    from omskills.ascend import calibration, emulation
+    from omskills.ascend import emulation
 
     weight = numpy_helper.from_array(np.full((64, 64), 300.0, np.float32), "w")  # 16 KB: a weight, not a shape constant
     path = _save(
@@ -209,7 +211,6 @@ def test_weights_held_inline_are_not_copied_into_every_emulated_graph_and_nothin
         return run_beside(original, model, feeds)
 
     monkeypatch.setattr(emulation, "run_beside", recording)
-    monkeypatch.setattr(calibration, "run_beside", recording)
     report = precision_report(path, {"x": np.full((2, 64), 60.0, np.float32)}, sample="s0")
     # 60 x 300 x 64 > 65504: calibration keeps the MatMul, and nothing is left to emulate in fp16.
     assert report.chosen_keep == ["mm"] and report.calibration.keep[0].rule == "overflow"
@@ -423,11 +424,20 @@ def test_a_mask_that_is_minus_inf_in_fp32_too_is_compared_over_its_finite_elemen
     assert output.cosine > 0.9999 and 0 < output.max_abs < 1e-2 and np.isfinite(output.ref_max_abs)
 
 
-def test_the_modes_are_compared_with_the_fp32_outputs_of_the_calibration_pass(layernorm_softmax):
+def test_the_modes_are_compared_with_the_pytorch_outputs_the_study_captured_when_given(layernorm_softmax):
     path, feeds = layernorm_softmax
-    report = precision_report(path, feeds, sample="s0")
-    assert report.reference.startswith("the graph in fp32 on ONNX Runtime (the calibration pass)")
-    assert report.calibration.sample == "s0" and report.calibration.tensors >= 9  # x and every node output
+    x = feeds["x"].astype(np.float64)
+    n = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    exact = np.exp(n - n.max(-1, keepdims=True))
+    captured = {"y": (exact / exact.sum(-1, keepdims=True)).astype(np.float32)}  # what PyTorch gave
+
+    report = precision_report(path, feeds, sample="s0", outputs=captured)
+    assert report.reference == "PyTorch's outputs for the sample"
+    assert report.chosen_mode == "force_fp16" and report.chosen_keep == precision_report(path, feeds, "s0").chosen_keep
+    assert report.calibration.sample == "s0" and report.calibration.tensors == 8  # every node output
+    # Outputs that are not the graph's (another contract's names) are not used: the graph runs in fp32.
+    other = precision_report(path, feeds, sample="s0", outputs={"logits": captured["y"]})
+    assert other.reference == "the graph in fp32 on ONNX Runtime"
 
 
 def test_a_small_graph_is_emulated_in_process_and_a_big_or_unreadable_one_in_a_child(tmp_path, matmul_beyond_fp16):
@@ -488,7 +498,7 @@ def test_an_emulated_graph_of_an_inline_source_reads_the_weights_it_keeps_in_fp3
 
 
 def test_cube_macs_count_matrix_products_and_recurrent_gates_from_the_recorded_shapes(tmp_path):
-    from omskills.ascend.calibration import calibrate
+    from omskills.ascend.calibration import calibrate, cube_macs
 
     seq, batch, inputs, hidden = 5, 2, 3, 4
     w = numpy_helper.from_array(np.ones((1, 4 * hidden, inputs), np.float32) * 0.1, "W")
@@ -506,8 +516,10 @@ def test_cube_macs_count_matrix_products_and_recurrent_gates_from_the_recorded_s
         [w, r, proj],
     )
     feeds = {"x": np.ones((seq, batch, inputs), np.float32)}
-    _, observed = calibrate(prepare(path), feeds, "s0")
-    assert observed.macs == {"lstm": seq * batch * 4 * hidden * (inputs + hidden), "project": batch * 6 * hidden}
+    prepared = prepare(path)
+    _, run = calibrate(prepared, feeds, "s0", precisions_for(prepared, "force_fp16"))
+    macs = cube_macs(run.model, run.shapes)
+    assert macs == {"lstm": seq * batch * 4 * hidden * (inputs + hidden), "project": batch * 6 * hidden}
 
 
 def test_an_emulated_graph_carries_only_the_weights_its_nodes_read_and_a_constant_output(tmp_path):

@@ -1,11 +1,16 @@
-"""Calibration before any emulation: one fp32 pass of a graph on a recorded call, reading the
-largest magnitude of every float tensor, the depth of its mean reductions and the shapes of its
-Cube operators, and the nodes whose values leave fp16's useful range kept at their original
-dtype up front (as NVIDIA ModelOpt's AutoCast does from one reference run).
+"""Calibration: the largest magnitude of every float tensor of a graph on a recorded call, and the
+nodes whose values leave fp16's useful range kept at their original dtype (as NVIDIA ModelOpt's
+AutoCast does from one reference run), before any keep list is searched.
 
-The emulation rounds every fp16 node's inputs and outputs and computes in fp32 between them, so an
-output beyond fp16's range shows there too; what it cannot see is the arithmetic inside an
-operator, and inputs larger than the one recorded. The rules, each with its limit:
+The magnitudes are read in the graph's first emulated pass, the one the fastest mode needs anyway:
+each node's output before its fp16 rounding, which is the value the node computes from its (rounded)
+inputs in fp32 arithmetic, within fp16's relative step of the fp32 graph's. Two reductions per
+tensor (its max and min: no copy of it) are all the pass adds. Downstream of an overflow the values
+are not the fp32 graph's: those nodes are judged in the next pass, after the overflowing node is
+kept (`ascend.precision_fix` makes up to CALIBRATION_PASSES). The emulation rounds every fp16 node's
+inputs and outputs and computes in fp32 between them, so an output beyond fp16's range shows there
+too; what it cannot see is the arithmetic inside an operator, and inputs larger than the one
+recorded. The rules, each with its limit:
 
 - overflow: a node's output or input reaches FP16_MAX (65504), the largest finite fp16: it becomes
   inf where it is written in fp16, and where an fp16 node reads it (ATC casts a kept node's fp32
@@ -18,31 +23,29 @@ operator, and inputs larger than the one recorded. The rules, each with its limi
 - mean_of_large_sum: a mean (ReduceMean, GlobalAveragePool) whose output magnitude times its
   depth (the elements it averages) reaches FP16_MAX: a sum accumulated in fp16 would overflow
   before the division.
-- weight_range: a weight beyond FP16_MAX, which ATC clips to +-65504 before casting
+- weight_range: a weight beyond FP16_MAX, which ATC clips to +-65504 before casting them
   (`--is_weight_clip`, its default): the value changes silently; its consumers are kept.
 - constant_underflow: a small constant every non-zero value of which rounds to 0 in fp16 (below
   2^-25, half of fp16's smallest subnormal), such as an epsilon of 1e-12: its consumers are kept.
 
-The same pass gives the graph's fp32 outputs (the reference the emulated modes are compared with)
-and its Cube multiply-accumulates (`cube_macs`).
+The same pass counts the graph's Cube multiply-accumulates (`cube_macs`).
 """
 
 from __future__ import annotations
 
-import re
+import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
-from omskills.ascend.attention_heads import sliced_from, split_attention_heads
-from omskills.ascend.emulation import PreparedGraph, run_beside
+from omskills.ascend.attention_heads import sliced_from
+from omskills.ascend.emulation import EmulatedRun, PreparedGraph, observe_emulated
 from omskills.ascend.precision_modes import CUBE_OPS, FP16_MAX
 from omskills.onnxfiles.onnx_io import EXTERNAL_TENSOR_MIN_BYTES
 from omskills.records.precision import CalibrationKeep, GraphCalibration
-from onnx import NodeProto, TensorProto, helper, numpy_helper
+from onnx import NodeProto, TensorProto, numpy_helper
 
 HEADROOM = 16384.0
 SQUARE_LIMIT = 256.0
@@ -63,139 +66,26 @@ MEAN_OPS = frozenset({"ReduceMean", "GlobalAveragePool"})
 # the Cube): counted with the Cube ops' MACs; gates per op.
 RECURRENT_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 MAC_OPS = CUBE_OPS | frozenset(RECURRENT_GATES)
-_MAG = "__calib_mag__"
-_SHAPE = "__calib_shape__"
-
-
-@dataclass
-class Observed:
-    """What the calibration pass read from one run of the graph."""
-
-    outputs: dict[str, np.ndarray]  # the graph's own outputs, in fp32
-    magnitude: dict[str, float]  # float tensor -> its largest |value|
-    shapes: dict[str, list[int]] = field(default_factory=dict)  # tensors of Cube and mean nodes -> shape
-    macs: dict[str, int] = field(default_factory=dict)  # Cube node -> its multiply-accumulates
-    seconds: float = 0.0
 
 
 def calibrate(
-    prepared: PreparedGraph, feeds: Mapping[str, np.ndarray], sample: str
-) -> tuple[GraphCalibration, Observed]:
-    """One fp32 pass of `prepared` on `feeds`: the calibration record and what the pass read."""
-    observed = observe(prepared, feeds)
-    keep = [
-        *_activation_rules(prepared, observed),
-        *_weight_rules(prepared),
-    ]
-    unique = list({k.node: k for k in keep}.values())  # one reason per node: the first rule that kept it
-    activations = [v for t, v in observed.magnitude.items() if t in prepared.producers]
-    return (
-        GraphCalibration(
-            sample=sample,
-            tensors=len(observed.magnitude),
-            largest=max(activations, default=0.0),
-            keep=unique,
-            seconds=round(observed.seconds, 3),
-        ),
-        observed,
-    )
-
-
-def observe(prepared: PreparedGraph, feeds: Mapping[str, np.ndarray]) -> Observed:
-    """The graph in fp32 with two more outputs per float tensor (its largest and smallest value,
-    reduced inside the graph: no copy of the tensor) and the shapes of the tensors Cube and mean
-    nodes read and write. Attention is computed a few heads at a time (`split_attention_heads`):
-    a score matrix read by the reductions can no longer be fused away, and whole it is gigabytes."""
-    model = onnx.ModelProto()
-    model.CopyFrom(prepared.model)  # weights are external (prepared_light): a copy of the graph alone
-    split_attention_heads(model)
-    floats = _float_tensors(prepared, model)
-    nodes: list[NodeProto] = []
-    outputs = list(model.graph.output)
-    watched: dict[str, str] = {}
-    for tensor in [*(i.name for i in model.graph.input), *(o for n in model.graph.node for o in n.output)]:
-        if tensor in floats and tensor not in watched:
-            watched[tensor] = _magnitude(nodes, tensor, len(watched))
-    shaped = _shaped_tensors(model)
-    for k, tensor in enumerate(shaped):
-        nodes.append(helper.make_node("Shape", [tensor], [f"{_SHAPE}{k}"], name=f"{_SHAPE}{k}"))
-    outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, []) for name in watched.values()]
-    outputs += [helper.make_tensor_value_info(f"{_SHAPE}{k}", TensorProto.INT64, [None]) for k in range(len(shaped))]
-    graph = helper.make_graph(
-        [*model.graph.node, *nodes], model.graph.name, list(model.graph.input), outputs, list(model.graph.initializer)
-    )
-    calibration = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    calibration.functions.extend(model.functions)
+    prepared: PreparedGraph, feeds: Mapping[str, np.ndarray], sample: str, precisions: Mapping[str, str]
+) -> tuple[GraphCalibration, EmulatedRun]:
+    """One emulated pass of `prepared` in `precisions` on `feeds`, observed: the calibration record
+    (the nodes its magnitudes and the weights put beyond fp16's range) and the run itself."""
     started = time.perf_counter()
-    values = run_beside(prepared.path, calibration, feeds)
-    seconds = time.perf_counter() - started
-    magnitude: dict[str, float] = {}
-    for tensor, name in watched.items():
-        origin = _original_tensor(tensor)
-        magnitude[origin] = max(magnitude.get(origin, 0.0), max(0.0, float(values[name])))
-    shapes = {tensor: [int(d) for d in values[f"{_SHAPE}{k}"]] for k, tensor in enumerate(shaped)}
-    return Observed(
-        outputs={o.name: values[o.name] for o in prepared.graph.output},
-        magnitude=magnitude,
-        shapes={_original_tensor(t): shape for t, shape in shapes.items()},
-        macs=cube_macs(model, shapes),
-        seconds=seconds,
+    run = observe_emulated(prepared, precisions, feeds, _shaped_tensors)
+    keep = [*_activation_rules(prepared, run, feeds), *_weight_rules(prepared)]
+    unique = list({k.node: k for k in keep}.values())  # one reason per node: the first rule that kept it
+    activations = [v for t, v in run.magnitude.items() if t in prepared.producers and math.isfinite(v)]
+    calibration = GraphCalibration(
+        sample=sample,
+        tensors=len(run.magnitude),
+        largest=max(activations, default=0.0),
+        keep=unique,
+        seconds=round(time.perf_counter() - started, 3),
     )
-
-
-def _float_tensors(prepared: PreparedGraph, model: onnx.ModelProto) -> set[str]:
-    """The float tensors of the (split) graph: the original's, and the slices' copies of them."""
-    floats = set(prepared.float_tensors)
-    for node in model.graph.node:
-        if sliced_from(node.name) is not None or node.op_type == "Split":
-            floats.update(o for o in node.output if _original_tensor(o) in prepared.float_tensors)
-    return floats
-
-
-_SLICE_SUFFIX = re.compile(r"__attention_heads_\d+_\d+$")  # `attention_heads._sliced` names
-
-
-def _original_tensor(tensor: str) -> str:
-    """A slice's copy of a tensor -> the tensor it is part of."""
-    return _SLICE_SUFFIX.sub("", tensor)
-
-
-def _magnitude(nodes: list[NodeProto], tensor: str, k: int) -> str:
-    """The largest finite |value| of `tensor`, from its max and min (no copy of the tensor); only
-    when one of them is infinite (an attention mask's -inf, which fp16 holds as well) does an `If`
-    mask the infinities out, at the cost of a copy."""
-    name = f"{_MAG}{k}"
-    high, low, neg, out, bad = (f"{name}_{s}" for s in ("hi", "lo", "neg", "max", "inf"))
-    nodes += [
-        helper.make_node("ReduceMax", [tensor], [high], name=high, keepdims=0),
-        helper.make_node("ReduceMin", [tensor], [low], name=low, keepdims=0),
-        helper.make_node("Neg", [low], [neg], name=neg),
-        helper.make_node("Max", [high, neg], [f"{out}_raw"], name=f"{out}_raw"),
-        helper.make_node("IsInf", [f"{out}_raw"], [bad], name=bad),
-    ]
-    plain = helper.make_graph(
-        [helper.make_node("Identity", [f"{out}_raw"], [f"{out}_plain"], name=f"{out}_plain")],
-        f"{out}_plain_branch",
-        [],
-        [helper.make_tensor_value_info(f"{out}_plain", TensorProto.FLOAT, [])],
-    )
-    finite, zero, masked = f"{out}_finite", f"{out}_zero", f"{out}_masked"
-    masked_branch = helper.make_graph(
-        [
-            helper.make_node(
-                "Constant", [], [zero], name=zero, value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0])
-            ),
-            helper.make_node("IsInf", [tensor], [f"{finite}_inf"], name=f"{finite}_inf"),
-            helper.make_node("Where", [f"{finite}_inf", zero, tensor], [finite], name=finite),
-            helper.make_node("Abs", [finite], [f"{masked}_abs"], name=f"{masked}_abs"),
-            helper.make_node("ReduceMax", [f"{masked}_abs"], [masked], name=masked, keepdims=0),
-        ],
-        f"{out}_masked_branch",
-        [],
-        [helper.make_tensor_value_info(masked, TensorProto.FLOAT, [])],
-    )
-    nodes.append(helper.make_node("If", [bad], [out], name=out, then_branch=masked_branch, else_branch=plain))
-    return out
+    return calibration, run
 
 
 def _shaped_tensors(model: onnx.ModelProto) -> list[str]:
@@ -208,13 +98,24 @@ def _shaped_tensors(model: onnx.ModelProto) -> list[str]:
     return list(dict.fromkeys(wanted))
 
 
-def _activation_rules(prepared: PreparedGraph, observed: Observed) -> list[CalibrationKeep]:
+def _activation_rules(
+    prepared: PreparedGraph, run: EmulatedRun, feeds: Mapping[str, np.ndarray]
+) -> list[CalibrationKeep]:
+    """Nodes whose observed magnitudes break a rule; a node that wrote or read an infinite value is
+    downstream of an overflow (not the fp32 graph's values): left for the next pass."""
+    magnitude = dict(run.magnitude)
+    for name, value in feeds.items():
+        array = np.asarray(value)
+        if array.dtype.kind == "f" and array.size:
+            finite = np.abs(array[np.isfinite(array)].astype(np.float64))
+            magnitude[name] = float(finite.max(initial=0.0))
     kept = []
     for node in prepared.graph.node:
-        out = max((observed.magnitude.get(o, 0.0) for o in node.output), default=0.0)
-        read = max((observed.magnitude.get(i, 0.0) for i in node.input if i), default=0.0)
-
-        rule = _activation_rule(node, out, read, observed.shapes)
+        out = max((magnitude.get(o, 0.0) for o in node.output), default=0.0)
+        read = max((magnitude.get(i, 0.0) for i in node.input if i), default=0.0)
+        if not (math.isfinite(out) and math.isfinite(read)):
+            continue
+        rule = _activation_rule(node, out, read, run.shapes)
         if rule is not None:
             kept.append(
                 CalibrationKeep(node=node.name, op_type=node.op_type, rule=rule[0], figure=rule[1], limit=rule[2])

@@ -17,6 +17,7 @@ gate is then emulated alone on the fp32 inputs ("local") in a graph cut after it
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -45,7 +46,7 @@ from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_h
 
 MAX_FLAGGED_LISTED = 50
 # Bumped when the emulation computes differently, so recorded results of an older one are redone.
-EMULATION_REVISION = 4  # 4: calibration, graph-local keep-list search
+EMULATION_REVISION = 5  # 4: calibration, graph-local keep-list search; 5: calibration read in the emulated passes
 
 # Float inputs that say how an operator works rather than what it computes on (a Resize's region
 # and scales): ATC leaves them as they are, and rounded they could change an output's size.
@@ -183,13 +184,22 @@ class _Rewriter:
     and initializers shared), fp16 roundings where the node's precision asks for them."""
 
     def __init__(
-        self, prepared: PreparedGraph, nodes: list[NodeProto], suffix: str, count_overflow: bool = False
+        self,
+        prepared: PreparedGraph,
+        nodes: list[NodeProto],
+        suffix: str,
+        count_overflow: bool = False,
+        observe: bool = False,
     ) -> None:
         self.prepared, self.nodes, self.suffix = prepared, nodes, suffix
         # Counted right after each rounding, so the raw output can go at once: counted at the
         # end, every activation of the graph would stay alive until then.
         self.count_overflow = count_overflow
         self.overflow_counts: list[str] = []
+        # With `observe`, each float output's largest finite magnitude as computed, before its fp16
+        # rounding: an output `MAGNITUDE_PREFIX + tensor` (calibration reads them).
+        self.observe = observe
+        self.observed: list[str] = []
         self.shared = {i.name for i in prepared.graph.input} | {t.name for t in prepared.graph.initializer}
         self.weights = {t.name for t in prepared.graph.initializer}
         self.rounded: dict[str, str] = {}
@@ -260,6 +270,10 @@ class _Rewriter:
         if self.suffix and has_subgraph(node):
             _rename_outer_references(copy, self._mapping_for_subgraphs())
         self.nodes.append(copy)
+        if self.observe:
+            for produced, original in zip(raw, node.output):
+                if original in floats:
+                    self.observed.append(largest_magnitude(self.nodes, produced, f"{MAGNITUDE_PREFIX}{original}"))
         for produced, final in zip(raw, outputs):
             if produced != final:
                 checks = (
@@ -300,18 +314,69 @@ def _rename_outer_references(node: NodeProto, mapping: Mapping[str, str]) -> Non
 
 
 OVERFLOW_OUTPUT = "__fp16_overflow"
+MAGNITUDE_PREFIX = "__magnitude__"
+SHAPE_PREFIX = "__shape__"
+
+
+def largest_magnitude(nodes: list[NodeProto], tensor: str, out: str) -> str:
+    """Nodes appended to `nodes` that reduce `tensor` to its largest finite |value|, named `out`:
+    from its max and min (no copy of the tensor); only when one of them is infinite (an attention
+    mask's -inf, which fp16 holds as well) does an `If` mask the infinities out, at a copy's cost."""
+    high, low, neg, raw, bad = (f"{out}__{s}" for s in ("hi", "lo", "neg", "raw", "inf"))
+    nodes += [
+        helper.make_node("ReduceMax", [tensor], [high], name=high, keepdims=0),
+        helper.make_node("ReduceMin", [tensor], [low], name=low, keepdims=0),
+        helper.make_node("Neg", [low], [neg], name=neg),
+        helper.make_node("Max", [high, neg], [raw], name=raw),
+        helper.make_node("IsInf", [raw], [bad], name=bad),
+    ]
+    plain = helper.make_graph(
+        [helper.make_node("Identity", [raw], [f"{out}__plain"], name=f"{out}__plain")],
+        f"{out}__plain_branch",
+        [],
+        [helper.make_tensor_value_info(f"{out}__plain", TensorProto.FLOAT, [])],
+    )
+    zero, finite, absolute, masked = (f"{out}__{s}" for s in ("zero", "finite", "abs", "masked"))
+    masked_branch = helper.make_graph(
+        [
+            helper.make_node(
+                "Constant", [], [zero], name=zero, value=helper.make_tensor("v", TensorProto.FLOAT, [], [0.0])
+            ),
+            helper.make_node("IsInf", [tensor], [f"{finite}__inf"], name=f"{finite}__inf"),
+            helper.make_node("Where", [f"{finite}__inf", zero, tensor], [finite], name=finite),
+            helper.make_node("Abs", [finite], [absolute], name=absolute),
+            helper.make_node("ReduceMax", [absolute], [masked], name=masked, keepdims=0),
+        ],
+        f"{out}__masked_branch",
+        [],
+        [helper.make_tensor_value_info(masked, TensorProto.FLOAT, [])],
+    )
+    nodes.append(helper.make_node("If", [bad], [out], name=out, then_branch=masked_branch, else_branch=plain))
+    return out
 
 
 def emulated_model(
-    prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], count_overflow: bool = False
+    prepared: PreparedGraph,
+    precisions: Mapping[str, NodePrecision],
+    count_overflow: bool = False,
+    observe: Iterable[str] | None = None,
 ) -> ModelProto:
     """The graph as the mode computes it, with the original input and output names; with
-    `count_overflow`, one more output: how many elements fp16 rounding turned into inf."""
+    `count_overflow`, one more output: how many elements fp16 rounding turned into inf; with
+    `observe` (tensors whose shapes to read), the largest magnitude of every float output before
+    its rounding (`MAGNITUDE_PREFIX` + tensor) and those tensors' shapes (`SHAPE_PREFIX` + tensor)."""
     nodes: list[NodeProto] = []
-    writer = _Rewriter(prepared, nodes, suffix="", count_overflow=count_overflow)
+    writer = _Rewriter(prepared, nodes, suffix="", count_overflow=count_overflow, observe=observe is not None)
     for node in prepared.graph.node:
         writer.emit(node, precisions.get(node.name, "fp32"), list(node.input), tag="")
     outputs = list(prepared.graph.output)
+    if observe is not None:
+        outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, []) for name in writer.observed]
+        for tensor in observe:
+            nodes.append(
+                helper.make_node("Shape", [tensor], [f"{SHAPE_PREFIX}{tensor}"], name=f"{SHAPE_PREFIX}{tensor}")
+            )
+            outputs.append(helper.make_tensor_value_info(f"{SHAPE_PREFIX}{tensor}", TensorProto.INT64, [None]))
     if count_overflow:
         counts = writer.overflow_counts
         zero = helper.make_node(
@@ -399,11 +464,56 @@ def run_emulated_with_overflow(
     """The emulated graph's outputs and its fp16 overflow count, in one run. Attention is split by
     heads first (`_split_by_heads`): the counts read every rounded tensor, so split afterwards a
     region would stay whole, each score tensor alive with its copies (gigabytes at full scale)."""
+    run = observe_emulated(prepared, precisions, feeds, None)
+    return run.outputs, run.overflow
+
+
+@dataclass
+class EmulatedRun:
+    """One emulated run: the graph's outputs, its overflow count and, when asked, what it observed."""
+
+    outputs: dict[str, np.ndarray]
+    overflow: int
+    magnitude: dict[str, float] = field(default_factory=dict)  # float tensor -> largest finite |value|
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    model: ModelProto | None = None  # the graph that ran (split by heads): its nodes, for counting MACs
+
+
+def observe_emulated(
+    prepared: PreparedGraph,
+    precisions: Mapping[str, NodePrecision],
+    feeds: Mapping[str, np.ndarray],
+    shaped: Callable[[ModelProto], list[str]] | None,
+) -> EmulatedRun:
+    """The emulated graph run once; with `shaped` (the tensors whose shapes to read, chosen on the
+    graph as it runs), the largest magnitude of every float output before its rounding too,
+    slices of a tensor split by heads folded into the tensor."""
     split = _split_by_heads(prepared, precisions)
     if split is not None:
         prepared, precisions = split
-    values = run_beside(prepared.path, emulated_model(prepared, precisions, count_overflow=True), feeds)
-    return {k: v for k, v in values.items() if k != OVERFLOW_OUTPUT}, int(values[OVERFLOW_OUTPUT])
+    observe = shaped(prepared.model) if shaped is not None else None
+    model = emulated_model(prepared, precisions, count_overflow=True, observe=observe)
+    values = run_beside(prepared.path, model, feeds)
+    run = EmulatedRun(
+        outputs={o.name: values[o.name] for o in prepared.graph.output},
+        overflow=int(values[OVERFLOW_OUTPUT]),
+        model=prepared.model if shaped is not None else None,
+    )
+    for name, value in values.items():
+        if name.startswith(MAGNITUDE_PREFIX):
+            tensor = unsliced(name[len(MAGNITUDE_PREFIX) :])
+            run.magnitude[tensor] = max(run.magnitude.get(tensor, 0.0), float(value))
+        elif name.startswith(SHAPE_PREFIX):
+            run.shapes[name[len(SHAPE_PREFIX) :]] = [int(d) for d in value]
+    return run
+
+
+_SLICE_SUFFIX = re.compile(r"__attention_heads_\d+_\d+$")  # `attention_heads._sliced` names
+
+
+def unsliced(tensor: str) -> str:
+    """A slice's copy of a tensor (attention split by heads) -> the tensor it is part of."""
+    return _SLICE_SUFFIX.sub("", tensor)
 
 
 def _split_by_heads(

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from omskills.ascend.calibration import calibrate, fp16_macs
+from omskills.ascend.calibration import calibrate, cube_macs, fp16_macs
 from omskills.ascend.emulation import (
     PreparedGraph,
     compare_layers,
@@ -38,6 +38,7 @@ from omskills.compare.parity import cosine_of
 from omskills.records.precision import (
     CubeMacs,
     EmulatedResult,
+    GraphCalibration,
     LayerComparison,
     ModePrecision,
     NodeComparison,
@@ -95,20 +96,30 @@ def emulate_mode(
         return EmulatedResult(cosine=1.0, max_abs=0.0, overflow=0, passed=True, fp16_nodes=0), None
     reference = reference if reference is not None else run_reference(prepared, feeds)
     outputs, overflow = run_emulated_with_overflow(prepared, precisions, feeds)
+    result = _result(outputs, overflow, reference, precisions, gates)
+    if result.passed or not compare:
+        return result, None
+    comparison = compare_layers(prepared, precisions, feeds, gates, candidate=f"{mode} emulated")
+    return emulated_result(comparison, _fp16_count(precisions)), comparison
+
+
+def _result(
+    outputs: Mapping[str, np.ndarray],
+    overflow: int,
+    reference: Mapping[str, np.ndarray],
+    precisions: Mapping[str, str],
+    gates: PrecisionGates,
+) -> EmulatedResult:
+    """An emulated run's outputs against the reference, judged by the graph's gate."""
     errors = [_output_error(name, reference[name], outputs[name]) for name in reference]
-    passed = not overflow and all(passes_output_gate(e, gates) for e in errors)
-    result = EmulatedResult(
+    return EmulatedResult(
         cosine=min((e.cosine for e in errors), default=1.0),
         max_abs=max((e.max_abs for e in errors), default=0.0),
         overflow=overflow,
         nan=sum(e.nan for e in errors),
-        passed=passed,
+        passed=not overflow and all(passes_output_gate(e, gates) for e in errors),
         fp16_nodes=_fp16_count(precisions),
     )
-    if passed or not compare:
-        return result, None
-    comparison = compare_layers(prepared, precisions, feeds, gates, candidate=f"{mode} emulated")
-    return emulated_result(comparison, _fp16_count(precisions)), comparison
 
 
 def _output_error(name: str, ref: np.ndarray, got: np.ndarray) -> TensorError:
@@ -229,23 +240,29 @@ def precision_report(
     sample: str,
     modes: Sequence[str] = DEFAULT_MODES,
     gates: PrecisionGates | None = None,
+    outputs: Mapping[str, np.ndarray] | None = None,
 ) -> PrecisionReport:
-    """Calibration, then the modes in `modes` emulated on one sample, fastest first, each with the
-    calibration's keep list and, where it fails, a graph-local search for more, until one passes:
-    the slower ones would not be chosen. must_keep_origin_dtype, which runs nothing, is always listed."""
+    """Calibration in the fastest mode's first passes, then the modes in `modes` emulated on one
+    sample, fastest first, each with the calibration's keep list and, where it fails, a graph-local
+    search for more, until one passes: the slower ones would not be chosen. must_keep_origin_dtype,
+    which runs nothing, is always listed. `outputs`: PyTorch's outputs for these feeds (the study
+    captured them with the sample), compared with instead of a run of the graph in fp32."""
     gates = gates or PrecisionGates()
     hits = check_pitfalls(model)
+    order = fastest_first(modes)
     with prepared_light(model) as prepared:
-        calibration, observed = calibrate(prepared, feeds, sample)
+        # The probe found the graph computes PyTorch's outputs within its tolerance, far inside an
+        # fp16 gate: comparing with them spares a run of the graph in fp32 (minutes for a backbone).
+        given = outputs is not None and set(outputs) == {o.name for o in prepared.model.graph.output}
+        reference = dict(outputs) if given else run_reference(prepared, feeds)
+        calibration, first, macs = _calibration_passes(
+            prepared, feeds, sample, order[0], _pitfall_nodes(hits, order[0]), reference, gates
+        )
         results, skipped = _emulate_until_one_passes(
-            prepared, modes, feeds, gates, observed.outputs, calibration.nodes, hits
+            prepared, order, feeds, gates, reference, calibration.nodes, hits, first
         )
         chosen, keep, why = _choose(results)
-        macs = CubeMacs(
-            total=sum(observed.macs.values()),
-            fp16=fp16_macs(observed.macs, precisions_for(prepared, chosen, keep)),
-            by_node=observed.macs,
-        )
+        fp16 = fp16_macs(macs, precisions_for(prepared, chosen, keep))
     if skipped:
         why += f"; not emulated, as slower: {', '.join(skipped)}"
     return PrecisionReport(
@@ -253,15 +270,55 @@ def precision_report(
         sample=sample,
         gates=gates,
         calibration=calibration,
-        macs=macs,
+        macs=CubeMacs(total=sum(macs.values()), fp16=fp16, by_node=macs),
         modes=results,
         chosen_mode=chosen,
         chosen_keep=keep,
         why=why,
         not_evaluated=skipped,
         assumptions=ASSUMPTIONS,
-        reference="the graph in fp32 on ONNX Runtime (the calibration pass)",
+        reference="PyTorch's outputs for the sample" if given else "the graph in fp32 on ONNX Runtime",
     )
+
+
+# Emulated passes calibration may make: each keeps what the one before it found; a pass that finds
+# nothing new is the fastest mode's first result.
+CALIBRATION_PASSES = 3
+
+
+def _calibration_passes(
+    prepared: PreparedGraph,
+    feeds: Mapping[str, np.ndarray],
+    sample: str,
+    mode: str,
+    pitfalls: Sequence[str],
+    reference: Mapping[str, np.ndarray],
+    gates: PrecisionGates,
+) -> tuple[GraphCalibration, tuple[tuple[str, ...], EmulatedResult] | None, dict[str, int]]:
+    """`mode` emulated and observed until its magnitudes put no new node beyond fp16's range: the
+    calibration, the last pass's result with the keep list it ran with (None when the passes ran
+    out still finding nodes), and each Cube node's MACs."""
+    keep, found, seconds, macs = list(pitfalls), {}, 0.0, {}
+    for passes in range(1, CALIBRATION_PASSES + 1):
+        precisions = precisions_for(prepared, mode, keep)
+        calibration, run = calibrate(prepared, feeds, sample, precisions)
+        seconds += calibration.seconds
+        macs = macs or (cube_macs(run.model, run.shapes) if run.model is not None else {})
+        new = [k for k in calibration.keep if k.node not in found]
+        found.update({k.node: k for k in new})
+        added = [k.node for k in new if precisions.get(k.node, "fp32") != "fp32"]
+        record = calibration.model_copy(
+            update={"keep": list(found.values()), "seconds": round(seconds, 3), "passes": passes}
+        )
+        if not added:
+            return record, (tuple(keep), _result(run.outputs, run.overflow, reference, precisions, gates)), macs
+        keep += added
+    return record, None, macs
+
+
+def _pitfall_nodes(hits: Sequence[PitfallHit], mode: str) -> list[str]:
+    """The nodes a known pitfall of `mode` says to keep (so what is emulated is what ATC is told)."""
+    return list(dict.fromkeys(n for h in hits if mode in h.modes for n in h.keep_nodes))
 
 
 def _emulate_until_one_passes(
@@ -272,18 +329,20 @@ def _emulate_until_one_passes(
     reference: Mapping[str, np.ndarray],
     calibrated: Sequence[str],
     hits: Sequence[PitfallHit] = (),
+    first: tuple[tuple[str, ...], EmulatedResult] | None = None,
 ) -> tuple[list[ModePrecision], list[str]]:
     """The modes emulated fastest first, each keeping the calibrated nodes and those a known pitfall
-    of that mode names (so what is emulated is what ATC is told); after one passes, the slower
-    ones are skipped."""
+    of that mode names; after one passes, the slower ones are skipped. `first`: the fastest mode's
+    result from calibration's last pass, and the keep list it ran with."""
     results, skipped = [], []
-    for mode in fastest_first(modes):
+    for mode in modes:
         if any(_passes(r) for r in results) and mode != "must_keep_origin_dtype":
             skipped.append(mode)
             continue
-        pitfalls = [n for h in hits if mode in h.modes for n in h.keep_nodes]
-        kept = list(dict.fromkeys([*calibrated, *pitfalls]))
-        results.append(mode_precision(prepared, mode, feeds, gates, reference, kept))
+        kept = list(dict.fromkeys([*calibrated, *_pitfall_nodes(hits, mode)]))
+        results.append(
+            mode_precision(prepared, mode, feeds, gates, reference, kept, first=first if mode == modes[0] else None)
+        )
     return results, skipped
 
 
@@ -303,11 +362,16 @@ def mode_precision(
     reference: Mapping[str, np.ndarray],
     calibrated: Sequence[str] = (),
     budget: int = SEARCH_RUNS,
+    first: tuple[tuple[str, ...], EmulatedResult] | None = None,
 ) -> ModePrecision:
-    """`mode` emulated with the calibrated nodes it would run in fp16 kept, then searched when it fails."""
+    """`mode` emulated with the calibrated nodes it would run in fp16 kept (`first`: a result of it
+    already emulated, with the keep list it ran with), then searched when it fails."""
     defaults = precisions_for(prepared, mode)
     kept = [n for n in calibrated if defaults.get(n, "fp32") != "fp32"]
-    result, _ = emulate_mode(prepared, mode, feeds, gates, kept, reference, compare=False)
+    if first is not None and set(first[0]) == set(kept):
+        result = first[1]
+    else:
+        result, _ = emulate_mode(prepared, mode, feeds, gates, kept, reference, compare=False)
     if result.passed or not result.fp16_nodes:
         note = (
             None if result.fp16_nodes else "no node computes in fp16 under this mode: the graph runs as exported (fp32)"

@@ -150,14 +150,16 @@ class CalibrationKeep(Record):
 
 
 class GraphCalibration(Record):
-    """One fp32 pass of the graph on its recorded inputs: the largest magnitude of every float
-    tensor and weight, the depth of its mean reductions, and the nodes whose values leave fp16's
-    useful range (`ascend.calibration` states each rule and its limit)."""
+    """The graph's first emulated passes on its recorded inputs, observed: the largest magnitude of
+    every float tensor (before its fp16 rounding) and weight, the depth of its mean reductions, and
+    the nodes whose values leave fp16's useful range (`ascend.calibration` states each rule and its
+    limit)."""
 
     sample: str = Field(description="The recorded call the pass ran on.")
     tensors: int = Field(description="Float tensors whose largest magnitude was read.")
     largest: float = Field(description="The largest magnitude of any float node output.")
     keep: list[CalibrationKeep] = Field(default_factory=list)
+    passes: int = Field(1, description="Emulated passes read: the next one after a pass that kept more.")
     seconds: float = 0.0
 
     @property

@@ -73,9 +73,19 @@ def _checked_modes(modes: list[str] | None) -> list[str]:
     return chosen
 
 
-def _precision_on_sample(model: Path, feeds: dict[str, np.ndarray], sample: str, modes: list[str]) -> PrecisionReport:
-    """`precision_report` on a sample's inputs; its calibration pass computes the fp32 reference."""
-    return precision_report(model, feeds, sample, modes)
+def _precision_on_sample(
+    model: Path,
+    feeds: dict[str, np.ndarray],
+    sample_path: Path,
+    sample: str,
+    modes: list[str],
+    split: BatchSplit | None,
+) -> PrecisionReport:
+    """`precision_report` against the sample's PyTorch outputs, read here: in a child, rather than
+    held by the server for as long as the child runs, beside the child's own copy (the server
+    grew by 0.9 GB for a full-scale backbone's sample)."""
+    _, outputs = _sample_chunks(sample_path, split)
+    return precision_report(model, feeds, sample, modes, None, outputs)
 
 
 def first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
@@ -137,7 +147,9 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     model_cache.release()  # emulation needs no PyTorch model
     with running_step(task_path, step, inputs_hash) as handle:
         try:
-            report = emulation_runner(model, feeds)(_precision_on_sample, model, feeds, sample, chosen)
+            report = emulation_runner(model, feeds)(
+                _precision_on_sample, model, feeds, workdir / sample, sample, chosen, record.batch_split_of(name)
+            )
         except OmskillsError:
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types

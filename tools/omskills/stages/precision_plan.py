@@ -43,7 +43,7 @@ from omskills.records.precision import (
     PrecisionReport,
 )
 from omskills.records.task import TaskRecord, load_record
-from omskills.records.verify import AGREEMENTS, CheckSummary, MainPathParity, VerifyReport
+from omskills.records.verify import AGREEMENTS, CheckSummary, MainPathParity, OutputCheck, VerifyReport
 from omskills.runtime.splice import SpliceHandle, splice
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.precision import emulation_runner, first_feeds
@@ -185,7 +185,7 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
         if not last.passed:
             attribution = attribute(graphs, reports, plan)
             if len(runner.attempts) < budget and attribution:
-                tighten = _tightening(last.parity.checks)
+                tighten = _tightening(last.parity.checks, model.driver.precision_checks(model.bound.verification))
                 for graph in at_fault(attribution):
                     refit, refined[graph], why = _refit(record, workdir, graph, plan[graph], reports[graph], tighten)
                     if refit != plan[graph]:
@@ -259,14 +259,20 @@ def at_fault(attribution: list[GraphAttribution]) -> list[str]:
     return [a.graph for a in attribution if a.score >= AT_FAULT_SHARE * top]
 
 
-def _tightening(checks: list[CheckSummary]) -> float:
+def _tightening(summaries: list[CheckSummary], checks: list[OutputCheck]) -> float:
     """How far the failed gating checks missed their gates, as a factor on the graphs' tolerance:
-    an agreement of 0.95 against 0.99 missed by (1 - 0.95) / (1 - 0.99) = 5."""
+    an agreement of 0.95 against 0.99 missed by (1 - 0.95) / (1 - 0.99) = 5; a difference by its
+    ratio to its threshold; a check with neither figure by TIGHTEN_MIN."""
+    gates = {(c.output, c.metric): c.threshold for c in checks}
     ratios = []
-    for check in checks:
-        if not check.gating or check.passed or check.worst is None:
+    for summary in summaries:
+        gate = gates.get((summary.output, summary.metric))
+        if not summary.gating or summary.passed or summary.worst is None or not gate:
             continue
-        ratios.append((1.0 - check.worst) / 0.01 if check.metric in AGREEMENTS else 10.0)
+        if summary.metric in AGREEMENTS:
+            ratios.append((1.0 - summary.worst) / max(1e-12, 1.0 - gate))
+        else:
+            ratios.append(summary.worst / gate)
     return min(TIGHTEN_MAX, max([TIGHTEN_MIN, *ratios]))
 
 
