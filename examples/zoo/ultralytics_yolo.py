@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("YOLO_CONFIG_DIR", str(Path(tempfile.gettempdir()) / "omskills-ultralytics"))
 os.environ.setdefault("YOLO_OFFLINE", "1")
@@ -31,6 +32,7 @@ os.environ.setdefault("YOLO_VERBOSE", "False")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from omskills.models.kit import (  # noqa: E402
+    FP16_GATES,
     InputPath,
     LoadedModel,
     MainPathRun,
@@ -152,22 +154,56 @@ class YoloDriver(ModelDriver):
         verification: YoloVerification,
         hooks: RunHooks,
     ) -> MainPathRun:
+        from ultralytics.utils import nms
+
         steps = []
         start = time.perf_counter()
-        for index, image in enumerate(data):
-            t0 = time.perf_counter()
-            [result] = loaded.entry.predict(
-                _bgr(image), imgsz=inputs.imgsz, conf=inputs.conf, iou=inputs.iou, max_det=inputs.max_det, verbose=False
-            )
-            boxes = result.boxes
-            outputs = {
-                "boxes": boxes.xyxy.cpu().numpy(),
-                "scores": boxes.conf.cpu().numpy(),
-                "classes": boxes.cls.cpu().numpy().astype(np.int64),
-            }
-            steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs=outputs))
-            hooks.step(index)
+        before_nms: dict[str, np.ndarray] = {}
+        original = nms.non_max_suppression
+
+        def suppressed(prediction, *args, **kwargs):
+            raw = (
+                prediction[0] if isinstance(prediction, (list, tuple)) else prediction
+            )  # [batch, 4 + classes, anchors]
+            before_nms["boxes_before_nms"] = raw[:, :4].detach().float().cpu().numpy()
+            before_nms["class_scores_before_nms"] = raw[:, 4:].detach().float().cpu().numpy()
+            return original(prediction, *args, **kwargs)
+
+        with mock.patch.object(nms, "non_max_suppression", suppressed):
+            for index, image in enumerate(data):
+                t0 = time.perf_counter()
+                [result] = loaded.entry.predict(
+                    _bgr(image),
+                    imgsz=inputs.imgsz,
+                    conf=inputs.conf,
+                    iou=inputs.iou,
+                    max_det=inputs.max_det,
+                    verbose=False,
+                )
+                boxes = result.boxes
+                outputs = {
+                    "boxes": boxes.xyxy.cpu().numpy(),
+                    "scores": boxes.conf.cpu().numpy(),
+                    "classes": boxes.cls.cpu().numpy().astype(np.int64),
+                }
+                steps.append(StepOutput(index=index, seconds=time.perf_counter() - t0, outputs=outputs | before_nms))
+                before_nms.clear()
+                hooks.step(index)
         return MainPathRun(steps=steps, setup_seconds=0.0, total_seconds=time.perf_counter() - start)
+
+    def precision_checks(self, verification: YoloVerification) -> list[OutputCheck]:
+        """Under fp16, the predictions before NMS decide (every anchor's box and class scores), held to
+        fp16's gates; which boxes NMS keeps flips on near-ties that random weights make everywhere:
+        the kept detections are reported beside them."""
+        return [
+            OutputCheck(
+                output="class_scores_before_nms", metric="tensor", gates=FP16_GATES, label="class scores before NMS"
+            ),
+            OutputCheck(
+                output="boxes_before_nms", metric="tensor", gates=FP16_GATES, label="boxes before NMS (pixels)"
+            ),
+            *(c.model_copy(update={"gating": False}) for c in self.comparison(verification)),
+        ]
 
     def comparison(self, verification: YoloVerification) -> list[OutputCheck]:
         return [

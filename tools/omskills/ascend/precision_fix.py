@@ -346,12 +346,25 @@ def _emulate_until_one_passes(
     return results, skipped
 
 
+# A graph that misses its own gate by a little (no overflow, no NaN, cosine at least this) is left to
+# the end-to-end check, which judges the pipeline and refits the graphs at fault: searched here, a
+# deep random-weight backbone at 0.9985 kept most of its convolutions for a figure the pipeline
+# never needed. A gross loss is searched at once.
+SEARCH_BELOW = 0.99
+
+
+def acceptable(result: EmulatedResult, lenient: bool = True) -> bool:
+    """Whether a mode's result stands without a search: it passes its gate or (lenient) misses it by
+    a little, with no overflow and no NaN."""
+    return result.passed or (lenient and not result.overflow and not result.nan and result.cosine >= SEARCH_BELOW)
+
+
 def fastest_first(modes: Sequence[str]) -> list[str]:
     return sorted(modes, key=lambda m: SPEED_ORDER.index(m) if m in SPEED_ORDER else len(SPEED_ORDER))
 
 
 def _passes(mode: ModePrecision) -> bool:
-    return mode.result.passed or (mode.with_keep is not None and mode.with_keep.passed)
+    return acceptable(mode.result) or (mode.with_keep is not None and mode.with_keep.passed)
 
 
 def mode_precision(
@@ -363,19 +376,26 @@ def mode_precision(
     calibrated: Sequence[str] = (),
     budget: int = SEARCH_RUNS,
     first: tuple[tuple[str, ...], EmulatedResult] | None = None,
+    lenient: bool = True,
 ) -> ModePrecision:
     """`mode` emulated with the calibrated nodes it would run in fp16 kept (`first`: a result of it
-    already emulated, with the keep list it ran with), then searched when it fails."""
+    already emulated, with the keep list it ran with), then searched unless it is `acceptable`."""
     defaults = precisions_for(prepared, mode)
     kept = [n for n in calibrated if defaults.get(n, "fp32") != "fp32"]
     if first is not None and set(first[0]) == set(kept):
         result = first[1]
     else:
         result, _ = emulate_mode(prepared, mode, feeds, gates, kept, reference, compare=False)
-    if result.passed or not result.fp16_nodes:
-        note = (
-            None if result.fp16_nodes else "no node computes in fp16 under this mode: the graph runs as exported (fp32)"
-        )
+    if acceptable(result, lenient) or not result.fp16_nodes:
+        if not result.fp16_nodes:
+            note = "no node computes in fp16 under this mode: the graph runs as exported (fp32)"
+        elif not result.passed:
+            note = (
+                f"misses its gate (cosine {result.cosine:.6f} < {gates.output_min_cosine}) by less than a search "
+                f"(cosine {SEARCH_BELOW}): the end-to-end check decides, and refits it if it is at fault"
+            )
+        else:
+            note = None
         return ModePrecision(mode=mode, result=result, keep=kept, keep_op_types=op_types_of(prepared, kept), note=note)
     added, with_keep, runs, note = search_keep(prepared, mode, feeds, gates, reference, kept, budget)
     keep = [*kept, *added] if with_keep is not None else kept
@@ -410,6 +430,8 @@ def _choose(results: list[ModePrecision]) -> tuple[str, list[str], str]:
             *([f"{len(mode.searched)} found by the graph-local search"] if mode.searched else []),
         ]
         how = f"with {' and '.join(kept)} node(s) kept at their original dtype" if kept else "with nothing kept"
+        if not mode.result.passed and mode.with_keep is None:
+            return mode.mode, mode.keep, f"{mode.mode} {how} nearly passes in emulation; the end-to-end check decides"
         return mode.mode, mode.keep, f"{mode.mode} passes in emulation {how} (fastest passing mode)"
     return "must_keep_origin_dtype", [], "no emulated mode passes; must_keep_origin_dtype keeps every op's dtype"
 

@@ -59,7 +59,7 @@ from omskills.stages.verify_report import verification_report, write_verificatio
 
 STEP = "precision_plan"
 # Bumped when the check judges differently, so a recorded plan of an older one is checked again.
-PLAN_REVISION = 2
+PLAN_REVISION = 3
 # Main-path runs the check may make: the confirmation, and one after a fix.
 DEFAULT_BUDGET = 2
 SAFEST = UNCHECKED_PRECISION_MODE
@@ -186,8 +186,11 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
             attribution = attribute(graphs, reports, plan)
             if len(runner.attempts) < budget and attribution:
                 tighten = _tightening(last.parity.checks, model.driver.precision_checks(model.bound.verification))
+                own = {a.graph: a.own_error for a in attribution}
                 for graph in at_fault(attribution):
-                    refit, refined[graph], why = _refit(record, workdir, graph, plan[graph], reports[graph], tighten)
+                    refit, refined[graph], why = _refit(
+                        record, workdir, graph, plan[graph], reports[graph], min(own[graph], 1.0) / tighten
+                    )
                     if refit != plan[graph]:
                         plan[graph], moved[graph] = refit, why
                 # A plan no refit changed would fail the same way: the run is not made.
@@ -277,13 +280,14 @@ def _tightening(summaries: list[CheckSummary], checks: list[OutputCheck]) -> flo
 
 
 def _refit(
-    record: TaskRecord, workdir: Path, graph: str, emulation: Emulation, report: PrecisionReport, tighten: float
+    record: TaskRecord, workdir: Path, graph: str, emulation: Emulation, report: PrecisionReport, tolerance: float
 ) -> tuple[Emulation, ModePrecision, str]:
-    """The graph's keep list searched again on its recorded inputs against a tolerance `tighten`
-    times tighter; every dtype kept when no keep list meets it."""
+    """The graph's keep list searched again on its recorded inputs until its own error is under
+    `tolerance` (its error in the failed run, divided by how far the end-to-end figure missed; never
+    looser than its own gate); every dtype kept when no keep list meets it."""
+    loosest = 1.0 - report.gates.output_min_cosine
     gates = PrecisionGates(
-        node_min_cosine=report.gates.node_min_cosine,
-        output_min_cosine=1.0 - (1.0 - report.gates.output_min_cosine) / tighten,
+        node_min_cosine=report.gates.node_min_cosine, output_min_cosine=1.0 - min(tolerance, loosest)
     )
     feeds, _ = first_feeds(record, workdir, graph)
     model = record.preferred_model(workdir, graph)
@@ -306,7 +310,7 @@ def _refit(
 def _search_tighter(model: Path, feeds: dict, mode: str, keep: list[str], gates: PrecisionGates) -> ModePrecision:
     with prepared_light(model) as prepared:
         reference = run_reference(prepared, feeds)
-        return mode_precision(prepared, mode, feeds, gates, reference, keep)
+        return mode_precision(prepared, mode, feeds, gates, reference, keep, lenient=False)
 
 
 def _not_judged(plan: Plan, budget: int, seconds: float) -> PrecisionPlan:
