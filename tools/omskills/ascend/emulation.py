@@ -272,14 +272,18 @@ class _Rewriter:
         if self.suffix and has_subgraph(node):
             _rename_outer_references(copy, self._mapping_for_subgraphs())
         self.nodes.append(copy)
+        magnitudes: dict[str, str] = {}  # raw output -> its largest |value|, infinities included
         if self.observe:
             for produced, original in zip(raw, node.output):
                 if original in floats:
                     self.observed.append(largest_magnitude(self.nodes, produced, f"{MAGNITUDE_PREFIX}{original}"))
+                    magnitudes[produced] = f"{self.observed[-1]}__raw"
         for produced, final in zip(raw, outputs):
             if produced != final:
                 checks = (
-                    _OverflowChecks(self.nodes, produced, final, limit=self._fp16_limits()[1])
+                    _OverflowChecks(
+                        self.nodes, produced, final, limit=self._fp16_limits()[1], largest=magnitudes.get(produced)
+                    )
                     if self.count_overflow
                     else None
                 )
@@ -323,7 +327,8 @@ SHAPE_PREFIX = "__shape__"
 def largest_magnitude(nodes: list[NodeProto], tensor: str, out: str) -> str:
     """Nodes appended to `nodes` that reduce `tensor` to its largest finite |value|, named `out`:
     from its max and min (no copy of the tensor); only when one of them is infinite (an attention
-    mask's -inf, which fp16 holds as well) does an `If` mask the infinities out, at a copy's cost."""
+    mask's -inf, which fp16 holds as well) does an `If` mask the infinities out, at a copy's cost.
+    `out + "__raw"` holds the largest |value| infinities included (the overflow count reads it)."""
     high, low, neg, raw, bad = (f"{out}__{s}" for s in ("hi", "lo", "neg", "raw", "inf"))
     nodes += [
         helper.make_node("ReduceMax", [tensor], [high], name=high, keepdims=0),
@@ -411,11 +416,13 @@ class _OverflowChecks:
     (on `raw`, which can then go at once) and after it (on the rounded copy); rounding keeps every
     inf and makes no NaN an inf, so their difference is the count of new ones."""
 
-    def __init__(self, nodes: list[NodeProto], raw: str, rounded: str, limit: str) -> None:
+    def __init__(self, nodes: list[NodeProto], raw: str, rounded: str, limit: str, largest: str | None = None) -> None:
+        """`largest`: the largest |value| of `raw` (infinities included) when the graph already reads it."""
         self.nodes, self.rounded, self.name = nodes, rounded, f"{rounded}__overflow"
-        high = self._add("ReduceMax", [raw], "max", keepdims=0)
-        low = self._add("Neg", [self._add("ReduceMin", [raw], "min", keepdims=0)], "neg_min")
-        largest = self._add("Max", [high, low], "largest")
+        if largest is None:
+            high = self._add("ReduceMax", [raw], "max", keepdims=0)
+            low = self._add("Neg", [self._add("ReduceMin", [raw], "min", keepdims=0)], "neg_min")
+            largest = self._add("Max", [high, low], "largest")
         # Not(largest < limit) rather than (largest >= limit): a NaN maximum takes the exact branch too.
         self.reaches = self._add("Not", [self._add("Less", [largest, limit], "below")], "reaches")
         self.raw_infinities = self._infinities_if_reaching(raw, "raw_inf")

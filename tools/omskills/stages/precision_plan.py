@@ -10,9 +10,9 @@ run), by the driver's precision checks.
 Main-path runs are the expensive unit, so there are at most two: the confirmation, and one after
 a fix. When the confirmation fails, no graph is bisected on the main path: each emulated graph's
 own error on its recorded fp32 inputs (teacher forcing, from its emulation) against its
-graph-local tolerance names the graphs at fault; each gets a tolerance tightened by how far the
-end-to-end figure missed its gate, and its keep list is searched again on its recorded inputs
-(graph runs, not main-path runs). A graph whose search cannot meet the tighter tolerance keeps
+graph-local tolerance names the graphs at fault; each must bring its own error under what it was,
+divided by how far the end-to-end figure missed its gate, and its keep list is searched again on
+its recorded inputs (graph runs, not main-path runs). A graph whose search cannot meet the tighter tolerance keeps
 every dtype (must_keep_origin_dtype), the last resort, with the reason in one line. Fallbacks in an
 emulated run are reported and left to the shape strategy: they never move a graph to a slower
 mode. Emulated, never an NPU result.
