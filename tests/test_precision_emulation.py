@@ -112,7 +112,7 @@ def test_a_planted_overflow_is_kept_by_calibration_alone_and_the_first_emulation
     report = precision_report(path, feeds, sample="s0")
     kept = [(k.node, k.op_type, k.rule, k.figure, k.limit) for k in report.calibration.keep]
     # The MatMul writes 72000 and the Mul reads it: both would overflow in fp16.
-    assert kept == [("mm", "MatMul", "overflow", 72000.0, 65504.0), ("scale", "Mul", "overflow", 72000.0, 65504.0)]
+    assert kept == [("mm", "MatMul", "overflow", 72000.0, 65520.0), ("scale", "Mul", "overflow", 72000.0, 65520.0)]
     fp16 = report.mode("force_fp16")
     # Kept before anything was emulated: the first emulation, with the Relu still in fp16, passes;
     # no search ran.
@@ -545,3 +545,27 @@ def test_an_emulated_graph_carries_only_the_weights_its_nodes_read_and_a_constan
             prepared, precisions_for(prepared, "force_fp16"), {"x": np.ones((2, 64), np.float32)}
         )[0]
     assert outputs["shape"].tolist() == [2.0, 64.0] and np.allclose(outputs["y"], 32.0)
+
+
+def test_a_mask_constant_atc_clips_to_the_largest_fp16_is_saturated_not_out_of_range(tmp_path):
+    """An attention mask's -inf constant becomes -65504 once ATC clips it, and a sum with it stays
+    at -65504 in fp16: no calibration rule keeps the nodes that carry it."""
+    mask = numpy_helper.from_array(np.array([[0.0, -np.inf]], np.float32), "mask")
+    path = _save(
+        tmp_path,
+        "masked",
+        [
+            helper.make_node("Add", ["x", "mask"], ["s"], name="add_mask"),
+            helper.make_node("Softmax", ["s"], ["y"], name="softmax", axis=-1),
+        ],
+        [_vi("x", [1, 2])],
+        [_vi("y", [1, 2])],
+        [mask],
+    )
+    from omskills.ascend.calibration import calibrate
+
+    prepared = prepare(path)
+    calibration, run = calibrate(
+        prepared, {"x": np.array([[1.0, 3.0]], np.float32)}, "s0", precisions_for(prepared, "force_fp16")
+    )
+    assert run.magnitude["s"] == pytest.approx(65501.0) and calibration.keep == []

@@ -12,9 +12,11 @@ inputs and outputs and computes in fp32 between them, so an output beyond fp16's
 too; what it cannot see is the arithmetic inside an operator, and inputs larger than the one
 recorded. The rules, each with its limit:
 
-- overflow: a node's output or input reaches FP16_MAX (65504), the largest finite fp16: it becomes
-  inf where it is written in fp16, and where an fp16 node reads it (ATC casts a kept node's fp32
-  output to fp16 for its fp16 consumers), so the node and its readers are kept.
+- overflow: a node's output or input reaches ROUNDS_TO_INF (65520, which fp16 rounds to inf): it
+  becomes inf where it is written in fp16, and where an fp16 node reads it (ATC casts a kept node's
+  fp32 output to fp16 for its fp16 consumers), so the node and its readers are kept. A magnitude
+  fp16 saturates at its largest finite value, 65504 (a -inf mask constant ATC clipped, and sums
+  with it), is no range problem and judged by no rule.
 - headroom: a node's output reaches HEADROOM (16384, a quarter of fp16's range): two doublings
   from overflow, the margin left for inputs larger than the recorded one (ModelOpt's default is
   512 for GPU kernels that may compute in fp16 throughout; Ascend's Cube accumulates in fp32).
@@ -62,6 +64,11 @@ SQUARING_OPS = frozenset(
     }
 )
 MEAN_OPS = frozenset({"ReduceMean", "GlobalAveragePool"})
+# fp16 rounds a magnitude of 65520 or more to inf; one in [65488, 65520) to 65504, its largest finite
+# value. An attention mask's -inf constant, clipped by ATC to -65504 (`--is_weight_clip`), and the
+# sums made with it land there: saturated values fp16 holds, which no rule judges.
+ROUNDS_TO_INF = 65520.0
+SATURATED_FROM = 65488.0
 # Recurrent ops compute their gates with matrix products (CANN's DynamicRNN / DynamicGRUV2 run them on
 # the Cube): counted with the Cube ops' MACs; gates per op.
 RECURRENT_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -127,8 +134,9 @@ def _activation_rule(
     node: NodeProto, out: float, read: float, shapes: Mapping[str, list[int]]
 ) -> tuple[str, float, float] | None:
     """The first rule a node's largest output (`out`) and input (`read`) magnitudes break, with its figure and limit."""
-    if max(out, read) >= FP16_MAX:  # a tensor beyond fp16 overflows where it is written and where it is read
-        return "overflow", max(out, read), FP16_MAX
+    out, read = _unsaturated(out), _unsaturated(read)
+    if max(out, read) >= ROUNDS_TO_INF:  # beyond fp16: inf where it is written and where it is read
+        return "overflow", max(out, read), ROUNDS_TO_INF
     if out >= HEADROOM:
         return "headroom", out, HEADROOM
     if node.op_type in SQUARING_OPS and read >= SQUARE_LIMIT:
@@ -136,6 +144,11 @@ def _activation_rule(
     if node.op_type in MEAN_OPS and (depth := _mean_depth(node, shapes)) and out * depth >= FP16_MAX:
         return "mean_of_large_sum", out * depth, FP16_MAX
     return None
+
+
+def _unsaturated(value: float) -> float:
+    """`value`, or 0 for a magnitude fp16 saturates at 65504 (a clipped mask; see SATURATED_FROM)."""
+    return 0.0 if SATURATED_FROM <= value < ROUNDS_TO_INF else value
 
 
 def _mean_depth(node: NodeProto, shapes: Mapping[str, list[int]]) -> int:

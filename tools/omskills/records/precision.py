@@ -1,4 +1,4 @@
-"""Records of Ascend precision: per-node comparisons, the bisect's finding, the keep list
+"""Records of Ascend precision: per-node comparisons, the first node over the gate, calibration, the keep list
 proposed for one ATC precision mode, and the emulated results without and with it.
 
 Emulated figures come from ONNX Runtime on CPU computing the way the chosen mode makes Ascend's
