@@ -169,7 +169,7 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
     # Each graph's own choice, not the recorded `chosen_mode`, which an earlier check may have changed.
     plan = {g: Emulation(mode, tuple(keep)) for g in graphs for mode, keep in [own_choice(reports[g])]}
     with running_step(task_path, STEP, inputs_hash) as step:
-        if not any(_fp16_macs_or_nodes(reports[g], plan[g]) for g in graphs):
+        if not any(_computes_in_fp16(reports[g], plan[g]) for g in graphs):
             summary = _not_judged(plan, budget, time.perf_counter() - started)
             step.update(_stored(summary, None, plan, {}))
             return summary
@@ -225,7 +225,7 @@ def _reference(record: TaskRecord, workdir: Path, model: TaskModel) -> tuple[Mai
     return model.run(), "a PyTorch run of the main path here (the study's outputs were not found)"
 
 
-def _fp16_macs_or_nodes(report: PrecisionReport, emulation: Emulation) -> bool:
+def _computes_in_fp16(report: PrecisionReport, emulation: Emulation) -> bool:
     """Whether the graph computes anything in fp16 under its chosen mode and keep list."""
     if emulation.mode == SAFEST:
         return False
@@ -241,7 +241,7 @@ def attribute(graphs: list[str], reports: dict[str, PrecisionReport], plan: Plan
     for graph in graphs:
         report, emulation = reports[graph], plan[graph]
         mode = report.mode(emulation.mode)
-        if mode is None or not _fp16_macs_or_nodes(report, emulation):
+        if mode is None or not _computes_in_fp16(report, emulation):
             continue
         result = mode.with_keep or mode.result
         tolerance = max(1e-12, 1.0 - report.gates.output_min_cosine)
