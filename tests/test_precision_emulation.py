@@ -569,3 +569,11 @@ def test_a_mask_constant_atc_clips_to_the_largest_fp16_is_saturated_not_out_of_r
         prepared, {"x": np.array([[1.0, 3.0]], np.float32)}, "s0", precisions_for(prepared, "force_fp16")
     )
     assert run.magnitude["s"] == pytest.approx(65501.0) and calibration.keep == []
+
+
+def test_a_plan_recorded_when_the_check_bisected_graphs_still_loads():
+    from omskills.records.precision import PrecisionPlan
+
+    old = {"verdict": "fail", "modes": {"a": "must_keep_origin_dtype"}, "narrowed_to": ["a"], "runs": 3}
+    plan = PrecisionPlan.model_validate({**old, "budget": 3, "seconds": 1.0, "why": "no plan passed"})
+    assert plan.verdict == "fail" and "narrowed_to" not in plan.model_dump()

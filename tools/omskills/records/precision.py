@@ -9,10 +9,10 @@ module's outputs) names that run in `candidate` and `backend`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from omskills.records.base import Record
-from pydantic import Field
+from pydantic import Field, model_validator
 
 # How one node computes under an emulated mode. fp16: float inputs and outputs rounded to fp16
 # (cube ops accumulate in fp32 between the two roundings); fp16_in: inputs rounded, output kept
@@ -291,3 +291,12 @@ class PrecisionPlan(Record):
     budget: int = Field(description="The most spliced runs the check was allowed.")
     seconds: float = Field(description="The whole check: every attempt, the attribution, the report.")
     why: str = Field(description="The outcome in one sentence: which plan passed, or why none did.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_the_bisection(cls, data: Any) -> Any:
+        """A record written when the check bisected graphs on the main path still loads (its step is
+        redone: the check's inputs changed); the bisection's finding has no field any more."""
+        if isinstance(data, dict) and "narrowed_to" in data:
+            data = {k: v for k, v in data.items() if k != "narrowed_to"}
+        return data
