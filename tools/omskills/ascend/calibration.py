@@ -76,13 +76,19 @@ MAC_OPS = CUBE_OPS | frozenset(RECURRENT_GATES)
 
 
 def calibrate(
-    prepared: PreparedGraph, feeds: Mapping[str, np.ndarray], sample: str, precisions: Mapping[str, str]
+    prepared: PreparedGraph,
+    feeds: Mapping[str, np.ndarray],
+    sample: str,
+    precisions: Mapping[str, str],
+    weights: list[CalibrationKeep] | None = None,
 ) -> tuple[GraphCalibration, EmulatedRun]:
     """One emulated pass of `prepared` in `precisions` on `feeds`, observed: the calibration record
-    (the nodes its magnitudes and the weights put beyond fp16's range) and the run itself."""
+    (the nodes its magnitudes and the weights put beyond fp16's range) and the run itself.
+    `weights`: `weight_rules(prepared)` when already read (every weight is read: a second pass
+    need not read a 2 GB backbone again)."""
     started = time.perf_counter()
     run = observe_emulated(prepared, precisions, feeds, _shaped_tensors)
-    keep = [*_activation_rules(prepared, run, feeds), *_weight_rules(prepared)]
+    keep = [*_activation_rules(prepared, run, feeds), *(weight_rules(prepared) if weights is None else weights)]
     unique = list({k.node: k for k in keep}.values())  # one reason per node: the first rule that kept it
     activations = [v for t, v in run.magnitude.items() if t in prepared.producers and math.isfinite(v)]
     calibration = GraphCalibration(
@@ -158,7 +164,7 @@ def _mean_depth(node: NodeProto, shapes: Mapping[str, list[int]]) -> int:
     return int(np.prod(source)) // max(1, int(np.prod(result)))
 
 
-def _weight_rules(prepared: PreparedGraph) -> list[CalibrationKeep]:
+def weight_rules(prepared: PreparedGraph) -> list[CalibrationKeep]:
     """Consumers of weights beyond fp16's range and of small constants fp16 flushes to zero."""
     consumers: dict[str, list[NodeProto]] = {}
     for node in prepared.graph.node:

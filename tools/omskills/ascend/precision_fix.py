@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from omskills.ascend.calibration import calibrate, cube_macs, fp16_macs
+from omskills.ascend.calibration import calibrate, cube_macs, fp16_macs, weight_rules
 from omskills.ascend.emulation import (
     PreparedGraph,
     compare_layers,
@@ -299,9 +299,10 @@ def _calibration_passes(
     calibration, the last pass's result with the keep list it ran with (None when the passes ran
     out still finding nodes), and each Cube node's MACs."""
     keep, found, seconds, macs = list(pitfalls), {}, 0.0, {}
+    weights = weight_rules(prepared)  # the same in every pass: read once
     for passes in range(1, CALIBRATION_PASSES + 1):
         precisions = precisions_for(prepared, mode, keep)
-        calibration, run = calibrate(prepared, feeds, sample, precisions)
+        calibration, run = calibrate(prepared, feeds, sample, precisions, weights)
         seconds += calibration.seconds
         macs = macs or (cube_macs(run.model, run.shapes) if run.model is not None else {})
         new = [k for k in calibration.keep if k.node not in found]
