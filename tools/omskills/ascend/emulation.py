@@ -371,7 +371,9 @@ def emulated_model(
     """The graph as the mode computes it, with the original input and output names; with
     `count_overflow`, one more output: how many elements fp16 rounding turned into inf; with
     `observe` (tensors whose shapes to read), the largest magnitude of every float output before
-    its rounding (`MAGNITUDE_PREFIX` + tensor) and those tensors' shapes (`SHAPE_PREFIX` + tensor)."""
+    its rounding (`MAGNITUDE_PREFIX` + tensor) and those tensors' shapes (`SHAPE_PREFIX` + tensor).
+    Large attention is split by heads beforehand, on the fp32 graph (`split_by_heads`): found on
+    this one, it costs a shape inference of a graph ten times larger (40 s for a decoder)."""
     nodes: list[NodeProto] = []
     writer = _Rewriter(prepared, nodes, suffix="", count_overflow=count_overflow, observe=observe is not None)
     for node in prepared.graph.node:
@@ -398,11 +400,7 @@ def emulated_model(
             helper.make_node("Sum", [zero.output[0], *counts], [OVERFLOW_OUTPUT], name=f"{OVERFLOW_OUTPUT}__sum")
         )
         outputs.append(helper.make_tensor_value_info(OVERFLOW_OUTPUT, TensorProto.FLOAT, []))
-    model = _derived(prepared, nodes, outputs, writer)
-    # The roundings hide attention from ONNX Runtime's fusion: its score tensors are computed a few
-    # heads at a time instead, the same values in a fraction of the memory.
-    split_attention_heads(model)
-    return model
+    return _derived(prepared, nodes, outputs, writer)
 
 
 class _OverflowChecks:
@@ -471,7 +469,7 @@ def run_emulated_with_overflow(
     prepared: PreparedGraph, precisions: Mapping[str, NodePrecision], feeds: Mapping[str, np.ndarray]
 ) -> tuple[dict[str, np.ndarray], int]:
     """The emulated graph's outputs and its fp16 overflow count, in one run. Attention is split by
-    heads first (`_split_by_heads`): the counts read every rounded tensor, so split afterwards a
+    heads first (`split_by_heads`): the counts read every rounded tensor, so split afterwards a
     region would stay whole, each score tensor alive with its copies (gigabytes at full scale)."""
     run = observe_emulated(prepared, precisions, feeds, None)
     return run.outputs, run.overflow
@@ -497,9 +495,7 @@ def observe_emulated(
     """The emulated graph run once; with `shaped` (the tensors whose shapes to read, chosen on the
     graph as it runs), the largest magnitude of every float output before its rounding too,
     slices of a tensor split by heads folded into the tensor."""
-    split = _split_by_heads(prepared, precisions)
-    if split is not None:
-        prepared, precisions = split
+    prepared, precisions = split_by_heads(prepared, precisions) or (prepared, precisions)
     observe = shaped(prepared.model) if shaped is not None else None
     model = emulated_model(prepared, precisions, count_overflow=True, observe=observe)
     values = run_beside(prepared.path, model, feeds)
@@ -525,7 +521,7 @@ def unsliced(tensor: str) -> str:
     return _SLICE_SUFFIX.sub("", tensor)
 
 
-def _split_by_heads(
+def split_by_heads(
     prepared: PreparedGraph, precisions: Mapping[str, NodePrecision]
 ) -> tuple[PreparedGraph, dict[str, NodePrecision]] | None:
     """The fp32 graph with its large attention split by heads, and the precisions of its nodes:
@@ -567,6 +563,7 @@ def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisio
     weights = rounded_weights_path(out)
     weights.unlink(missing_ok=True)  # appended to weight by weight: an older one would stay in front
     kept = replace(prepared, rounded_weights_file=weights, _rounded_weights={})
+    kept, precisions = split_by_heads(kept, precisions) or (kept, precisions)
     onnx.save_model(emulated_model(kept, precisions), str(out))
     return out
 
