@@ -87,7 +87,7 @@ def calibrate(
     `weights`: `weight_rules(prepared)` when already read (every weight is read: a second pass
     need not read a 2 GB backbone again)."""
     started = time.perf_counter()
-    run = observe_emulated(prepared, precisions, feeds, _shaped_tensors)
+    run = observe_emulated(prepared, precisions, feeds, shaped_tensors)
     keep = [*_activation_rules(prepared, run, feeds), *(weight_rules(prepared) if weights is None else weights)]
     unique = list({k.node: k for k in keep}.values())  # one reason per node: the first rule that kept it
     activations = [v for t, v in run.magnitude.items() if t in prepared.producers and math.isfinite(v)]
@@ -101,7 +101,7 @@ def calibrate(
     return calibration, run
 
 
-def _shaped_tensors(model: onnx.ModelProto) -> list[str]:
+def shaped_tensors(model: onnx.ModelProto) -> list[str]:
     """The tensors whose shapes count Cube MACs and mean depths (weights' shapes are known)."""
     weights = {t.name for t in model.graph.initializer}
     wanted: list[str] = []
