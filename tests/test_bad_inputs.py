@@ -123,6 +123,8 @@ def drop(path: str) -> Callable[[dict, Path], None]:
 def fill(value: object, folder: Path) -> object:
     if isinstance(value, dict):
         return {k: fill(v, folder) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill(v, folder) for v in value]
     if isinstance(value, str):
         return value.replace("{case}", str(folder)).replace("{outside}", str(folder.parent / "outside"))
     return value
@@ -154,6 +156,38 @@ EXPORT = {
     "output_names": [],
     "fact_source": "test",
 }
+
+
+MAIN_PATH = {
+    "steps": 1,
+    "steps_equal": True,
+    "checks": [],
+    "fallbacks": 0,
+    "torch_s_per_step": 1.0,
+    "spliced_s_per_step": 1.0,
+    "latency_ratio": 1.0,
+}
+VERIFY = {
+    **dict.fromkeys(("backend_per_candidate",), {}),
+    **dict.fromkeys(("candidates", "comparison", "per_step", "splice_stats", "fallback_events"), []),
+    "task_id": "bad-inputs",
+    "weights": "random",
+    "scale": "tiny",
+    "backend": "onnxruntime",
+    "main_path": MAIN_PATH,
+    "verification_settings": [],
+    "report_json": "verify/report.json",
+    "report_html": "verify/report.html",
+    "verdict": "pass",
+}
+MERGED = {"name": "a_to_b", "graphs": ["a", "b"], "io_maps": [{"x": "y"}], "status": "verified", "reason": ""}
+
+
+def _merged(**graph: object) -> dict:
+    return {"graphs": [{**MERGED, **graph}], "verdict": "pass", "fallbacks": 0}
+
+
+ATC = {"status": "not_run", "command": ["atc", "--model=onnx/g/g.onnx"], "script": "om/g/convert_g.sh"}
 
 
 def _record_text(**changes: str) -> bytes:
@@ -199,6 +233,21 @@ CASES = [
     Case("video-empty-folder", ("intake.inputs.video", "empty"), (edit("intake.inputs.video", "empty"),)),
     Case("video-unknown-builtin", ("intake.inputs.video", "nope"), (edit("intake.inputs.video", "builtin:nope"),)),
     Case("video-outside", ("intake.inputs.video", "outside"), (edit("intake.inputs.video", "{outside}/clip.gif"),)),
+    Case(
+        "video-a-fifo",
+        ("intake.inputs.video", "pipe.mp4", "not a regular file"),
+        (edit("intake.inputs.video", "pipe.mp4"),),
+    ),
+    Case(
+        "driver-file-outside",
+        ("intake.model.driver", "outside"),
+        (drop("intake.model.family"), edit("intake.model.driver", "{outside}/evil.py")),
+    ),
+    Case(
+        "record-id-too-long",
+        ("id", "at most"),
+        (edit("id", "a" * 300),),
+    ),
     Case(
         "video-symlink-out", ("intake.inputs.video", "link.gif", "symlink"), (edit("intake.inputs.video", "link.gif"),)
     ),
@@ -293,6 +342,18 @@ CASES = [
     Case("args-unknown-argument", ("tsk",), argv=("--args", '{"task": "{case}/task.yaml", "tsk": 1}')),
     Case("args-task-not-a-path", ("task",), argv=("--args", '{"task": [1]}')),
     Case("task-record-missing", ("nope.yaml",), argv=("--task", "{case}/nope.yaml")),
+    Case(
+        "validate-driver-missing-record",
+        ("task record not found", "nope.yaml"),
+        via="omskills",
+        argv=("validate-driver", "{case}/nope.yaml"),
+    ),
+    Case(
+        "validate-driver-fifo-record",
+        ("pipe.mp4", "is not a regular file"),
+        via="omskills",
+        argv=("validate-driver", "{case}/pipe.mp4"),
+    ),
     Case("onnx-garbage", ("bad.onnx",), via="script:inspect_onnx", argv=("--path", "{case}/bad.onnx")),
     Case("onnx-missing", ("missing.onnx",), via="script:inspect_onnx", argv=("--path", "{case}/missing.onnx")),
     Case(
@@ -316,6 +377,36 @@ CASES = [
         "stored-path-climbs",
         ("exports.g.path", "not a path inside the run folder"),
         (edit("exports", {"g": {"path": "../../etc/passwd", **EXPORT}}),),
+    ),
+    Case(
+        "merged-graph-name-climbs",
+        ("verification.merged.graphs[0].name", "not a safe name"),
+        (edit("verification", {**VERIFY, "merged": _merged(name="../../../../outside/x")}),),
+    ),
+    Case(
+        "merged-graph-onnx-outside",
+        ("verification.merged.graphs[0].onnx_path", "not a path inside the run folder"),
+        (edit("verification", {**VERIFY, "merged": _merged(onnx_path="/etc/passwd")}),),
+    ),
+    Case(
+        "merged-keep-dtype-outside",
+        ("verification.merged.graphs[0].atc_command", "--keep_dtype", "not a path inside the run folder"),
+        (
+            edit(
+                "verification",
+                {**VERIFY, "merged": _merged(atc_command=["atc", "--keep_dtype=../../x.cfg"])},
+            ),
+        ),
+    ),
+    Case(
+        "atc-command-runs-something-else",
+        ("toolchain.g.atc.command", "starts with 'atc'"),
+        (edit("toolchain", {"g": {"atc": {**ATC, "command": ["sh", "-c", "touch {outside}/ran"]}}}),),
+    ),
+    Case(
+        "atc-keep-dtype-absolute",
+        ("toolchain.g.atc.command", "--keep_dtype", "not a path inside the run folder"),
+        (edit("toolchain", {"g": {"atc": {**ATC, "command": ["atc", "--keep_dtype={outside}/keep.cfg"]}}}),),
     ),
     Case(
         "video-colon-outside", ("intake.inputs.video", "outside"), (edit("intake.inputs.video", "{outside}/a:b.gif"),)
@@ -421,6 +512,7 @@ def _write_files(folder: Path, shared: Path) -> None:
     (folder / "afile").write_text("a file, not a folder\n")
     (folder / "link.gif").symlink_to(shared.parent / "outside" / "clip.gif")
     (folder / "truncated.mp4").write_bytes((shared / "truncated.mp4").read_bytes())
+    os.mkfifo(folder / "pipe.mp4")  # opened, it would block until someone writes
 
 
 def _record_bytes(case: Case, folder: Path) -> bytes:
@@ -450,6 +542,8 @@ def _shared_files(root: Path) -> Path:
     _truncated_mp4(shared / "truncated.mp4")
     torch.save({"fc.weight": torch.zeros(2, 4), "fc.bias": torch.zeros(2)}, shared / "wrong.pt")
     torch.save({}, outside / "net.pt")
+    # A driver outside the workspace: importing it would leave a sentinel beside it.
+    (outside / "evil.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').write_text('ran')\n")
     return shared
 
 
@@ -510,6 +604,7 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[object, str, bytes, bytes]]:
             _process_command(case, root / case.id), capture_output=True, text=True, cwd=root, timeout=300
         )
         results[case.id] = {"code": ran.returncode, "stderr": ran.stderr}
+    assert not (root / "outside" / "ran").exists(), "a driver outside the workspace was imported"
     return {
         c.id: (results[c.id]["code"], results[c.id]["stderr"], before[c.id], (root / c.id / "task.yaml").read_bytes())
         for c in CASES

@@ -228,8 +228,12 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     assert report["merged"]["traffic"]["calls_per_step"] == report["traffic"]["calls_per_step"] - 3
     assert chain["precision_mode"] == "force_fp16" and chain["precision"]["passed"]  # emulated as one graph too
 
-    # The same main path with every graph in its chosen ATC precision mode, emulated on CPU.
+    # The run carries its driver file (as a bundle does): a tool called by hand on the run's record
+    # finds it inside the run folder, where a driver file must be.
     task = str(tmp_path / "run" / "task.yaml")
+    assert yaml.safe_load(Path(task).read_text())["intake"]["model"]["driver"] == "driver/resnet18_driver.py"
+
+    # The same main path with every graph in its chosen ATC precision mode, emulated on CPU.
     emulated = omskills("tool", "verify_main_path", "--args", json.dumps({"task": task, "precision": "emulated"}))
     assert emulated.returncode == 0, emulated.stderr[-3000:]
     expected = json.loads((tmp_path / "run" / "verify" / "report-emulated.json").read_text())
@@ -243,7 +247,10 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
 
     # Node by node against the PyTorch submodules: the export computes what the model computes.
     layers = omskills(
-        "tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "pytorch"})
+        "tool",
+        "compare_layers",
+        "--args",
+        json.dumps({"task": task, "candidate": "layer2", "against": "pytorch"}),
     )
     assert layers.returncode == 0, layers.stderr[-3000:]
     compared = json.loads(layers.stdout)
@@ -251,7 +258,10 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     assert compared["nodes_flagged"] == 0 and compared["outputs_pass"] and compared["unmatched"] == 0
     # Against an NPU's dump: with none yet, the inputs to run the OM on are written and the command named.
     npu = omskills(
-        "tool", "compare_layers", "--args", json.dumps({"task": task, "candidate": "layer2", "against": "npu_dump"})
+        "tool",
+        "compare_layers",
+        "--args",
+        json.dumps({"task": task, "candidate": "layer2", "against": "npu_dump"}),
     )
     assert npu.returncode != 0 and "dump_dir:" in npu.stderr and "msit benchmark --om-model" in npu.stderr
     assert [p.name for p in (tmp_path / "run" / "precision" / "layer2" / "npu_inputs").iterdir()] == [

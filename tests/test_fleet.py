@@ -251,3 +251,29 @@ def test_a_soc_is_checked_before_it_names_a_run_folder(records, tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("omskills: error: --soc: unknown SoC '../../etc'")
     assert not (tmp_path / "out").exists() and not (tmp_path / "etc").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--cpus", "0"), "--cpus: 0: a fleet runs one task per CPU"),
+        (("--cpus", "-2"), "--cpus: -2"),
+        (("--memory-gb", "nan"), "--memory-gb: nan is not a positive number"),
+        (("--memory-gb", "inf"), "--memory-gb: inf is not a positive number"),
+        (("--address", "127.0.0.1:1"), "--address: nothing answers at 127.0.0.1:1 within 10 s"),
+        (("--address", "no-port"), "--address: 'no-port' is not host:port"),
+    ],
+)
+def test_fleet_arguments_are_checked_in_one_line_before_anything_runs(records, tmp_path, args, said):
+    result = fleet(str(records[0]), *args, "--out", str(tmp_path / "out"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and said in lines[0], result.stderr
+    assert not (tmp_path / "out" / "toy-a").exists()
+
+
+def test_a_record_id_the_fleets_own_files_use_is_refused(tmp_path, records):
+    record = tmp_path / "clash.yaml"
+    record.write_text(records[0].read_text().replace("id: toy-a", "id: fleet.json"))
+    (tmp_path / "toy.py").write_text((records[0].parent / "toy.py").read_text())
+    result = fleet(str(record), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "record id(s) ['fleet.json']: the fleet's own files" in result.stderr

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from omskills.errors import InputError
 from omskills.records.names import safe_name
 
 CLI = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _dead_pid() -> int:
@@ -165,6 +167,29 @@ def test_bundle_out_never_removes_a_users_folder_and_refuses_a_symlink(tmp_path)
         _check_replaceable(ours)
 
 
+def test_only_a_staging_folder_this_tool_made_for_a_gone_process_is_removed(tmp_path):
+    from omskills.deploy.bundle import _new_staging, _remove_dead_staging
+
+    out, dead = tmp_path / "X", _dead_pid()
+    users = tmp_path / f".X.writing-{dead}"  # the user's own folder, named like a staging folder
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    forged = tmp_path / f".X.writing-{dead}-{'0' * 16}"  # the right shape, no marker
+    forged.mkdir()
+    (forged / "notes.txt").write_text("mine too")
+    left = _new_staging(out, "writing")  # a killed writer's: its marker names a pid now gone
+    marker = left / ".omskills-staging"
+    token = left.name.rsplit("-", 1)[1]
+    gone = left.rename(tmp_path / f".X.writing-{dead}-{token}")
+    (gone / ".omskills-staging").write_text(f"{dead} {token}\n")
+    alive = _new_staging(out, "writing")  # this process's own, still running
+
+    _remove_dead_staging(out)
+
+    assert (users / "notes.txt").read_text() == "mine" and (forged / "notes.txt").read_text() == "mine too"
+    assert not gone.exists() and alive.is_dir() and not marker.exists()
+
+
 @pytest.fixture()
 def bundle(tmp_path) -> Path:
     from omskills.files import sha256_file
@@ -230,7 +255,7 @@ def test_a_bundle_reads_when_intact(bundle):
         ("graphs-folder-symlink", "is a symbolic link"),
         ("path-through-symlinked-folder", "is a symbolic link"),
         ("null-hash", "records no sha256"),
-        ("path-climbs", "not a path inside the folder"),
+        ("path-climbs", "not a path inside the run folder or bundle"),
     ],
 )
 def test_a_tampered_bundle_is_refused(bundle, tmp_path, tamper, refused):
@@ -262,19 +287,56 @@ def test_a_tampered_bundle_is_refused(bundle, tmp_path, tamper, refused):
         read_bundle(bundle)
 
 
+def test_a_manifest_that_is_a_link_or_a_bomb_is_refused_in_one_line(bundle, tmp_path):
+    from omskills.deploy.manifest import DeployError, read_bundle
+
+    elsewhere = tmp_path / "elsewhere.json"
+    shutil.move(bundle / "bundle.json", elsewhere)
+    (bundle / "bundle.json").symlink_to(elsewhere)
+    with pytest.raises(DeployError, match="bundle.json is a symbolic link: refused"):
+        read_bundle(bundle)
+    (bundle / "bundle.json").unlink()
+    (bundle / "bundle.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DeployError, match="nested deeper than a bundle's manifest ever is"):
+        read_bundle(bundle)
+
+
+def test_a_bundles_input_file_outside_it_is_never_read(bundle, tmp_path):
+    from omskills.deploy.adapted import load_adapted
+
+    secret = tmp_path / "outside" / "clip.gif"
+    secret.parent.mkdir()
+    secret.write_bytes(b"GIF89a not yours")
+    manifest = _manifest(bundle)
+    manifest["intake"]["inputs"] = {"video": str(secret), "prompt": "objects", "frames": 1}
+    (bundle / "bundle.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=f"intake.inputs.video: {secret} is outside"):
+        load_adapted(bundle, backend="onnxruntime")
+
+
 # -- ONNX external data -----------------------------------------------------------------------
 
 
-def test_external_data_outside_the_models_folder_is_refused_not_measured(tmp_path):
+@pytest.mark.parametrize(
+    ("location", "length", "refused"),
+    [
+        ("../../../../etc/passwd", "64", "names external data '../../../../etc/passwd': not a path inside the folder"),
+        ("model.onnx.data", "-64", "external data length '-64' is not a byte count"),
+    ],
+)
+def test_external_data_outside_the_models_folder_or_of_no_size_is_refused_not_measured(
+    tmp_path, location, length, refused
+):
     import numpy as np
     import onnx
     from omskills.onnxfiles.inspect import inspect_onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    (tmp_path / "model.onnx.data").write_bytes(bytes(64))
     weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
     weight.data_location = TensorProto.EXTERNAL
     weight.ClearField("raw_data")
-    for key, value in (("location", "../../../../etc/passwd"), ("offset", "0"), ("length", "64")):
+    for key, value in (("location", location), ("offset", "0"), ("length", length)):
         weight.external_data.add(key=key, value=value)
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"])],
@@ -285,7 +347,7 @@ def test_external_data_outside_the_models_folder_is_refused_not_measured(tmp_pat
     )
     path = tmp_path / "model.onnx"
     onnx.save(helper.make_model(graph), str(path))
-    with pytest.raises(InputError, match="names external data '../../../../etc/passwd': not a path inside the folder"):
+    with pytest.raises(InputError, match=refused):
         inspect_onnx(path)
 
 
@@ -422,3 +484,103 @@ def test_a_full_disk_on_save_is_one_line_and_the_record_stays_as_it_was(tmp_path
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "No space left on device" in lines[0], done.stderr[-2000:]
     assert task.read_bytes() == before
+
+
+# -- lock files are never opened through a link ------------------------------------------------
+
+
+def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    from omskills.host.job_store import ExclusiveLock, JobStore
+    from omskills.orchestrator.run_lock import LOCK_NAME, claim_run_folder
+    from omskills.records.task import TaskRecordError, load_record, save_record
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    run = tmp_path / "run"
+    (run / ".omskills" / "jobs").mkdir(parents=True)
+    for lock in (run / LOCK_NAME, run / ".task.yaml.lock", run / ".omskills/jobs/.store.lock"):
+        lock.symlink_to(outside)
+    (run / ".omskills/jobs/exclusive.lock").symlink_to(outside)
+
+    with pytest.raises(InputError, match="is a symbolic link: refused"):
+        claim_run_folder(run)
+    record = load_record(REPO / "task_records" / "sam3-video-text.yaml")
+    with pytest.raises(TaskRecordError, match="lock file .* is a symbolic link: refused"):
+        save_record(record, run / "task.yaml")
+    with pytest.raises(InputError, match="is a symbolic link: refused"):
+        JobStore(run).update("job-20261205-000000-abcdef", lambda job: None)
+    with pytest.raises(InputError, match="is a symbolic link: refused"):
+        ExclusiveLock(run / ".omskills/jobs").acquire("j", "t", lambda: False, lambda _: None)
+    assert outside.read_text() == "precious" and not (run / "task.yaml").exists()
+
+
+# -- processes are identified, not guessed --------------------------------------------------------
+
+
+def test_a_planted_job_file_never_has_an_unrelated_process_signalled_nor_an_outside_record_touched(tmp_path):
+    from omskills.host.job_store import JobStore, StoredJob
+    from omskills.host.jobs import DetachedJob
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    store = JobStore(workspace)
+    # An unrelated process whose command line says "job_runner" (and names this workspace).
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "omskills.host.job_runner", str(workspace)]
+    )
+    outside = tmp_path / "outside" / "task.yaml"
+    outside.parent.mkdir()
+    outside.write_text("id: theirs\n")
+    try:
+        planted = StoredJob(
+            job_id="job-20261205-000000-abcdef", tool="export_onnx", arguments={}, skills_dir="x", ready=True
+        )
+        store.write(planted.model_copy(update={"pid": bystander.pid, "runner_token": "guessed"}))
+        job = DetachedJob(store, store.read(planted.job_id))
+        job.cancel()
+        assert job.state == "failed"  # its "runner" is not one: the job is over, nothing was signalled
+        assert bystander.poll() is None
+
+        store.write(planted.model_copy(update={"job_id": "job-20261205-000001-abcdef", "task": str(outside)}))
+        with pytest.raises(InputError, match="names a task record outside the workspace"):
+            store.read("job-20261205-000001-abcdef")
+        assert [j.job_id for j in store.all()] == [planted.job_id]
+        assert outside.read_text() == "id: theirs\n" and sorted(p.name for p in outside.parent.iterdir()) == [
+            "task.yaml"
+        ]
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_read_only_record_is_never_rewritten(tmp_path):
+    record = tmp_path / "task.yaml"
+    shutil.copy(REPO / "task_records" / "sam3-video-text.yaml", record)
+    record.chmod(0o444)
+    before = record.read_bytes()
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "tool", "check_environment", "--args", json.dumps({"task": str(record)})],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "is read-only: not saved" in done.stderr
+    assert record.read_bytes() == before and stat.S_IMODE(record.stat().st_mode) == 0o444
+
+
+def test_bundle_never_copies_in_a_checkpoint_the_record_names_outside(tiny_adaptation, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_adaptation, run, symlinks=True)
+    secret = tmp_path / "outside" / "secret.pt"
+    secret.parent.mkdir()
+    secret.write_bytes(b"not yours")
+    record = yaml.safe_load((run / "task.yaml").read_text())
+    record["intake"]["model"]["checkpoint"] = str(secret)
+    (run / "task.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "bundle", str(run / "task.yaml"), "--out", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "intake.model.checkpoint" in done.stderr and "outside" in done.stderr
+    assert not (tmp_path / "b").exists()

@@ -190,6 +190,37 @@ def test_install_client_refuses_bad_input_without_writing(home, tmp_path):
         install_client("claude-desktop", tmp_path, "user")
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"mcpServers": {"a": {"command": "x"}}, "mcpServers": {}}', "the key 'mcpServers' is given twice"),
+        ('{"zoom": 1e400, "mcpServers": {}}', "beyond what JSON can write back"),
+        ('{"zoom": NaN}', "NaN is not JSON"),
+        ('{"name": "\\ud800"}', "surrogate"),
+        ("[" * 100_000 + "]" * 100_000, "cannot read it as JSON"),
+    ],
+)
+def test_a_config_a_rewrite_could_not_keep_is_refused_with_nothing_written(home, tmp_path, text, why):
+    config = desktop_config_path()
+    config.parent.mkdir(parents=True)
+    config.write_text(text)
+    with pytest.raises(InputError, match=why):
+        install_client("claude-desktop", tmp_path)
+    assert config.read_text() == text
+
+
+def test_a_config_that_is_a_symlink_is_written_only_when_asked_and_keeps_its_link(home, tmp_path):
+    dotfiles = tmp_path / "dotfiles" / "claude.json"
+    dotfiles.parent.mkdir()
+    dotfiles.write_text(json.dumps({"numStartups": 3}))
+    (home / ".claude.json").symlink_to(dotfiles)
+    with pytest.raises(InputError, match="is a symbolic link .*--follow-link"):
+        install_client("claude-code", tmp_path, "user")
+    assert json.loads(dotfiles.read_text()) == {"numStartups": 3}
+    install_client("claude-code", tmp_path, "user", follow_link=True)
+    assert (home / ".claude.json").is_symlink() and "omskills" in json.loads(dotfiles.read_text())["mcpServers"]
+
+
 def test_the_written_desktop_entry_starts_the_server_from_the_root_folder(home, tmp_path, one_tool_skills):
     # Claude Desktop starts servers in `/`.
     workspace = tmp_path / "work"

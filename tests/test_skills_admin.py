@@ -289,6 +289,23 @@ def test_install_skills_never_overwrites_local_edits_silently(tmp_path):
     assert install_skills(target, source).skills[0].changes == []  # now identical: nothing to do
 
 
+def test_install_skills_never_writes_through_a_symlink_inside_an_installed_skill(tmp_path):
+    source = tmp_path / "skills"
+    new_skill("demo-model", None, source)
+    target = tmp_path / "claude" / "skills"
+    install_skills(target, source)
+    outside = tmp_path / "outside"
+    shutil.move(target / "demo-model" / "references", outside)  # the user's own folder, linked in
+    (target / "demo-model" / "references").symlink_to(outside)
+    (outside / "README.md").write_text("my notes\n")
+    (source / "demo-model" / "references" / "README.md").write_text("# Updated upstream\n")
+
+    for force in (False, True):
+        with pytest.raises(InputError, match="references is a symbolic link: install-skills never writes through one"):
+            install_skills(target, source, force=force)
+    assert (outside / "README.md").read_text() == "my notes\n"
+
+
 def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "HOME": str(home)}

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
+from typing import IO
+
+from omskills.errors import InputError
 
 # (resolved path, size, mtime_ns) -> sha256: a file unchanged since it was last hashed in this
 # process is not read again (a long-lived MCP server checks the same GB-sized ONNX files often).
@@ -120,3 +125,19 @@ def inside_without_links(root: Path, relative: str) -> Path:
         if path.is_symlink():
             raise ValueError(f"{path} is a symbolic link: refused, it could lead outside {root}")
     return path
+
+
+def open_lock_file(path: Path) -> IO[str]:
+    """A lock file opened for reading and writing (created if missing), never through a symbolic
+    link and only when it is a regular file: a link planted in its place would have a lock write,
+    or truncate, the file it points at. The one way omskills opens a lock file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InputError(f"{path} is a symbolic link: refused, a lock file is never opened through one") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path} is not a regular file: refused as a lock file")
+    return os.fdopen(fd, "r+", encoding="utf-8")

@@ -167,6 +167,11 @@ def _install_client_args(p: argparse.ArgumentParser) -> None:
         help="claude-code only: WORKSPACE/.mcp.json (project, default) or ~/.claude.json (user)",
     )
     p.add_argument("--force", action="store_true", help="replace a different omskills entry already there")
+    p.add_argument(
+        "--follow-link",
+        action="store_true",
+        help="the configuration file is a symbolic link: write the file it points at (the link is kept)",
+    )
 
 
 @command("install-client", _install_client_args)
@@ -177,7 +182,9 @@ def _install_client(ns: argparse.Namespace) -> int:
 
     from .skills_admin import install_client
 
-    result = install_client(ns.client, Path(ns.workspace) if ns.workspace else None, ns.scope, force=ns.force)
+    result = install_client(
+        ns.client, Path(ns.workspace) if ns.workspace else None, ns.scope, force=ns.force, follow_link=ns.follow_link
+    )
     sys.stdout.write(result.diff)
     where = f"mcpServers.omskills in {result.config_path}"
     if result.status == "refused":

@@ -54,8 +54,10 @@ def _new_driver(ns: argparse.Namespace) -> int:
 @command("validate-driver", lambda p: p.add_argument("task", help="task record (YAML) naming the driver"))
 def _validate_driver(ns: argparse.Namespace) -> int:
     """Run a task's driver once at tiny size and report what is missing."""
+    from omskills.records.task import load_record
     from omskills.stages.driver_check import check_driver
 
+    load_record(Path(ns.task))  # a record that cannot be read names no driver to check: one line, exit 2
     report = check_driver(Path(ns.task))
     print(
         f"driver {report.driver} (family {report.family}): {report.steps} {report.step_name}(s), "

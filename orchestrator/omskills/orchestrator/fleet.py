@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,10 @@ MEASURED_MARGIN = 1.25  # over a previous run's measured peak: inputs and load d
 STUDY_FACTOR = 2.0
 ATTEMPTS = 2  # a failed task is tried once more
 FLEET_FOLDER = "fleet"  # inside a run folder: each attempt's log and measured peak
+FLEET_JSON, FLEET_MD = "fleet.json", "fleet.md"  # the report, beside the run folders
+FLEET_OWN_NAMES = frozenset({FLEET_JSON, FLEET_MD})  # no record id (a run folder's name) may take them
+# How long `--address` may stay silent before the fleet says nothing answers there (Ray retries forever).
+ADDRESS_TIMEOUT_S = 10.0
 
 
 class FleetJob(BaseModel):
@@ -177,6 +182,9 @@ def plan_jobs(
             )
             leader = leader or run
     names = [job.name for job in jobs]
+    taken = sorted(set(names) & FLEET_OWN_NAMES)
+    if taken:
+        raise InputError(f"record id(s) {taken}: the fleet's own files in {out} use these names; rename the record(s)")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise InputError(f"two records share the id(s) {twice}: each run folder is named after its record's id")
@@ -322,6 +330,8 @@ def run_fleet(
     require_ray()
     started, clock = dt.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
     options = {"address": address} if address else {"num_cpus": local_cpus, "include_dashboard": False}
+    if address:
+        check_reachable(address)
     with _local_auth_token(address):
         import ray  # after the token settings: Ray reads them on import
 
@@ -338,6 +348,21 @@ def run_fleet(
             )
         finally:
             ray.shutdown()
+
+
+def check_reachable(address: str, timeout: float = ADDRESS_TIMEOUT_S) -> None:
+    """A cluster address ("host:port", "ray://host:port") that accepts a connection within `timeout`;
+    "auto" and "local" are Ray's own lookups, left to it."""
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InputError(f"--address: {address!r} is not host:port, ray://host:port, auto or local")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise InputError(f"--address: nothing answers at {address} within {timeout:.0f} s ({err})") from None
 
 
 @contextlib.contextmanager
@@ -459,7 +484,7 @@ class _Fleet:
 def write_report(report: FleetReport, out: Path) -> tuple[Path, Path]:
     """fleet.json (every attempt) and fleet.md (the table) in `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    data, table = out / "fleet.json", out / "fleet.md"
+    data, table = out / FLEET_JSON, out / FLEET_MD
     data.write_text(report.model_dump_json(indent=1))
     table.write_text(report.markdown(f"{len(report.results)} adaptations through `omskills fleet`"))
     return data, table

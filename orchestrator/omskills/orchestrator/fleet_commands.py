@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def _fleet(ns: argparse.Namespace) -> int:
     if not records:
         raise InputError("name task records, or --zoo")
     out = Path(ns.out).resolve()
-    if ns.memory_gb is not None and ns.memory_gb <= 0:
+    if ns.memory_gb is not None and not (math.isfinite(ns.memory_gb) and ns.memory_gb > 0):
         raise InputError(f"--memory-gb: {ns.memory_gb} is not a positive number of GB")
+    if ns.cpus is not None and ns.cpus < 1:
+        raise InputError(f"--cpus: {ns.cpus}: a fleet runs one task per CPU, it needs at least 1")
     jobs = plan_jobs(records, out, ns.scale, ns.soc, ns.memory_gb)
     report = run_fleet(jobs, address=ns.address, local_cpus=ns.cpus)
     data, table = write_report(report, out)

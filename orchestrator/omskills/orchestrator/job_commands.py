@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .command_table import command
+
+if TYPE_CHECKING:
+    from omskills.records.intake import Intake
 
 
 def _main_path_args(p: argparse.ArgumentParser) -> None:
@@ -162,7 +167,7 @@ def _adapt(ns: argparse.Namespace) -> int:
     claim_run_folder(out, inputs_from=(base, ns.source))
     out.mkdir(parents=True, exist_ok=True)
     task = out / "task.yaml"
-    intake = localised_intake(source.intake, base)  # paths stay valid from the run folder
+    intake = _driver_in_run(localised_intake(source.intake, base), out)  # paths stay valid from the run folder
     if task.exists():  # resume: keep the results, take the intake from the command line
         with updating(task) as record:
             record.intake = intake
@@ -191,6 +196,25 @@ def _adapt(ns: argparse.Namespace) -> int:
         print(f"omskills: error: {result.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _driver_in_run(intake: Intake, out: Path) -> Intake:
+    """The intake with its driver file copied into the run folder (`driver/`), as a bundle carries
+    it: a tool called by hand on the run, or `load_adapted` on it, then finds it inside, where a
+    driver file must be (it is checked before it is copied, as any input)."""
+    from omskills.records.intake import allowed_input_roots, confined_path
+
+    path_part, sep, name = (intake.model.driver or "").partition(":")
+    if not path_part.endswith(".py"):
+        return intake
+    given = confined_path(path_part, "intake.model.driver", out, allowed_input_roots(out))
+    copy = out.resolve() / "driver" / given.name
+    if given != copy:
+        copy.parent.mkdir(exist_ok=True)
+        if not copy.is_file() or copy.read_bytes() != given.read_bytes():
+            shutil.copyfile(given, copy)
+    driver = f"driver/{given.name}{sep}{name}"
+    return intake.model_copy(update={"model": intake.model.model_copy(update={"driver": driver})})
 
 
 def _print_summary(task: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from omskills.errors import InputError
-from omskills.files import process_alive
+from omskills.files import open_lock_file, process_alive
 from omskills.records.intake import INPUT_ROOTS_ENV
 
 LOCK_NAME = ".omskills-adapt.lock"
@@ -62,7 +62,7 @@ def claim_run_folder(folder: Path, inputs_from: tuple[str | Path | None, ...] = 
         raise InputError(f"--out: {folder} is a file, not a run folder")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
-    handle = open(path, "a+")  # noqa: SIM115 - stays open: the flock lives with the file
+    handle = open_lock_file(path)  # stays open: the flock lives with the file
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -14,12 +14,13 @@ import difflib
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -409,6 +410,7 @@ def _plan_skill(skill: Path, dest: Path, version: str) -> tuple[SkillInstall, di
         raise OmskillsError(f"{skill} has no SKILL.md; run `omskills validate` before installing")
     if dest.exists() and not (dest / "SKILL.md").is_file():
         raise InputError(f"{dest} exists and is not an installed skill; move it away first")
+    _refuse_links(dest)
     new = _source_files(skill)
     old = _files_under(dest) if dest.exists() else {}
     manifest = _read_manifest(dest)
@@ -423,6 +425,20 @@ def _plan_skill(skill: Path, dest: Path, version: str) -> tuple[SkillInstall, di
         diff = unified_diff(before, after, f"{dest / name} (installed)", f"{dest / name} (omskills {version})")
         plan.changes.append(FileChange(path=dest / name, change=change, local_edit=edited, diff=diff))
     return plan, new
+
+
+def _refuse_links(dest: Path) -> None:
+    """An installed skill holds no symbolic link: writing its files through one would change files
+    outside it (a linked `references/` folder), so the install stops before writing anything."""
+    links = [dest] if dest.is_symlink() else []
+    if not links and dest.is_dir():
+        for folder, dirs, files in os.walk(dest):  # links to folders are listed, not entered
+            links += [Path(folder) / n for n in [*dirs, *files] if (Path(folder) / n).is_symlink()]
+    if links:
+        raise InputError(
+            f"{links[0]} is a symbolic link: install-skills never writes through one (it could lead outside "
+            f"{dest.parent}); replace it with a plain folder or file, or move {dest} away"
+        )
 
 
 def _write_skill(skill: Path, plan: SkillInstall, files: dict[str, bytes], version: str) -> None:
@@ -518,12 +534,19 @@ def _client_target(client: Client, workspace: Path | None, scope: Scope | None) 
 
 
 def _load_config(path: Path) -> dict[str, Any]:
+    """A client's configuration, refused (nothing written) when a rewrite could not keep it as it
+    is: a key given twice (JSON keeps the last: the first block would be lost), a number JSON
+    cannot hold (1e400 would come back as Infinity), a lone surrogate, or a file deeper than
+    Python's parser goes."""
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError) as err:
-        raise InputError(f"{path}: cannot read it as JSON ({err}); fix or move it (nothing was written)") from None
+        text = path.read_text(encoding="utf-8") or "{}"
+        data = json.loads(text, object_pairs_hook=_unique_keys(path), parse_constant=_no_constant, parse_float=_finite)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be written back
+    except (OSError, ValueError, RecursionError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InputError(f"{path}: cannot read it as JSON ({reason}); fix or move it (nothing was written)") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object at the top level (nothing was written)")
     if not isinstance(data.get("mcpServers", {}), dict):
@@ -531,21 +554,57 @@ def _load_config(path: Path) -> dict[str, Any]:
     return data
 
 
+def _unique_keys(path: Path) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                raise ValueError(f"the key {key!r} is given twice: keep one")
+            seen[key] = value
+        return seen
+
+    return pairs
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is beyond what JSON can write back")
+    return value
+
+
 def write_json_keeping_mode(path: Path, data: dict[str, Any]) -> None:
-    """Replace `path` atomically (a crash leaves the old file), keeping its permissions."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    """Replace `path` atomically (a crash leaves the old file), keeping its permissions. A path that
+    is a symbolic link (dotfiles kept elsewhere) keeps its link: its target is what is replaced."""
+    target = path.resolve() if path.is_symlink() else path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target, json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def install_client(
-    client: Client, workspace: Path | None = None, scope: Scope | None = None, *, force: bool = False
+    client: Client,
+    workspace: Path | None = None,
+    scope: Scope | None = None,
+    *,
+    force: bool = False,
+    follow_link: bool = False,
 ) -> ClientInstall:
     """Add the omskills server to a client's `mcpServers`, keeping every other server and key.
 
     A different omskills entry already there is replaced only with `force`; the result carries
-    the diff either way.
+    the diff either way. A configuration file that is a symbolic link is written (its target,
+    the link kept) only with `follow_link`.
     """
     path, workspace_arg, extra = _client_target(client, workspace, scope)
+    if path.is_symlink() and not follow_link:
+        raise InputError(
+            f"{path} is a symbolic link (to {os.readlink(path)}): nothing was written; pass --follow-link to "
+            "write the file it points at and keep the link"
+        )
     command, args = serve_command(workspace_arg)
     entry = {**extra, "command": command, "args": args, "env": {}}
     data = _load_config(path)

@@ -24,7 +24,7 @@ from typing import Any
 from omskills.contracts.pytree import register_struct
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record, read_bundle
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, run_seeded
-from omskills.models.registry import BoundIntake, bind_intake, driver_for, resolved_spec
+from omskills.models.registry import BoundIntake, bind_intake, confine_intake, driver_for, resolved_spec
 from omskills.records.deploy import DeployManifest
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.intake import Intake
@@ -145,6 +145,7 @@ def load_adapted(
     manifest, root = _manifest(Path(path), check_hashes)
     manifest_s = time.perf_counter() - started
     intake = _intake_with(manifest, root, source=source, checkpoint=checkpoint, device=device)
+    confine_intake(manifest.intake, root, [root.resolve()])  # every file the bundle names lies inside it
     started = time.perf_counter()
     bound, data, loaded = build_model(intake, root)
     model_s = time.perf_counter() - started

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import secrets
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,12 +35,12 @@ import numpy as np
 from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
 from omskills.errors import OmskillsError
-from omskills.files import process_alive, sha256_file
-from omskills.models.api import InputPathMarker
+from omskills.files import inside_without_links, process_alive, sha256_file
 from omskills.models.registry import bind_intake, confine_intake, driver_for, localised_intake
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployedMerge, DeployManifest
 from omskills.records.intake import allowed_input_roots
 from omskills.records.literals import BundleArtifact
+from omskills.records.names import STORED, is_input_path
 from omskills.records.results import BundleSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
@@ -78,9 +80,7 @@ def write_bundle(
     _check_replaceable(out)
     record = load_record(task_path)
     _remove_dead_staging(out)
-    staging = out.parent / f".{out.name}.writing-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)  # left by an earlier write of this very process
-    staging.mkdir(parents=True)
+    staging = _new_staging(out, "writing")
     try:
         writer = _Writer(workdir, staging, _recorded_hashes(record))
         graphs = [writer.graph(graph, artifact, record) for graph in manifest.graphs]
@@ -91,9 +91,13 @@ def write_bundle(
         bundled = manifest.model_copy(
             update={"graphs": graphs, "merged": merged, "intake": intake, "required": required}
         )
-        (staging / MANIFEST_NAME).write_text(bundled.model_dump_json(indent=2))
+        text = bundled.model_dump_json(indent=2)
+        DeployManifest.model_validate_json(text, context=STORED)  # as its loader will read it
+        (staging / MANIFEST_NAME).write_text(text)
         _write_docs(staging, bundled)
-        files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        files = sorted(
+            p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file() and p.name != STAGING_MARKER
+        )
         (staging / MARKER).write_text("\n".join(files) + "\n")
         _replace(out, staging)
     finally:
@@ -175,22 +179,48 @@ def _check_replaceable(out: Path) -> None:
         )
 
 
+# Inside each folder a bundle write stages in: who made it. Only a folder holding it, naming a
+# process that is gone, is removed: a user's folder of a similar name is never touched.
+STAGING_MARKER = ".omskills-staging"
+_STAGING_NAME = re.compile(r"\.(?P<out>.+)\.(?P<kind>writing|replaced)-(?P<pid>[0-9]{1,10})-(?P<token>[0-9a-f]{16})")
+
+
+def _new_staging(out: Path, kind: str) -> Path:
+    """A folder beside `out` that this process creates (never one that exists), with its marker."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    folder = out.parent / f".{out.name}.{kind}-{os.getpid()}-{token}"
+    folder.mkdir()
+    (folder / STAGING_MARKER).write_text(f"{os.getpid()} {token}\n")
+    return folder
+
+
 def _remove_dead_staging(out: Path) -> None:
-    """Half-written bundles beside `out` whose writer was killed before it could clean up."""
-    for prefix in (f".{out.name}.writing-", f".{out.name}.replaced-"):
-        for folder in out.parent.glob(f"{glob.escape(prefix)}*"):
-            pid = folder.name[len(prefix) :]
-            if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
-                shutil.rmtree(folder, ignore_errors=True)
+    """Half-written bundles beside `out` whose writer was killed before it could clean up: folders
+    this tool made (their name and their marker agree) whose process is gone."""
+    for folder in out.parent.glob(f".{glob.escape(out.name)}.*-*-*"):
+        match = _STAGING_NAME.fullmatch(folder.name)
+        if match is None or match["out"] != out.name or folder.is_symlink() or not folder.is_dir():
+            continue
+        marker = folder / STAGING_MARKER
+        if marker.is_symlink() or not marker.is_file():
+            continue
+        if marker.read_text(errors="replace").split() == [match["pid"], match["token"]] and not process_alive(
+            int(match["pid"])
+        ):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _replace(out: Path, staging: Path) -> None:
     """`staging` renamed to `out`; an earlier bundle there (checked by _check_replaceable) goes."""
-    previous = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    (staging / STAGING_MARKER).unlink()
     if out.exists():
-        out.rename(previous)
-    staging.rename(out)
-    shutil.rmtree(previous, ignore_errors=True)
+        previous = _new_staging(out, "replaced")
+        out.rename(previous / "bundle")
+        staging.rename(out)
+        shutil.rmtree(previous, ignore_errors=True)
+    else:
+        staging.rename(out)
 
 
 def _recorded_hashes(record: TaskRecord) -> dict[str, str]:
@@ -226,8 +256,15 @@ class _Writer:
 
     def artifact(self, artifact: Artifact, folder: str) -> Artifact:
         return Artifact(
-            files=[self.place(self.workdir / f.path, f"{folder}/{Path(f.path).name}") for f in artifact.files]
+            files=[self.place(self.in_run(f.path), f"{folder}/{Path(f.path).name}") for f in artifact.files]
         )
+
+    def in_run(self, stored: str) -> Path:
+        """A path the record stores, as a file of the run folder reached through no symbolic link."""
+        try:
+            return inside_without_links(self.workdir, stored)
+        except ValueError as err:
+            raise DeployError(f"{stored}: {err}") from None
 
     def graph(self, graph: DeployedGraph, artifact: str, record: TaskRecord) -> DeployedGraph:
         folder = f"graphs/{graph.name}"
@@ -266,7 +303,7 @@ class _Writer:
             elif key == "--output":
                 arg = f"--output=graphs/{name}/{Path(value).name}"
             elif key == "--keep_dtype" and sep:
-                kept = self.place(self.workdir / value, f"atc/{name}.keep_dtype.cfg")
+                kept = self.place(self.in_run(value), f"atc/{name}.keep_dtype.cfg")
                 arg = f"--keep_dtype={kept.path}"
             rewritten.append(arg)
         target = self.out / "atc" / f"{name}.sh"
@@ -276,7 +313,9 @@ class _Writer:
         return f"atc/{name}.sh"
 
     def intake(self, record: TaskRecord, weights: bool):
-        """The record's intake with its files inside the bundle; what cannot be bundled is `required`."""
+        """The record's intake with its files inside the bundle; what cannot be bundled is `required`.
+        Every file it names is confined first: a bundle copies them in."""
+        confine_intake(record.intake, self.workdir, allowed_input_roots(self.workdir))
         intake = localised_intake(record.intake, self.workdir)
         model, required = intake.model, {}
         update: dict[str, object] = {}
@@ -293,14 +332,10 @@ class _Writer:
         if path_part.endswith(".py"):
             update["driver"] = self.place(Path(path_part), f"driver/{Path(path_part).name}").path + sep + name
         inputs = dict(intake.inputs)
-        driver = driver_for(model)
+        driver = driver_for(model, self.workdir)
         for field_name, field in driver.inputs_model.model_fields.items():
             value = inputs.get(field_name)
-            if (
-                any(isinstance(m, InputPathMarker) for m in field.metadata)
-                and isinstance(value, str)
-                and Path(value).is_file()
-            ):
+            if is_input_path(field) and isinstance(value, str) and Path(value).is_file():
                 inputs[field_name] = self.place(Path(value), f"inputs/{Path(value).name}").path
         return intake.model_copy(update={"model": model.model_copy(update=update), "inputs": inputs}), required
 

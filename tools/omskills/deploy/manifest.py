@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omskills.errors import OmskillsError
 from omskills.files import inside_without_links, sha256_file
+from omskills.models.registry import model_paths
 from omskills.records.deploy import (
     BUNDLE_FORMAT,
     Artifact,
@@ -16,6 +17,7 @@ from omskills.records.deploy import (
     DeployManifest,
     onnx_files,
 )
+from omskills.records.names import STORED
 from omskills.records.task import SCHEMA_VERSION, TaskRecord, load_record, now_iso, validation_problems
 from omskills.records.traffic import MergedGraph
 from omskills.version import __version__
@@ -120,6 +122,8 @@ def _relative(root: Path, path: Path) -> str:
 def read_bundle(root: Path, check_hashes: bool = True) -> DeployManifest:
     """The bundle's manifest, after checking its format, its contracts' schema and every artifact."""
     path = root / MANIFEST_NAME
+    if path.is_symlink():
+        raise DeployError(f"{path} is a symbolic link: refused, a bundle's manifest is a file of its own")
     if not path.is_file():
         raise DeployError(
             f"{root} is not an omskills bundle: {path} is missing (write one with `omskills bundle TASK`)"
@@ -128,13 +132,15 @@ def read_bundle(root: Path, check_hashes: bool = True) -> DeployManifest:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DeployError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise DeployError(f"{path}: nested deeper than a bundle's manifest ever is: refused") from None
     if isinstance(data, dict) and data.get("format") != BUNDLE_FORMAT:
         raise DeployError(
             f"{path}: bundle format {data.get('format')!r}, this omskills reads format {BUNDLE_FORMAT}; "
             "write the bundle again with this version"
         )
     try:
-        manifest = DeployManifest.model_validate(data)
+        manifest = DeployManifest.model_validate(data, context=STORED)
     except ValidationError as err:
         raise DeployError(f"{path}: {validation_problems(err)}") from None
     if manifest.contract_schema != SCHEMA_VERSION:
@@ -156,12 +162,10 @@ def read_bundle(root: Path, check_hashes: bool = True) -> DeployManifest:
 
 
 def _check_model_files(root: Path, manifest: DeployManifest) -> None:
-    """The driver file and checkpoint a bundle names lie inside it, through no symbolic link."""
-    model = manifest.intake.model
-    driver_file = (model.driver or "").partition(":")[0]
-    named = [("intake.model.driver", driver_file)] * driver_file.endswith(".py")
-    named += [("intake.model.checkpoint", model.checkpoint)] * bool(model.checkpoint)
-    for where, value in named:
+    """The files the bundle's model names (driver file, checkpoint) lie inside it, through no
+    symbolic link: checked before the driver is imported. Its inputs are checked once the driver
+    says which fields are files (`deploy.adapted.load_adapted`)."""
+    for where, value in model_paths(manifest.intake.model):
         try:
             inside_without_links(root, value)
         except ValueError as err:

@@ -24,17 +24,6 @@ from omskills.host.job_store import ExclusiveLock, JobStore, StoredJob
 _WRITE_SECONDS = 0.5
 
 
-def is_runner(pid: int) -> bool:
-    """Whether `pid` is a live job runner (not a zombie, not another process that reused the pid)."""
-    proc = Path(f"/proc/{pid}")
-    try:
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        cmdline = (proc / "cmdline").read_bytes()
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X") and b"job_runner" in cmdline
-
-
 class _Reporter:
     def __init__(self, store: JobStore, job_id: str) -> None:
         self.store, self.job_id = store, job_id

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from omskills.errors import InputError
-from omskills.files import atomic_write_text, process_alive
+from omskills.files import atomic_write_text, open_lock_file
 from omskills.records.base import Record
 from pydantic import Field, ValidationError
 
@@ -58,6 +58,9 @@ class StoredJob(Record):
     task_label: str | None = None  # the same, workspace-relative
     exclusive: bool = True
     pid: int | None = None  # the runner's
+    # In the runner's environment (TOKEN_ENV), put there by the server that started it: a process
+    # is this job's runner only if it carries it (`is_runner`), whatever its pid.
+    runner_token: str | None = None
     ready: bool = False  # the runner catches SIGTERM (before, a signal would kill it without a word)
     state: JobState = "running"
     progress: StoredProgress = Field(default_factory=StoredProgress)
@@ -77,10 +80,47 @@ class StoredJob(Record):
         return (self.ended_at or time.time()) - self.started_at
 
 
+RUNNER_MODULE = "omskills.host.job_runner"
+TOKEN_ENV = "OMSKILLS_JOB_TOKEN"
+
+
+def runner_argv(workspace: Path, job_id: str) -> list[str]:
+    """How a job's runner is started (after the interpreter): what `is_runner` expects to find."""
+    return ["-m", RUNNER_MODULE, str(workspace), job_id]
+
+
+def is_runner(job: StoredJob, workspace: Path) -> bool:
+    """Whether `job.pid` is this job's live runner: not a zombie, started by `runner_argv` for this
+    workspace and job, and carrying the job's token in its environment. A reused pid, or a job file
+    naming an unrelated process (whatever its command line says), is not: it is never signalled."""
+    if job.pid is None or job.pid <= 0 or not job.runner_token:
+        return False
+    proc = Path(f"/proc/{job.pid}")
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        argv = (proc / "cmdline").read_bytes().split(b"\0")
+        environ = (proc / "environ").read_bytes().split(b"\0")
+    except (OSError, IndexError):
+        return False
+    token = f"{TOKEN_ENV}={job.runner_token}".encode()
+    if state in ("Z", "X") or token not in environ or len(argv) < 5:
+        return False
+    module, folder, job_id = (a.decode(errors="replace") for a in (argv[2], argv[3], argv[4]))
+    return argv[1] == b"-m" and module == RUNNER_MODULE and job_id == job.job_id and _same(folder, workspace)
+
+
+def _same(folder: str, workspace: Path) -> bool:
+    try:
+        return Path(folder).resolve() == workspace.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 class JobStore:
     """The job files of one workspace."""
 
     def __init__(self, workspace: Path) -> None:
+        self.workspace = workspace
         self.folder = workspace / JOBS_FOLDER
 
     @staticmethod
@@ -102,11 +142,23 @@ class JobStore:
     def read(self, job_id: str) -> StoredJob | None:
         path = self.path(job_id)
         try:
-            return StoredJob.model_validate_json(path.read_text(encoding="utf-8"))
+            job = StoredJob.model_validate_json(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValidationError, ValueError) as err:
             raise InputError(f"job {job_id}: its file {path} cannot be read ({str(err).splitlines()[0]})") from None
+        if job.job_id != job_id:
+            raise InputError(f"job {job_id}: its file {path} holds job {job.job_id[:40]!r}: refused")
+        if job.task is not None and not self._inside(job.task):
+            # Read back, it would be updated (a dead runner's steps marked failed) and locked.
+            raise InputError(f"job {job_id}: its file names a task record outside the workspace ({job.task[:80]})")
+        return job
+
+    def _inside(self, path: str) -> bool:
+        try:
+            return Path(path).resolve().is_relative_to(self.workspace.resolve())
+        except (OSError, RuntimeError, ValueError):
+            return False
 
     def write(self, job: StoredJob) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -135,7 +187,7 @@ class JobStore:
     def holder_of(self, task: str) -> StoredJob | None:
         """The running job (its runner alive) working on the task record `task`, if any."""
         return next(
-            (j for j in self.all() if j.task == task and not j.finished and j.pid is not None and process_alive(j.pid)),
+            (j for j in self.all() if j.task == task and not j.finished and is_runner(j, self.workspace)),
             None,
         )
 
@@ -148,7 +200,7 @@ class JobStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / ".store.lock", "a") as handle:
+        with open_lock_file(self.folder / ".store.lock") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield
@@ -174,7 +226,7 @@ class ExclusiveLock:
         """Block until this process holds the turn (whether it had to wait); False if `cancelled()`
         became true first. `on_wait(message)` is told for whom it waits, each time that changes."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        handle = open(self.folder / "exclusive.lock", "a+")  # noqa: SIM115 - held until release()
+        handle = open_lock_file(self.folder / "exclusive.lock")  # held until release()
         shown = None
         while True:
             try:

@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -37,8 +38,7 @@ from typing import Any, Literal
 
 from omskills import progress
 from omskills.errors import InputError, OmskillsError, one_line
-from omskills.host.job_runner import is_runner
-from omskills.host.job_store import ExclusiveLock, JobState, JobStore, StoredJob
+from omskills.host.job_store import TOKEN_ENV, ExclusiveLock, JobState, JobStore, StoredJob, is_runner, runner_argv
 from omskills.records.base import Record
 from pydantic import Field
 
@@ -253,7 +253,11 @@ class DetachedJob:
             return self._stored
         self._read_at = time.monotonic()
         self._stored = self.store.read(self.id) or self._stored
-        if not self._stored.finished and self._stored.pid is not None and not is_runner(self._stored.pid):
+        if (
+            not self._stored.finished
+            and self._stored.pid is not None
+            and not is_runner(self._stored, self.store.workspace)
+        ):
             self._stored = self.store.update(self.id, _runner_died) or self._stored
             _reap_steps(self._stored)
         return self._stored
@@ -290,7 +294,7 @@ class DetachedJob:
             and stored.ready
             and not stored.finished
             and stored.pid is not None
-            and is_runner(stored.pid)
+            and is_runner(stored, self.store.workspace)
         ):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stored.pid, signal.SIGTERM)
@@ -351,10 +355,10 @@ _DETACH = (
 )
 
 
-def spawn_runner(store: JobStore, job_id: str) -> int:
+def spawn_runner(store: JobStore, job_id: str, token: str) -> int:
     """Start the job's runner detached from this process (its own session, and not this process's
-    child: the server's exit or a client's Ctrl-C does not reach it); its output goes to the job's log."""
-    workspace = store.folder.parent.parent
+    child: the server's exit or a client's Ctrl-C does not reach it); its output goes to the job's log.
+    `token` goes into its environment: what identifies it as the job's runner (`is_runner`)."""
     started = subprocess.run(
         [
             sys.executable,
@@ -362,15 +366,13 @@ def spawn_runner(store: JobStore, job_id: str) -> int:
             _DETACH,
             str(store.log_path(job_id)),
             sys.executable,
-            "-m",
-            "omskills.host.job_runner",
-            str(workspace),
-            job_id,
+            *runner_argv(store.workspace, job_id),
         ],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        cwd=workspace,
+        cwd=store.workspace,
+        env={**os.environ, TOKEN_ENV: token},
         timeout=60,
     )
     if started.returncode != 0 or not started.stdout.strip().isdigit():
@@ -422,9 +424,10 @@ class JobRegistry:
             task_label=task_label,
             exclusive=exclusive,
         )
+        stored.runner_token = secrets.token_hex(16)
         self.store.write(stored)
         self.store.forget_old()
-        pid = spawn_runner(self.store, stored.job_id)
+        pid = spawn_runner(self.store, stored.job_id, stored.runner_token)
         self.store.update(stored.job_id, lambda job: setattr(job, "pid", pid))
         return DetachedJob(self.store, self.store.read(stored.job_id) or stored)
 

@@ -26,12 +26,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from omskills.errors import InputError, OmskillsError, one_line
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
+from omskills.records.names import InputPath as InputPath  # re-exported: drivers import it from here
+from omskills.records.names import InputPathMarker
 from omskills.records.parity import FP16_GATES
 from omskills.records.verify import OutputCheck
 from pydantic import BaseModel, ConfigDict
@@ -40,15 +42,6 @@ if TYPE_CHECKING:
     from PIL import Image
     from torch import nn
 
-
-class InputPathMarker:
-    """`Annotated` metadata: an input field holding a file path, resolved against the task record's folder."""
-
-    def __repr__(self) -> str:
-        return "InputPath"
-
-
-InputPath = Annotated[str, InputPathMarker()]
 
 # The one scheme an input value may name instead of a file: one of the clips that ship with omskills.
 BUILTIN_SCHEME = "builtin:"

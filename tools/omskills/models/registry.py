@@ -20,8 +20,9 @@ from pathlib import Path
 from types import ModuleType
 
 from omskills.errors import TaskRecordError
-from omskills.models.api import InputPathMarker, ModelDriver, names_a_file
-from omskills.records.intake import Intake, ModelSpec, confined_path
+from omskills.models.api import ModelDriver, names_a_file
+from omskills.records.intake import Intake, ModelSpec, allowed_input_roots, confined_path
+from omskills.records.names import is_input_path
 from omskills.records.results import DriverListing
 from omskills.records.task import validation_problems
 from omskills.registry import Registry, RegistryError, import_reference
@@ -63,10 +64,10 @@ def _from_family(family: str) -> ModelDriver:
 def _direct(reference: str, base_dir: Path | None):
     path_part, sep, name = reference.partition(":")
     if path_part.endswith(".py"):
-        path = Path(path_part).expanduser()
-        if not path.is_absolute():
-            path = (base_dir or Path.cwd()) / path
-        path = path.resolve()
+        # A driver file is an input like any other: inside the record's folder or an allowed input
+        # root, checked before it is imported (importing it runs it).
+        base = base_dir or Path.cwd()
+        path = confined_path(path_part, "intake.model.driver", base, allowed_input_roots(base))
         key = f"file:{path}:{name}"
         if not sep:
             return key, lambda: _function_driver(path)
@@ -143,7 +144,7 @@ def resolved_spec(spec: ModelSpec, base_dir: Path | None) -> ModelSpec:
 
 
 def _is_input_path(info: FieldInfo) -> bool:
-    return any(isinstance(m, InputPathMarker) for m in info.metadata)
+    return is_input_path(info)
 
 
 def localised_intake(intake: Intake, base_dir: Path) -> Intake:
@@ -177,13 +178,9 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
 
 def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
     """Every file or folder the intake names, as (field, value): the source checkout, the
-    checkpoint and the inputs the driver marks `InputPath` (all but a built-in clip, "builtin:shapes",
-    whatever colons a path holds). The driver file is code the user chose to run, not data read."""
-    named: list[tuple[str, str]] = []
-    if intake.model.source != "package":
-        named.append(("intake.model.source", intake.model.source))
-    if intake.model.checkpoint:
-        named.append(("intake.model.checkpoint", intake.model.checkpoint))
+    checkpoint, the driver file and the inputs the driver marks `InputPath` (all but a built-in
+    clip, "builtin:shapes", whatever colons a path holds)."""
+    named = model_paths(intake.model)
     given = [("intake.inputs", intake.inputs)] + [
         (f"intake.shape_inputs[{k}]", s) for k, s in enumerate(intake.shape_inputs)
     ]
@@ -193,6 +190,28 @@ def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
             if _is_input_path(info) and isinstance(value, str) and names_a_file(value):
                 named.append((f"{where}.{name}", value))
     return named
+
+
+def model_paths(spec: ModelSpec) -> list[tuple[str, str]]:
+    """(field, value) of every file or folder the model fields typed `InputPath` name (no driver
+    needed to find them: the driver file is among them)."""
+    named: list[tuple[str, str]] = []
+    for name, info in ModelSpec.model_fields.items():
+        value = getattr(spec, name)
+        if is_input_path(info) and isinstance(value, str) and (path := _file_named(name, value)):
+            named.append((f"intake.model.{name}", path))
+    return named
+
+
+def _file_named(field_name: str, value: str) -> str | None:
+    """The file or folder a model field's value names: none for the installed package or a driver
+    named by module, the .py part of a driver file reference."""
+    if field_name == "source" and value == "package":
+        return None
+    if field_name == "driver":
+        path = value.partition(":")[0]
+        return path if path.endswith(".py") else None
+    return value or None
 
 
 def confine_intake(intake: Intake, base_dir: Path, roots: list[Path]) -> None:

@@ -50,7 +50,13 @@ def external_locations(model: ModelProto, path: Path) -> list[str]:
     for tensor in all_tensors(model.graph):
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        entries = {e.key: e.value for e in tensor.external_data}
+        location = entries.get("location", "")
+        for key in ("offset", "length"):
+            if key in entries and not entries[key].isdigit():  # isdigit: no sign, no space, no dot
+                raise InputError(
+                    f"{path}: tensor {tensor.name!r}: external data {key} {entries[key][:40]!r} is not a byte count"
+                )
         if location in locations:
             continue
         try:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from omskills.records.base import Record
+from omskills.records.names import RunPath, SafeName
 from pydantic import Field, field_validator, model_validator
 
 
@@ -209,7 +210,7 @@ class Dispatch(Record):
     """This contract serves the calls of plan candidate `candidate` whose non-tensor arguments take
     these values (tree path -> value): one graph per observed value, chosen per call by the splice."""
 
-    candidate: str
+    candidate: SafeName
     on: dict[str, bool | int | float | str | None]
 
     def label(self) -> str:
@@ -219,7 +220,7 @@ class Dispatch(Record):
 class ContractSpec(Record):
     # The contract's (and its graph's) name: the plan candidate, or "<candidate>-<value>" for one
     # of several dispatched graphs (see `dispatch`).
-    candidate: str
+    candidate: SafeName
     module_path: str  # dotted path from the model root, e.g. "detector.backbone.vision_backbone"
     module_class: str
     parent_path: str  # replacement point: parent module path ...
@@ -237,7 +238,7 @@ class ContractSpec(Record):
     # describe the most frequent one and the other calls cannot be served by one graph.
     structure_variants: int = 1
     call_shapes: list[CallShape] = Field(default_factory=list)  # distinct per-call shapes, first-seen order
-    samples: list[str] = Field(default_factory=list)  # npz paths, relative to the task workdir
+    samples: list[RunPath] = Field(default_factory=list)  # npz paths, relative to the task workdir
     dispatch: Dispatch | None = None
     # How many input sets its calls came from: the task's inputs and each of intake.shape_inputs.
     # With more than one, a dim that varies takes every size between the extremes seen.
@@ -337,7 +338,7 @@ class ShapeStrategy(Record):
 
 
 class BoundaryDecision(Record):
-    candidate: str
+    candidate: SafeName
     exportable: bool
     reasons: list[str]
     control_plane: list[str] = Field(default_factory=list)  # what stays in Python, with evidence

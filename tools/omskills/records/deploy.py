@@ -12,6 +12,7 @@ from pathlib import Path
 from omskills.records.base import Record
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.intake import Intake
+from omskills.records.names import RunPath, SafeName
 from omskills.records.toolchain import BatchSplit
 from pydantic import Field
 
@@ -31,7 +32,7 @@ def onnx_files(model: Path) -> list[Path]:
 
 
 class ArtifactFile(Record):
-    path: str  # relative to the manifest's root
+    path: RunPath  # relative to the manifest's root
     bytes: int
     sha256: str | None = None  # set in a bundle, checked when it loads
 
@@ -47,8 +48,8 @@ class Artifact(Record):
 
 
 class DeployedGraph(Record):
-    name: str  # the graph (a plan candidate, or one of a dispatched candidate's graphs)
-    plan_candidate: str
+    name: SafeName  # the graph (a plan candidate, or one of a dispatched candidate's graphs)
+    plan_candidate: SafeName
     module_path: str
     contract: ContractSpec
     strategy: ShapeStrategy | None = None  # the ATC shape strategy the OM is built with
@@ -58,7 +59,7 @@ class DeployedGraph(Record):
     om: Artifact | None = None  # None: ATC has not built it (no CANN where the adaptation ran)
     precision_mode: str | None = None  # the ATC precision mode chosen in emulation
     keep_dtype_nodes: list[str] = Field(default_factory=list)
-    atc_script: str | None = None
+    atc_script: RunPath | None = None
     # Outputs computed ahead for inputs known when the bundle was written (`bundle --precompute`,
     # runtime.memo): the deployed model answers those calls from memory.
     remembered: ArtifactFile | None = None
@@ -69,13 +70,13 @@ class DeployedMerge(Record):
     call of the first runs it, and the calls of the others that follow, each given the outputs of
     the one before it unchanged, are answered from that call."""
 
-    name: str
-    graphs: list[str]  # the members, in call order
+    name: SafeName
+    graphs: list[SafeName]  # the members, in call order
     io_maps: list[dict[str, str]]  # per member after the first: its input -> the output of the member before it
     prefixes: list[str]  # per member after the first: the prefix of its names in the composed graph
     onnx: Artifact
     precision_mode: str | None = None  # the slowest of the members' chosen modes
-    atc_script: str | None = None
+    atc_script: RunPath | None = None
 
 
 class DeployManifest(Record):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from omskills.records.base import Record
+from omskills.records.names import RunPath
 from pydantic import Field
 
 ExporterName = Literal["dynamo", "legacy"]
@@ -14,7 +15,7 @@ ExporterName = Literal["dynamo", "legacy"]
 class ExportResult(Record):
     """One ONNX export of a candidate through its contract wrapper."""
 
-    path: str  # the .onnx file
+    path: RunPath  # the .onnx file
     exporter: ExporterName  # which exporter really ran
     # How the dynamo exporter captured the graph: "torch_export" (torch.onnx's own capture:
     # torch.export non-strict, then strict), or "compile_path" when that stopped on a
@@ -32,7 +33,7 @@ class ExportResult(Record):
     bytes: int  # the .onnx file plus its external data file
     sha256: str  # of the .onnx file followed by its external data file (when there is one)
     external_data: bool  # weights in "<name>.onnx.data" next to the .onnx (models over 2 GB)
-    log_path: str  # everything the exporter printed or warned
+    log_path: RunPath  # everything the exporter printed or warned
     input_names: list[str]  # graph inputs in order (an exporter may drop unused contract inputs)
     output_names: list[str]
     fact_source: str  # where the opset limit we target comes from

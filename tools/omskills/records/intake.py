@@ -7,11 +7,13 @@ own pydantic models (`ModelDriver.inputs_model`, `verification_model`) when the 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
 from omskills.errors import InputError
 from omskills.records.base import Record
+from omskills.records.names import InputPath, SafeName
 from pydantic import Field, model_validator
 
 # Folders outside the run folder that a record may name files in (os.pathsep-separated): the
@@ -66,14 +68,14 @@ class ModelSpec(Record):
     # ... or the driver named directly: "package.module:Class", "path/in/workspace.py:Class", or a
     # file "path.py" with the two functions build_model and run_main_path. Paths are relative to
     # the task record's folder.
-    driver: str | None = None
+    driver: InputPath | None = None
     # "package" = the installed package; otherwise a path to a checkout of the source.
-    source: str = "package"
+    source: InputPath = "package"
     builder: str | None = None  # what builds the model, in the driver's terms (a builder function)
     builder_kwargs: dict[str, Any] = Field(default_factory=dict)
     scale: Literal["full", "tiny"] = "full"
     # None = random initialisation with `seed` (labelled "random" in every report).
-    checkpoint: str | None = None
+    checkpoint: InputPath | None = None
     # numpy's generator takes seeds below 2**32; the engine seeds it (and torch's) with this.
     seed: int = Field(0, ge=0, lt=2**32)
     # Device of the PyTorch reference: cpu here, cuda where a GPU exists, npu with torch_npu.
@@ -95,10 +97,10 @@ class TargetSpec(Record):
     device_id: int = Field(default=0, ge=0)
     # Candidates to deploy whatever their share of the main path (the plan defers small ones);
     # for a driver that names no seeds, a profiled subtree of that name is a seed whatever its share.
-    deploy: list[str] = Field(default_factory=list)
+    deploy: list[SafeName] = Field(default_factory=list)
     # Candidates left in PyTorch whatever their share (a share near the plan's line moves with the
     # machine's load; a module not worth a graph call of its own).
-    defer: list[str] = Field(default_factory=list)
+    defer: list[SafeName] = Field(default_factory=list)
     # The host<->device link for the traffic report's predicted link time; unset, the SoC family's
     # default (omskills.ascend.link says what each rests on).
     link_gb_s: float | None = Field(default=None, gt=0)  # copy bandwidth per direction, GB/s
@@ -155,4 +157,16 @@ def confined_path(
         others = f" or the allowed input roots ({', '.join(map(str, roots[1:]))})" if roots[1:] else ""
         widen = f"; add its folder to {INPUT_ROOTS_ENV} to allow it" if widened_by_env else ""
         raise InputError(f"{field}: {value} is outside {root_name} {roots[0]}{others}{via}{widen}")
+    _refuse_special(resolved, field, value)
     return resolved
+
+
+def _refuse_special(path: Path, field: str, value: str) -> None:
+    """A FIFO, a socket or a device is no file a record may name: opening one can block forever
+    (a FIFO) or read without end (/dev/zero). Checked before anything opens it."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # missing: the reader says so, naming the field
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise InputError(f"{field}: {value} is not a regular file or folder (a FIFO, socket or device): refused")

@@ -6,6 +6,7 @@ from typing import Literal
 
 from omskills.records.base import Record
 from omskills.records.contracts import QuantityLimit, QuantitySchedule
+from omskills.records.names import RunPath, SafeName
 from pydantic import Field
 
 CandidateStatus = Literal[
@@ -24,7 +25,7 @@ CandidateStatus = Literal[
 
 
 class Candidate(Record):
-    name: str
+    name: SafeName
     module_path: str
     module_class: str
     description: str
@@ -43,8 +44,8 @@ class Candidate(Record):
     # cannot be exported, this one is deployed instead.
     inside: str | None = None
     # Where the stages put this candidate's artefacts (ONNX, OM) once produced.
-    onnx_path: str | None = None
-    om_path: str | None = None
+    onnx_path: RunPath | None = None
+    om_path: RunPath | None = None
 
 
 class Plan(Record):
@@ -54,7 +55,7 @@ class Plan(Record):
             "with its status and the reason for it."
         )
     )
-    first_batch: list[str] = Field(
+    first_batch: list[SafeName] = Field(
         description=(
             "The candidates to adapt first: exportable, at or above the minimum share of main-path time "
             "the rationale names (or named in intake.target.deploy), not named in intake.target.defer, "
@@ -64,10 +65,10 @@ class Plan(Record):
     rationale: str = Field(
         description="How the first batch was chosen, and the share of main-path wall time it covers."
     )
-    report_path: str | None = Field(
+    report_path: RunPath | None = Field(
         None, description="Run-folder path of the inventory report (plan/inventory_report.md)."
     )
-    chart_path: str | None = Field(
+    chart_path: RunPath | None = Field(
         None,
         description="Run-folder path of the compute-share chart (plan/compute_share.png); null when none was drawn.",
     )
@@ -82,7 +83,7 @@ class Plan(Record):
 class Seed(Record):
     """A subtree whose calls the study records: named by the driver, or found in a profile."""
 
-    name: str
+    name: SafeName
     module_path: str
     description: str = ""
     group: str = ""
@@ -92,7 +93,7 @@ class StudyRun(Record):
     """The one instrumented run of the main path that feeds the profile and the contracts."""
 
     inputs_hash: str
-    main_path_json: str
+    main_path_json: RunPath
     seeds: list[Seed] = Field(default_factory=list)
     # "driver": its seed candidates; "profile": the heaviest subtrees of a discovery run's profile.
     seeds_from: Literal["driver", "profile"] = "driver"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from omskills.records.base import Record
+from omskills.records.names import SafeName
 from pydantic import Field, model_validator
 
 # How one node computes under an emulated mode. fp16: float inputs and outputs rounded to fp16
@@ -242,7 +243,7 @@ class GraphAttribution(Record):
     """One graph's share of a failed end-to-end run, from what its own emulation lost on its recorded
     inputs (teacher forcing: fp32 inputs, no upstream error) against its graph-local tolerance."""
 
-    graph: str
+    graph: SafeName
     own_error: float = Field(description="1 - cosine of its worst output, emulated on its recorded fp32 inputs.")
     tolerance: float = Field(description="1 - the graph-local gate's cosine it was emulated against.")
     score: float = Field(description="own_error / tolerance: how much of its local budget it used.")

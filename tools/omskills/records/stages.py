@@ -8,6 +8,7 @@ from typing import Literal
 
 from omskills.files import file_state, quick_digest, sha256_cached
 from omskills.records.base import Record
+from omskills.records.names import RunPath
 from pydantic import Field
 
 StageStatus = Literal["pending", "running", "done", "failed", "not_run"]
@@ -16,7 +17,7 @@ StageStatus = Literal["pending", "running", "done", "failed", "not_run"]
 class Artifact(Record):
     """A file a step wrote, as it wrote it: a rerun checks it before reusing the step's result."""
 
-    path: str  # relative to the run folder (the record's folder)
+    path: RunPath  # relative to the run folder (the record's folder)
     sha256: str | None = None
     bytes: int | None = None
     # With the size, the fast check that the file is untouched; the sha256 decides when either moved
@@ -69,7 +70,7 @@ class StageResult(Record):
     finished: str | None = None
     seconds: float | None = None
     artifacts: list[Artifact] = Field(default_factory=list)
-    logs: list[str] = Field(default_factory=list)
+    logs: list[RunPath] = Field(default_factory=list)
     error: str | None = None
     note: str | None = None
     # The process running the step (while it is `running`): a rerun tells a step whose process is

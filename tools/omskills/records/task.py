@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import io
 import json
 import re
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +36,7 @@ from omskills.records.environment import EnvironmentReport
 from omskills.records.export import ExportResult
 from omskills.records.intake import Intake
 from omskills.records.inventory import Inventory
-from omskills.records.names import run_relative, safe_name
+from omskills.records.names import STORED, SafeName
 from omskills.records.plan import Candidate, Plan, StudyRun
 from omskills.records.precision import PrecisionPlan
 from omskills.records.profile import ProfileReport
@@ -42,7 +44,7 @@ from omskills.records.stages import Decision, StageResult
 from omskills.records.toolchain import BatchSplit
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
-from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError
 
 # 2: verification is judged by the driver's output checks (per step), not by frames and masks.
 SCHEMA_VERSION = 2
@@ -124,7 +126,8 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 class TaskRecord(Record):
     schema_version: int = SCHEMA_VERSION
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # It names run folders and files (`runs/<id>-<scale>`, a fleet's `<id>/`): a file name's length.
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=120)
     intake: Intake
     # Step name ("main_path", "export:vision_backbone", ...) -> its result.
     stages: dict[str, StageResult] = Field(default_factory=dict)
@@ -136,10 +139,10 @@ class TaskRecord(Record):
     plan: Plan | None = None
     # Graph name -> captured contract. A graph is a plan candidate, or one of the graphs of a
     # candidate dispatched on a non-tensor argument ("mask_decoder-multimask_output_True").
-    contracts: dict[str, ContractSpec] = Field(default_factory=dict)
-    boundaries: dict[str, BoundaryDecision] = Field(default_factory=dict)  # graph -> boundary decision
-    exports: dict[str, ExportResult] = Field(default_factory=dict)  # graph -> its ONNX export
-    toolchain: dict[str, CandidateToolchain] = Field(default_factory=dict)  # graph -> probes, variants, ops, ATC
+    contracts: dict[SafeName, ContractSpec] = Field(default_factory=dict)
+    boundaries: dict[SafeName, BoundaryDecision] = Field(default_factory=dict)  # graph -> boundary decision
+    exports: dict[SafeName, ExportResult] = Field(default_factory=dict)  # graph -> its ONNX export
+    toolchain: dict[SafeName, CandidateToolchain] = Field(default_factory=dict)  # graph -> probes, variants, ops, ATC
     verification: VerifyReport | None = None
     # The same main path with every spliced graph in its chosen ATC precision mode, emulated on CPU.
     verification_emulated: VerifyReport | None = None
@@ -148,22 +151,6 @@ class TaskRecord(Record):
     # The text the record was read from when it carries comments: a save keeps the user's comments
     # even into a new file (`omskills adapt` copies the intake into the run folder).
     _source_text: str | None = PrivateAttr(default=None)
-
-    @model_validator(mode="after")
-    def _names_and_paths_stay_in_the_run_folder(self) -> TaskRecord:
-        """Every name that becomes a file name and every stored path that is joined to the run
-        folder, checked here, once, whoever wrote the record."""
-        for where, value in _names(self):
-            try:
-                safe_name(value)
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
-        for where, value in _stored_paths(self):
-            try:
-                run_relative(value)
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
-        return self
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))
@@ -335,72 +322,6 @@ class TaskRecord(Record):
         return Path(path).resolve().parent
 
 
-def _names(record: TaskRecord) -> Iterator[tuple[str, str]]:
-    """(field, value) of every record value that names a graph or a candidate."""
-    for section in ("contracts", "boundaries", "exports", "toolchain"):
-        for key in getattr(record, section):
-            yield f"{section}.{key}", key
-    for key, contract in record.contracts.items():
-        yield f"contracts.{key}.candidate", contract.candidate
-        if contract.dispatch is not None:
-            yield f"contracts.{key}.dispatch.candidate", contract.dispatch.candidate
-    target = record.intake.target
-    yield from ((f"intake.target.deploy[{i}]", name) for i, name in enumerate(target.deploy))
-    yield from ((f"intake.target.defer[{i}]", name) for i, name in enumerate(target.defer))
-    if record.plan is not None:
-        yield from ((f"plan.candidates[{i}].name", c.name) for i, c in enumerate(record.plan.candidates))
-        yield from ((f"plan.first_batch[{i}]", name) for i, name in enumerate(record.plan.first_batch))
-    if record.study is not None:
-        yield from ((f"study.seeds[{i}].name", s.name) for i, s in enumerate(record.study.seeds))
-
-
-def _stored_paths(record: TaskRecord) -> Iterator[tuple[str, str]]:
-    """(field, value) of every path the record stores, relative to the run folder."""
-    for key, contract in record.contracts.items():
-        yield from ((f"contracts.{key}.samples[{i}]", p) for i, p in enumerate(contract.samples))
-    for key, export in record.exports.items():
-        yield from ((f"exports.{key}.{f}", getattr(export, f)) for f in ("path", "log_path"))
-    for key, chain in record.toolchain.items():
-        yield from _chain_paths(f"toolchain.{key}", chain)
-    for key, step in record.stages.items():
-        yield from ((f"stages.{key}.artifacts[{i}].path", a.path) for i, a in enumerate(step.artifacts))
-        yield from ((f"stages.{key}.logs[{i}]", log) for i, log in enumerate(step.logs))
-    for name in ("verification", "verification_emulated"):
-        report = getattr(record, name)
-        if report is not None:
-            yield from (
-                (f"{name}.{f}", v)
-                for f in ("report_json", "report_html", "outputs_pytorch", "outputs_spliced")
-                if (v := getattr(report, f)) is not None
-            )
-            yield from ((f"{name}.figures[{i}]", p) for i, p in enumerate(report.figures))
-    if record.plan is not None:
-        yield from ((f"plan.{f}", v) for f in ("report_path", "chart_path") if (v := getattr(record.plan, f)))
-        yield from (
-            (f"plan.candidates[{i}].{f}", v)
-            for i, c in enumerate(record.plan.candidates)
-            for f in ("onnx_path", "om_path")
-            if (v := getattr(c, f))
-        )
-    if record.study is not None:
-        yield "study.main_path_json", record.study.main_path_json
-
-
-def _chain_paths(where: str, chain: CandidateToolchain) -> Iterator[tuple[str, str]]:
-    if chain.optimize is not None:
-        yield from (
-            (f"{where}.optimize.variants[{i}].path", v.path) for i, v in enumerate(chain.optimize.variants) if v.path
-        )
-        if chain.optimize.preferred_path:
-            yield f"{where}.optimize.preferred_path", chain.optimize.preferred_path
-    for step in ("precheck", "precision"):
-        result = getattr(chain, step)
-        if result is not None and result.model:
-            yield f"{where}.{step}.model", result.model
-    if chain.atc is not None:
-        yield from ((f"{where}.atc.{f}", v) for f in ("script", "log", "om_path") if (v := getattr(chain.atc, f)))
-
-
 def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
@@ -409,8 +330,9 @@ def validation_problems(err: ValidationError, prefix: str = "") -> str:
     """A pydantic error as "field.path: message; ..." with the fields under `prefix`."""
     problems = []
     for e in err.errors():
-        loc = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]]) or "(root)"
-        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in [prefix] * bool(prefix) + list(e["loc"]))
+        loc = loc.removeprefix(".") or "(root)"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else str(e["msg"]).removeprefix("Value error, ")
         problems.append(f"{loc}: {msg}")
     return "; ".join(problems)
 
@@ -419,13 +341,37 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
     return f"task record {path}: " + validation_problems(err)
 
 
-def _upgraded(data: dict) -> dict:
-    """A record of an older schema, brought up to this one: results whose form changed are dropped
-    (the stage that wrote them runs again), everything else is kept."""
+def _upgraded(data: dict, folder: Path) -> dict:
+    """A record of an older schema or form, brought up to this one: results whose form changed are
+    dropped (the stage that wrote them runs again), everything else is kept. `folder`: the record's."""
     if data.get("schema_version", SCHEMA_VERSION) < 2:
         data = {**data, "schema_version": SCHEMA_VERSION, "verification": None}
         data["stages"] = {k: v for k, v in (data.get("stages") or {}).items() if k != "verify"}
+    _relative_merged_commands(data, folder)
     return data
+
+
+def _relative_merged_commands(data: dict, folder: Path) -> None:
+    """Merged graphs' ATC commands were once recorded with absolute paths into the run folder:
+    made relative to it, as every recorded path (one pointing elsewhere stays, and is refused)."""
+    for report in (data.get(k) for k in ("verification", "verification_emulated")):
+        merged = report.get("merged") if isinstance(report, dict) else None
+        graphs = merged.get("graphs") if isinstance(merged, dict) else None
+        for graph in graphs if isinstance(graphs, list) else []:
+            command = graph.get("atc_command") if isinstance(graph, dict) else None
+            if isinstance(command, list):
+                graph["atc_command"] = [_relative_option(arg, folder) for arg in command]
+
+
+def _relative_option(arg: object, folder: Path) -> object:
+    key, sep, value = arg.partition("=") if isinstance(arg, str) else ("", "", "")
+    if not (sep and value.startswith("/")):
+        return arg
+    root = folder.resolve()
+    try:
+        return f"{key}={Path(value).relative_to(root).as_posix()}"
+    except ValueError:
+        return arg
 
 
 def parse_record(data: object, path: Path) -> TaskRecord:
@@ -444,9 +390,9 @@ def parse_record(data: object, path: Path) -> TaskRecord:
             f"task record {path}: schema_version: {version} is newer than this release reads "
             f"({SCHEMA_VERSION}); update omskills to read it"
         )
-    data = _upgraded(data)
+    data = _upgraded(data, path.parent)
     try:
-        return TaskRecord.model_validate(data)
+        return TaskRecord.model_validate(data, context=STORED)
     except ValidationError as err:
         raise TaskRecordError(_format_validation_error(path, err)) from None
 
@@ -455,6 +401,8 @@ def load_record(path: str | Path) -> TaskRecord:
     """Read without locking: saves replace the file whole, so a reader sees one version or the next."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():  # a folder, a FIFO (reading it would block), a device
+            raise TaskRecordError(f"task record {path} is not a regular file")
         raise TaskRecordError(f"task record not found: {path}")
     try:
         text = path.read_text(encoding="utf-8").removeprefix(BOM)  # an editor's byte-order mark says nothing
@@ -535,12 +483,22 @@ def _locked(path: Path) -> Iterator[None]:
         raise TaskRecordError(
             f"task record {path}: another writer has held it for {LOCK_TIMEOUT_S:.0f} s; is a tool stuck on it?"
         ) from None
+    except OSError as err:  # filelock opens its file without following a link (ELOOP)
+        if err.errno != errno.ELOOP:
+            raise
+        raise TaskRecordError(
+            f"task record {path}: its lock file {err.filename} is a symbolic link: refused, a lock file is never "
+            "opened through one"
+        ) from None
 
 
 def save_record(record: TaskRecord, path: str | Path) -> None:
     """Write atomically under the record's lock: a crash mid-write leaves the previous record intact.
     Prefer `updating`, which also holds the lock while the record is read and changed."""
     path = Path(path)
+    # Its mode says no one may write it (root could; a replace would not even ask): respected.
+    if path.is_file() and not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        raise TaskRecordError(f"task record {path} is read-only: not saved (make it writable, or copy it)")
     with _locked(path):
         previous = path.read_text(encoding="utf-8").removeprefix(BOM) if path.is_file() else None
         template = previous if previous is not None and "#" in previous else record._source_text
@@ -591,8 +549,13 @@ def _dump_section(key: str, value: Any) -> str:
 
 def _record_data(record: TaskRecord) -> dict:
     """The record as plain data, `stages` last: written after the results it summarises, a record
-    cut short loses the stage first and the step runs again."""
+    cut short loses the stage first and the step runs again. Checked as a load checks it (a path a
+    step left absolute is refused here, before the file changes)."""
     data = record.model_dump(mode="json", exclude_none=False)
+    try:
+        TaskRecord.model_validate(data, context=STORED)
+    except ValidationError as err:
+        raise TaskRecordError(f"task record {record.id}: not saved: {validation_problems(err)}") from None
     data["stages"] = data.pop("stages")
     return data
 

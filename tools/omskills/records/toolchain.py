@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from omskills.records.base import Record
+from omskills.records.names import AtcArgv, RunPath
 from omskills.records.parity import OutputParity, Verdict
 from pydantic import Field
 
@@ -120,7 +121,7 @@ class KnowledgeOutcome(Record):
 class VariantResult(Record):
     name: VariantName
     status: VariantStatus
-    path: str | None = None
+    path: RunPath | None = None
     built_from: str | None = None  # the model file the variant was made from
     reason: str | None = None  # why failed / unavailable, or what to watch when ok
     node_count: int | None = None
@@ -138,7 +139,7 @@ class OptimizeResult(Record):
     # Preference auto_optimizer -> onnxslim -> original among variants that pass every check
     # and whose parity is no worse than the original's.
     preferred: VariantName | None = None
-    preferred_path: str | None = None
+    preferred_path: RunPath | None = None
     why: str
 
 
@@ -175,7 +176,7 @@ class PitfallHit(Record):
 
 
 class OpPrecheck(Record):
-    model: str
+    model: str  # the graph checked, as given: a label, never opened again
     soc: str
     opset: int  # the model's default-domain opset, which ATC's parser keys on
     table: str  # which document the table comes from
@@ -205,13 +206,13 @@ class AtcErrorAdvice(Record):
 class AtcResult(Record):
     status: AtcStatus
     reason: str | None = None
-    command: list[str]  # argv of atc
-    script: str  # ready-to-run shell script with the same command
+    command: AtcArgv  # argv of atc
+    script: RunPath  # ready-to-run shell script with the same command
     atc: str | None = None  # which atc ran
-    log: str | None = None
+    log: RunPath | None = None
     exit_code: int | None = None
     seconds: float | None = None
-    om_path: str | None = None
+    om_path: RunPath | None = None
     om_sha256: str | None = None
     om_bytes: int | None = None
     errors: list[AtcErrorAdvice] = Field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from omskills.records.base import Record
+from omskills.records.names import AtcArgv, RunPath, SafeName
 from omskills.records.precision import EmulatedResult
 from pydantic import Field
 
@@ -12,7 +13,7 @@ from pydantic import Field
 class GraphTraffic(Record):
     """One graph's backend calls over a step (or a run)."""
 
-    graph: str = Field(description="The graph (candidate) the calls went to.")
+    graph: SafeName = Field(description="The graph (candidate) the calls went to.")
     calls: int = Field(description="Backend calls (fallbacks to PyTorch move nothing and are not counted).")
     bytes_in: int = Field(description="Bytes of the inputs the calls sent: what a host copies to the device.")
     bytes_out: int = Field(
@@ -119,7 +120,7 @@ class LinkCost(Record):
 class MergeProposal(Record):
     """Whether a graph could run inside the same call as the graph that feeds it, and why (not)."""
 
-    graph: str = Field(description="The graph whose calls a merge would remove.")
+    graph: SafeName = Field(description="The graph whose calls a merge would remove.")
     upstream: str | None = Field(description="The graph whose outputs it reads unchanged, if any (the largest source).")
     mergeable: bool = Field(
         description=(
@@ -181,8 +182,8 @@ class TrafficReport(Record):
 class MergedGraph(Record):
     """Graphs composed into one (a chain of merge proposals taken), and what became of it."""
 
-    name: str = Field(description="The composed graph's name: '<first>_to_<last>'.")
-    graphs: list[str] = Field(
+    name: SafeName = Field(description="The composed graph's name: '<first>_to_<last>'.")
+    graphs: list[SafeName] = Field(
         description=(
             "The members in call order: the first's calls run the composed graph; each later one is answered inside "
             "that call when its inputs are the member before it's outputs, unchanged."
@@ -197,9 +198,9 @@ class MergedGraph(Record):
             "Per member after the first: the prefix of its names (inputs, outputs) inside the composed graph."
         ),
     )
-    onnx_path: str | None = Field(None, description="Run-folder path of the composed ONNX graph.")
-    atc_command: list[str] = Field(default_factory=list, description="The ATC command for the composed graph.")
-    atc_script: str | None = Field(
+    onnx_path: RunPath | None = Field(None, description="Run-folder path of the composed ONNX graph.")
+    atc_command: AtcArgv = Field(default_factory=list, description="The ATC command for the composed graph.")
+    atc_script: RunPath | None = Field(
         None,
         description=(
             "Run-folder path of the ATC script for the composed graph (the first member's shape strategy; the slowest "

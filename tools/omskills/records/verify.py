@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from omskills.records.base import Record
 from omskills.records.export import FallbackEvent, SpliceStats
+from omskills.records.names import RunPath
 from omskills.records.parity import ParityGates
 from omskills.records.traffic import MergedRun, TrafficReport
 from pydantic import Field, model_validator
@@ -226,18 +227,18 @@ class VerifyReport(Record):
         default_factory=dict,
         description=("Graph -> the ATC precision mode emulated for it (and how many nodes it kept); empty for fp32."),
     )
-    report_json: str = Field(description="Run-folder path of this report as JSON.")
-    report_html: str = Field(
+    report_json: RunPath = Field(description="Run-folder path of this report as JSON.")
+    report_html: RunPath = Field(
         description="Run-folder path of the self-contained HTML report (its charts and pictures embedded)."
     )
-    outputs_pytorch: str | None = Field(
+    outputs_pytorch: RunPath | None = Field(
         None,
         description=(
             "Run-folder path of the .npz with every step's outputs of the PyTorch run, "
             "to compare other runs with bit for bit."
         ),
     )
-    outputs_spliced: str | None = Field(
+    outputs_spliced: RunPath | None = Field(
         None, description="Run-folder path of the .npz with every step's outputs of the spliced run."
     )
     item_figures: list[ItemFigure] = Field(
@@ -247,7 +248,7 @@ class VerifyReport(Record):
             "its figure and whether it passed."
         ),
     )
-    figures: list[str] = Field(
+    figures: list[RunPath] = Field(
         default_factory=list,
         description=(
             "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); "

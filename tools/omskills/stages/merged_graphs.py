@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
+from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script, paths_relative_to
 from omskills.ascend.link import link_cost
 from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, fastest_first, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
@@ -163,12 +163,13 @@ def _atc(
     boundary = record.boundaries.get(first)
     if boundary is None or boundary.shape_strategy is None:
         return [], None
+    workdir = workdir.resolve()  # the paths below absolute, for the script; recorded relative to it
     folder = workdir / "om" / name
     folder.mkdir(parents=True, exist_ok=True)
     kept = write_keep_dtype(keep, folder, name) if keep else None
     options = AtcOptions.from_strategy(
         boundary.shape_strategy,
-        model=str(model),
+        model=str(model.resolve()),
         output=str(folder / name),
         soc_version=record.intake.target.soc,
         precision_mode=mode,
@@ -177,7 +178,8 @@ def _atc(
     script = folder / f"{name}_atc.sh"
     script.write_text(conversion_script(options, None, folder))
     script.chmod(0o755)
-    return build_atc_command(options), str(script.relative_to(workdir))
+    # Recorded relative to the run folder, as every path a record holds (the run folder can move).
+    return paths_relative_to(build_atc_command(options), workdir), str(script.relative_to(workdir))
 
 
 def _judged(graph: MergedGraph, verdict: str, fallbacks: int, answered: dict[str, int]) -> MergedGraph:
