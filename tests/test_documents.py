@@ -20,7 +20,7 @@ from markdown_it import MarkdownIt
 from markdown_it.token import Token
 from omskills.records.task import load_record
 from omskills.report.render import inline_code, shell_line
-from omskills.stages.steps import relative_args
+from omskills.run_folder import RunFolder
 
 
 def shell_words(line: str) -> list[str]:
@@ -171,7 +171,9 @@ def test_every_command_block_is_runnable_shell_and_each_atc_command_is_the_recor
     assert all(argv[0] in ("omskills", "atc") for argv in commands), [argv[0] for argv in commands]
     atc = [argv for argv in commands if argv[0] == "atc"]
     recorded = {
-        name: relative_args(chain.atc.command, tiny_adaptation) for name, chain in record.toolchain.items() if chain.atc
+        name: RunFolder(tiny_adaptation).command(chain.atc.command)
+        for name, chain in record.toolchain.items()
+        if chain.atc
     }
     assert len(recorded) == len(record.graphs()) and sorted(map(tuple, atc)) == sorted(map(tuple, recorded.values()))
     # One command per ATC block, the `;`-separated shapes kept whole in their argument.

@@ -6,6 +6,7 @@ killed processes, and names of any shape."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -518,39 +519,43 @@ def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tm
 
 
 def test_a_planted_job_file_never_has_an_unrelated_process_signalled_nor_an_outside_record_touched(tmp_path):
+    """Through the MCP tools a client calls (`cancel_job`, `job_status`, `list_jobs`)."""
     from omskills.host.job_store import JobStore, StoredJob
-    from omskills.host.jobs import DetachedJob
+    from omskills.orchestrator.mcp_client import connect
 
     workspace = tmp_path / "ws"
     workspace.mkdir()
     store = JobStore(workspace)
     # An unrelated process whose command line says "job_runner" (and names this workspace).
     bystander = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "omskills.host.job_runner", str(workspace)]
+        [sys.executable, "-c", "import time; time.sleep(120)", "-m", "omskills.host.job_runner", str(workspace)]
     )
     outside = tmp_path / "outside" / "task.yaml"
     outside.parent.mkdir()
     outside.write_text("id: theirs\n")
-    try:
-        planted = StoredJob(
-            job_id="job-20261205-000000-abcdef", tool="export_onnx", arguments={}, skills_dir="x", ready=True
-        )
-        store.write(planted.model_copy(update={"pid": bystander.pid, "runner_token": "guessed"}))
-        job = DetachedJob(store, store.read(planted.job_id))
-        job.cancel()
-        assert job.state == "failed"  # its "runner" is not one: the job is over, nothing was signalled
-        assert bystander.poll() is None
+    planted = StoredJob(
+        job_id="job-20261205-000000-abcdef", tool="export_onnx", arguments={}, skills_dir="x", ready=True
+    )
+    store.write(planted.model_copy(update={"pid": bystander.pid, "runner_token": "guessed"}))
+    store.write(planted.model_copy(update={"job_id": "job-20261205-000001-abcdef", "task": str(outside)}))
+    seen: dict[str, object] = {}
 
-        store.write(planted.model_copy(update={"job_id": "job-20261205-000001-abcdef", "task": str(outside)}))
-        with pytest.raises(InputError, match="names a task record outside the workspace"):
-            store.read("job-20261205-000001-abcdef")
-        assert [j.job_id for j in store.all()] == [planted.job_id]
-        assert outside.read_text() == "id: theirs\n" and sorted(p.name for p in outside.parent.iterdir()) == [
-            "task.yaml"
-        ]
+    async def client() -> None:
+        async with connect(workspace) as mcp:
+            seen["cancel"] = await mcp.call("cancel_job", {"job_id": planted.job_id, "wait_seconds": 0})
+            seen["listed"] = await mcp.call("list_jobs", {})
+            seen["outside"] = await mcp.call("job_status", {"job_id": "job-20261205-000001-abcdef"})
+
+    try:
+        anyio.run(client)
+        assert bystander.poll() is None  # never signalled
     finally:
         bystander.kill()
         bystander.wait()
+    assert not seen["cancel"].is_error and seen["cancel"].structured["state"] == "failed", seen["cancel"].text
+    assert [j["job_id"] for j in seen["listed"].structured["jobs"]] == [planted.job_id]
+    assert seen["outside"].is_error and "names a task record outside the workspace" in seen["outside"].text
+    assert outside.read_text() == "id: theirs\n" and [p.name for p in outside.parent.iterdir()] == ["task.yaml"]
 
 
 def test_a_read_only_record_is_never_rewritten(tmp_path):
@@ -584,3 +589,40 @@ def test_bundle_never_copies_in_a_checkpoint_the_record_names_outside(tiny_adapt
     )
     assert done.returncode == 2 and "intake.model.checkpoint" in done.stderr and "outside" in done.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_adapt_on_a_run_folder_whose_lock_is_a_planted_symlink_stops_in_one_line(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    digest = hashlib.sha256(outside.read_bytes()).hexdigest()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".omskills-adapt.lock").symlink_to(outside)
+    record = REPO / "task_records" / "sam3-video-text.yaml"
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "adapt", str(record), "--scale", "tiny", "--out", str(run)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"omskills: error: {run / '.omskills-adapt.lock'} is a symbolic link: refused, a lock file is never opened "
+        "through one"
+    ]
+    assert hashlib.sha256(outside.read_bytes()).hexdigest() == digest and sorted(os.listdir(run)) == [
+        ".omskills-adapt.lock"
+    ]
+
+
+def test_bundle_out_leaves_a_users_folder_named_like_a_dead_writers_staging_folder(tiny_adaptation, tmp_path):
+    users = tmp_path / f".X.writing-{_dead_pid()}"
+    users.mkdir()
+    (users / "thesis.tex").write_text("years of work")
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "bundle", str(tiny_adaptation / "task.yaml"), "--out", str(tmp_path / "X")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (users / "thesis.tex").read_text() == "years of work" and (tmp_path / "X" / "bundle.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([users.name, "X"])  # no staging folder left

@@ -43,7 +43,7 @@ from omskills.errors import OmskillsError, one_line
 from omskills.files import atomic_write_text
 from omskills.records.stages import Artifact, StageResult
 from omskills.records.task import TaskRecord, now_iso, updating
-from omskills.stages.steps import relative_to_run
+from omskills.run_folder import RunFolder
 from pydantic import BaseModel, Field
 
 from .mcp_client import OmskillsClient, ResourceSpec, ToolCallOutcome, ToolSpec, connect
@@ -699,7 +699,7 @@ def file_run_in_record(task: Path, result: AgentResult, settings: AgentSettings,
             finished=now_iso(),
             seconds=round(seconds, 3),
             # Relative to the run folder, like every path in the record, so a moved run still finds it.
-            artifacts=[Artifact(path=relative_to_run(str(result.transcript_path), TaskRecord.workdir(task)) or "")],
+            artifacts=[Artifact(path=RunFolder.of_record(task).stored(result.transcript_path))],
             error=None if finished else f"stopped: {result.stop}" + (f": {result.error}" if result.error else ""),
             note=(
                 f"tokens in/out {usage.input_tokens}/{usage.output_tokens}, "

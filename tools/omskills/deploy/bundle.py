@@ -35,7 +35,7 @@ import numpy as np
 from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
 from omskills.errors import OmskillsError
-from omskills.files import inside_without_links, process_alive, sha256_file
+from omskills.files import process_alive, sha256_file
 from omskills.models.registry import bind_intake, confine_intake, driver_for, localised_intake
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployedMerge, DeployManifest
 from omskills.records.intake import allowed_input_roots
@@ -44,6 +44,7 @@ from omskills.records.names import STORED, is_input_path
 from omskills.records.results import BundleSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
+from omskills.run_folder import RunFolder
 from omskills.runtime.memo import MemoEntry, save_entries
 
 ARTIFACTS: tuple[str, ...] = get_args(BundleArtifact)
@@ -262,7 +263,7 @@ class _Writer:
     def in_run(self, stored: str) -> Path:
         """A path the record stores, as a file of the run folder reached through no symbolic link."""
         try:
-            return inside_without_links(self.workdir, stored)
+            return RunFolder(self.workdir).file(stored)
         except ValueError as err:
             raise DeployError(f"{stored}: {err}") from None
 

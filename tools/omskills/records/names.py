@@ -124,7 +124,7 @@ def no_nul(value: str) -> str:
 
 # The validation context of a record or a bundle manifest read from, or written to, its file.
 # Stored paths are checked there: an engine function returns the absolute paths it wrote, and the
-# step that stores its result makes them relative to the run folder (`stages.steps.relative_to_run`);
+# step that stores its result makes them relative to the run folder (`run_folder.RunFolder.stored`);
 # whatever a step forgot, the save refuses, and whatever a file holds, the load does.
 STORED = {"stored": True}
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 from omskills.files import file_state, quick_digest, sha256_cached
 from omskills.records.base import Record
 from omskills.records.names import RunPath
+from omskills.run_folder import RunFolder
 from pydantic import Field
 
 StageStatus = Literal["pending", "running", "done", "failed", "not_run"]
@@ -31,12 +31,8 @@ class Artifact(Record):
     def of(cls, path: Path, root: Path) -> Artifact:
         """The file at `path` (inside the run folder `root`) as it is now."""
         size, mtime = file_state(path)
-        # Not resolved first: a sub-folder may be a symlink to another disk and still belong to the run.
-        relative = os.path.relpath(Path(path).absolute(), Path(root).absolute())
-        if relative.startswith(".."):
-            relative = os.path.relpath(Path(path).resolve(), Path(root).resolve())
         return cls(
-            path=Path(relative).as_posix(),
+            path=RunFolder(root).stored(path),
             sha256=sha256_cached(path),
             bytes=size,
             mtime_ns=mtime,

@@ -9,6 +9,7 @@ from omskills.boundary.analysis import render_contract_table
 from omskills.models.registry import driver_for
 from omskills.records.results import BoundariesResult, ContractsResult
 from omskills.records.task import TaskRecord, load_record
+from omskills.run_folder import RunFolder
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, running_step
 from omskills.stages.study import ensure_study
@@ -24,7 +25,7 @@ def capture_contracts(task_path: Path, candidate: str | None = None) -> Contract
     table = workdir / "contracts" / "contracts.md"
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text(render_contract_table(contracts, [record.boundaries[n] for n in names if n in record.boundaries]))
-    return ContractsResult(contracts=contracts, table_path=str(table.relative_to(workdir)))
+    return ContractsResult(contracts=contracts, table_path=RunFolder(workdir).stored(table))
 
 
 def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_export: bool = False) -> BoundariesResult:
@@ -68,4 +69,4 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     control = driver_for(record.intake.model, workdir).control_plane_notes() + sorted(
         {line for d in decisions for line in d.control_plane}
     )
-    return BoundariesResult(decisions=decisions, table_path=str(table.relative_to(workdir)), control_plane=control)
+    return BoundariesResult(decisions=decisions, table_path=RunFolder(workdir).stored(table), control_plane=control)

@@ -14,7 +14,7 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.report.item_table import item_table
 from omskills.report.render import shell_line, template_environment
 from omskills.report.stage_status import STAGES, stage_notes, stage_status
-from omskills.stages.steps import relative_args, relative_text, relative_to_run
+from omskills.run_folder import RunFolder
 
 
 def _io(specs: list[TensorSpec]) -> str:
@@ -63,14 +63,14 @@ def atc_blocks(record: TaskRecord, workdir: Path) -> list[AtcBlock]:
     for graph, chain in record.toolchain.items():
         if chain.atc is None or not chain.atc.command:
             continue
-        script = relative_to_run(chain.atc.script, workdir)
+        script = RunFolder(workdir).stored_if_inside(chain.atc.script)
         blocks.append(
             AtcBlock(
                 graph=graph,
                 status=chain.atc.status,
                 reason=chain.atc.reason,
                 script=script if script and (workdir / script).is_file() else None,
-                command=shell_line(relative_args(chain.atc.command, workdir)),
+                command=shell_line(RunFolder(workdir).command(chain.atc.command)),
             )
         )
     return blocks
@@ -177,5 +177,5 @@ def write_delivery_doc(task_path: Path) -> Path:
         )
     )
     path = workdir / "DELIVERY.md"
-    path.write_text(relative_text(text, workdir))
+    path.write_text(RunFolder(workdir).text(text))
     return path

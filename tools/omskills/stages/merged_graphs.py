@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script, paths_relative_to
+from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
 from omskills.ascend.link import link_cost
 from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, fastest_first, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
@@ -27,6 +27,7 @@ from omskills.records.precision import EmulatedResult, PrecisionGates
 from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
 from omskills.records.verify import OutputCheck
+from omskills.run_folder import RunFolder
 from omskills.runtime import open_backend
 from omskills.runtime.splice import SpliceBackend, splice
 from omskills.runtime.traffic import traffic_report
@@ -122,7 +123,7 @@ def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[di
         return base.model_copy(update={"reason": f"cannot compose: {one_line(err, 300)}"})
     return base.model_copy(
         update={
-            "onnx_path": str(out.relative_to(workdir)),
+            "onnx_path": RunFolder(workdir).stored(out),
             "atc_command": command,
             "atc_script": script,
             "precision_mode": mode,
@@ -179,7 +180,8 @@ def _atc(
     script.write_text(conversion_script(options, None, folder))
     script.chmod(0o755)
     # Recorded relative to the run folder, as every path a record holds (the run folder can move).
-    return paths_relative_to(build_atc_command(options), workdir), str(script.relative_to(workdir))
+    run = RunFolder(workdir)
+    return run.command(build_atc_command(options)), run.stored(script)
 
 
 def _judged(graph: MergedGraph, verdict: str, fallbacks: int, answered: dict[str, int]) -> MergedGraph:

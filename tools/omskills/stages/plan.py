@@ -22,6 +22,7 @@ from omskills.records.plan import Candidate, Plan, Seed
 from omskills.records.profile import ProfileReport
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.inventory import render_inventory_report
+from omskills.run_folder import RunFolder
 from omskills.stages.steps import fingerprint, is_done, running_step
 from omskills.stages.study import require_study
 
@@ -177,9 +178,9 @@ def plan_candidates(task_path: Path) -> Plan:
             record.study.seeds, record.profile, record.contracts, deploy=target.deploy, defer=target.defer
         )
         report = render_plan_report(plan, record.inventory, record.profile, workdir / "plan")
-        plan.report_path = str(report.relative_to(workdir))
+        plan.report_path = RunFolder(workdir).stored(report)
         chart = report.parent / "compute_share.png"
-        plan.chart_path = str(chart.relative_to(workdir)) if chart.exists() else None
+        plan.chart_path = RunFolder(workdir).stored(chart) if chart.exists() else None
 
         def store(rec: TaskRecord) -> None:
             rec.plan = plan

@@ -32,6 +32,7 @@ from omskills.records.contracts import ContractSpec
 from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.toolchain import BatchSplit
+from omskills.run_folder import RunFolder
 from omskills.runtime.memory_estimate import MIB, GraphMemory
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
@@ -134,7 +135,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     )
     inputs_hash = fingerprint(
         record.exports[name].sha256,
-        str(model.relative_to(workdir)),
+        RunFolder(workdir).stored(model),
         chosen,
         record.contract(name).samples[:1],
         EMULATION_REVISION,
@@ -154,7 +155,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
             raise
         except Exception as exc:  # onnx / ONNX Runtime raise their own types
             raise StageError(f"{name}: precision emulation failed: {type(exc).__name__}: {exc}") from exc
-        report = report.model_copy(update={"model": str(model.relative_to(workdir))})
+        report = report.model_copy(update={"model": RunFolder(workdir).stored(model)})
 
         def store(rec: TaskRecord) -> None:
             rec.chain(name).precision = report
@@ -203,7 +204,7 @@ def compare_candidate_layers(
         _checked_modes([mode])
         model_cache.release()
         comparison = emulation_runner(model, feeds)(_compare_file, model, mode, list(keep or []), feeds)
-    return comparison.model_copy(update={"model": str(model.relative_to(workdir))})
+    return comparison.model_copy(update={"model": RunFolder(workdir).stored(model)})
 
 
 def _compare_file(model: Path, mode: str, keep: list[str], feeds: dict[str, np.ndarray]) -> LayerComparison:
@@ -265,7 +266,7 @@ def _compare_with_module(record: TaskRecord, workdir: Path, name: str, feeds: di
         backend="pytorch eager (CPU)",
         notes=notes,
     )
-    return comparison.model_copy(update={"model": str(path.relative_to(workdir))})
+    return comparison.model_copy(update={"model": RunFolder(workdir).stored(path)})
 
 
 def write_npu_inputs(folder: Path, contract: ContractSpec, feeds: dict[str, np.ndarray]) -> list[Path]:

@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
@@ -90,38 +89,6 @@ def require_intact(record: TaskRecord, workdir: Path, reads: Mapping[str, Collec
 def artifacts_of(paths: list[Path], workdir: Path) -> list[Artifact]:
     """The files a step wrote (those that exist), hashed, with paths relative to the run folder."""
     return [Artifact.of(path, workdir) for path in paths if path.is_file()]
-
-
-def path_in_run(path: Path, workdir: Path) -> str | None:
-    """`path` relative to the run folder (posix), or None when it lies outside. Compared as given
-    first, so a sub-folder that is a symlink to another disk still belongs to the run; then with
-    symlinks resolved on both sides."""
-    for inside, root in (
-        (Path(path).absolute(), Path(workdir).absolute()),
-        (Path(path).resolve(), Path(workdir).resolve()),
-    ):
-        relative = os.path.relpath(inside, root)
-        if not relative.startswith(".."):
-            return Path(relative).as_posix()
-    return None
-
-
-def relative_to_run(value: str | None, workdir: Path) -> str | None:
-    """A path inside the run folder as relative to it (posix); others as they are."""
-    if not value:
-        return value
-    path = Path(value)
-    if not path.is_absolute():
-        return value
-    relative = path_in_run(path, workdir)
-    return value if relative is None else relative
-
-
-def relative_args(args: list[str], workdir: Path) -> list[str]:
-    """Command-line arguments with the run folder's absolute paths made relative to it
-    (`--model=/runs/x/onnx/a.onnx` -> `--model=onnx/a.onnx`): the command runs from the run folder."""
-    prefix = str(workdir.resolve()) + "/"
-    return [arg.replace(prefix, "") for arg in args]
 
 
 class Step:
@@ -207,10 +174,3 @@ def _close(task_path: Path, step: str, result: StageResult, start: float, handle
             handle.apply(record)
         # Written after the results it summarises (and saved after them: `stages` ends the file).
         record.stages[step] = result
-
-
-def relative_text(text: str, workdir: Path) -> str:
-    """The text with the run folder's absolute paths made relative to it: reasons and notes may
-    name files by their absolute path, and a record or document is read from the run folder."""
-    root = r"(?<![\w./-])" + re.escape(str(workdir.resolve()))
-    return re.sub(root + r"(?![\w.-])", ".", re.sub(root + "/", "", text))

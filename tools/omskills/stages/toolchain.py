@@ -30,20 +30,12 @@ from omskills.records.parity import ParityReport, verdict_rank
 from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
 from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
+from omskills.run_folder import RunFolder
 from omskills.runtime.batch_split import batch_split_for
 from omskills.runtime.memory_estimate import plan_probe, probe_budget_bytes
 from omskills.runtime.onnxruntime_backend import open_onnxruntime
 from omskills.stages.model import open_model
-from omskills.stages.steps import (
-    artifacts_of,
-    fingerprint,
-    is_done,
-    relative_args,
-    relative_text,
-    relative_to_run,
-    require_intact,
-    running_step,
-)
+from omskills.stages.steps import artifacts_of, fingerprint, is_done, require_intact, running_step
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +82,8 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
     out = workdir / "onnx" / name / f"{name}.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     with running_step(task_path, step, inputs_hash) as handle:
-        handle.result.logs.append(str((out.parent / f"{name}.onnx.export.log").relative_to(workdir)))
+        run = RunFolder(workdir)
+        handle.result.logs.append(run.stored(out.parent / f"{name}.onnx.export.log"))
         with driver.export_patches(loaded, contract.plan_candidate):
             result = _export(
                 module,
@@ -101,8 +94,8 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
                 exporter=exporter,
                 log_path=out.parent / f"{name}.onnx.export.log",
             )
-        result.path = str(Path(result.path).resolve().relative_to(workdir))
-        result.log_path = relative_to_run(result.log_path, workdir) or result.log_path
+        result.path = run.stored(result.path)
+        result.log_path = run.stored(result.log_path)
 
         def store(rec: TaskRecord) -> None:
             rec.exports[name] = result
@@ -207,8 +200,7 @@ def _model_steps(
 def _relative_optimize(result: OptimizeResult, workdir: Path) -> OptimizeResult:
     """The variants' paths relative to the run folder (a copied run must not read the original's files)."""
 
-    def rel(value: str | None) -> str | None:
-        return relative_to_run(value, workdir)
+    rel = RunFolder(workdir).stored_if_inside
 
     variants = [v.model_copy(update={"path": rel(v.path), "built_from": rel(v.built_from)}) for v in result.variants]
     return result.model_copy(
@@ -217,14 +209,15 @@ def _relative_optimize(result: OptimizeResult, workdir: Path) -> OptimizeResult:
 
 
 def _relative_atc(result: AtcResult, workdir: Path) -> AtcResult:
+    run = RunFolder(workdir)
     return result.model_copy(
         update={
-            "command": relative_args(result.command, workdir),
-            "script": relative_to_run(result.script, workdir),
-            "log": relative_to_run(result.log, workdir),
-            "om_path": relative_to_run(result.om_path, workdir),
-            "reason": relative_text(result.reason, workdir) if result.reason else result.reason,
-            "errors": [e.model_copy(update={"message": relative_text(e.message, workdir)}) for e in result.errors],
+            "command": run.command(result.command),
+            "script": run.stored_if_inside(result.script),
+            "log": run.stored_if_inside(result.log),
+            "om_path": run.stored_if_inside(result.om_path),
+            "reason": run.text(result.reason) if result.reason else result.reason,
+            "errors": [e.model_copy(update={"message": run.text(e.message)}) for e in result.errors],
         }
     )
 
@@ -347,7 +340,7 @@ def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> Op
     model = record.preferred_model(workdir, name)
     require_intact(record, workdir, _model_steps(name), "export_onnx / optimize_onnx")
     result = _precheck(model, soc or record.intake.target.soc)
-    result.model = relative_to_run(result.model, workdir) or result.model
+    result.model = RunFolder(workdir).stored_if_inside(result.model) or result.model
     result.pitfalls = check_pitfalls(model, record.toolchain_of(name).precision)
     # Reading the op types costs little next to a record write: the same result leaves the record as it is.
     if record.toolchain_of(name).precheck == result:
@@ -390,7 +383,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
         **_precision_options(record, name, precision_mode, out_dir),
     )
     # Relative paths: the same ATC run in a copied run folder has the same inputs.
-    inputs_hash = fingerprint(relative_args(build_atc_command(options), workdir))
+    inputs_hash = fingerprint(RunFolder(workdir).command(build_atc_command(options)))
     step = f"atc:{name}"
     existing = record.toolchain_of(name).atc
     # Converted with this command and the OM as ATC wrote it: reused. "not_run" and "failed" run

@@ -22,6 +22,7 @@ from omskills.report.item_table import item_table
 from omskills.report.pictures import save_png, side_by_side
 from omskills.report.render import template_environment
 from omskills.report.stage_status import STAGES, stage_status
+from omskills.run_folder import RunFolder
 from omskills.runtime.splice import SpliceHandle
 from omskills.runtime.traffic import traffic_report
 from omskills.stages.model import TaskModel
@@ -223,7 +224,7 @@ def _write_reports(
     )
     pictures = _pictures(driver, reference, spliced, data, folder, stem)
     files = [p for p in (charts.compute_share, charts.checks) if p is not None] + [p for _, p in pictures]
-    report = report.model_copy(update={"figures": [p.relative_to(workdir).as_posix() for p in files]})
+    report = report.model_copy(update={"figures": [RunFolder(workdir).stored(p) for p in files]})
     html = (
         template_environment(html=True)
         .get_template("report.html.j2")
