@@ -27,7 +27,6 @@ from omskills.records.results import DriverListing
 from omskills.records.task import validation_problems
 from omskills.registry import Registry, RegistryError, import_reference
 from pydantic import BaseModel, ValidationError
-from pydantic.fields import FieldInfo
 
 DRIVER_GROUP = "omskills.drivers"
 DRIVERS: Registry[type[ModelDriver]] = Registry("model driver", group=DRIVER_GROUP)
@@ -143,10 +142,6 @@ def resolved_spec(spec: ModelSpec, base_dir: Path | None) -> ModelSpec:
     return spec.model_copy(update=update) if update else spec
 
 
-def _is_input_path(info: FieldInfo) -> bool:
-    return is_input_path(info)
-
-
 def localised_intake(intake: Intake, base_dir: Path) -> Intake:
     """The intake with every relative path (model source, checkpoint and driver file, and the inputs
     the driver marks `InputPath`) made absolute from `base_dir`, so a copy of the record elsewhere
@@ -159,7 +154,7 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
         for name, info in driver.inputs_model.model_fields.items():
             value = inputs.get(name)
             if (
-                _is_input_path(info)
+                is_input_path(info)
                 and isinstance(value, str)
                 and names_a_file(value)
                 and not Path(value).expanduser().is_absolute()
@@ -187,7 +182,7 @@ def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
     for where, inputs in given:
         for name, info in driver.inputs_model.model_fields.items():
             value = inputs.get(name)
-            if _is_input_path(info) and isinstance(value, str) and names_a_file(value):
+            if is_input_path(info) and isinstance(value, str) and names_a_file(value):
                 named.append((f"{where}.{name}", value))
     return named
 

@@ -75,13 +75,9 @@ _ATC_OPTION = re.compile(r"--[a-z][a-z0-9_]*(=[^\x00]*)?", re.DOTALL)
 
 
 def atc_argv(value: list[str]) -> list[str]:
-    """`value` when it is an ATC command a script may run: `atc`, then `--name[=value]` options
-    only (nothing else a shell would run), every path option's value inside the run folder."""
-    if not value:
-        return value
-    if value[0] != "atc":
-        raise ValueError(f"an ATC command starts with 'atc', not {value[0][:60]!r}")
-    for arg in value[1:]:
+    """`value` when every argument after the program is a `--name[=value]` option (nothing else a
+    shell would run) and every path option's value lies inside the run folder."""
+    for arg in value[1:]:  # value[0] is `_atc_program`'s, checked always
         if not _ATC_OPTION.fullmatch(arg):
             raise ValueError(f"{arg[:60]!r} is not an ATC option (--name or --name=value)")
         key, sep, path = arg.partition("=")
