@@ -1,6 +1,7 @@
 """Benchmark: what one emulated pass of a graph costs beside the plain graph, in the same process.
 
-For each graph of an adapted run (its exported ONNX and its first recorded sample), prints the
+For each graph of an adapted run (its exported ONNX and its first recorded sample, cut to its first
+batch chunk where ONNX Runtime takes the batch in chunks), prints the
 plain graph's session load and run, then calibration's observed emulated graph (force_fp16, every
 float tensor's magnitude read, overflow counted): the split of its attention by heads, the graph's
 build, its session load and its run, with the ratio of the emulated run to the plain one.
@@ -14,18 +15,20 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 from omskills.ascend.calibration import shaped_tensors
 from omskills.ascend.emulation import emulated_model, precisions_for, prepared_light, session_beside, split_by_heads
+from omskills.convert.optimize import FirstChunk, sample_arrays
 from omskills.records.task import load_record
+from omskills.records.toolchain import BatchSplit
 
 
-def measure(run: Path, graph: str, sample: str) -> str:
+def measure(run: Path, graph: str, sample: str, split: BatchSplit | None) -> str:
     path = run / "onnx" / graph / f"{graph}.onnx"
-    data = np.load(run / sample)
+    # The first chunk where ONNX Runtime takes the batch in chunks, as the emulation step runs it.
+    data, _ = sample_arrays(FirstChunk(run / sample, split) if split else run / sample)
     with prepared_light(path) as prepared:
-        feeds = {i.name: data[f"in:{i.name}"] for i in prepared.graph.input if f"in:{i.name}" in data.files}
+        feeds = {i.name: data[i.name] for i in prepared.graph.input if i.name in data}
         clock = time.perf_counter()
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         loaded = time.perf_counter()
@@ -59,7 +62,8 @@ def main() -> None:
     record = load_record(args.run / "task.yaml")
     for graph in args.graphs or list(record.exports):
         samples = record.contract(graph).samples
-        print(measure(args.run, graph, samples[0]) if samples else f"{graph}: no recorded sample", flush=True)
+        split = record.batch_split_of(graph)
+        print(measure(args.run, graph, samples[0], split) if samples else f"{graph}: no recorded sample", flush=True)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ def test_the_probe_splits_the_batch_from_the_prediction_without_a_child_dying(at
     )
     assert "still over the budget" not in split.reason  # the chunk of 2 fits the budget
     assert "died" not in split.reason  # no child died: the prediction chose the split
-    assert "batch in chunks of 2: predicted peak" in load_record(task).decisions[-1].why
+    why = load_record(task).decisions[-1].why
+    assert "batch in chunks of 2, each sample's first chunk probed: predicted peak" in why
 
 
 def test_a_batch_predicted_to_fit_is_probed_whole_and_the_prediction_recorded(attention_task, tmp_path, monkeypatch):

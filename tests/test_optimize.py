@@ -456,3 +456,54 @@ def test_captured_samples_are_probed_in_a_child_process_and_its_death_is_an_erro
     assert [r.verdict for r in reports] == ["pass", "pass"]
     with pytest.raises(ChildDied, match="out of memory"):
         run_in_child(_die)
+
+
+def test_where_the_batch_goes_in_chunks_a_variant_is_checked_on_each_samples_first_chunk(
+    exported, tmp_path, monkeypatch
+):
+    from omskills.contracts.samples import save_sample
+    from omskills.convert import optimize
+    from omskills.records.toolchain import BatchSplit
+
+    _, samples = exported
+    path = tmp_path / "dynamic.onnx"
+    torch.onnx.export(
+        Tiny().eval(),
+        (torch.from_numpy(samples[0][0]["x"]),),
+        str(path),
+        input_names=["x"],
+        output_names=["logits", "score"],
+        dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}, "score": {0: "batch"}},
+        dynamo=False,
+        opset_version=17,
+    )
+    saved = [
+        save_sample(
+            tmp_path / f"tiny_{k}.npz",
+            "tiny",
+            k,
+            inputs={n: torch.from_numpy(v) for n, v in feeds.items()},
+            outputs={n: torch.from_numpy(v) for n, v in reference.items()},
+        )
+        for k, (feeds, reference) in enumerate(samples)
+    ]
+    split = BatchSplit(max_batch=1, input_axes={"x": 0}, output_axes={"logits": 0, "score": 0}, reason="test")
+    fed: list[tuple[int, ...]] = []
+    real_open = optimize.open_onnxruntime
+
+    def spying_open(model, batch_split=None):
+        backend = real_open(model, batch_split)
+        real_run = backend.run
+        backend.run = lambda feeds: fed.append(feeds["x"].shape) or real_run(feeds)
+        return backend
+
+    monkeypatch.setattr(optimize, "open_onnxruntime", spying_open)
+
+    result = optimize.optimize_variants(
+        path, tmp_path / "out", saved, variants=["original", "onnxslim"], isolate=False, batch_split=split
+    )
+
+    slim = result.variants[1]
+    assert slim.status == "ok" and slim.parity_verdict == "pass" and result.preferred == "onnxslim"
+    assert fed == [(1, 3, 8, 8)] * 4  # the original and the variant, one chunk of each of the two samples
+    assert "first batch chunk of each" in next(c.detail for c in slim.checks if c.name == "parity")

@@ -34,7 +34,7 @@ from omskills.ascend.emulation import (
 )
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
-from omskills.compare.parity import cosine_of
+from omskills.compare.parity import cosine_from, float64_blocks
 from omskills.records.precision import (
     CubeMacs,
     EmulatedResult,
@@ -123,9 +123,9 @@ def _result(
 
 
 def _output_error(name: str, ref: np.ndarray, got: np.ndarray) -> TensorError:
-    """One graph output, emulated against fp32 (float64 arithmetic)."""
-    ref64, got64 = np.asarray(ref, np.float64).ravel(), np.asarray(got, np.float64).ravel()
+    """One graph output, emulated against fp32 (float64 arithmetic, a block at a time)."""
     if ref.dtype.kind not in "fc":
+        ref64, got64 = np.asarray(ref, np.float64).ravel(), np.asarray(got, np.float64).ravel()
         differs = int((ref64 != got64).sum())
         return TensorError(
             tensor=name,
@@ -133,19 +133,23 @@ def _output_error(name: str, ref: np.ndarray, got: np.ndarray) -> TensorError:
             max_abs=float(np.abs(ref64 - got64).max(initial=0.0)),
             ref_max_abs=float(np.abs(ref64).max(initial=0.0)),
         )
-    overflow = int((np.isinf(got64) & np.isfinite(ref64)).sum())
-    nan = int((np.isnan(got64) & ~np.isnan(ref64)).sum())
-    finite = np.isfinite(ref64) & np.isfinite(got64)
-    a, b = ref64[finite], got64[finite]
-    cosine = 0.0 if overflow or nan else cosine_of(a, b)
-    return TensorError(
-        tensor=name,
-        cosine=cosine,
-        max_abs=float(np.abs(a - b).max(initial=0.0)),
-        ref_max_abs=float(np.abs(a).max(initial=0.0)),
-        overflow=overflow,
-        nan=nan,
-    )
+    overflow = nan = 0
+    max_abs = ref_max_abs = dot = norm2_ref = norm2_got = 0.0
+    for a, b in zip(float64_blocks(ref), float64_blocks(got), strict=True):
+        overflow += int((np.isinf(b) & np.isfinite(a)).sum())
+        nan += int((np.isnan(b) & ~np.isnan(a)).sum())
+        finite = np.isfinite(a) & np.isfinite(b)
+        if not finite.all():
+            a, b = a[finite], b[finite]
+        max_abs = max(max_abs, float(np.abs(a - b).max(initial=0.0)))
+        ref_max_abs = max(ref_max_abs, float(np.abs(a).max(initial=0.0)))
+        dot, norm2_ref, norm2_got = (
+            dot + float(np.dot(a, b)),
+            norm2_ref + float(np.dot(a, a)),
+            norm2_got + float(np.dot(b, b)),
+        )
+    cosine = 0.0 if overflow or nan else cosine_from(dot, math.sqrt(norm2_ref), math.sqrt(norm2_got))
+    return TensorError(tensor=name, cosine=cosine, max_abs=max_abs, ref_max_abs=ref_max_abs, overflow=overflow, nan=nan)
 
 
 def search_keep(

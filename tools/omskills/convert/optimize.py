@@ -8,7 +8,9 @@ not saved, not probed. On a big graph, a variant that adds or removes under MARG
 its nodes is `marginal`, not saved either: its probe would be a full run of the graph (minutes
 for a full-scale backbone) for a rewrite ONNX Runtime and ATC make themselves when they load it.
 A variant is checked — onnx checker, ONNX Runtime loads it, every graph output is produced,
-parity against the PyTorch reference samples — most optimised first, and the preferred one is
+parity against the PyTorch reference samples, where ONNX Runtime takes a sample's batch in
+chunks its first chunk only (a rewrite computes every chunk of one shape with the same operators,
+and verify runs the chosen variant on the whole main path) — most optimised first, and the preferred one is
 the first of auto_optimizer -> onnxslim -> original that passes and is no less accurate than
 the original; a variant under the chosen one is `not_checked`.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +45,30 @@ from omskills.runtime.base import BackendError
 from omskills.runtime.onnxruntime_backend import open_onnxruntime
 from omskills.stdio import stdout_to_stderr
 
+
+@dataclass(frozen=True)
+class FirstChunk:
+    """The first chunk of a captured sample whose batch ONNX Runtime takes in chunks: its first
+    `split.max_batch` items along each input's and output's batch axis (PyTorch's outputs of the
+    whole batch, cut the same way)."""
+
+    path: Path
+    split: BatchSplit
+
+
 # One probe sample: feeds by input name, reference (PyTorch) outputs by output name.
 # (feeds, reference outputs), or a captured .npz sample, loaded only when it is run: the
 # 4-frame samples of a full-scale video backbone are GBs each, too big to hold or to pickle.
-Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path
+Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path | FirstChunk
 
 
 def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    if isinstance(sample, FirstChunk):
+        feeds, outputs = sample_arrays(sample.path)
+        split = sample.split
+        return first_chunk(feeds, split.input_axes, split.max_batch), first_chunk(
+            outputs, split.output_axes, split.max_batch
+        )
     if isinstance(sample, Path):
         loaded = load_sample(sample)
         return (
@@ -56,6 +76,19 @@ def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.n
             {k: v.detach().cpu().numpy() for k, v in loaded.outputs.items()},
         )
     return sample
+
+
+def first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int], max_batch: int) -> dict[str, np.ndarray]:
+    """The first `max_batch` items of each array along its batch axis in `axes` (others whole)."""
+    return {
+        k: np.take(v, range(min(max_batch, v.shape[axis])), axis=axis) if (axis := axes.get(k)) is not None else v
+        for k, v in arrays.items()
+    }
+
+
+def first_chunks(samples: Sequence[Sample], split: BatchSplit | None) -> list[Sample]:
+    """Each captured sample cut to its first chunk, where ONNX Runtime takes the batch in chunks."""
+    return [FirstChunk(s, split) if split is not None and isinstance(s, Path) else s for s in samples]
 
 
 VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
@@ -102,7 +135,11 @@ def optimize_variants(
                 check_variant(name, original, samples, probed=original_probe)
                 if original_probe is not None
                 else _run(
-                    isolate, _check, VariantResult(name=name, status="ok", path=str(original)), samples, batch_split
+                    isolate,
+                    _check,
+                    VariantResult(name=name, status="ok", path=str(original)),
+                    first_chunks(samples, batch_split),
+                    batch_split,
                 )
             )
             if isolate:
@@ -120,7 +157,7 @@ def optimize_variants(
                     knowledges,
                 )
             )
-    results = _check_most_optimised_first(results, samples, batch_split, isolate)
+    results = _check_most_optimised_first(results, first_chunks(samples, batch_split), batch_split, isolate)
     preferred, why = choose_preferred(results)
     return OptimizeResult(
         original=str(original),
@@ -418,7 +455,8 @@ def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity]
                 worst[parity.name] = parity
     per_output = list(worst.values())
     verdict = overall_verdict(per_output)
-    return per_output, verdict, f"{len(samples)} sample(s), {len(per_output)} output(s), verdict {verdict}"
+    chunks = " (the first batch chunk of each)" if any(isinstance(s, FirstChunk) for s in samples) else ""
+    return per_output, verdict, f"{len(samples)} sample(s){chunks}, {len(per_output)} output(s), verdict {verdict}"
 
 
 def _worse(a: OutputParity, b: OutputParity) -> bool:

@@ -98,7 +98,8 @@ class ParityReport(Record):
     worst_cosine: float | None = None
     worst_max_abs: float | None = None
     gates: ParityGates
-    # Set when ONNX Runtime ran each batch in chunks of this many items (the task record's batch_split).
+    # Set when ONNX Runtime takes the batch in chunks of this many items (the task record's batch_split):
+    # the probe ran the first chunk of each sample.
     batch_chunks_of: int | None = None
 
     @classmethod

@@ -23,7 +23,7 @@ from omskills.ascend.observed import DEFAULT_BUDGET_BYTES, compare_observed
 from omskills.ascend.precision_fix import precision_report
 from omskills.ascend.precision_modes import DEFAULT_MODES, EMULATED_MODES
 from omskills.convert.export import ContractWrapper
-from omskills.convert.optimize import sample_arrays
+from omskills.convert.optimize import FirstChunk, sample_arrays
 from omskills.errors import InputError, OmskillsError, StageError
 from omskills.isolation import model_bytes, run_in_child
 from omskills.models import cache as model_cache
@@ -100,26 +100,7 @@ def first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str,
 
 def _sample_chunks(path: Path, split: BatchSplit | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """A sample's inputs and PyTorch outputs, cut to the first chunk of `split`'s batch."""
-    feeds, outputs = sample_arrays(path)
-    return (
-        _first_chunk(feeds, split.input_axes if split else None, split),
-        _first_chunk(outputs, split.output_axes if split else None, split),
-    )
-
-
-def _first_chunk(
-    arrays: dict[str, np.ndarray], axes: dict[str, int] | None, split: BatchSplit | None
-) -> dict[str, np.ndarray]:
-    if split is None or axes is None:
-        return arrays
-    return {
-        k: (
-            np.take(v, range(min(split.max_batch, v.shape[axis])), axis=axis)
-            if (axis := axes.get(k)) is not None
-            else v
-        )
-        for k, v in arrays.items()
-    }
+    return sample_arrays(FirstChunk(path, split) if split else path)
 
 
 def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None) -> PrecisionReport:

@@ -21,7 +21,7 @@ from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import Sample, load_sample, one_per_shape
 from omskills.convert.export import dynamic_dims_from_strategy
 from omskills.convert.export import export_onnx as _export
-from omskills.convert.optimize import optimize_variants, sample_arrays
+from omskills.convert.optimize import first_chunks, optimize_variants, sample_arrays
 from omskills.errors import OmskillsError, StageError, one_line
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
@@ -124,12 +124,14 @@ def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> S
 
 def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None = None) -> list[ParityReport]:
     """ONNX Runtime against each captured sample (loaded one at a time: 4-frame samples of the
-    full-scale backbone are GBs), the batch in chunks when `split` says so."""
+    full-scale backbone are GBs). Where `split` says the batch goes in chunks, each sample's first
+    chunk only: every chunk of one shape runs the same operators (as `_probed_sample_paths` keeps
+    one sample per shape), and verify runs the whole batch, chunk by chunk, on the main path."""
     reports = []
     with open_onnxruntime(path, split) as backend:
         wanted = {spec.name for spec in backend.inputs}
-        for sample_path in sample_paths:
-            feeds, reference = sample_arrays(sample_path)
+        for sample in first_chunks(sample_paths, split):
+            feeds, reference = sample_arrays(sample)
             reports.append(compare_outputs(reference, backend.run({k: v for k, v in feeds.items() if k in wanted})))
     return reports
 
@@ -163,7 +165,11 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             chain = rec.chain(name)
             chain.probes[variant] = report
             chain.batch_split = split
-            chunked = f"; batch in chunks of {split.max_batch}: {split.reason}" if split else ""
+            chunked = (
+                f"; batch in chunks of {split.max_batch}, each sample's first chunk probed: {split.reason}"
+                if split
+                else ""
+            )
             chunked += f"; {predicted}" if predicted else ""
             rec.decide(
                 "probe_onnx",
