@@ -173,3 +173,25 @@ def test_max_abs_gates_scale_with_the_largest_magnitude_of_the_reference():
     # Values within [-1, 1] keep the absolute gates.
     small = compare_arrays("logits", pixels / 416, off / 416 + 2e-4)
     assert small.verdict != "pass"
+
+
+def test_an_output_over_many_blocks_is_judged_as_one_array(monkeypatch):
+    from omskills.compare import parity
+
+    rng = np.random.default_rng(3)
+    reference = rng.standard_normal((5, 7)).astype(np.float32)
+    candidate = reference + rng.standard_normal((5, 7)).astype(np.float32) * 1e-3
+    reference[4, 6] = candidate[4, 6] = -np.inf  # a matching infinity in the last block
+    whole = compare_arrays("x", reference, candidate)
+    monkeypatch.setattr(parity, "BLOCK", 4)  # 9 blocks, the last one short
+
+    blocked = compare_arrays("x", reference, candidate)
+
+    finite = np.isfinite(reference)
+    ref64, cand64 = reference[finite].astype(np.float64), candidate[finite].astype(np.float64)
+    cosine = ref64 @ cand64 / (np.linalg.norm(ref64) * np.linalg.norm(cand64))
+    assert blocked.cosine == pytest.approx(cosine, abs=1e-12) and blocked.cosine == pytest.approx(whole.cosine)
+    assert blocked.max_abs == whole.max_abs == np.abs(ref64 - cand64).max()
+    assert blocked.max_rel == whole.max_rel and blocked.verdict == whole.verdict
+    candidate[0, 1] = np.inf  # a stray infinity in the first block still fails the whole output
+    assert compare_arrays("x", reference, candidate).reason == "1 infinite values differ"
