@@ -142,7 +142,8 @@ def test_object_count_dims_are_dynamic_from_the_source_limit_and_observed_values
 
 
 def test_samples_reload_with_the_contract_names_shapes_and_dtypes(tiny_adaptation):
-    from omskills.contracts.samples import dtype_name, load_sample
+    from omskills.contracts.layout import dtype_name
+    from omskills.contracts.samples import load_sample
 
     record = load_record(tiny_adaptation / "task.yaml")
     for contract in record.contracts.values():
@@ -530,8 +531,8 @@ def test_a_graph_that_breaks_the_main_path_in_fp16_is_named_by_its_own_error_ref
         rec.chain(sound).precision.mode("force_fp16").result.cosine = 0.99999
     opened = precision_plan.open_spliced
 
-    def fragile_until_refitted(record, workdir, name, backend, emulation=None):
-        backend_ = opened(record, workdir, name, backend, emulation)
+    def fragile_until_refitted(record, workdir, name, backend, emulation=None, written=None):
+        backend_ = opened(record, workdir, name, backend, emulation, written)
         broken = name == fragile and emulation and emulation.mode == "force_fp16" and not emulation.keep
         return Overflowing(backend_) if broken else backend_
 
@@ -654,6 +655,33 @@ def test_a_backend_registered_only_by_entry_point_serves_load_adapted_and_a_bund
     )
     assert example.returncode == 0, example.stderr[-3000:]
     assert json.loads(example.stdout[example.stdout.index("\n{") + 1 :])["backend"] == "counting"
+
+
+def test_big_graphs_emulated_files_are_written_by_a_child_while_the_model_loads_and_judge_the_same(
+    tiny_adaptation, tmp_path, monkeypatch
+):
+    """Over ISOLATE_MIN_BYTES in all (here: any size), the plan's emulated graphs are written ahead
+    in a child process; the runs open those files and the plan is judged as before."""
+    import omskills.stages.precision_plan as precision_plan
+    from omskills.records.task import updating
+
+    run = copy_run(tiny_adaptation, tmp_path / "run")
+    with updating(run / "task.yaml") as rec:
+        rec.precision_plan = None
+        rec.stages.pop("precision_plan", None)
+    monkeypatch.setattr(precision_plan, "ISOLATE_MIN_BYTES", 0)
+    opened, written = precision_plan.open_spliced, {}
+
+    def spy(record, workdir, name, backend, emulation=None, file=None):
+        written[name] = file
+        return opened(record, workdir, name, backend, emulation, file)
+
+    monkeypatch.setattr(precision_plan, "open_spliced", spy)
+    plan = precision_plan.check_precision_plan(run / "task.yaml")
+
+    before = load_record(tiny_adaptation / "task.yaml").precision_plan
+    assert plan.verdict == before.verdict and plan.modes == before.modes and plan.runs == before.runs
+    assert written and all(f is not None and ".emulated-" in f.name and f.is_file() for f in written.values())
 
 
 def test_a_plan_whose_every_graph_keeps_its_dtypes_is_not_judged_by_the_precision_check(tiny_adaptation, tmp_path):

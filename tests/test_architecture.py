@@ -84,6 +84,16 @@ def test_the_records_hold_no_torch():
     assert not heavy
 
 
+def test_the_functions_children_run_import_no_torch():
+    """A spawned child imports the module of the function it runs: these run in children for every
+    big graph (probes, variant builds and checks, emulation, the plan's emulated graphs), and
+    importing torch would add seconds to each start."""
+    modules = ["omskills.convert.optimize", "omskills.ascend.precision_fix", "omskills.ascend.emulation"]
+    code = f"import sys, {', '.join(modules)}; print([m for m in sys.modules if m.split('.')[0] == 'torch'][:3])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 # lint-imports (pyproject's [tool.importlinter]) checks the layers; these tests show it counts every
 # kind of import. Each plants one upward import, records -> stages, in a copy of the checkout.
 PLANTED = {

@@ -119,7 +119,7 @@ def test_a_spliced_candidate_on_a_split_backend_answers_like_pytorch(head_task):
 
 def _probe_that_dies_on_a_whole_batch(path, sample_paths, split=None):
     """What the OOM killer did to the full-scale backbone's probe: the whole batch kills the child."""
-    from omskills.stages.toolchain import probe_samples  # the real one: this runs in a spawned child
+    from omskills.convert.optimize import probe_samples  # the real one: this runs in a spawned child
 
     if split is None:
         os._exit(137)
@@ -143,11 +143,11 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
     report = toolchain.probe_candidate(task, "head")
 
     assert report.verdict == "pass" and report.batch_chunks_of == 2
-    assert {o.shape[0] for o in report.outputs} == {2}  # each sample's first chunk: one shape, one run
+    assert {o.shape[0] for o in report.outputs} == {2}  # the samples' first chunks: one shape, one run
     record = load_record(task)
     split = record.toolchain["head"].batch_split
     assert split.max_batch == 2 and "died" in split.reason  # the smallest gear
-    assert "batch in chunks of 2, each sample's first chunk probed" in record.decisions[-1].why
+    assert "batch in chunks of 2, one first chunk per shape probed" in record.decisions[-1].why
     spliced_backend = open_spliced(record, tmp_path, "head", "onnxruntime")
     assert isinstance(spliced_backend, SplitBatchBackend) and spliced_backend.split == split
     assert any(

@@ -352,6 +352,23 @@ def test_bfloat16_and_bool_samples_keep_their_bits(tmp_path):
     assert sample.outputs["y"].dtype == torch.bfloat16 and sample.call_index == 4
 
 
+def test_a_sample_read_as_arrays_holds_what_torch_reads_and_torch_only_dtypes_go_through_torch(tmp_path):
+    from omskills.contracts.samples import read_arrays
+
+    tensors = {"x": torch.randn(3, 5), "m": torch.rand(4) > 0.5, "i": torch.arange(6), "h": torch.randn(2).half()}
+    path = save_sample(tmp_path / "s.npz", "toy", 0, inputs=tensors, outputs={"y": tensors["x"] * 2})
+    inputs, outputs = read_arrays(path)
+    assert {k: (v.dtype, v.tobytes()) for k, v in inputs.items()} == {
+        k: (v.numpy().dtype, v.numpy().tobytes()) for k, v in tensors.items()
+    }
+    assert np.array_equal(outputs["y"], tensors["x"].numpy() * 2)
+    odd = save_sample(
+        tmp_path / "u.npz", "toy", 0, inputs={"u": torch.tensor([1, 2, 40000]).to(torch.uint16)}, outputs={}
+    )
+    u = read_arrays(odd)[0]["u"]  # stored as int16 bits: read through torch
+    assert u.dtype == np.uint16 and u.tolist() == [1, 2, 40000]
+
+
 class InPlace(nn.Module):
     def forward(self, x):
         x.mul_(2)  # modifies its input, as some SAM helpers do

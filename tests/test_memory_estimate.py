@@ -149,7 +149,7 @@ def test_a_small_budget_picks_the_largest_chunk_that_fits(attention_task):
 
 def _probe_that_dies_on_a_whole_batch(path, sample_paths, split=None):
     """The OOM killer on a whole batch: had the prediction not split it, the child would die."""
-    from omskills.stages.toolchain import probe_samples  # the real one: this runs in a spawned child
+    from omskills.convert.optimize import probe_samples  # the real one: this runs in a spawned child
 
     if split is None:
         os._exit(137)
@@ -189,7 +189,7 @@ def test_the_probe_splits_the_batch_from_the_prediction_without_a_child_dying(at
     assert "still over the budget" not in split.reason  # the chunk of 2 fits the budget
     assert "died" not in split.reason  # no child died: the prediction chose the split
     why = load_record(task).decisions[-1].why
-    assert "batch in chunks of 2, each sample's first chunk probed: predicted peak" in why
+    assert "batch in chunks of 2, one first chunk per shape probed: predicted peak" in why
 
 
 def test_a_batch_predicted_to_fit_is_probed_whole_and_the_prediction_recorded(attention_task, tmp_path, monkeypatch):

@@ -435,8 +435,8 @@ def _die(*args):
 
 def test_captured_samples_are_probed_in_a_child_process_and_its_death_is_an_error(exported, tmp_path):
     from omskills.contracts.samples import save_sample
+    from omskills.convert.optimize import probe_samples
     from omskills.isolation import ChildDied, run_in_child
-    from omskills.stages.toolchain import probe_samples
 
     path, samples = exported
     saved = []
@@ -458,18 +458,16 @@ def test_captured_samples_are_probed_in_a_child_process_and_its_death_is_an_erro
         run_in_child(_die)
 
 
-def test_where_the_batch_goes_in_chunks_a_variant_is_checked_on_each_samples_first_chunk(
-    exported, tmp_path, monkeypatch
-):
+def test_where_the_batch_goes_in_chunks_a_variant_is_checked_on_one_first_chunk_per_shape(tmp_path, monkeypatch):
     from omskills.contracts.samples import save_sample
     from omskills.convert import optimize
     from omskills.records.toolchain import BatchSplit
 
-    _, samples = exported
+    model = Tiny().eval()
     path = tmp_path / "dynamic.onnx"
     torch.onnx.export(
-        Tiny().eval(),
-        (torch.from_numpy(samples[0][0]["x"]),),
+        model,
+        (torch.randn(2, 3, 8, 8),),
         str(path),
         input_names=["x"],
         output_names=["logits", "score"],
@@ -477,17 +475,13 @@ def test_where_the_batch_goes_in_chunks_a_variant_is_checked_on_each_samples_fir
         dynamo=False,
         opset_version=17,
     )
-    saved = [
-        save_sample(
-            tmp_path / f"tiny_{k}.npz",
-            "tiny",
-            k,
-            inputs={n: torch.from_numpy(v) for n, v in feeds.items()},
-            outputs={n: torch.from_numpy(v) for n, v in reference.items()},
-        )
-        for k, (feeds, reference) in enumerate(samples)
-    ]
-    split = BatchSplit(max_batch=1, input_axes={"x": 0}, output_axes={"logits": 0, "score": 0}, reason="test")
+    saved = []
+    for k, batch in enumerate((1, 3, 4)):  # first chunks of 2: one of 1 item, two of 2 items
+        x = torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(k))
+        with torch.no_grad():
+            logits, score = model(x)
+        saved.append(save_sample(tmp_path / f"tiny_{k}.npz", "tiny", k, {"x": x}, {"logits": logits, "score": score}))
+    split = BatchSplit(max_batch=2, input_axes={"x": 0}, output_axes={"logits": 0, "score": 0}, reason="test")
     fed: list[tuple[int, ...]] = []
     real_open = optimize.open_onnxruntime
 
@@ -505,5 +499,6 @@ def test_where_the_batch_goes_in_chunks_a_variant_is_checked_on_each_samples_fir
 
     slim = result.variants[1]
     assert slim.status == "ok" and slim.parity_verdict == "pass" and result.preferred == "onnxslim"
-    assert fed == [(1, 3, 8, 8)] * 4  # the original and the variant, one chunk of each of the two samples
+    # The original and the variant each run a chunk of 1 and one of 2 (the batch of 4's is the batch of 3's shape).
+    assert fed == [(1, 3, 8, 8), (2, 3, 8, 8)] * 2
     assert "first batch chunk of each" in next(c.detail for c in slim.checks if c.name == "parity")

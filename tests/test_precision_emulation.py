@@ -364,7 +364,45 @@ def test_the_overflow_count_is_the_elements_fp16_rounding_made_infinite_and_no_o
     # The masks sit in If branches, read only when a magnitude reaches fp16's range.
     graph = emulated_model(prepared, precisions, count_overflow=True).graph
     assert not any(n.op_type == "IsInf" for n in graph.node)
-    assert sum(n.op_type == "If" for n in graph.node) == 2 * sum(p == "fp16" for p in precisions.values())
+    # Two per rounded output: the Relu's output is its rounded input's values, not rounded again.
+    assert sum(n.op_type == "If" for n in graph.node) == 2
+
+
+def test_outputs_made_of_their_rounded_inputs_values_are_not_rounded_again_and_nothing_changes(tmp_path):
+    """A Transpose, a Reshape, a Relu and a Concat of fp16 values are fp16 values: rounding them is
+    two Casts that change no bit. The emulation leaves them out and computes the same bits."""
+    import omskills.ascend.emulation as emulation
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        helper.make_node("Transpose", ["m"], ["t"], name="transpose", perm=[1, 0]),
+        helper.make_node("Reshape", ["t", "shape"], ["r"], name="reshape"),
+        helper.make_node("Relu", ["r"], ["relu"], name="relu"),
+        helper.make_node("Concat", ["relu", "x_flat"], ["c"], name="concat", axis=0),
+        helper.make_node("Mul", ["c", "c"], ["y"], name="square"),
+    ]
+    rng = np.random.default_rng(0)
+    initializers = [
+        numpy_helper.from_array(rng.standard_normal((3, 5)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array([20], np.int64), "shape"),
+    ]
+    path = _save(tmp_path, "moves", nodes, [_vi("x", [4, 3]), _vi("x_flat", [12])], [_vi("y", [32])], initializers)
+    feeds = {
+        "x": rng.standard_normal((4, 3)).astype(np.float32) * 300,
+        "x_flat": rng.standard_normal(12).astype(np.float32),
+    }
+    prepared = prepare(path)
+    precisions = precisions_for(prepared, "force_fp16")
+    casts = lambda: sum(n.op_type == "Cast" for n in emulated_model(prepared, precisions).graph.node)  # noqa: E731
+
+    moved, moved_casts = run_emulated_with_overflow(prepared, precisions, feeds)[0]["y"], casts()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(emulation, "VALUE_PRESERVING_OPS", frozenset())
+        rounded, rounded_casts = run_emulated_with_overflow(prepared, precisions, feeds)[0]["y"], casts()
+
+    assert moved.tobytes() == rounded.tobytes()
+    assert rounded_casts - moved_casts == 2 * 4  # two Casts for each of the four value-preserving outputs
+    assert not np.array_equal(moved, emulation.run_reference(prepared, feeds)["y"])  # and fp16 did round
 
 
 def test_keep_dtype_under_must_keep_origin_dtype_is_refused(tmp_path, matmul_beyond_fp16):
@@ -577,3 +615,37 @@ def test_a_plan_recorded_when_the_check_bisected_graphs_still_loads():
     old = {"verdict": "fail", "modes": {"a": "must_keep_origin_dtype"}, "narrowed_to": ["a"], "runs": 3}
     plan = PrecisionPlan.model_validate({**old, "budget": 3, "seconds": 1.0, "why": "no plan passed"})
     assert plan.verdict == "fail" and "narrowed_to" not in plan.model_dump()
+
+
+@pytest.mark.parametrize("opset", [17, 18])  # ReduceMax's axes: an attribute, then an input
+def test_calibration_reads_each_tensors_largest_finite_magnitude_by_rows_as_numpy_does(tmp_path, opset):
+    from omskills.ascend.calibration import calibrate
+
+    rng = np.random.default_rng(4)
+    mask = np.zeros((1, 5), np.float32)
+    mask[0, 3] = -np.inf
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["squared"], name="square"),
+        helper.make_node("Add", ["squared", "mask"], ["masked"], name="add_mask"),
+        helper.make_node("ReduceSum", ["masked"], ["total"], name="total", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "rows",
+        [_vi("x", [3, 4, 5])],
+        [_vi("masked", [3, 4, 5]), _vi("total", [])],
+        initializer=[numpy_helper.from_array(mask, "mask")],
+    )
+    path = tmp_path / "rows.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    x = (rng.standard_normal((3, 4, 5)) * 30).astype(np.float32)
+    prepared = prepare(path)
+    _, run = calibrate(prepared, {"x": x}, "s0", precisions_for(prepared, "must_keep_origin_dtype"))
+
+    squared = x * x
+    assert run.magnitude["squared"] == pytest.approx(float(np.abs(squared).max()))
+    assert run.magnitude["masked"] == pytest.approx(float(np.abs(np.delete(squared, 3, axis=2)).max()))  # -inf left out
+    assert run.magnitude["total"] == 0.0  # a sum with -inf: no finite value
+    observed = emulated_model(prepared, precisions_for(prepared, "must_keep_origin_dtype"), observe=[]).graph.node
+    by_rows = {n.input[0] for n in observed if n.op_type == "ReduceMax" and n.output[0].endswith("__rows")}
+    assert by_rows == {"squared", "masked"}  # the scalar is reduced whole

@@ -16,10 +16,12 @@ gate is then emulated alone on the fp32 inputs ("local") in a graph cut after it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -53,6 +55,35 @@ EMULATION_REVISION = (
 # Float inputs that say how an operator works rather than what it computes on (a Resize's region
 # and scales): ATC leaves them as they are, and rounded they could change an output's size.
 PARAMETER_INPUTS: dict[str, set[int]] = {"Resize": {1, 2}, "Upsample": {1}}
+# Operators whose outputs are values of their float inputs (moved, selected, negated, or the larger
+# of two): on inputs rounded to fp16 their outputs are fp16 values already, so rounding them again
+# would change no bit and cost two full-size Casts. Nearly half a ViT backbone's nodes are these.
+VALUE_PRESERVING_OPS = frozenset(
+    {
+        "Reshape",
+        "Transpose",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Identity",
+        "Slice",
+        "Split",
+        "Concat",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "Expand",
+        "Tile",
+        "DepthToSpace",
+        "SpaceToDepth",
+        "Where",
+        "Relu",
+        "Neg",
+        "Abs",
+        "Max",
+        "Min",
+    }
+)
 
 
 @dataclass
@@ -209,6 +240,7 @@ class _Rewriter:
             str, TensorProto
         ] = {}  # initializers this copy reads (`PreparedGraph.rounded_weight`)
         self._limits: tuple[str, str] | None = None
+        self._last_axis: str | None = None
         self._outer: dict[str, str] | None = None
 
     def _fp16_limits(self) -> tuple[str, str]:
@@ -226,6 +258,22 @@ class _Rewriter:
                 )
             self._limits = (low, high)
         return self._limits
+
+    def _rows(self) -> tuple[str, int]:
+        """A constant [-1] (made once) and the graph's opset, for reductions by rows (`largest_magnitude`)."""
+        name = f"__last_axis{self.suffix}"
+        if self._last_axis is None:
+            self.nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [name],
+                    name=f"{name}__const",
+                    value=helper.make_tensor("v", TensorProto.INT64, [1], [-1]),
+                )
+            )
+            self._last_axis = name
+        return self._last_axis, _opset(self.prepared.model)
 
     def name(self, tensor: str) -> str:
         return tensor if not tensor or tensor in self.shared or not self.suffix else tensor + self.suffix
@@ -262,7 +310,10 @@ class _Rewriter:
                 for k, (original, mapped) in enumerate(zip(node.input, inputs))
             ]
         outputs = [self.name(o) + tag if o else "" for o in node.output]
-        raw = [f"{o}__raw" if precision == "fp16" and orig in floats else o for o, orig in zip(outputs, node.output)]
+        rounds = precision == "fp16" and not self._preserves_rounded_values(node)
+        raw = [f"{o}__raw" if rounds and orig in floats else o for o, orig in zip(outputs, node.output)]
+        if precision == "fp16" and not rounds:  # its float inputs were rounded above: so are its outputs
+            self.rounded.update((o, o) for o, orig in zip(outputs, node.output) if orig in floats)
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.name = node.name + (self.suffix + tag if self.suffix or tag else "")
@@ -276,7 +327,8 @@ class _Rewriter:
         if self.observe:
             for produced, original in zip(raw, node.output):
                 if original in floats:
-                    self.observed.append(largest_magnitude(self.nodes, produced, f"{MAGNITUDE_PREFIX}{original}"))
+                    rows = self._rows() if self.prepared.ranks.get(original, 0) >= 2 else None
+                    self.observed.append(largest_magnitude(self.nodes, produced, f"{MAGNITUDE_PREFIX}{original}", rows))
                     magnitudes[produced] = f"{self.observed[-1]}__raw"
         for produced, final in zip(raw, outputs):
             if produced != final:
@@ -298,6 +350,12 @@ class _Rewriter:
                 if checks is not None:
                     self.overflow_counts.append(checks.new_infinities())
         return outputs
+
+    def _preserves_rounded_values(self, node: NodeProto) -> bool:
+        """A VALUE_PRESERVING_OPS node every input of which has a known type: its float inputs were
+        rounded (an input of unknown type might be a float that was not)."""
+        known = self.prepared.elem_types
+        return node.op_type in VALUE_PRESERVING_OPS and all(not i or i in known for i in node.input)
 
     def _mapping_for_subgraphs(self) -> dict[str, str]:
         """Every tensor the graph produces -> its name in this copy (made once, on the first subgraph)."""
@@ -324,15 +382,18 @@ MAGNITUDE_PREFIX = "__magnitude__"
 SHAPE_PREFIX = "__shape__"
 
 
-def largest_magnitude(nodes: list[NodeProto], tensor: str, out: str) -> str:
+def largest_magnitude(nodes: list[NodeProto], tensor: str, out: str, rows: tuple[str, int] | None = None) -> str:
     """Nodes appended to `nodes` that reduce `tensor` to its largest finite |value|, named `out`:
     from its max and min (no copy of the tensor); only when one of them is infinite (an attention
     mask's -inf, which fp16 holds as well) does an `If` mask the infinities out, at a copy's cost.
-    `out + "__raw"` holds the largest |value| infinities included (the overflow count reads it)."""
+    `out + "__raw"` holds the largest |value| infinities included (the overflow count reads it).
+    `rows`: for a tensor of rank 2 or more, the name of a constant [-1] and the graph's opset: each
+    row's max and min first, then theirs (ONNX Runtime reduces a whole tensor on one thread, rows on
+    every thread: half the time on two cores)."""
     high, low, neg, raw, bad = (f"{out}__{s}" for s in ("hi", "lo", "neg", "raw", "inf"))
     nodes += [
-        helper.make_node("ReduceMax", [tensor], [high], name=high, keepdims=0),
-        helper.make_node("ReduceMin", [tensor], [low], name=low, keepdims=0),
+        *_reduced("ReduceMax", tensor, high, rows),
+        *_reduced("ReduceMin", tensor, low, rows),
         helper.make_node("Neg", [low], [neg], name=neg),
         helper.make_node("Max", [high, neg], [raw], name=raw),
         helper.make_node("IsInf", [raw], [bad], name=bad),
@@ -360,6 +421,20 @@ def largest_magnitude(nodes: list[NodeProto], tensor: str, out: str) -> str:
     )
     nodes.append(helper.make_node("If", [bad], [out], name=out, then_branch=masked_branch, else_branch=plain))
     return out
+
+
+def _reduced(op: str, tensor: str, out: str, rows: tuple[str, int] | None) -> list[NodeProto]:
+    """`op` over every element of `tensor`, named `out`; with `rows` (see `largest_magnitude`) in two steps."""
+    if rows is None:
+        return [helper.make_node(op, [tensor], [out], name=out, keepdims=0)]
+    last_axis, opset = rows
+    per_row = f"{out}__rows"
+    first = (
+        helper.make_node(op, [tensor, last_axis], [per_row], name=per_row, keepdims=0)
+        if opset >= 18
+        else helper.make_node(op, [tensor], [per_row], name=per_row, keepdims=0, axes=[-1])
+    )
+    return [first, helper.make_node(op, [per_row], [out], name=out, keepdims=0)]
 
 
 def emulated_model(
@@ -566,6 +641,26 @@ def save_emulated(prepared: PreparedGraph, precisions: Mapping[str, NodePrecisio
     kept, precisions = split_by_heads(kept, precisions) or (kept, precisions)
     onnx.save_model(emulated_model(kept, precisions), str(out))
     return out
+
+
+def write_emulated(source: Path, mode: str, keep: Sequence[str] = ()) -> Path:
+    """`source` rewritten to compute as ATC's `mode` would with `keep` in fp32, saved beside it as
+    `<stem>.emulated-<mode>[-keep<hash>].onnx` (`save_emulated`). Weights the source holds inline go
+    to a file beside it first: read along with the graph, a 2 GB backbone was copied several times
+    over while it was rewritten."""
+    listed = json.dumps([sorted(keep)], sort_keys=True).encode()
+    kept = f"-keep{hashlib.sha256(listed).hexdigest()[:8]}" if keep else ""
+    out = source.with_name(f"{source.stem}.emulated-{mode}{kept}.onnx")
+    inline_weights = out.with_name(f"{out.stem}.fp32.weights")
+    inline_weights.unlink(missing_ok=True)  # appended to weight by weight
+    prepared = prepare(source, weights_to=inline_weights)
+    return save_emulated(prepared, precisions_for(prepared, mode, list(keep)), out)
+
+
+def write_emulated_graphs(graphs: Mapping[str, tuple[Path, str, Sequence[str]]]) -> dict[str, Path]:
+    """`write_emulated` for each graph's (source, mode, keep): one call, so that one child process
+    writes a whole plan's graphs (this module imports no torch: the child starts in a second)."""
+    return {name: write_emulated(source, mode, keep) for name, (source, mode, keep) in graphs.items()}
 
 
 def rounded_weights_path(emulated: Path) -> Path:

@@ -35,6 +35,7 @@ from omskills.ascend.emulation import (
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_modes import DEFAULT_MODES, SPEED_ORDER
 from omskills.compare.parity import cosine_from, float64_blocks
+from omskills.convert.optimize import first_chunk_arrays
 from omskills.records.precision import (
     CubeMacs,
     EmulatedResult,
@@ -46,7 +47,7 @@ from omskills.records.precision import (
     PrecisionReport,
     TensorError,
 )
-from omskills.records.toolchain import PitfallHit
+from omskills.records.toolchain import BatchSplit, PitfallHit
 from omskills.records.toolchain_stage import CandidateToolchain
 
 # Graph runs one mode's keep-list search may make, its side-by-side ranking run included: enough
@@ -236,6 +237,22 @@ def most_runs(ranked: int) -> int:
 def op_types_of(prepared: PreparedGraph, nodes: Sequence[str]) -> list[str]:
     wanted = set(nodes)
     return sorted({n.op_type for n in prepared.graph.node if n.name in wanted})
+
+
+def precision_on_sample(
+    model: Path,
+    feeds: dict[str, np.ndarray],
+    sample_path: Path,
+    sample: str,
+    modes: list[str],
+    split: BatchSplit | None,
+) -> PrecisionReport:
+    """`precision_report` against the sample's PyTorch outputs, read here: in a child, rather than
+    held by the server for as long as the child runs, beside the child's own copy (the server
+    grew by 0.9 GB for a full-scale backbone's sample). A child imports this module and what it
+    needs, not torch: seconds of every emulation's start."""
+    _, outputs = first_chunk_arrays(sample_path, split)
+    return precision_report(model, feeds, sample, modes, None, outputs)
 
 
 def precision_report(

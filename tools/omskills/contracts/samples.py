@@ -12,25 +12,37 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from omskills.contracts.layout import dtype_name
 from omskills.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made or read: a child process that only runs ONNX Runtime on
+# a sample (probes, variant checks, emulation) reads it with numpy and starts seconds sooner.
 
 INPUT_PREFIX = "in:"
 OUTPUT_PREFIX = "out:"
 META_KEY = "meta"
 
+
 # torch dtypes numpy lacks -> the integer dtype of the same width their bits are stored as.
 _BITS_AS = {
-    torch.bfloat16: torch.int16,
-    torch.float8_e4m3fn: torch.int8,
-    torch.float8_e5m2: torch.int8,
-    torch.uint16: torch.int16,
-    torch.uint32: torch.int32,
-    torch.uint64: torch.int64,
+    "bfloat16": "int16",
+    "float8_e4m3fn": "int8",
+    "float8_e5m2": "int8",
+    "uint16": "int16",
+    "uint32": "int32",
+    "uint64": "int64",
 }
+
+
+def _bits_as() -> dict[torch.dtype, torch.dtype]:
+    import torch
+
+    return {getattr(torch, name): getattr(torch, bits) for name, bits in _BITS_AS.items()}
 
 
 @dataclass(frozen=True)
@@ -43,12 +55,15 @@ class Sample:
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype in _BITS_AS:
-        tensor = tensor.view(_BITS_AS[tensor.dtype])
+    bits_as = _bits_as()
+    if tensor.dtype in bits_as:
+        tensor = tensor.view(bits_as[tensor.dtype])
     return tensor.numpy()
 
 
 def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     tensor = torch.from_numpy(array.copy())
     return tensor.view(dtype) if tensor.dtype != dtype else tensor
 
@@ -63,7 +78,7 @@ def save_sample(
     """Write one call's tensors (already copied by the caller) to `path` (.npz), one array at a time:
     a sample of a large graph is gigabytes, and a second copy of all of it at once would be too."""
     dtypes = {
-        prefix + name: dtype_name(tensor.dtype)
+        prefix + name: str(tensor.dtype).removeprefix("torch.")
         for prefix, tensors in ((INPUT_PREFIX, inputs), (OUTPUT_PREFIX, outputs))
         for name, tensor in tensors.items()
     }
@@ -87,6 +102,8 @@ def load_sample(path: Path) -> Sample:
     """Read a sample written by `save_sample`, with the original torch dtypes and bits."""
     if not Path(path).is_file():
         raise InputError(f"sample file {path} does not exist")
+    import torch
+
     with np.load(path, allow_pickle=False) as data:
         meta = json.loads(str(data[META_KEY]))
         inputs: dict[str, torch.Tensor] = {}
@@ -98,6 +115,25 @@ def load_sample(path: Path) -> Sample:
             else:
                 outputs[key.removeprefix(OUTPUT_PREFIX)] = tensor
     return Sample(inputs=inputs, outputs=outputs, candidate=meta["candidate"], call_index=meta["call_index"])
+
+
+def read_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A sample's inputs and outputs as numpy arrays (what ONNX Runtime is fed and compared with),
+    read without torch where numpy has every dtype; a torch-only one (bfloat16) goes through
+    `load_sample`, and numpy cannot hold it either."""
+    if not Path(path).is_file():
+        raise InputError(f"sample file {path} does not exist")
+    with np.load(path, allow_pickle=False) as data:
+        dtypes: dict[str, str] = json.loads(str(data[META_KEY]))["dtypes"]
+        if any(dtype in _BITS_AS or not hasattr(np, dtype) for dtype in dtypes.values()):
+            sample = load_sample(path)
+            return {k: v.numpy() for k, v in sample.inputs.items()}, {k: v.numpy() for k, v in sample.outputs.items()}
+        arrays: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})
+        for key in dtypes:
+            is_input = key.startswith(INPUT_PREFIX)
+            name = key.removeprefix(INPUT_PREFIX if is_input else OUTPUT_PREFIX)
+            arrays[0 if is_input else 1][name] = data[key]
+        return arrays
 
 
 def array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -9,10 +9,10 @@ its nodes is `marginal`, not saved either: its probe would be a full run of the 
 for a full-scale backbone) for a rewrite ONNX Runtime and ATC make themselves when they load it.
 A variant is checked — onnx checker, ONNX Runtime loads it, every graph output is produced,
 parity against the PyTorch reference samples, where ONNX Runtime takes a sample's batch in
-chunks its first chunk only (a rewrite computes every chunk of one shape with the same operators,
-and verify runs the chosen variant on the whole main path) — most optimised first, and the preferred one is
-the first of auto_optimizer -> onnxslim -> original that passes and is no less accurate than
-the original; a variant under the chosen one is `not_checked`.
+chunks one first chunk per shape (a rewrite computes every chunk of one shape with the same
+operators, and verify runs the chosen variant on the whole main path) — most optimised first,
+and the preferred one is the first of auto_optimizer -> onnxslim -> original that passes and is
+no less accurate than the original; a variant under the chosen one is `not_checked`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from omskills.compare.parity import compare_outputs
-from omskills.contracts.samples import load_sample
+from omskills.contracts.samples import input_shapes, read_arrays
 from omskills.convert.auto_optimizer import AutoOptimizerUnavailable, apply_knowledges, load_auto_optimizer
 from omskills.errors import InputError, OmskillsError
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, return_freed_memory, run_in_child
@@ -70,12 +70,13 @@ def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.n
             outputs, split.output_axes, split.max_batch
         )
     if isinstance(sample, Path):
-        loaded = load_sample(sample)
-        return (
-            {k: v.detach().cpu().numpy() for k, v in loaded.inputs.items()},
-            {k: v.detach().cpu().numpy() for k, v in loaded.outputs.items()},
-        )
+        return read_arrays(sample)
     return sample
+
+
+def first_chunk_arrays(path: Path, split: BatchSplit | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A sample's inputs and PyTorch outputs, cut to the first chunk of `split`'s batch."""
+    return sample_arrays(FirstChunk(path, split) if split else path)
 
 
 def first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int], max_batch: int) -> dict[str, np.ndarray]:
@@ -87,8 +88,30 @@ def first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int], max_batch: 
 
 
 def first_chunks(samples: Sequence[Sample], split: BatchSplit | None) -> list[Sample]:
-    """Each captured sample cut to its first chunk, where ONNX Runtime takes the batch in chunks."""
-    return [FirstChunk(s, split) if split is not None and isinstance(s, Path) else s for s in samples]
+    """Where ONNX Runtime takes the batch in chunks, the captured samples cut to their first chunk,
+    one per shape of chunk: a call of 4 frames and one of 1 both start with a chunk of 1, which the
+    graph computes with the same operators (`one_per_shape`'s reason, applied to what is run)."""
+    if split is None:
+        return list(samples)
+    kept: list[Sample] = []
+    seen: set[tuple] = set()
+    for sample in samples:
+        if isinstance(sample, Path):
+            shapes = _chunk_shapes(sample, split)
+            if shapes in seen:
+                continue
+            seen.add(shapes)
+            sample = FirstChunk(sample, split)
+        kept.append(sample)
+    return kept
+
+
+def _chunk_shapes(path: Path, split: BatchSplit) -> tuple:
+    """The input shapes of a sample's first chunk, from its array headers."""
+    return tuple(
+        (name, tuple(min(d, split.max_batch) if k == split.input_axes.get(name) else d for k, d in enumerate(shape)))
+        for name, shape in input_shapes(path)
+    )
 
 
 VARIANTS: tuple[VariantName, ...] = ("original", "onnxslim", "auto_optimizer")
@@ -441,6 +464,21 @@ def outputs_produced_check(model: onnx.ModelProto) -> VariantCheck:
         )
         return VariantCheck(name="outputs_produced", passed=False, detail="; ".join(parts))
     return VariantCheck(name="outputs_produced", passed=True, detail=f"{len(names)} output(s)")
+
+
+def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None = None) -> list[ParityReport]:
+    """ONNX Runtime against each captured sample (loaded one at a time: 4-frame samples of the
+    full-scale backbone are GBs). Where `split` says the batch goes in chunks, the samples' first
+    chunks, one per shape of chunk (`first_chunks`): every chunk of one shape runs the same
+    operators (as the probe keeps one sample per shape), and verify runs the whole batch, chunk by
+    chunk, on the main path. A child process runs this for a big graph: this module imports no torch."""
+    reports = []
+    with open_onnxruntime(path, split) as backend:
+        wanted = {spec.name for spec in backend.inputs}
+        for sample in first_chunks(sample_paths, split):
+            feeds, reference = sample_arrays(sample)
+            reports.append(compare_outputs(reference, backend.run({k: v for k, v in feeds.items() if k in wanted})))
+    return reports
 
 
 def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity], Verdict, str]:

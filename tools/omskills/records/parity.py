@@ -99,7 +99,7 @@ class ParityReport(Record):
     worst_max_abs: float | None = None
     gates: ParityGates
     # Set when ONNX Runtime takes the batch in chunks of this many items (the task record's batch_split):
-    # the probe ran the first chunk of each sample.
+    # the probe ran the samples' first chunks, one per shape of chunk.
     batch_chunks_of: int | None = None
 
     @classmethod

@@ -20,10 +20,10 @@ from omskills.ascend.emulation import EMULATION_REVISION, compare_layers, precis
 from omskills.ascend.module_outputs import module_observations
 from omskills.ascend.npu_dumps import read_dump
 from omskills.ascend.observed import DEFAULT_BUDGET_BYTES, compare_observed
-from omskills.ascend.precision_fix import precision_report
+from omskills.ascend.precision_fix import precision_on_sample
 from omskills.ascend.precision_modes import DEFAULT_MODES, EMULATED_MODES
 from omskills.convert.export import ContractWrapper
-from omskills.convert.optimize import FirstChunk, sample_arrays
+from omskills.convert.optimize import first_chunk_arrays
 from omskills.errors import InputError, OmskillsError, StageError
 from omskills.isolation import model_bytes, run_in_child
 from omskills.models import cache as model_cache
@@ -31,7 +31,6 @@ from omskills.records.choices import CompareAgainst
 from omskills.records.contracts import ContractSpec
 from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.task import TaskRecord, load_record
-from omskills.records.toolchain import BatchSplit
 from omskills.run_folder import RunFolder
 from omskills.runtime.memory_estimate import MIB, GraphMemory
 from omskills.stages.model import open_model
@@ -74,33 +73,13 @@ def _checked_modes(modes: list[str] | None) -> list[str]:
     return chosen
 
 
-def _precision_on_sample(
-    model: Path,
-    feeds: dict[str, np.ndarray],
-    sample_path: Path,
-    sample: str,
-    modes: list[str],
-    split: BatchSplit | None,
-) -> PrecisionReport:
-    """`precision_report` against the sample's PyTorch outputs, read here: in a child, rather than
-    held by the server for as long as the child runs, beside the child's own copy (the server
-    grew by 0.9 GB for a full-scale backbone's sample)."""
-    _, outputs = _sample_chunks(sample_path, split)
-    return precision_report(model, feeds, sample, modes, None, outputs)
-
-
 def first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str, np.ndarray], str]:
     """The first captured sample's inputs, cut to the batch ONNX Runtime can hold here."""
     samples = record.contract(name).samples
     if not samples:
         raise StageError(f"candidate {name!r} has no captured samples")
-    feeds, _ = _sample_chunks(workdir / samples[0], record.batch_split_of(name))
+    feeds, _ = first_chunk_arrays(workdir / samples[0], record.batch_split_of(name))
     return feeds, samples[0]
-
-
-def _sample_chunks(path: Path, split: BatchSplit | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """A sample's inputs and PyTorch outputs, cut to the first chunk of `split`'s batch."""
-    return sample_arrays(FirstChunk(path, split) if split else path)
 
 
 def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None) -> PrecisionReport:
@@ -130,7 +109,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     with running_step(task_path, step, inputs_hash) as handle:
         try:
             report = emulation_runner(model, feeds)(
-                _precision_on_sample, model, feeds, workdir / sample, sample, chosen, record.batch_split_of(name)
+                precision_on_sample, model, feeds, workdir / sample, sample, chosen, record.batch_split_of(name)
             )
         except OmskillsError:
             raise

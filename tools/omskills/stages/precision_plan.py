@@ -20,17 +20,21 @@ mode. Emulated, never an NPU result.
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import copy_context
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omskills import progress
 from omskills.ascend.compute import cube_ms, cube_rate
-from omskills.ascend.emulation import prepared_light, run_reference
+from omskills.ascend.emulation import prepared_light, run_reference, write_emulated_graphs
 from omskills.ascend.precision_fix import mode_precision, own_choice
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
 from omskills.compare.outputs import expand
-from omskills.isolation import return_freed_memory
+from omskills.errors import one_line
+from omskills.isolation import ISOLATE_MIN_BYTES, model_bytes, return_freed_memory, run_in_child
 from omskills.models.api import MainPathRun, RunHooks, StepOutput, load_run
 from omskills.models.registry import bind_intake
 from omskills.records.precision import (
@@ -56,6 +60,8 @@ from omskills.stages.spliced_runs import (
 )
 from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
 from omskills.stages.verify_report import verification_report, write_verification_report
+
+logger = logging.getLogger(__name__)
 
 STEP = "precision_plan"
 # Bumped when the check judges differently, so a recorded plan of an older one is checked again.
@@ -85,6 +91,37 @@ class _Outcome:
         return self.parity.steps_equal and all(c.passed for c in self.parity.checks if c.gating)
 
 
+class _WrittenAhead:
+    """The plan's emulated graphs, written by a child process while this one builds the PyTorch
+    model: rounding a 2 GB backbone's weights to fp16 and building a full-scale model take tens of
+    seconds each, and neither needs the other. Graphs under ISOLATE_MIN_BYTES in all are written
+    when they are opened: a child's start-up would cost more than it saves."""
+
+    def __init__(self, record: TaskRecord, workdir: Path, plan: Plan) -> None:
+        self.plan = dict(plan)
+        self._files: Future[dict[str, Path]] | None = None
+        if sum(model_bytes(record.preferred_model(workdir, g)) for g in plan) < ISOLATE_MIN_BYTES:
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emulated-graphs")
+        graphs = {g: (record.preferred_model(workdir, g), e.mode, e.keep) for g, e in self.plan.items()}
+        # In this call's context, so that a cancelled call ends the child (progress.check_cancelled).
+        self._files = pool.submit(copy_context().run, run_in_child, write_emulated_graphs, graphs)
+        pool.shutdown(wait=False)  # returns at once; the thread ends with the child
+
+    def file(self, graph: str, emulation: Emulation | None) -> Path | None:
+        """The file written for `graph` if `emulation` is still the one it was written for; None when
+        it is not, or when writing failed (`open_spliced` then writes it here, raising what failed)."""
+        if self._files is None or emulation is None or self.plan.get(graph) != emulation:
+            return None
+        try:
+            return self._files.result().get(graph)
+        except progress.Cancelled:
+            raise
+        except Exception as err:  # noqa: BLE001 - written again in this process, where the error shows
+            logger.warning("the emulated graphs were not written ahead (%s): writing them here", one_line(err, 300))
+            return None
+
+
 @dataclass
 class _Runner:
     """Spliced runs of the main path, one per plan, each judged against the one reference run."""
@@ -95,6 +132,7 @@ class _Runner:
     graphs: list[str]
     reference: MainPathRun
     budget: int
+    ahead: _WrittenAhead
     attempts: list[PlanAttempt] = field(default_factory=list)
 
     def run(self, plan: Plan, purpose: str) -> _Outcome:
@@ -102,7 +140,10 @@ class _Runner:
         progress.report(len(self.attempts), self.budget, f"precision plan: {purpose}...")
         started = time.perf_counter()
         backends = [
-            (self.record.contracts[g], open_spliced(self.record, self.workdir, g, "onnxruntime", plan.get(g)))
+            (
+                self.record.contracts[g],
+                open_spliced(self.record, self.workdir, g, "onnxruntime", plan.get(g), self.ahead.file(g, plan.get(g))),
+            )
             for g in self.graphs
         ]
         strategies = {g: s for g in self.graphs if (s := self.record.boundaries[g].shape_strategy)}
@@ -173,9 +214,10 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
             summary = _not_judged(plan, budget, time.perf_counter() - started)
             step.update(_stored(summary, None, plan, {}))
             return summary
+        ahead = _WrittenAhead(record, workdir, plan)
         model = open_model(record, workdir)
         reference, source = _reference(record, workdir, model)
-        runner = _Runner(record, workdir, model, graphs, reference, budget)
+        runner = _Runner(record, workdir, model, graphs, reference, budget, ahead)
         notes = page_out_spliced(model.loaded.root, record, graphs, workdir)
         return_freed_memory()
         last = runner.run(plan, "every graph in its mode and keep list")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from omskills.ascend.emulation import precisions_for, prepare, save_emulated
+from omskills.ascend.emulation import write_emulated
 from omskills.compare.outputs import compare_step, worse
 from omskills.deploy.manifest import graph_from_record
 from omskills.errors import StageError, one_line
@@ -18,7 +18,6 @@ from omskills.records.verify import CheckSummary, MainPathParity, OutputCheck, S
 from omskills.runtime.paged_weights import page_out
 from omskills.runtime.serving import open_graph
 from omskills.runtime.splice import SpliceBackend
-from omskills.stages.steps import fingerprint
 
 
 def spliceable(record: TaskRecord) -> tuple[list[str], dict[str, str]]:
@@ -67,13 +66,19 @@ def chosen_emulation(record: TaskRecord, name: str) -> Emulation:
 
 
 def open_spliced(
-    record: TaskRecord, workdir: Path, name: str, backend: str, emulation: Emulation | None = None
+    record: TaskRecord,
+    workdir: Path,
+    name: str,
+    backend: str,
+    emulation: Emulation | None = None,
+    written: Path | None = None,
 ) -> SpliceBackend:
     """The graph's backend, opened as a deployment opens it (runtime.serving): on ONNX Runtime's CPU
     the batch in chunks where probe_onnx found it must be; an OM in the mode of its shape strategy,
     its batch gears serving other sizes; any other backend as its class serves a graph.
-    `emulation`: the graph rewritten to compute as that ATC precision mode would, on ONNX Runtime CPU."""
-    model = _emulated_model(record, workdir, name, emulation) if emulation is not None else None
+    `emulation`: the graph rewritten to compute as that ATC precision mode would, on ONNX Runtime
+    CPU; `written`: that rewrite, when `ascend.emulation.write_emulated` already wrote it."""
+    model = written or (_emulated_model(record, workdir, name, emulation) if emulation is not None else None)
     return open_graph(
         graph_from_record(record, workdir, name),
         workdir,
@@ -84,15 +89,7 @@ def open_spliced(
 
 
 def _emulated_model(record: TaskRecord, workdir: Path, name: str, emulation: Emulation) -> Path:
-    source = record.preferred_model(workdir, name)
-    kept = f"-keep{fingerprint(sorted(emulation.keep))[:8]}" if emulation.keep else ""
-    out = source.with_name(f"{source.stem}.emulated-{emulation.mode}{kept}.onnx")
-    # Weights the source holds inline go to a file beside the emulated graph first: read along
-    # with the graph, a 2 GB backbone was copied several times over while it was rewritten.
-    inline_weights = out.with_name(f"{out.stem}.fp32.weights")
-    inline_weights.unlink(missing_ok=True)  # appended to weight by weight
-    prepared = prepare(source, weights_to=inline_weights)
-    return save_emulated(prepared, precisions_for(prepared, emulation.mode, list(emulation.keep)), out)
+    return write_emulated(record.preferred_model(workdir, name), emulation.mode, emulation.keep)
 
 
 def chosen_modes(record: TaskRecord, names: list[str]) -> dict[str, str]:

@@ -17,11 +17,10 @@ from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_fix import atc_keep_nodes, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
-from omskills.compare.parity import compare_outputs
 from omskills.contracts.samples import Sample, load_sample, one_per_shape
 from omskills.convert.export import dynamic_dims_from_strategy
 from omskills.convert.export import export_onnx as _export
-from omskills.convert.optimize import first_chunks, optimize_variants, sample_arrays
+from omskills.convert.optimize import optimize_variants, probe_samples
 from omskills.errors import OmskillsError, StageError, one_line
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
@@ -33,7 +32,6 @@ from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, Optimi
 from omskills.run_folder import RunFolder
 from omskills.runtime.batch_split import batch_split_for
 from omskills.runtime.memory_estimate import plan_probe, probe_budget_bytes
-from omskills.runtime.onnxruntime_backend import open_onnxruntime
 from omskills.stages.model import open_model
 from omskills.stages.steps import artifacts_of, fingerprint, is_done, require_intact, running_step
 
@@ -122,20 +120,6 @@ def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> S
     return next((s for s in samples if not has_a_one(s)), samples[0])
 
 
-def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None = None) -> list[ParityReport]:
-    """ONNX Runtime against each captured sample (loaded one at a time: 4-frame samples of the
-    full-scale backbone are GBs). Where `split` says the batch goes in chunks, each sample's first
-    chunk only: every chunk of one shape runs the same operators (as `_probed_sample_paths` keeps
-    one sample per shape), and verify runs the whole batch, chunk by chunk, on the main path."""
-    reports = []
-    with open_onnxruntime(path, split) as backend:
-        wanted = {spec.name for spec in backend.inputs}
-        for sample in first_chunks(sample_paths, split):
-            feeds, reference = sample_arrays(sample)
-            reports.append(compare_outputs(reference, backend.run({k: v for k, v in feeds.items() if k in wanted})))
-    return reports
-
-
 def probe_candidate(task_path: Path, name: str, variant: str = "original") -> ParityReport:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
@@ -166,7 +150,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             chain.probes[variant] = report
             chain.batch_split = split
             chunked = (
-                f"; batch in chunks of {split.max_batch}, each sample's first chunk probed: {split.reason}"
+                f"; batch in chunks of {split.max_batch}, one first chunk per shape probed: {split.reason}"
                 if split
                 else ""
             )
