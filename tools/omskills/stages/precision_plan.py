@@ -100,10 +100,10 @@ class _WrittenAhead:
     def __init__(self, record: TaskRecord, workdir: Path, plan: Plan) -> None:
         self.plan = dict(plan)
         self._files: Future[dict[str, Path]] | None = None
-        if sum(model_bytes(record.preferred_model(workdir, g)) for g in plan) < ISOLATE_MIN_BYTES:
+        graphs = {g: (record.preferred_model(workdir, g), e.mode, e.keep) for g, e in self.plan.items()}
+        if sum(model_bytes(source) for source, _, _ in graphs.values()) < ISOLATE_MIN_BYTES:
             return
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emulated-graphs")
-        graphs = {g: (record.preferred_model(workdir, g), e.mode, e.keep) for g, e in self.plan.items()}
         # In this call's context, so that a cancelled call ends the child (progress.check_cancelled).
         self._files = pool.submit(copy_context().run, run_in_child, write_emulated_graphs, graphs)
         pool.shutdown(wait=False)  # returns at once; the thread ends with the child
