@@ -1,4 +1,4 @@
-"""How close `omskills.runtime.memory_estimate` comes to ONNX Runtime's real peak on the CPU.
+"""How close `omskills.profiling.memory_estimate` comes to ONNX Runtime's real peak on the CPU.
 
     .venv/bin/python benchmarks/memory_estimate_calibration.py [--out DIR] [--models attention,conv,mlp]
         [--run RUN/task.yaml]
@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from omskills.runtime.memory_estimate import GIB, estimate_peak, session_need_bytes
+from omskills.profiling.memory_estimate import GIB, estimate_peak, session_need_bytes
 from torch import nn
 from torch.nn import functional as F
 
@@ -188,8 +188,8 @@ def row(
 
 def run_folder_rows(task: Path) -> None:
     """One row per graph of an adaptation's run folder: its largest captured sample, as probed."""
+    from omskills.profiling.memory_estimate import GraphMemory, sample_sizes
     from omskills.records.task import TaskRecord, load_record
-    from omskills.runtime.memory_estimate import GraphMemory, sample_sizes
 
     record, workdir = load_record(task), TaskRecord.workdir(task)
     for name, exported in record.exports.items():

@@ -142,7 +142,7 @@ def end_to_end(task: Path) -> tuple[str, str]:
     from omskills.deploy.manifest import graph_from_record
     from omskills.records.task import TaskRecord, load_record
     from omskills.runtime.serving import open_graph
-    from omskills.runtime.splice import splice
+    from omskills.splicing.splice import splice
     from omskills.stages.model import open_model
     from omskills.stages.spliced_runs import main_path_parity, spliceable
 

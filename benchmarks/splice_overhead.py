@@ -34,7 +34,7 @@ import torch
 from omskills.contracts.pytree import flatten_call
 from omskills.records.task import TaskRecord, load_record
 from omskills.runtime import open_backend, serving
-from omskills.runtime.splice import SplicedModule, splice
+from omskills.splicing.splice import SplicedModule, splice
 from omskills.stages.model import open_model
 from omskills.stages.spliced_runs import open_spliced, spliceable
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grimp
 from importlinter.contracts.acyclic_siblings import AcyclicSiblingsContract
+from importlinter.contracts.forbidden import ForbiddenContract
 from importlinter.contracts.layers import LayersContract
 from importlinter.domain.contract import ContractCheck
 
@@ -132,6 +133,14 @@ class LayersWithDynamicImports(LayersContract):
 
 class AcyclicWithDynamicImports(AcyclicSiblingsContract):
     type_name = "omskills_acyclic"
+
+    def check(self, graph: grimp.ImportGraph, verbose: bool) -> ContractCheck:
+        add_hidden_imports(graph, Path.cwd() / "skills")
+        return super().check(graph, verbose)
+
+
+class ForbiddenWithDynamicImports(ForbiddenContract):
+    type_name = "omskills_forbidden"
 
     def check(self, graph: grimp.ImportGraph, verbose: bool) -> ContractCheck:
         add_hidden_imports(graph, Path.cwd() / "skills")

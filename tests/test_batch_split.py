@@ -21,7 +21,7 @@ from omskills.errors import StageError
 from omskills.records.task import load_record, save_record
 from omskills.runtime import open_backend
 from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
-from omskills.runtime.splice import splice
+from omskills.splicing.splice import splice
 from torch import nn
 
 BATCHES = (2, 5)  # observed batch sizes: gears [2] and [5]

@@ -31,7 +31,7 @@ from omskills.convert.export import export_onnx
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph
 from omskills.runtime import BackendError, open_backend
 from omskills.runtime.serving import open_graph, resolve_backend
-from omskills.runtime.splice import ContractViolation, splice
+from omskills.splicing.splice import ContractViolation, splice
 from torch import nn
 
 FAKE_ATC = Path(__file__).with_name("fake_atc")

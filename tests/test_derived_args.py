@@ -16,7 +16,7 @@ from omskills.convert.export import export_onnx
 from omskills.errors import OmskillsError
 from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.runtime import open_backend
-from omskills.runtime.splice import splice
+from omskills.splicing.splice import splice
 from torch import nn
 
 HW, PER_POINTER = 4, 2

@@ -17,8 +17,8 @@ from infer_session_double import DOUBLES
 from omskills.errors import TaskRecordError
 from omskills.models.generic import FunctionDriver
 from omskills.models.registry import bind_intake, driver_for, family_driver, installed_drivers
-from omskills.models.sam3 import Sam3Driver
 from omskills.records.intake import Intake, ModelSpec
+from omskills.sam.sam3 import Sam3Driver
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,8 +108,8 @@ def task_record(folder: Path, model: dict, inputs: dict, **intake) -> Path:
 
 def test_sam3_and_sam31_register_through_the_entry_point_group_like_any_package():
     listed = {d.family: d for d in installed_drivers()}
-    assert listed["sam3"].reference == "omskills.models.sam3:Sam3Driver"
-    assert listed["sam3.1"].reference == "omskills.models.sam31:Sam31Driver"
+    assert listed["sam3"].reference == "omskills.sam.sam3:Sam3Driver"
+    assert listed["sam3.1"].reference == "omskills.sam.sam31:Sam31Driver"
     assert all(d.origin == "entry point of omskills" for d in (listed["sam3"], listed["sam3.1"]))
     assert isinstance(family_driver("sam3"), Sam3Driver)
 
@@ -123,7 +123,7 @@ def test_an_unknown_family_is_an_error_that_lists_the_installed_ones():
 
 def test_a_driver_is_named_by_module_class_or_by_a_file_relative_to_the_record(tmp_path):
     (tmp_path / "mine.py").write_text(TOY_DRIVER)
-    assert driver_for(ModelSpec(driver="omskills.models.sam3:Sam3Driver")).family == "sam3"
+    assert driver_for(ModelSpec(driver="omskills.sam.sam3:Sam3Driver")).family == "sam3"
     assert driver_for(ModelSpec(driver="mine.py:ToyDriver"), base_dir=tmp_path).family == "toy-mlp"
     (tmp_path / "two.py").write_text(
         "def build_model(spec):\n    return None\n\ndef run_main_path(model, inputs):\n    return None\n"
@@ -162,7 +162,7 @@ def test_the_driver_validates_intake_inputs_and_verification_naming_the_field():
 def test_omskills_drivers_lists_what_is_installed():
     result = omskills("drivers")
     assert result.returncode == 0, result.stderr
-    assert "sam3.1" in result.stdout and "omskills.models.sam31:Sam31Driver" in result.stdout
+    assert "sam3.1" in result.stdout and "omskills.sam.sam31:Sam31Driver" in result.stdout
 
 
 # --------------------------------------------------------------------------- a third-party package

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omskills.ascend.probe import probe_cann, probe_npu
 from omskills.errors import InputError, TaskRecordError
-from omskills.host.environment import probe_cann, probe_environment, probe_npu
 from omskills.host.toolkit import load_tool, skills_root
+from omskills.machine.probe import probe_environment
 from omskills.models.registry import bind_intake, resolved_spec
 from omskills.records.environment import STAGES
 from omskills.records.stages import StageResult
@@ -120,6 +121,26 @@ def test_fake_ascend_toolchain_is_detected(tmp_path, monkeypatch):
     assert report.can_run("atc") and report.atc == str(bin_dir / "atc")
     assert not report.can_run("om_run")  # ais_bench / aclruntime are still missing
     assert any("Ascend310P3" in note and "Ascend910B4" in note for note in report.notes)
+
+
+def test_a_backend_registered_at_test_time_shows_in_the_report(monkeypatch):
+    """The report's backends are what the `omskills.backends` registry's entries say they run here."""
+    from omskills.runtime import BACKENDS, OnnxRuntimeBackend
+
+    class AbacusBackend(OnnxRuntimeBackend):
+        kind = "abacus"
+
+        @classmethod
+        def runs_here(cls) -> list[str]:
+            return ["abacus:beads"]
+
+    monkeypatch.setattr(BACKENDS, "_code", dict(BACKENDS._code))
+    monkeypatch.setattr(BACKENDS, "_loaded", dict(BACKENDS._loaded))
+    BACKENDS.register("abacus", AbacusBackend)
+    report = probe_environment()
+    assert "abacus:beads" in report.backends
+    assert "onnxruntime:CPUExecutionProvider" in report.backends
+    assert "abacus:beads" in report.stage("verify").reason
 
 
 def test_cann_installed_but_not_sourced_says_what_to_source(tmp_path, monkeypatch):

@@ -14,13 +14,13 @@ import pytest
 import torch
 from export_helpers import one_graph_task
 from omskills.errors import InputError, StageError
-from omskills.records.task import load_record
-from omskills.runtime.memory_estimate import (
+from omskills.profiling.memory_estimate import (
     GraphMemory,
     choose_batch_chunk,
     probe_need_bytes,
     sample_sizes,
 )
+from omskills.records.task import load_record
 from torch import nn
 from torch.nn import functional as F
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from omskills.runtime.paged_weights import page_out
+from omskills.splicing.paged_weights import page_out
 from torch import nn
 
 

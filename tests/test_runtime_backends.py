@@ -13,16 +13,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from infer_session_double import InferSessionDouble, install_fake_ais_bench, recording_sessions
+from infer_session_double import InferSessionDouble, recording_sessions
+from omskills.ascend import om_backend
+from omskills.ascend.om_backend import OmBackend, om_mode_for_strategy
 from omskills.errors import OmskillsError
 from omskills.runtime import (
     BackendError,
     BackendInputError,
     IOSpec,
-    OmBackend,
     OnnxRuntimeBackend,
     available_backends,
-    om_mode_for_strategy,
     open_backend,
 )
 
@@ -205,11 +205,11 @@ def test_open_backend_rejects_unknown_kind_and_options(linear_model):
         open_backend(path, "onnxruntime", device_id=0)
 
 
-def test_available_backends_lists_ort_providers_and_om_only_with_ais_bench(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ais_bench.infer.interface", None)  # import fails, as on this machine
+def test_available_backends_lists_ort_providers_and_om_only_where_an_npu_runs_it(monkeypatch):
+    monkeypatch.setattr(om_backend, "om_runtime_problem", lambda: "not importable: ais_bench")  # as on this machine
     assert available_backends() == ["onnxruntime:CPUExecutionProvider"]
-    install_fake_ais_bench(monkeypatch)
-    assert available_backends() == ["onnxruntime:CPUExecutionProvider", "om"]
+    monkeypatch.setattr(om_backend, "om_runtime_problem", lambda: None)
+    assert available_backends() == ["om", "onnxruntime:CPUExecutionProvider"]
 
 
 # -- OM backend through the InferSession test double -------------------------------------------

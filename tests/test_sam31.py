@@ -22,7 +22,7 @@ import pytest
 import torch
 from omskills.errors import InputError
 from omskills.models.registry import family_driver
-from omskills.models.sam31 import (
+from omskills.sam.sam31 import (
     SOURCE_ENV,
     MultiplexForcedDetections,
     Sam31Driver,

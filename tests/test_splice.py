@@ -1,4 +1,4 @@
-"""omskills.runtime.splice: put a compiled candidate back into the live model, and take it out again.
+"""omskills.splicing.splice: put a compiled candidate back into the live model, and take it out again.
 
 A spliced module answers the calls its contract covers from the backend and gives the caller the
 structure it expects (dicts, tuples, constants, dtypes, device); any other call runs the original
@@ -18,7 +18,7 @@ from omskills.contracts import capture_contracts
 from omskills.convert.export import ContractWrapper, export_onnx
 from omskills.records.contracts import ShapeStrategy
 from omskills.runtime import IOSpec, open_backend
-from omskills.runtime.splice import SplicedModule, SpliceError, splice
+from omskills.splicing.splice import SplicedModule, SpliceError, splice
 
 
 class TorchBackendDouble:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from omskills.contracts import capture_contracts
 from omskills.records.contracts import Provenance
-from omskills.runtime.splice import splice
+from omskills.splicing.splice import splice
 from test_splice import TorchBackendDouble
 from test_splice_traffic import Pipeline
 
@@ -47,7 +47,7 @@ def test_a_graph_fed_from_another_modules_output_always_runs():
 
 
 def test_outputs_computed_ahead_survive_a_save_and_stay_however_many_calls_follow(tmp_path):
-    from omskills.runtime.memo import ENTRIES, OutputMemo, load_entries, save_entries
+    from omskills.splicing.memo import ENTRIES, OutputMemo, load_entries, save_entries
 
     computed = OutputMemo()
     feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from omskills.contracts import capture_contracts
 from omskills.records.traffic import LinkCost
-from omskills.runtime.splice import splice
-from omskills.runtime.traffic import traffic_report
+from omskills.splicing.splice import splice
+from omskills.splicing.traffic import traffic_report
 from test_splice import TorchBackendDouble
 
 
@@ -255,7 +255,7 @@ def test_an_output_the_host_computed_on_is_given_as_a_host_array(onnx_pair):
 
 
 def test_the_probe_of_a_tensor_too_long_for_float_indices_stays_inside_it():
-    from omskills.runtime.traffic import PROBE_VALUES, _probe
+    from omskills.splicing.traffic import PROBE_VALUES, _probe
 
     tensor = torch.zeros(21233664, dtype=torch.uint8)  # a float32 linspace of its indices ends past it
     tensor[-1] = 7

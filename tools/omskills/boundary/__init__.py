@@ -1,2 +1,2 @@
-"""Deployment boundaries: what of a captured contract becomes a graph, what stays in Python, and
+"""Where a deployed graph's boundary lies: which part of a captured contract becomes a graph, with
 the one ATC shape strategy of each graph."""

@@ -1,2 +1,2 @@
-"""Comparisons: a compiled graph's outputs against PyTorch (parity tiers), and a whole main path's
-outputs under a driver's output checks (exact, tensor, IoU, max abs)."""
+"""Judging outputs against PyTorch's: a compiled graph's parity tiers, a whole main path under a
+driver's output checks (exact, tensor, IoU, max abs)."""

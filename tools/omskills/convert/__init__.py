@@ -1,2 +1,3 @@
-"""Export and ONNX mechanisms: the contract wrapper and exporters, custom translations, optimised
-variants (onnxslim, auto_optimizer, each checked by running it) and composing a chain of graphs."""
+"""Turning a candidate into ONNX graphs ready for ATC: the contract wrapper with its exporters,
+custom translations, optimised variants each checked by running it, a chain of graphs composed into
+one."""

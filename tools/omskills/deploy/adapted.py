@@ -29,9 +29,9 @@ from omskills.records.deploy import DeployManifest
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.intake import Intake
 from omskills.runtime import open_backend
-from omskills.runtime.memo import load_entries
 from omskills.runtime.serving import open_graph, resolve_backend
-from omskills.runtime.splice import SpliceHandle, splice
+from omskills.splicing.memo import load_entries
+from omskills.splicing.splice import SpliceHandle, splice
 
 logger = logging.getLogger(__name__)
 

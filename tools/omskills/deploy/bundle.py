@@ -45,7 +45,7 @@ from omskills.records.results import BundleSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
 from omskills.run_folder import RunFolder
-from omskills.runtime.memo import MemoEntry, save_entries
+from omskills.splicing.memo import MemoEntry, save_entries
 
 ARTIFACTS: tuple[str, ...] = get_args(BundleArtifact)
 

@@ -1,2 +1,2 @@
-"""The machine and the clients around the engine: the MCP server, the skill-tool convention and
-discovery, and the environment probe (packages, CANN, NPU)."""
+"""Serving the engine to clients over MCP: the server with its jobs, resources, prompts, the
+skill-tool convention with its discovery."""

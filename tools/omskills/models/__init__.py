@@ -1,4 +1,3 @@
-"""Model drivers: the interface (`api`, and `kit` for driver authors), how a record's driver is
-found (`registry`), the driver for plain two-function files (`generic`), the scaffold of a new one
-(`scaffold`), and the drivers that ship with omskills, which register through the
-`omskills.drivers` entry points like any third-party driver."""
+"""The model-driver framework: the `ModelDriver` interface (`api`, `kit` for driver authors), how a
+record's driver is found (`registry`), the driver of plain two-function files (`generic`), the
+scaffold of a new driver."""

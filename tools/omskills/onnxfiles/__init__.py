@@ -1,2 +1,2 @@
-"""ONNX files: saving and loading models of any size (weights beside the graph), weights kept in a
-file of their own, and the summary of a graph that stages, backends and ATC checks read."""
+"""ONNX files of any size read or written: weights beside the graph, weights in a file of their own,
+a graph's summary read without its weights."""

@@ -1,1 +1,2 @@
-"""Where the main path spends its time: the module profiler, and seed candidates read off a profile."""
+"""What running the main path costs: each module's time measured, the memory of a graph call
+predicted from the graph, seed candidates read off a profile."""

@@ -1,1 +1,1 @@
-"""The task record and every typed record stored in it (pydantic, no torch). Each stage owns one module."""
+"""The task record with every typed record stored in it (pydantic, no torch), one module per stage."""

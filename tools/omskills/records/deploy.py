@@ -61,7 +61,7 @@ class DeployedGraph(Record):
     keep_dtype_nodes: list[str] = Field(default_factory=list)
     atc_script: RunPath | None = None
     # Outputs computed ahead for inputs known when the bundle was written (`bundle --precompute`,
-    # runtime.memo): the deployed model answers those calls from memory.
+    # splicing.memo): the deployed model answers those calls from memory.
     remembered: ArtifactFile | None = None
 
 

@@ -62,8 +62,8 @@ class SpliceStats(Record):
     calls: int
     backend_calls: int
     fallbacks: int
-    memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (runtime.memo)
-    merged_hits: int = 0  # calls answered inside another graph's call by their merged graph (runtime.splice)
+    memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (splicing.memo)
+    merged_hits: int = 0  # calls answered inside another graph's call by their merged graph (splicing.splice)
     fallback_kinds: dict[FallbackKind, int] = Field(default_factory=dict)  # kind -> count
     fallback_reasons: list[str] = Field(default_factory=list)  # distinct reasons, first seen first
     total_backend_seconds: float = 0.0  # feeds conversion + backend run + output rebuild

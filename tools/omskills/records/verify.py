@@ -121,7 +121,7 @@ class CandidateVerification(Record):
     backend_ms_per_call: float | None
     calls: int
     fallbacks: int
-    memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (runtime.memo)
+    memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (splicing.memo)
 
 
 class MainPathParity(Record):

@@ -1,1 +1,1 @@
-"""Rendering for people: Jinja2 templates, charts and pictures of the reports."""
+"""Rendering records for people: Jinja2 templates, charts, pictures."""

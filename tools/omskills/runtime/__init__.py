@@ -1,13 +1,13 @@
-"""Runtime backends: run a compiled candidate (ONNX or OM) behind one interface.
+"""Running a compiled graph behind one runner interface, whichever registered backend runs it."""
 
-    with open_backend("model.onnx", "onnxruntime") as backend:
-        outputs = backend.run({"x": array})     # dict name -> np.ndarray, model order
-        backend.last_seconds, backend.describe()
-
-`available_backends()` says what this machine can run, e.g. ["onnxruntime:CPUExecutionProvider"].
-Backends are entries of the `omskills.backends` registry (entry-point group of the same name):
-a third-party backend registers there as the built-in ones do.
-"""
+#     with open_backend("model.onnx", "onnxruntime") as backend:
+#         outputs = backend.run({"x": array})     # dict name -> np.ndarray, model order
+#         backend.last_seconds, backend.describe()
+#
+# `available_backends()` says what this machine can run, e.g. ["onnxruntime:CPUExecutionProvider"]:
+# what each registered backend says it runs here (`RuntimeBackend.runs_here`). Backends are entries
+# of the `omskills.backends` registry (entry-point group of the same name): a third-party backend
+# registers there as the built-in ones do.
 
 from __future__ import annotations
 
@@ -21,15 +21,17 @@ from omskills.runtime.base import (
     BackendInputError,
     BackendKind,
     IOSpec,
+    Runner,
     RuntimeBackend,
     check_feeds,
 )
-from omskills.runtime.om_backend import OM_MODES, OmBackend, OmMode, ais_bench_available, om_mode_for_strategy
 from omskills.runtime.onnxruntime_backend import PREFERRED_PROVIDERS, OnnxRuntimeBackend, available_providers
 
 BACKENDS: Registry[type[RuntimeBackend]] = Registry("runtime backend", group="omskills.backends")
 BACKENDS.register("onnxruntime", OnnxRuntimeBackend)
-BACKENDS.register("om", OmBackend)
+# The OM backend lives with the rest of Ascend, a layer above this one: registered by reference, it
+# is imported only when looked up.
+BACKENDS.register("om", "omskills.ascend.om_backend:OmBackend")
 
 
 def open_backend(path: str | Path, kind: BackendKind, **options: object) -> RuntimeBackend:
@@ -49,30 +51,32 @@ def open_backend(path: str | Path, kind: BackendKind, **options: object) -> Runt
 
 
 def available_backends() -> list[str]:
-    """What this machine can run: one 'onnxruntime:<provider>' per preferred provider, plus 'om'."""
-    found = [f"onnxruntime:{name}" for name in PREFERRED_PROVIDERS if name in available_providers()]
-    if ais_bench_available():
-        found.append("om")
+    """What this machine can run: every registered backend's `runs_here()` labels, in the registry's
+    order (one 'onnxruntime:<provider>' per preferred provider present, 'om' where an NPU runs OMs).
+    A backend whose module does not import runs nothing here."""
+    found: list[str] = []
+    for name in BACKENDS.names():
+        try:
+            backend_class = BACKENDS.get(name)
+        except RegistryError:
+            continue
+        found += backend_class.runs_here()
     return found
 
 
 __all__ = [
     "ANONYMOUS_DIM",
     "BACKENDS",
-    "OM_MODES",
     "PREFERRED_PROVIDERS",
     "BackendError",
     "BackendInputError",
     "BackendKind",
     "IOSpec",
-    "OmBackend",
-    "OmMode",
     "OnnxRuntimeBackend",
+    "Runner",
     "RuntimeBackend",
     "available_backends",
     "available_providers",
     "check_feeds",
-    "ais_bench_available",
-    "om_mode_for_strategy",
     "open_backend",
 ]

@@ -1,9 +1,12 @@
 """One interface for every runtime that can execute a compiled candidate.
 
-Shaped like NVIDIA Polygraphy's runners: this base class owns the life cycle
-(activate -> run -> close), checks each feed against the model's input metadata before the
-backend sees it, and times the inference; a backend only implements the three `_impl`
-hooks. A spliced module therefore behaves the same whichever backend runs underneath.
+Shaped like NVIDIA Polygraphy's runners: `Runner` is what serving hands out, a loaded model that
+maps named numpy feeds to named numpy outputs, whether a backend runs each call itself
+(`RuntimeBackend`) or a wrapper runs it on another runner (`batch_split.SplitBatchBackend`).
+`RuntimeBackend` owns the life cycle (activate -> run -> close), checks each feed against the
+model's input metadata before the backend sees it, and times the inference; a backend only
+implements the three `_impl` hooks. A spliced module therefore behaves the same whichever backend
+runs underneath.
 
 The class also holds its serving policy, which load_adapted, verify and bundles go through
 (`runtime.serving`): whether this machine can run it, whether it can open a deployed graph's
@@ -17,16 +20,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from omskills.errors import OmskillsError
 from omskills.records.base import Record
 from omskills.records.deploy import DeployedGraph
 from pydantic import field_validator
-
-if TYPE_CHECKING:
-    from omskills.runtime.batch_split import SplitBatchBackend
 
 # The name a backend is registered under in omskills.runtime.BACKENDS ("onnxruntime", "om", or a third party's).
 BackendKind = str
@@ -73,11 +73,51 @@ class Placement:
     model: Path | None = None  # opened instead of the graph's ONNX file (an emulated rewrite of it, say)
 
 
-class RuntimeBackend(ABC):
+class Runner(ABC):
     """A loaded model that maps named numpy feeds to named numpy outputs.
 
-    Use as a context manager, or call `close()`. The model is loaded on first use
-    (`activate()`, `run()`, `inputs`, `outputs` or entering the `with` block).
+    Use as a context manager, or call `close()`.
+    """
+
+    kind: BackendKind  # the backend that runs the calls
+    device: str  # where the model really runs ("" until it is loaded)
+
+    @property
+    @abstractmethod
+    def inputs(self) -> list[IOSpec]: ...
+
+    @property
+    @abstractmethod
+    def outputs(self) -> list[IOSpec]: ...
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Short label for reports: which runtime and device really ran."""
+
+    @abstractmethod
+    def activate(self) -> Runner:
+        """Load the model (once); return the runner."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the loaded model."""
+
+    @abstractmethod
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs by name (model order) for `feeds`."""
+
+    def __enter__(self) -> Runner:
+        return self.activate()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RuntimeBackend(Runner):
+    """A runner that runs each call itself, on one runtime.
+
+    The model is loaded on first use (`activate()`, `run()`, `inputs`, `outputs` or entering the
+    `with` block).
     """
 
     kind: ClassVar[BackendKind]
@@ -104,12 +144,18 @@ class RuntimeBackend(ABC):
         return None
 
     @classmethod
+    def runs_here(cls) -> list[str]:
+        """What this backend runs on this machine, one label per way it runs (a provider, say):
+        none when it cannot run here. The machine probe and `available_backends` list these."""
+        return [cls.kind] if cls.unavailable() is None else []
+
+    @classmethod
     def cannot_serve(cls, graph: DeployedGraph) -> str | None:
         """Why this backend cannot open `graph`'s artifact, or None (by default it opens the ONNX file)."""
         return None
 
     @classmethod
-    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> RuntimeBackend | SplitBatchBackend:
+    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> Runner:
         """`graph` opened as a deployment runs it (artifact paths are relative to `root`). By default:
         its ONNX file, or `placement.model`, with the backend's default options."""
         return cls(placement.model or root / graph.onnx.path).activate()
@@ -126,12 +172,6 @@ class RuntimeBackend(ABC):
         if self._active:
             self._active = False
             self._deactivate_impl()
-
-    def __enter__(self) -> RuntimeBackend:
-        return self.activate()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # -- metadata ---------------------------------------------------------------------------
 

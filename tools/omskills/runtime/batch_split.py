@@ -25,7 +25,7 @@ import numpy as np
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.toolchain import BatchSplit
-from omskills.runtime.base import BackendInputError, IOSpec, RuntimeBackend
+from omskills.runtime.base import BackendInputError, IOSpec, Runner
 
 
 def batch_split_for(
@@ -81,11 +81,11 @@ def gear_plan(batch: int, gears: Sequence[int]) -> list[Chunk]:
     return sorted(best[batch][2], key=lambda chunk: chunk.size != chunk.gear)  # the padded one last
 
 
-class SplitBatchBackend:
-    """A backend that runs a call in chunks: of at most `split.max_batch` items, or, with `gears`,
-    of gear sizes only (see the module doc)."""
+class SplitBatchBackend(Runner):
+    """A runner that runs a call on another runner in chunks: of at most `split.max_batch` items,
+    or, with `gears`, of gear sizes only (see the module doc)."""
 
-    def __init__(self, backend: RuntimeBackend, split: BatchSplit, gears: Sequence[int] | None = None) -> None:
+    def __init__(self, backend: Runner, split: BatchSplit, gears: Sequence[int] | None = None) -> None:
         self.backend = backend
         self.split = split
         self.gears = sorted(set(gears)) if gears else None
@@ -115,12 +115,9 @@ class SplitBatchBackend:
             return f"{self.backend.describe()}, batch served by gears {self.gears}"
         return f"{self.backend.describe()}, batch in chunks of {self.split.max_batch}"
 
-    def __enter__(self) -> SplitBatchBackend:
+    def activate(self) -> SplitBatchBackend:
         self.backend.activate()
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.backend.close()
 
     def close(self) -> None:
         self.backend.close()

@@ -15,7 +15,7 @@ import numpy as np
 from omskills.isolation import trim_heap
 from omskills.records.deploy import DeployedGraph
 from omskills.records.toolchain import BatchSplit
-from omskills.runtime.base import BackendError, IOSpec, Placement, RuntimeBackend, check_feeds
+from omskills.runtime.base import BackendError, IOSpec, Placement, Runner, RuntimeBackend, check_feeds
 from omskills.runtime.batch_split import SplitBatchBackend
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
@@ -69,7 +69,17 @@ class OnnxRuntimeBackend(RuntimeBackend):
     auto_rank = 1  # "auto" falls back to it: it opens every graph's ONNX file
 
     @classmethod
-    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> RuntimeBackend | SplitBatchBackend:
+    def runs_here(cls) -> list[str]:
+        """One 'onnxruntime:<provider>' per preferred provider this onnxruntime offers (none
+        without onnxruntime)."""
+        try:
+            available = available_providers()
+        except ImportError:
+            return []
+        return [f"{cls.kind}:{name}" for name in PREFERRED_PROVIDERS if name in available]
+
+    @classmethod
+    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> Runner:
         """A session on the providers asked for (or the preferred ones present). The CANN provider
         gets the NPU and the precision mode chosen in emulation; on the CPU the batch runs in the
         chunks probe_onnx found it needs."""
@@ -260,7 +270,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def open_onnxruntime(path: str | Path, split: BatchSplit | None) -> RuntimeBackend | SplitBatchBackend:
+def open_onnxruntime(path: str | Path, split: BatchSplit | None) -> Runner:
     """An ONNX Runtime session on `path`, running the batch in chunks when `split` is given."""
     backend = OnnxRuntimeBackend(path).activate()
     return SplitBatchBackend(backend, split) if split is not None else backend

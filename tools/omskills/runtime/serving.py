@@ -16,8 +16,7 @@ from pathlib import Path
 from omskills.records.deploy import DeployedGraph
 from omskills.registry import RegistryError
 from omskills.runtime import BACKENDS
-from omskills.runtime.base import BackendError, Placement, RuntimeBackend
-from omskills.runtime.batch_split import SplitBatchBackend
+from omskills.runtime.base import BackendError, Placement, Runner, RuntimeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ def open_graph(
     device_id: int = 0,
     providers: Sequence[str] | None = None,
     model: Path | None = None,
-) -> RuntimeBackend | SplitBatchBackend:
+) -> Runner:
     """The backend serving `graph`; `model` replaces the graph's ONNX file (an emulated rewrite of
     it, say)."""
     cls = backend_class(backend)

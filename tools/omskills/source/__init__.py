@@ -1,2 +1,2 @@
-"""The model's source: a static scan of its package (entries, control plane, CUDA-only sites) and
-the device-portability layer that runs CUDA-minded code elsewhere, logging every site."""
+"""Reading the model's source: a static scan of its package (entries, control plane, CUDA-only
+sites), the device-portability layer that runs CUDA-minded code elsewhere, logging every site."""

@@ -1,3 +1,2 @@
-"""Stage logic: the modules that run an adaptation's steps on a task record's path (deploy/ also
-takes one, to read a verified run). Each reads the record, runs one step through the mechanisms
-below it, and writes the step's result back (resumable)."""
+"""The adaptation's steps, each run on a task record's path: read the record, run one step through
+the mechanisms below, write its result back (resumable)."""

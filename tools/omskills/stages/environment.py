@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from omskills.ascend.atc import check_soc, soc_of_command
 from omskills.errors import InputError, OmskillsError
-from omskills.host.environment import device_problem, probe_environment
+from omskills.machine.probe import device_problem, probe_environment
 from omskills.models.api import ModelDriver, driver_checks
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
 from omskills.records.environment import EnvironmentReport

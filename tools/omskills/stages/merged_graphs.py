@@ -29,8 +29,8 @@ from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
 from omskills.records.verify import OutputCheck
 from omskills.run_folder import RunFolder
 from omskills.runtime import open_backend
-from omskills.runtime.splice import SpliceBackend, splice
-from omskills.runtime.traffic import traffic_report
+from omskills.splicing.splice import SpliceBackend, splice
+from omskills.splicing.traffic import traffic_report
 from omskills.stages.model import TaskModel
 from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import main_path_parity

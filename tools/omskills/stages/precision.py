@@ -27,12 +27,12 @@ from omskills.convert.optimize import first_chunk_arrays
 from omskills.errors import InputError, OmskillsError, StageError
 from omskills.isolation import model_bytes, run_in_child
 from omskills.models import cache as model_cache
+from omskills.profiling.memory_estimate import MIB, GraphMemory
 from omskills.records.choices import CompareAgainst
 from omskills.records.contracts import ContractSpec
 from omskills.records.precision import LayerComparison, PrecisionReport
 from omskills.records.task import TaskRecord, load_record
 from omskills.run_folder import RunFolder
-from omskills.runtime.memory_estimate import MIB, GraphMemory
 from omskills.stages.model import open_model
 from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
 

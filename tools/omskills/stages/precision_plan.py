@@ -48,7 +48,7 @@ from omskills.records.precision import (
 )
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import AGREEMENTS, CheckSummary, MainPathParity, OutputCheck, VerifyReport
-from omskills.runtime.splice import SpliceHandle, splice
+from omskills.splicing.splice import SpliceHandle, splice
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import (

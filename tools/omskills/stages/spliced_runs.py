@@ -15,9 +15,9 @@ from omskills.errors import StageError, one_line
 from omskills.models.api import MainPathRun
 from omskills.records.task import TaskRecord
 from omskills.records.verify import CheckSummary, MainPathParity, OutputCheck, StepParity
-from omskills.runtime.paged_weights import page_out
 from omskills.runtime.serving import open_graph
-from omskills.runtime.splice import SpliceBackend
+from omskills.splicing.paged_weights import page_out
+from omskills.splicing.splice import SpliceBackend
 
 
 def spliceable(record: TaskRecord) -> tuple[list[str], dict[str, str]]:

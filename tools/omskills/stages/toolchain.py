@@ -24,6 +24,7 @@ from omskills.convert.optimize import optimize_variants, probe_samples
 from omskills.errors import OmskillsError, StageError, one_line
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
+from omskills.profiling.memory_estimate import plan_probe, probe_budget_bytes
 from omskills.records.export import ExporterName, ExportResult
 from omskills.records.parity import ParityReport, verdict_rank
 from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
@@ -31,7 +32,6 @@ from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from omskills.run_folder import RunFolder
 from omskills.runtime.batch_split import batch_split_for
-from omskills.runtime.memory_estimate import plan_probe, probe_budget_bytes
 from omskills.stages.model import open_model
 from omskills.stages.steps import artifacts_of, fingerprint, is_done, require_intact, running_step
 

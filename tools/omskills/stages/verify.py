@@ -18,7 +18,7 @@ from omskills.records.task import TaskRecord, load_record
 from omskills.records.traffic import MergedRun
 from omskills.records.verify import VerifyReport
 from omskills.runtime import BACKENDS
-from omskills.runtime.splice import SpliceBackend, splice
+from omskills.splicing.splice import SpliceBackend, splice
 from omskills.stages.merged_graphs import merged_run
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.spliced_runs import chosen_emulation, chosen_modes, open_spliced, page_out_spliced, spliceable

@@ -23,8 +23,8 @@ from omskills.report.pictures import save_png, side_by_side
 from omskills.report.render import template_environment
 from omskills.report.stage_status import STAGES, stage_status
 from omskills.run_folder import RunFolder
-from omskills.runtime.splice import SpliceHandle
-from omskills.runtime.traffic import traffic_report
+from omskills.splicing.splice import SpliceHandle
+from omskills.splicing.traffic import traffic_report
 from omskills.stages.model import TaskModel
 from omskills.stages.spliced_runs import main_path_parity, spliceable
 

@@ -26,8 +26,8 @@ from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unf
 from omskills.errors import OmskillsError, one_line
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
-from omskills.runtime.memo import OutputMemo, memoisable
-from omskills.runtime.traffic import TrafficMeter
+from omskills.splicing.memo import OutputMemo, memoisable
+from omskills.splicing.traffic import TrafficMeter
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class IOName(Protocol):
 
 
 class SpliceBackend(Protocol):
-    """What a spliced module needs from a runtime backend (omskills.runtime.RuntimeBackend has it)."""
+    """What a spliced module needs from a runtime backend (omskills.runtime.Runner has it)."""
 
     kind: str
     device: str

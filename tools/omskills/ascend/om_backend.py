@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
+from omskills.ascend.probe import om_runtime_problem
 from omskills.records.deploy import DeployedGraph
-from omskills.runtime.base import BackendError, IOSpec, Placement, RuntimeBackend
+from omskills.runtime.base import BackendError, IOSpec, Placement, Runner, RuntimeBackend
 from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
 
 OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]
@@ -146,13 +147,19 @@ class OmBackend(RuntimeBackend):
         return None if ais_bench_available() else "ais_bench is not installed"
 
     @classmethod
+    def runs_here(cls) -> list[str]:
+        """'om' where the OM runtime imports (in a child: it may abort without Ascend drivers) and
+        an NPU is listed."""
+        return [] if om_runtime_problem() else [cls.kind]
+
+    @classmethod
     def cannot_serve(cls, graph: DeployedGraph) -> str | None:
         if graph.om is None:
             return f"no OM was built (run its ATC script where CANN is installed: {graph.atc_script or 'convert_atc'})"
         return None
 
     @classmethod
-    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> RuntimeBackend | SplitBatchBackend:
+    def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> Runner:
         """An InferSession in the mode of the ATC shape strategy the OM was built with, on the NPU
         `placement.device_id`; an OM built with batch gears serves any batch as gear-sized calls."""
         if graph.om is None:

@@ -30,7 +30,9 @@ from unittest import mock
 import torch
 from omskills.errors import InputError, TaskRecordError
 from omskills.models.api import LoadedModel, ProvenanceSource, SeedCandidate
-from omskills.models.sam3 import (
+from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
+from omskills.records.intake import ModelSpec
+from omskills.sam.sam3 import (
     SAM3_FIXES,
     ForcedDetections,
     SamVerification,
@@ -41,8 +43,6 @@ from omskills.models.sam3 import (
     memory_schedule,
     reinit_non_finite,
 )
-from omskills.records.contracts import DimRef, QuantityLimit, QuantitySchedule, ShapeDerivedArg
-from omskills.records.intake import ModelSpec
 from omskills.source.portability import HOST_DEPENDENT_IMPORTS, DevicePortability, FunctionFix
 
 SOURCE_ENV = "OMSKILLS_SAM31_SOURCE"

@@ -1,8 +1,9 @@
 """Probe this machine: which packages, toolchains and devices exist, and so which stages can run.
 
-Nothing here claims more than it saw: `atc` counts only when it is on PATH, OM inference only
-when `ais_bench`/`aclruntime` import and `npu-smi` is present. Packages whose import may have
-side effects or crash without Ascend drivers (torch_npu, ais_bench, aclruntime,
+Nothing here claims more than it saw: the Ascend side (CANN, `atc`, NPUs, the OM runtime) is
+probed by `omskills.ascend.probe`; the backends are those of the `omskills.backends` registry that
+say they run here (`RuntimeBackend.runs_here`), a third party's among them. Packages whose import
+may have side effects or crash without Ascend drivers (torch_npu, ais_bench, aclruntime,
 auto_optimizer) are imported in a child process.
 """
 
@@ -12,16 +13,22 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import platform
-import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from omskills.ascend.probe import (
+    DEFAULT_ASCEND_ROOT,
+    OM_RUNTIME_PACKAGES,
+    atc_problem,
+    om_run_problems,
+    probe_atc,
+    probe_cann,
+    probe_npu,
+)
 from omskills.records.environment import (
     CannProbe,
     EnvironmentReport,
@@ -31,15 +38,13 @@ from omskills.records.environment import (
     TorchProbe,
 )
 from omskills.records.intake import Intake
+from omskills.runtime import BACKENDS, available_backends
 
-DEFAULT_ASCEND_ROOT = Path("/usr/local/Ascend")
 SUBPROCESS_TIMEOUT_S = 120
 # Imported in this process: plain Python/C extensions without device side effects.
 IN_PROCESS = ("onnx", "onnxruntime", "onnxscript", "onnxslim")
 # Imported in a child process: they may load Ascend drivers, patch libraries or abort.
-IN_CHILD = ("ais_bench", "aclruntime")
-VERSION_LINE = re.compile(r"^\s*(?:version|Version|VERSION)\s*[=:]\s*(\S+)")
-NPU_SMI_ROW = re.compile(r"^\|\s*\d+\s+((?:910|310|710)[A-Za-z0-9]*)\s+\|")
+IN_CHILD = OM_RUNTIME_PACKAGES
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,68 +144,6 @@ def _onnxruntime_providers(ort: PackageProbe) -> list[str]:
     return list(onnxruntime.get_available_providers())
 
 
-def _read_version(files: list[Path]) -> tuple[str | None, str | None]:
-    for path in files:
-        try:
-            for line in path.read_text(errors="replace").splitlines():
-                match = VERSION_LINE.match(line)
-                if match:
-                    return match.group(1), str(path)
-        except OSError:
-            continue
-    return None, None
-
-
-def _cann_homes(ascend_root: Path) -> list[tuple[Path, str]]:
-    homes: list[tuple[Path, str]] = []
-    for var in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
-        if os.environ.get(var):
-            homes.append((Path(os.environ[var]), var))
-    homes.append((ascend_root / "ascend-toolkit" / "latest", "default path"))
-    # CANN 8.x can also install as /usr/local/Ascend/cann-<version>.
-    homes.extend((p, "default path") for p in sorted(ascend_root.glob("cann*"), reverse=True))
-    return homes
-
-
-def probe_cann(ascend_root: Path = DEFAULT_ASCEND_ROOT) -> CannProbe:
-    searched: list[str] = []
-    for home, found_by in _cann_homes(ascend_root):
-        searched.append(str(home))
-        if not home.is_dir():
-            continue
-        set_env = next((p for p in (home / "set_env.sh", home.parent / "set_env.sh") if p.is_file()), None)
-        # *_install.info holds the toolkit's version; component version.info files come second.
-        version_files = sorted(home.glob("*_install.info")) + sorted(home.glob("*/*_install.info"))
-        version_files += [home / "version.info"] + sorted(home.glob("*/version.info"))
-        version, version_file = _read_version(version_files)
-        return CannProbe(
-            home=str(home),
-            found_by=found_by,
-            set_env=str(set_env) if set_env else None,
-            version=version,
-            version_file=version_file,
-            searched=searched,
-        )
-    return CannProbe(searched=searched)
-
-
-def probe_npu() -> NpuProbe:
-    npu_smi = shutil.which("npu-smi")
-    if npu_smi is None:
-        return NpuProbe(detail="npu-smi not on PATH (no Ascend driver here)")
-    try:
-        done = subprocess.run([npu_smi, "info"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return NpuProbe(npu_smi=npu_smi, detail=f"npu-smi info failed: {err}")
-    if done.returncode != 0:
-        return NpuProbe(npu_smi=npu_smi, detail=f"npu-smi info exited {done.returncode}: {done.stderr.strip()[:200]}")
-    for line in done.stdout.splitlines():
-        match = NPU_SMI_ROW.match(line)
-        if match:
-            return NpuProbe(npu_smi=npu_smi, soc=f"Ascend{match.group(1)}")
-    return NpuProbe(npu_smi=npu_smi, detail="npu-smi info lists no NPU")
-
-
 @dataclass
 class _Facts:
     """What the stage rules look at."""
@@ -208,6 +151,7 @@ class _Facts:
     packages: dict[str, PackageProbe]
     torch: TorchProbe
     providers: list[str]
+    backends: list[str]  # what the registered backends run here
     atc: str | None
     cann: CannProbe
     npu: NpuProbe
@@ -248,18 +192,11 @@ def _device_problem(facts: _Facts) -> str:
 
 
 def _atc_stage(facts: _Facts) -> StageCapability:
-    if facts.atc:
-        return _stage("atc", [], f"atc on PATH: {facts.atc}")
-    if facts.cann.home:
-        hint = f"source {facts.cann.set_env}" if facts.cann.set_env else "its set_env.sh was not found"
-        return _stage("atc", [f"CANN found at {facts.cann.home} but atc is not on PATH ({hint})"], "")
-    return _stage("atc", [f"atc not on PATH and no CANN toolkit found (searched {', '.join(facts.cann.searched)})"], "")
+    return _stage("atc", [atc_problem(facts.atc, facts.cann)], f"atc on PATH: {facts.atc}")
 
 
 def _om_run_stage(facts: _Facts) -> StageCapability:
-    problems = [_needs(facts, "ais_bench", "aclruntime")]
-    if facts.npu.soc is None:
-        problems.append(facts.npu.detail or "no NPU visible")
+    problems = om_run_problems(facts.missing(*OM_RUNTIME_PACKAGES), facts.npu)
     return _stage("om_run", problems, f"ais_bench and aclruntime import, NPU {facts.npu.soc}")
 
 
@@ -269,10 +206,7 @@ def _stages(facts: _Facts) -> list[StageCapability]:
     optimizers = (
         "onnxslim and auto_optimizer" if facts.ok("auto_optimizer") else "onnxslim only (auto_optimizer not importable)"
     )
-    om = _om_run_stage(facts)
-    backends_problem = (
-        "" if (facts.providers or om.can_run) else "no runtime backend: onnxruntime not importable and no OM runtime"
-    )
+    backends_problem = "" if facts.backends else f"no runtime backend: none of {BACKENDS.names()} runs here"
     return [
         _stage("inventory", [facts.model_problem or ""], "static ast scan: needs only Python and the model source"),
         _stage("profile", runs_model, f"runs the main path with torch {facts.torch.version} on {facts.device}"),
@@ -285,18 +219,9 @@ def _stages(facts: _Facts) -> list[StageCapability]:
         _stage("optimize", [_needs(facts, "onnx", "onnxslim")], optimizers),
         _stage("precheck", [_needs(facts, "onnx")], "operator check against the ATC support list (no CANN needed)"),
         _atc_stage(facts),
-        om,
-        _stage(
-            "verify",
-            [torch_problem, backends_problem],
-            "compare torch with: " + ", ".join(_backends(facts, om.can_run)),
-        ),
+        _om_run_stage(facts),
+        _stage("verify", [torch_problem, backends_problem], "compare torch with: " + ", ".join(facts.backends)),
     ]
-
-
-def _backends(facts: _Facts, om_ok: bool) -> list[str]:
-    backends = [f"onnxruntime:{p}" for p in facts.providers]
-    return backends + (["om"] if om_ok else [])
 
 
 def _notes(intake: Intake | None, cann: CannProbe, npu: NpuProbe) -> list[str]:
@@ -332,14 +257,13 @@ def probe_environment(
         packages=by_name,
         torch=torch_probe,
         providers=_onnxruntime_providers(by_name["onnxruntime"]),
-        atc=shutil.which("atc"),
+        backends=available_backends(),
+        atc=probe_atc(),
         cann=probe_cann(ascend_root),
         npu=probe_npu(),
         device=intake.model.device if intake else "cpu",
         model_problem=model_problem,
     )
-    stages = _stages(facts)
-    om_ok = next(s.can_run for s in stages if s.stage == "om_run")
     return EnvironmentReport(
         probed_at=now_iso(),
         python=f"{platform.python_version()} ({sys.executable})",
@@ -350,7 +274,7 @@ def probe_environment(
         atc=facts.atc,
         cann=facts.cann,
         npu=facts.npu,
-        stages=stages,
-        backends=_backends(facts, om_ok),
+        stages=_stages(facts),
+        backends=facts.backends,
         notes=_notes(intake, facts.cann, facts.npu),
     )
