@@ -317,6 +317,7 @@ NOT_DEPLOYED_MACHINERY = (
     "omskills.ascend",
     "omskills.source.inventory",
     "omskills.host",
+    "omskills.machine",
     "omskills.orchestrator",
     "onnx",
 )
