@@ -26,11 +26,12 @@ def convert_atc(
 
     Works on the plan's first batch, or on the one candidate named; a candidate that fails is
     recorded as failed with its error (its logs kept) and the others go on."""
-    from omskills.stages.toolchain import convert_candidate, for_each_candidate
+    from omskills.stages.steps import for_each_graph
+    from omskills.stages.toolchain import convert_candidate
 
     path = Path(task)
-    return for_each_candidate(
-        path, candidate, AtcBatch(), lambda name: convert_candidate(path, name, precision_mode), "convert_atc"
+    return for_each_graph(
+        "atc", path, candidate, AtcBatch(), lambda name: convert_candidate(path, name, precision_mode)
     )
 
 

@@ -32,16 +32,11 @@ def emulate_precision(
     candidate named; a candidate whose emulation fails keeps its status (the failure is recorded)
     and the others go on."""
     from omskills.stages.precision import emulate_candidate
-    from omskills.stages.toolchain import for_each_candidate
+    from omskills.stages.steps import for_each_graph
 
     path = Path(task)
-    return for_each_candidate(
-        path,
-        candidate,
-        PrecisionBatch(),
-        lambda name: emulate_candidate(path, name, modes),
-        "emulate_precision",
-        advisory=True,
+    return for_each_graph(
+        "precision", path, candidate, PrecisionBatch(), lambda name: emulate_candidate(path, name, modes)
     )
 
 

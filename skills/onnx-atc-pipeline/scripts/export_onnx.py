@@ -30,18 +30,11 @@ def export_onnx(
     candidate that fails is recorded as failed with its error (its logs kept) and the others go on;
     the candidates deferred because they run inside the failed one then join the batch and are
     exported in its place."""
-    from omskills.stages.toolchain import export_candidate, for_each_candidate
+    from omskills.stages.steps import for_each_graph
+    from omskills.stages.toolchain import export_candidate
 
     path = Path(task)
-    return for_each_candidate(
-        path,
-        candidate,
-        ExportBatch(),
-        lambda name: export_candidate(path, name, exporter),
-        "export_onnx",
-        promote_inner=True,
-        needs_export=False,
-    )
+    return for_each_graph("export", path, candidate, ExportBatch(), lambda name: export_candidate(path, name, exporter))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ def optimize_onnx(task: TaskPath, candidate: CandidateName = None) -> OptimizeBa
     optimised first, a variant under the chosen one is `not_checked`. Works on the
     plan's first batch, or on the one candidate named; a candidate that fails is recorded as failed
     with its error (its logs kept) and the others go on."""
-    from omskills.stages.toolchain import for_each_candidate, optimize_candidate
+    from omskills.stages.steps import for_each_graph
+    from omskills.stages.toolchain import optimize_candidate
 
     path = Path(task)
-    return for_each_candidate(
-        path, candidate, OptimizeBatch(), lambda name: optimize_candidate(path, name), "optimize_onnx"
-    )
+    return for_each_graph("optimize", path, candidate, OptimizeBatch(), lambda name: optimize_candidate(path, name))
 
 
 if __name__ == "__main__":

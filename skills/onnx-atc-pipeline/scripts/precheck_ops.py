@@ -29,11 +29,12 @@ def precheck_ops(
 
     Works on the plan's first batch, or on the one candidate named; a candidate that fails is
     recorded as failed with its error and the others go on."""
-    from omskills.stages.toolchain import for_each_candidate, precheck_candidate
+    from omskills.stages.steps import for_each_graph
+    from omskills.stages.toolchain import precheck_candidate
 
     path = Path(task)
-    return for_each_candidate(
-        path, candidate, PrecheckBatch(), lambda name: precheck_candidate(path, name, soc), "precheck_ops"
+    return for_each_graph(
+        "precheck", path, candidate, PrecheckBatch(), lambda name: precheck_candidate(path, name, soc)
     )
 
 

@@ -25,12 +25,11 @@ def probe_onnx(
 
     Works on the plan's first batch, or on the one candidate named; a candidate that fails is
     recorded as failed with its error (its logs kept) and the others go on."""
-    from omskills.stages.toolchain import for_each_candidate, probe_candidate
+    from omskills.stages.steps import for_each_graph
+    from omskills.stages.toolchain import probe_candidate
 
     path = Path(task)
-    return for_each_candidate(
-        path, candidate, ProbeBatch(), lambda name: probe_candidate(path, name, variant), "probe_onnx"
-    )
+    return for_each_graph("probe", path, candidate, ProbeBatch(), lambda name: probe_candidate(path, name, variant))
 
 
 if __name__ == "__main__":

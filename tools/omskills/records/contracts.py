@@ -11,9 +11,10 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.names import RunPath, SafeName
 from pydantic import Field, field_validator, model_validator
 
@@ -230,15 +231,17 @@ class ContractSpec(Record):
     calls_per_frame: float | None = None
     in_spec: str  # serialised pytree spec of (args, kwargs)
     out_spec: str  # serialised pytree spec of the output
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    non_tensor_args: list[NonTensorArg] = Field(default_factory=list)
-    non_tensor_outputs: list[NonTensorArg] = Field(default_factory=list)
+    inputs: Annotated[list[TensorSpec], DETAIL]
+    outputs: Annotated[list[TensorSpec], DETAIL]
+    non_tensor_args: Annotated[list[NonTensorArg], DETAIL] = Field(default_factory=list)
+    non_tensor_outputs: Annotated[list[NonTensorArg], DETAIL] = Field(default_factory=list)
     # Distinct call structures seen (tree spec + which leaves are tensors). Above 1, the fields above
     # describe the most frequent one and the other calls cannot be served by one graph.
     structure_variants: int = 1
-    call_shapes: list[CallShape] = Field(default_factory=list)  # distinct per-call shapes, first-seen order
-    samples: list[RunPath] = Field(default_factory=list)  # npz paths, relative to the task workdir
+    call_shapes: Annotated[list[CallShape], DETAIL] = Field(
+        default_factory=list
+    )  # distinct per-call shapes, first-seen order
+    samples: Annotated[list[RunPath], DETAIL] = Field(default_factory=list)  # npz paths, relative to the task workdir
     dispatch: Dispatch | None = None
     # How many input sets its calls came from: the task's inputs and each of intake.shape_inputs.
     # With more than one, a dim that varies takes every size between the extremes seen.
@@ -309,7 +312,7 @@ class ShapeStrategy(Record):
     input_shapes: dict[str, list[int]]
     # dynamic_batch_size: [[b1], [b2]...]; dynamic_image_size: [[h,w],...]; dynamic_dims: one row per gear,
     # values of all -1 dims in input order.
-    gears: list[list[int]] = Field(default_factory=list)
+    gears: Annotated[list[list[int]], DETAIL] = Field(default_factory=list)
     # dynamic_shape: input name -> per-dim [min, max] ranges ("1~16" in ATC syntax)
     ranges: dict[str, list[list[int]]] = Field(default_factory=dict)
     rationale: str

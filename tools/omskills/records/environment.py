@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from pydantic import Field
 
 StageName = Literal["inventory", "profile", "contracts", "export", "optimize", "precheck", "atc", "om_run", "verify"]
@@ -70,7 +71,7 @@ class EnvironmentReport(Record):
             "and whether torch_npu imports."
         )
     )
-    packages: list[PackageProbe] = Field(
+    packages: Annotated[list[PackageProbe], DETAIL] = Field(
         description=(
             "onnx, onnxruntime, onnxscript, onnxslim, auto_optimizer, ais_bench and aclruntime: "
             "whether each imports, its version, why not."

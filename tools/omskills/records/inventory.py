@@ -8,9 +8,10 @@ model's Python package, e.g. `pkg/model/predictor.py`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from pydantic import Field
 
 ControlPlaneCategory = Literal["tokenizer", "session_store", "frame_cache", "object_ids", "prompt_management"]
@@ -103,11 +104,13 @@ class Inventory(Record):
     builder: str
     builder_file: str
     files_scanned: int  # the builder module's import closure inside the package
-    builders: list[BuilderFunction]
-    predictors: list[PredictorClass]
-    control_plane: list[ControlPlaneSite]
-    portability: list[PortabilityFinding]
-    unparsed_files: list[str] = Field(default_factory=list)  # files ast could not parse (not scanned)
+    builders: Annotated[list[BuilderFunction], DETAIL]
+    predictors: Annotated[list[PredictorClass], DETAIL]
+    control_plane: Annotated[list[ControlPlaneSite], DETAIL]
+    portability: Annotated[list[PortabilityFinding], DETAIL]
+    unparsed_files: Annotated[list[str], DETAIL] = Field(
+        default_factory=list
+    )  # files ast could not parse (not scanned)
 
     def predictor(self, name: str) -> PredictorClass | None:
         return next((p for p in self.predictors if p.name == name), None)

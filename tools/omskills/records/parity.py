@@ -8,10 +8,11 @@ boolean outputs must match exactly. `omskills.compare.parity` computes these rec
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.errors import InputError
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from pydantic import model_validator
 
 Verdict = Literal["pass", "review", "fail"]
@@ -93,7 +94,7 @@ class OutputParity(Record):
 class ParityReport(Record):
     """Parity of every output of one call: the worst verdict wins."""
 
-    outputs: list[OutputParity]
+    outputs: Annotated[list[OutputParity], DETAIL]
     verdict: Verdict
     worst_cosine: float | None = None
     worst_max_abs: float | None = None

@@ -9,9 +9,10 @@ module's outputs) names that run in `candidate` and `backend`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.names import SafeName
 from pydantic import Field, model_validator
 
@@ -91,7 +92,7 @@ class LayerComparison(Record):
             "null when none is flagged."
         ),
     )
-    outputs: list[TensorError] = Field(
+    outputs: Annotated[list[TensorError], DETAIL] = Field(
         default_factory=list,
         description=(
             "The graph's outputs, judged run against fp32: cosine, max abs difference, overflowed and NaN elements "
@@ -123,7 +124,7 @@ class LayerComparison(Record):
             "What the comparison left out or assumed (unmatched tensors, dump files skipped, the sample the OM ran on)."
         ),
     )
-    flagged: list[NodeComparison] = Field(
+    flagged: Annotated[list[NodeComparison], DETAIL] = Field(
         default_factory=list, description="The flagged nodes, lowest cosine first (at most 50)."
     )
 
@@ -159,7 +160,7 @@ class GraphCalibration(Record):
     sample: str = Field(description="The recorded call the pass ran on.")
     tensors: int = Field(description="Float tensors whose largest magnitude was read.")
     largest: float = Field(description="The largest magnitude of any float node output.")
-    keep: list[CalibrationKeep] = Field(default_factory=list)
+    keep: Annotated[list[CalibrationKeep], DETAIL] = Field(default_factory=list)
     passes: int = Field(1, description="Emulated passes read: the next one after a pass that kept more.")
     seconds: float = 0.0
 
@@ -174,7 +175,9 @@ class CubeMacs(Record):
 
     total: int = 0
     fp16: int = 0
-    by_node: dict[str, int] = Field(default_factory=dict)  # Cube node -> its MACs, to count other keep lists
+    by_node: Annotated[dict[str, int], DETAIL] = Field(
+        default_factory=dict
+    )  # Cube node -> its MACs, to count other keep lists
 
     @property
     def fp16_share(self) -> float:
@@ -187,9 +190,11 @@ class ModePrecision(Record):
 
     mode: str
     result: EmulatedResult  # with the calibration's keep list (nothing else kept)
-    keep: list[str] = Field(default_factory=list)  # every node kept at its original dtype: calibration + search
-    keep_op_types: list[str] = Field(default_factory=list)  # their ONNX op types, for the report
-    searched: list[str] = Field(default_factory=list)  # the nodes the graph-local search added
+    keep: Annotated[list[str], DETAIL] = Field(
+        default_factory=list
+    )  # every node kept at its original dtype: calibration + search
+    keep_op_types: Annotated[list[str], DETAIL] = Field(default_factory=list)  # their ONNX op types, for the report
+    searched: Annotated[list[str], DETAIL] = Field(default_factory=list)  # the nodes the graph-local search added
     with_keep: EmulatedResult | None = None  # with `keep`, when the search added nodes
     search_runs: int = 0  # graph runs the search made (side-by-side comparison included)
     note: str | None = None  # why no keep list, or what emulation cannot show
@@ -206,10 +211,10 @@ class PrecisionReport(Record):
     macs: CubeMacs = Field(default_factory=CubeMacs)  # fp16: under the chosen mode and keep list
     modes: list[ModePrecision]
     chosen_mode: str  # the fastest mode whose emulated result passes (with its keep list)
-    chosen_keep: list[str] = Field(default_factory=list)
+    chosen_keep: Annotated[list[str], DETAIL] = Field(default_factory=list)
     why: str
     # Slower modes left out because a faster one already passed (emulating a 2 GB graph is minutes).
-    not_evaluated: list[str] = Field(default_factory=list)
+    not_evaluated: Annotated[list[str], DETAIL] = Field(default_factory=list)
     # What each mode's emulated outputs are compared with.
     reference: str = "the graph in fp32 on ONNX Runtime"
     assumptions: str  # what emulation cannot see (ATC's own lowering: see the pitfalls in precheck)
@@ -267,10 +272,10 @@ class PrecisionPlan(Record):
         description="Graph -> how and why the end-to-end check changed it (a longer keep list, or a safer mode).",
     )
     at_fault: list[str] = Field(default_factory=list, description="Graphs the attribution named after a failed run.")
-    attribution: list[GraphAttribution] = Field(
+    attribution: Annotated[list[GraphAttribution], DETAIL] = Field(
         default_factory=list, description="After a failed run: every emulated graph's share, highest first."
     )
-    attempts: list[PlanAttempt] = Field(
+    attempts: Annotated[list[PlanAttempt], DETAIL] = Field(
         default_factory=list, description="Every spliced run the check made, in order: the plan, then the fixed plan."
     )
     reference: str = Field(

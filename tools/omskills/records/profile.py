@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from pydantic import Field
 
 
@@ -39,7 +42,7 @@ class ProfileReport(Record):
     prompts: int
     modules_total: int  # modules under the root
     modules_called: int
-    nodes: list[ModuleProfile]
+    nodes: Annotated[list[ModuleProfile], DETAIL]
     # Nodes left out to keep the report bounded (small share beyond `kept_depth`), and their time,
     # so that sum(exclusive_s of nodes) + dropped_exclusive_s == module_seconds.
     dropped_nodes: int = 0

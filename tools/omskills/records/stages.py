@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.files import file_state, quick_digest, sha256_cached
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.names import RunPath
 from omskills.run_folder import RunFolder
 from pydantic import Field
@@ -65,7 +66,7 @@ class StageResult(Record):
     started: str | None = None
     finished: str | None = None
     seconds: float | None = None
-    artifacts: list[Artifact] = Field(default_factory=list)
+    artifacts: Annotated[list[Artifact], DETAIL] = Field(default_factory=list)
     logs: list[RunPath] = Field(default_factory=list)
     error: str | None = None
     note: str | None = None

@@ -32,6 +32,14 @@ from omskills.errors import StageError, TaskRecordError
 from omskills.files import atomic_write_text
 from omskills.records.base import Record
 from omskills.records.contracts import BoundaryDecision, ContractSpec, is_ancestor
+from omskills.records.details import (
+    DetailMissing,
+    details_folder,
+    join_details,
+    remove_unnamed,
+    split_details,
+    write_details,
+)
 from omskills.records.environment import EnvironmentReport
 from omskills.records.export import ExportResult
 from omskills.records.intake import Intake
@@ -40,6 +48,7 @@ from omskills.records.names import STORED, SafeName
 from omskills.records.plan import Candidate, Plan, StudyRun
 from omskills.records.precision import PrecisionPlan
 from omskills.records.profile import ProfileReport
+from omskills.records.stage_order import result_slots
 from omskills.records.stages import Decision, StageResult
 from omskills.records.toolchain import BatchSplit
 from omskills.records.toolchain_stage import CandidateToolchain
@@ -276,38 +285,26 @@ class TaskRecord(Record):
         )
 
     def missing_results(self, step: str) -> list[str]:
-        """What a step marked done should have written and the record lacks ("contracts for X"):
-        a record cut short, or edited, says a stage is done whose results are gone."""
+        """What a step marked done should have written and the record lacks: a record cut short, or
+        edited, says a stage is done whose results are gone. The slots come from the step's
+        declaration (`records.stage_order`)."""
         kind, _, rest = step.partition(":")
-        graph, _, variant = rest.partition(":")
-        chain = self.toolchain_of(graph) if graph else None
-        singles = {
-            "environment": self.environment,
-            "plan": self.plan,
-            "verify": self.verification,
-            "precision_plan": self.precision_plan,
-        }
-        if kind in singles and not rest:
-            return [] if singles[kind] is not None else [kind]
-        if step == "verify:emulated":
-            return [] if self.verification_emulated is not None else ["verification_emulated"]
-        if kind == "study":
-            missing = [name for name in ("profile", "study") if getattr(self, name) is None]
-            captured = self.study.contracts_captured if self.study else []
-            lost = [name for name in captured if name not in self.contracts]
-            return missing + ([f"contracts for {', '.join(lost)}"] if lost else [])
         if kind == "boundaries":
             return self._missing_boundaries(rest or None)
-        owned = {
-            "export": lambda: graph in self.exports,
-            "probe": lambda: variant in chain.probes,
-            "optimize": lambda: chain.optimize is not None,
-            "precision": lambda: chain.precision is not None,
-            "atc": lambda: chain.atc is not None,
-        }
-        if kind in owned and graph and not owned[kind]():
-            return [f"{kind} results for {graph}" + (f" ({variant})" if variant else "")]
-        return []
+        missing = [slot for slot in result_slots(step) if self._slot(slot) is None]
+        if kind == "study" and self.study is not None:
+            lost = [name for name in self.study.contracts_captured if name not in self.contracts]
+            missing += [f"contracts for {', '.join(lost)}"] if lost else []
+        return missing
+
+    def _slot(self, dotted: str) -> object | None:
+        """The value at a dotted path of the record ("toolchain.x.probes.original"), None when empty."""
+        value: object = self
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+            if value is None:
+                return None
+        return value
 
     def _missing_boundaries(self, candidate: str | None) -> list[str]:
         try:
@@ -391,6 +388,7 @@ def parse_record(data: object, path: Path) -> TaskRecord:
             f"({SCHEMA_VERSION}); update omskills to read it"
         )
     data = _upgraded(data, path.parent)
+    join_details(TaskRecord, data, path.parent, path)
     try:
         return TaskRecord.model_validate(data, context=STORED)
     except ValidationError as err:
@@ -398,21 +396,32 @@ def parse_record(data: object, path: Path) -> TaskRecord:
 
 
 def load_record(path: str | Path) -> TaskRecord:
-    """Read without locking: saves replace the file whole, so a reader sees one version or the next."""
+    """Read without locking: saves replace the file whole, so a reader sees one version or the next
+    (and when a detail file it names was replaced meanwhile, it reads the next version)."""
     path = Path(path)
+    for attempt in range(3):
+        text = _record_text(path)
+        try:
+            record = parse_record(_parsed_data(path, text), path)
+        except DetailMissing:
+            if attempt == 2 or _record_text(path) == text:
+                raise
+            continue
+        if "#" in text:
+            record._source_text = text
+        return record
+    raise AssertionError("unreachable")
+
+
+def _record_text(path: Path) -> str:
     if not path.is_file():
         if path.exists():  # a folder, a FIFO (reading it would block), a device
             raise TaskRecordError(f"task record {path} is not a regular file")
         raise TaskRecordError(f"task record not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8").removeprefix(BOM)  # an editor's byte-order mark says nothing
+        return path.read_text(encoding="utf-8").removeprefix(BOM)  # an editor's byte-order mark says nothing
     except UnicodeDecodeError as err:
         raise TaskRecordError(f"task record {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
-    data = _parsed_data(path, text)
-    record = parse_record(data, path)
-    if "#" in text:
-        record._source_text = text
-    return record
 
 
 # Parsing a record's YAML is most of a step's bookkeeping (0.3 s for a 480 KB record, read several
@@ -503,8 +512,12 @@ def save_record(record: TaskRecord, path: str | Path) -> None:
         previous = path.read_text(encoding="utf-8").removeprefix(BOM) if path.is_file() else None
         template = previous if previous is not None and "#" in previous else record._source_text
         data = _record_data(record)
+        folder = details_folder(path)
+        details = split_details(TaskRecord, data, folder, untouched=AUTHORED)
+        write_details(path.parent, details)
         text = _render(data, template)
         atomic_write_text(path, text)
+        remove_unnamed(path.parent, folder, details)
         _remember(path, text, data)
     record._source_text = text if "#" in text else None
 
@@ -527,8 +540,38 @@ AUTHORED = ("schema_version", "id", "intake")
 _TOP_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(?:[ \t]|$)")
 
 
+class _RecordDumper(_Dumper):  # type: ignore[misc, valid-type]
+    """Block style, except a short collection of scalars, which takes one line
+    (`shape: [1, 3, 1008, 1008]`): a block for every shape and gear would make the record
+    several times longer for nothing."""
+
+    def represent_mapping(self, tag: str, mapping: Any, flow_style: bool | None = None) -> yaml.MappingNode:
+        node = super().represent_mapping(tag, mapping, flow_style)
+        node.flow_style = _one_line(node.value, self)
+        return node
+
+    def represent_sequence(self, tag: str, sequence: Any, flow_style: bool | None = None) -> yaml.SequenceNode:
+        node = super().represent_sequence(tag, sequence, flow_style)
+        node.flow_style = _one_line([(item,) for item in node.value], self)
+        return node
+
+
+# A collection of scalars whose text is at most this long goes on one line.
+ONE_LINE_CHARS = 100
+
+
+def _one_line(entries: list, dumper: Any) -> bool:
+    scalars = [part for entry in entries for part in entry]
+    if not all(isinstance(part, yaml.ScalarNode) for part in scalars):
+        return False
+    return sum(len(str(part.value)) + 3 for part in scalars) <= ONE_LINE_CHARS
+
+
 def _dump(data: Any) -> str:
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+    # A section of one scalar (`id: x`) stays `key: value`, not a one-line mapping.
+    one_scalar = isinstance(data, dict) and not any(isinstance(v, (dict, list)) for v in data.values())
+    dumper_class = _Dumper if one_scalar else _RecordDumper
+    return yaml.dump(data, Dumper=dumper_class, sort_keys=False, allow_unicode=True, width=120)
 
 
 # The last YAML written for each top-level section, by the section's JSON: a save re-renders only
@@ -561,9 +604,11 @@ def _record_data(record: TaskRecord) -> dict:
 
 
 def render_record(record: TaskRecord, template: str | None = None) -> str:
-    """The record as YAML. With a `template` (the text the record was read from) its header
-    comments and the authored sections' comments are kept."""
-    return _render(_record_data(record), template)
+    """The record as YAML, its details inline. With a `template` (the text the record was read
+    from) its header comments and the authored sections' comments are kept."""
+    data = _record_data(record)
+    split_details(TaskRecord, data, None, untouched=AUTHORED)
+    return _render(data, template)
 
 
 def _render(data: dict, template: str | None) -> str:

@@ -7,9 +7,10 @@ code that turns it into a command line; this module only holds what the tools re
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.names import AtcArgv, RunPath
 from omskills.records.parity import OutputParity, Verdict
 from pydantic import Field
@@ -126,11 +127,11 @@ class VariantResult(Record):
     reason: str | None = None  # why failed / unavailable, or what to watch when ok
     node_count: int | None = None
     seconds: float | None = None  # time to produce the variant (0 for the original)
-    checks: list[VariantCheck] = Field(default_factory=list)
+    checks: Annotated[list[VariantCheck], DETAIL] = Field(default_factory=list)
     samples_probed: int = 0
     parity_verdict: Verdict | None = None  # None: no samples were given, parity not probed
-    parity: list[OutputParity] = Field(default_factory=list)  # per output, its worst sample
-    knowledges: list[KnowledgeOutcome] = Field(default_factory=list)  # auto_optimizer only
+    parity: Annotated[list[OutputParity], DETAIL] = Field(default_factory=list)  # per output, its worst sample
+    knowledges: Annotated[list[KnowledgeOutcome], DETAIL] = Field(default_factory=list)  # auto_optimizer only
 
 
 class OptimizeResult(Record):
@@ -182,8 +183,10 @@ class OpPrecheck(Record):
     table: str  # which document the table comes from
     verdict: Verdict  # fail: an op is unsupported; review: constraints apply; pass: neither
     counts: dict[str, int]  # status -> number of op types
-    rows: list[OpCheckRow]
-    pitfalls: list[PitfallHit] = Field(default_factory=list)  # known precision pitfalls that concern this graph
+    rows: Annotated[list[OpCheckRow], DETAIL]
+    pitfalls: Annotated[list[PitfallHit], DETAIL] = Field(
+        default_factory=list
+    )  # known precision pitfalls that concern this graph
 
 
 # -- convert_atc ----------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.names import AtcArgv, RunPath, SafeName
 from omskills.records.precision import EmulatedResult
 from pydantic import Field
@@ -142,8 +143,10 @@ class MergeProposal(Record):
 class TrafficReport(Record):
     """Calls and bytes of the spliced run, and the host<->device time they predict on the target."""
 
-    per_step: list[StepTraffic] = Field(description="Each step's calls and bytes per graph.")
-    per_graph: list[GraphTraffic] = Field(description="Each graph's calls and bytes over the whole run.")
+    per_step: Annotated[list[StepTraffic], DETAIL] = Field(description="Each step's calls and bytes per graph.")
+    per_graph: Annotated[list[GraphTraffic], DETAIL] = Field(
+        description="Each graph's calls and bytes over the whole run."
+    )
     link: LinkCost = Field(description="The link figures the prediction uses.")
     calls_per_step: float = Field(description="Mean backend calls per step.")
     copies_per_step: float = Field(description="Mean tensors copied in or out per step.")
@@ -166,7 +169,7 @@ class TrafficReport(Record):
             "Mean input copies per step avoided by handing an output on as the runtime's own value (counted)."
         ),
     )
-    merges: list[MergeProposal] = Field(
+    merges: Annotated[list[MergeProposal], DETAIL] = Field(
         default_factory=list,
         description=(
             "Per called graph, whether it could merge with the graph feeding it, from the counts "
@@ -189,7 +192,7 @@ class MergedGraph(Record):
             "that call when its inputs are the member before it's outputs, unchanged."
         )
     )
-    io_maps: list[dict[str, str]] = Field(
+    io_maps: Annotated[list[dict[str, str]], DETAIL] = Field(
         description="Per member after the first: each input -> the output of the member before it."
     )
     prefixes: list[str] = Field(
@@ -208,7 +211,7 @@ class MergedGraph(Record):
         ),
     )
     precision_mode: str | None = Field(None, description="The --precision_mode of that script.")
-    keep_dtype_nodes: list[str] = Field(
+    keep_dtype_nodes: Annotated[list[str], DETAIL] = Field(
         default_factory=list,
         description=("Nodes the script keeps at their dtype (--keep_dtype): each member's own, with its prefix."),
     )

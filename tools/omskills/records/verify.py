@@ -8,7 +8,10 @@ every step, both runs have the same steps, and no spliced call fell back to PyTo
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.names import RunPath
 from omskills.records.parity import ParityGates
@@ -174,13 +177,13 @@ class VerifyReport(Record):
             "First-batch candidates left in PyTorch -> why (not exported, never probed, or the probe failed)."
         ),
     )
-    candidates: list[CandidateVerification] = Field(
+    candidates: Annotated[list[CandidateVerification], DETAIL] = Field(
         description=(
             "Per spliced graph: integrated or fallback, what ran it, its probe's verdict, cosine and max abs, "
             "ms per call in PyTorch and on the backend, calls and fallbacks."
         )
     )
-    comparison: list[OutputCheck] = Field(
+    comparison: Annotated[list[OutputCheck], DETAIL] = Field(
         description="The output checks applied to every step (a '*' check expanded to one per output)."
     )
     main_path: MainPathParity = Field(
@@ -189,7 +192,9 @@ class VerifyReport(Record):
             "seconds per step of each run and their ratio."
         )
     )
-    per_step: list[StepParity] = Field(description="Every step's check results and the seconds each run took on it.")
+    per_step: Annotated[list[StepParity], DETAIL] = Field(
+        description="Every step's check results and the seconds each run took on it."
+    )
     traffic: TrafficReport | None = Field(
         None,
         description=(
@@ -204,13 +209,13 @@ class VerifyReport(Record):
             "into one graph each (one call instead of two), its verdict and its traffic."
         ),
     )
-    splice_stats: list[SpliceStats] = Field(
+    splice_stats: Annotated[list[SpliceStats], DETAIL] = Field(
         description=(
             "Per spliced graph: its calls, those its backend ran, fallbacks by kind with their reasons, "
             "and backend time."
         )
     )
-    fallback_events: list[FallbackEvent] = Field(
+    fallback_events: Annotated[list[FallbackEvent], DETAIL] = Field(
         description="Each call a spliced graph could not send to its backend, so PyTorch ran it, and why."
     )
     verification_settings: list[str] = Field(
@@ -241,7 +246,7 @@ class VerifyReport(Record):
     outputs_spliced: RunPath | None = Field(
         None, description="Run-folder path of the .npz with every step's outputs of the spliced run."
     )
-    item_figures: list[ItemFigure] = Field(
+    item_figures: Annotated[list[ItemFigure], DETAIL] = Field(
         default_factory=list,
         description=(
             "Per item of every keyed check (e.g. each object, matched by id) and step: "

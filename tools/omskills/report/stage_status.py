@@ -8,10 +8,11 @@ candidate's cells carry the plan's reason, a stage after a failed one names the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from omskills.records.base import Record
-from omskills.records.stage_order import STAGE_COLUMNS
+from omskills.records.stage_order import STAGE_COLUMNS, step_key
 from omskills.records.task import TaskRecord
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
@@ -63,20 +64,18 @@ def stage_status(record: TaskRecord, verification: VerifyReport | None) -> list[
 
 
 def _cells(record: TaskRecord, graph: str, candidate: str, verification: VerifyReport | None) -> list[StageCell]:
+    """One cell per column of the declared stage table: a step's status in the record, with what
+    its results say (`_PRODUCED`), or the column's own rule (`_SPECIAL`)."""
     chain = record.toolchain_of(graph)
-    cell_of = {
-        "export": lambda: _step_cell(record, "export", f"export:{graph}", _export_detail(record, graph)),
-        "probe": lambda: _probe_cell(record, graph, chain),
-        "optimise": lambda: _step_cell(record, "optimise", f"optimize:{graph}", _optimise_detail(chain)),
-        "precision emulation": lambda: _step_cell(
-            record, "precision emulation", f"precision:{graph}", _precision_detail(chain)
-        ),
-        "precheck": lambda: _precheck_cell(chain),
-        "ATC": lambda: _step_cell(record, "ATC", f"atc:{graph}", _atc_detail(chain)),
-        "verify": lambda: _verify_cell(record, graph, candidate, verification),
-    }
-    found = [cell_of[column]() for column in STAGES]
-    return _after_failures(found)
+    cells = []
+    for column in STAGES:
+        if column == "verify":
+            cells.append(_verify_cell(record, graph, candidate, verification))
+        elif column in _SPECIAL:
+            cells.append(_SPECIAL[column](record, graph, chain))
+        else:
+            cells.append(_step_cell(record, column, step_key(column, graph), _PRODUCED[column](record, graph, chain)))
+    return _after_failures(cells)
 
 
 def _after_failures(cells: list[StageCell]) -> list[StageCell]:
@@ -106,7 +105,7 @@ def _step_cell(record: TaskRecord, stage: str, key: str, produced: str | None) -
     return StageCell(stage=stage, status="done", detail=produced or step.note or "done")
 
 
-def _export_detail(record: TaskRecord, graph: str) -> str | None:
+def _export_detail(record: TaskRecord, graph: str, _chain: CandidateToolchain) -> str | None:
     export = record.exports.get(graph)
     if export is None:
         return None
@@ -115,7 +114,7 @@ def _export_detail(record: TaskRecord, graph: str) -> str | None:
 
 def _probe_cell(record: TaskRecord, graph: str, chain: CandidateToolchain) -> StageCell:
     """The probe ran, but a graph whose outputs fail the gates is not one to deploy: failed."""
-    cell = _step_cell(record, "probe", f"probe:{graph}:original", _probe_detail(chain))
+    cell = _step_cell(record, "probe", step_key("probe", graph, "original"), _probe_detail(chain))
     probe = chain.probes.get("original")
     if cell.status == "done" and probe is not None and probe.verdict == "fail":
         return cell.model_copy(update={"status": "failed", "detail": f"outputs differ from PyTorch: {cell.detail}"})
@@ -131,7 +130,7 @@ def _probe_detail(chain: CandidateToolchain) -> str | None:
     return f"{probe.verdict}{cosine}{max_abs}"
 
 
-def _optimise_detail(chain: CandidateToolchain) -> str | None:
+def _optimize_detail(_record: TaskRecord, _graph: str, chain: CandidateToolchain) -> str | None:
     opt = chain.optimize
     if opt is None:
         return None
@@ -139,7 +138,7 @@ def _optimise_detail(chain: CandidateToolchain) -> str | None:
     return f"preferred {opt.preferred or 'none'} ({variants})"
 
 
-def _precision_detail(chain: CandidateToolchain) -> str | None:
+def _precision_detail(_record: TaskRecord, _graph: str, chain: CandidateToolchain) -> str | None:
     report = chain.precision
     if report is None:
         return None
@@ -147,7 +146,7 @@ def _precision_detail(chain: CandidateToolchain) -> str | None:
     return f"chosen {report.chosen_mode}{keep} (CPU emulation, not an NPU result)"
 
 
-def _precheck_cell(chain: CandidateToolchain) -> StageCell:
+def _precheck_cell(_record: TaskRecord, _graph: str, chain: CandidateToolchain) -> StageCell:
     check = chain.precheck
     if check is None:
         return StageCell(stage="precheck", status="not_run", detail="not reached")
@@ -156,7 +155,7 @@ def _precheck_cell(chain: CandidateToolchain) -> StageCell:
     return StageCell(stage="precheck", status="done", detail=f"{check.verdict} on {check.soc} ({counts}){pitfalls}")
 
 
-def _atc_detail(chain: CandidateToolchain) -> str | None:
+def _atc_detail(_record: TaskRecord, _graph: str, chain: CandidateToolchain) -> str | None:
     atc = chain.atc
     if atc is None:
         return None
@@ -165,7 +164,7 @@ def _atc_detail(chain: CandidateToolchain) -> str | None:
 
 def _verify_cell(record: TaskRecord, graph: str, candidate: str, verification: VerifyReport | None) -> StageCell:
     if verification is None:
-        step = record.stages.get("verify")
+        step = record.stages.get(step_key("verify"))
         if step is not None and step.status == "failed":  # the whole spliced run stopped
             return StageCell(stage="verify", status="failed", detail=step.error or "failed")
         return StageCell(stage="verify", status="not_run", detail="not reached")
@@ -182,6 +181,21 @@ def _verify_cell(record: TaskRecord, graph: str, candidate: str, verification: V
         status=status,
         detail=f"{found.status} on {found.backend}, {found.calls} call(s), {found.fallbacks} fallback(s)",
     )
+
+
+# What a step's results say, for the cell of a step that records a status of its own.
+_PRODUCED: dict[str, Callable[[TaskRecord, str, CandidateToolchain], str | None]] = {
+    "export": _export_detail,
+    "optimize": _optimize_detail,
+    "precision": _precision_detail,
+    "atc": _atc_detail,
+}
+# The cells with a rule of their own: a probe that ran but failed its gates, a precheck that
+# records no step (its result is the whole story).
+_SPECIAL: dict[str, Callable[[TaskRecord, str, CandidateToolchain], StageCell]] = {
+    "probe": _probe_cell,
+    "precheck": _precheck_cell,
+}
 
 
 def stage_notes(rows: list[CandidateStages]) -> list[str]:

@@ -8,6 +8,7 @@ from omskills.boundary.analysis import analyze_boundaries as _analyze
 from omskills.boundary.analysis import render_contract_table
 from omskills.models.registry import driver_for
 from omskills.records.results import BoundariesResult, ContractsResult
+from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.run_folder import RunFolder
 from omskills.stages.model import open_model
@@ -37,7 +38,7 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     # The driver's limits are per plan candidate; each of its graphs takes them.
     limits = {c.candidate: study_limits[c.plan_candidate] for c in contracts if c.plan_candidate in study_limits}
     inputs_hash = fingerprint(contracts, trial_export, limits)
-    step_name = "boundaries" if candidate is None else f"boundaries:{candidate}"
+    step_name = step_key("boundaries", candidate)
     workdir = TaskRecord.workdir(task_path)
     if is_done(record, step_name, inputs_hash, workdir):
         decisions = [record.boundaries[n] for n in names]

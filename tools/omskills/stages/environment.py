@@ -23,6 +23,7 @@ from omskills.models.api import ModelDriver, driver_checks
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
 from omskills.records.environment import EnvironmentReport
 from omskills.records.intake import ModelSpec, allowed_input_roots, confined_path
+from omskills.records.stage_order import step_key
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
 
@@ -58,7 +59,7 @@ def check_environment(task_path: Path) -> EnvironmentReport:
                 f"they were written for another SoC than {SOC_FIELD} {rec.intake.target.soc}",
             )
         blocked = [s.stage for s in report.stages if not s.can_run]
-        rec.stages["environment"] = StageResult(
+        rec.stages[step_key("environment")] = StageResult(
             status="done",
             started=started,
             finished=now_iso(),
@@ -150,7 +151,7 @@ def drop_results_for_other_soc(record: TaskRecord) -> DroppedForSoc:
     for graph, chain in record.toolchain.items():
         if chain.atc is not None and soc_of_command(chain.atc.command) not in (None, soc):
             chain.atc = None
-            record.stages.pop(f"atc:{graph}", None)
+            record.stages.pop(step_key("atc", graph), None)
             dropped.atc.append(graph)
         if chain.precheck is not None and chain.precheck.soc != soc:
             chain.precheck = None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omskills.models.registry import bind_intake, resolved_spec
 from omskills.records.inventory import Inventory
+from omskills.records.stage_order import step_key
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
 from omskills.source.inventory import scan_source
@@ -42,7 +43,7 @@ def take_inventory(task_path: Path) -> Inventory | None:
             if inventory
             else f"the {driver.family} driver names no source package: nothing to scan"
         )
-        rec.stages["inventory"] = StageResult(
+        rec.stages[step_key("inventory")] = StageResult(
             status="done", started=started, finished=now_iso(), seconds=round(time.perf_counter() - clock, 3), note=note
         )
     return inventory

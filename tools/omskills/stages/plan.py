@@ -20,6 +20,7 @@ from omskills.records.contracts import ContractSpec, is_ancestor
 from omskills.records.inventory import Inventory
 from omskills.records.plan import Candidate, Plan, Seed
 from omskills.records.profile import ProfileReport
+from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.inventory import render_inventory_report
 from omskills.run_folder import RunFolder
@@ -166,13 +167,13 @@ def plan_candidates(task_path: Path) -> Plan:
         record.intake.target.defer,
     )
     workdir = TaskRecord.workdir(task_path)
-    if is_done(record, "plan", inputs_hash, workdir):
+    if is_done(record, step_key("plan"), inputs_hash, workdir):
         if record.plan is None:  # is_done checks the step's results; a record edited by hand may still lack them
             raise StageError(
                 f"{task_path}: stage plan is marked done but the record has no plan: rerun plan_candidates"
             )
         return record.plan
-    with running_step(task_path, "plan", inputs_hash) as step:
+    with running_step(task_path, step_key("plan"), inputs_hash) as step:
         target = record.intake.target
         plan = plan_from_study(
             record.study.seeds, record.profile, record.contracts, deploy=target.deploy, defer=target.defer

@@ -31,6 +31,7 @@ from omskills.profiling.memory_estimate import MIB, GraphMemory
 from omskills.records.choices import CompareAgainst
 from omskills.records.contracts import ContractSpec
 from omskills.records.precision import LayerComparison, PrecisionReport
+from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.run_folder import RunFolder
 from omskills.stages.model import open_model
@@ -90,7 +91,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
     require_intact(
         record,
         workdir,
-        {"study": record.contract(name).samples[:1], f"export:{name}": None, f"optimize:{name}": None},
+        {"study": record.contract(name).samples[:1], step_key("export", name): None, step_key("optimize", name): None},
         "export_onnx / optimize_onnx",
     )
     inputs_hash = fingerprint(
@@ -100,7 +101,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
         record.contract(name).samples[:1],
         EMULATION_REVISION,
     )
-    step = f"precision:{name}"
+    step = step_key("precision", name)
     existing = record.toolchain_of(name).precision
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing

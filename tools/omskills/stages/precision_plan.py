@@ -46,6 +46,7 @@ from omskills.records.precision import (
     PrecisionPlan,
     PrecisionReport,
 )
+from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.verify import AGREEMENTS, CheckSummary, MainPathParity, OutputCheck, VerifyReport
 from omskills.splicing.splice import SpliceHandle, splice
@@ -63,7 +64,7 @@ from omskills.stages.verify_report import verification_report, write_verificatio
 
 logger = logging.getLogger(__name__)
 
-STEP = "precision_plan"
+STEP = step_key("precision_plan")
 # Bumped when the check judges differently, so a recorded plan of an older one is checked again.
 PLAN_REVISION = 3
 # Main-path runs the check may make: the confirmation, and one after a fix.
@@ -190,7 +191,7 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
     require_intact(
         record,
         workdir,
-        {f"{kind}:{n}": None for n in graphs for kind in ("export", "optimize")},
+        {step_key(kind, n): None for n in graphs for kind in ("export", "optimize")},
         "export_onnx / optimize_onnx",
     )
     reports = {g: record.toolchain_of(g).precision for g in graphs}

@@ -1,4 +1,5 @@
-"""Running one step of a stage: status in the task record, input fingerprint, resume.
+"""Running the steps of a stage: status in the task record, input fingerprint, resume, and the
+loop that runs a per-graph step on every graph of the batch (`for_each_graph`).
 
 A step that finished with the same inputs is skipped on a rerun, unless the record or the
 disk says its result cannot be trusted: the results it wrote are missing from the record, or a
@@ -23,10 +24,14 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from omskills.errors import StageError
+from omskills import progress
+from omskills.errors import OmskillsError, StageError, one_line
 from omskills.files import process_alive
+from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
+from omskills.records.stage_order import AdaptationStep
+from omskills.records.stage_order import step as step_declared
 from omskills.records.stages import Artifact, StageResult
-from omskills.records.task import TaskRecord, now_iso, updating
+from omskills.records.task import TaskRecord, load_record, now_iso, updating
 from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
@@ -169,8 +174,74 @@ def reap_interrupted(record: TaskRecord, record_path: str) -> list[str]:
 def _close(task_path: Path, step: str, result: StageResult, start: float, handle: Step | None) -> None:
     result.finished = now_iso()
     result.seconds = round(time.perf_counter() - start, 3)
+    result.pid = None  # it tells a live step from a dead one, and this one has ended
     with updating(task_path) as record:
         if handle is not None:
             handle.apply(record)
         # Written after the results it summarises (and saved after them: `stages` ends the file).
         record.stages[step] = result
+
+
+# -- the per-graph loop ------------------------------------------------------------------------
+
+
+def for_each_graph(
+    step_key: str,
+    task_path: Path,
+    candidate: str | None,
+    batch: CandidateBatch[ResultT],
+    run: Callable[[str], ResultT],
+) -> CandidateBatch[ResultT]:
+    """Run the per-graph step declared under `step_key` (`records.stage_order`) on each graph of
+    the batch, or on the one candidate named. A graph that fails is handled as the declaration's
+    `on_failure` says and the rest go on; a step that `needs_export` skips the graphs whose export
+    failed (listed in `skipped` with why) rather than failing on each of them again.
+
+    Asked for one candidate, its error is raised instead, so a caller sees the message.
+    """
+    declared = step_declared(step_key)
+    record = load_record(task_path)
+    names = record.graphs(candidate)
+    done = 0
+    while done < len(names):
+        name = names[done]
+        progress.report(done, len(names), f"{declared.tool}: {name}")
+        blocked = _export_failed(record, name) if declared.needs_export and candidate is None else None
+        if blocked is not None:
+            batch.skipped[name] = blocked
+            done += 1
+            continue
+        try:
+            batch.results[name] = run(name)
+        except OmskillsError as err:
+            if candidate is not None:
+                raise
+            batch.failed.append(CandidateFailure(candidate=name, error=str(err)))
+            names += _record_failure(task_path, name, declared, err)
+        done += 1
+    progress.report(done, len(names), f"{declared.tool}: done")
+    return batch
+
+
+def _export_failed(record: TaskRecord, name: str) -> str | None:
+    """Why a graph has no export to work on, when its export step failed."""
+    step = record.stages.get(step_declared("export").step_key(name))
+    if name in record.exports or step is None or step.status != "failed":
+        return None
+    return f"its export failed ({one_line(step.error or 'failed', 300)})"
+
+
+def _record_failure(task_path: Path, name: str, declared: AdaptationStep, err: Exception) -> list[str]:
+    """Record a graph's failed step; returns the graphs promoted to take the step in its place."""
+    tool = declared.tool
+    with updating(task_path) as rec:
+        if declared.on_failure == "advisory":
+            rec.decide(tool, f"{name}: {tool} failed", str(err))
+            return []
+        rec.set_status(name, "failed", f"{tool}: {err}")
+        promoted = (
+            rec.promote_inside(rec.contract(name).plan_candidate) if declared.on_failure == "promote_inner" else []
+        )
+        for cand in promoted:
+            rec.decide(tool, f"{cand}: selected", f"{name} failed ({err}); {cand} runs inside it")
+        return [c.candidate for cand in promoted for c in rec.contracts_of(cand)]

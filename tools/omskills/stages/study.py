@@ -29,12 +29,13 @@ from omskills.profiling.profiler import ModuleProfiler
 from omskills.records.names import safe_name
 from omskills.records.plan import Seed, StudyRun
 from omskills.records.results import ModuleShare, ProfileSummary
+from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import write_main_path
 from omskills.stages.model import open_model
 from omskills.stages.steps import artifacts_of, fingerprint, is_done, running_step
 
-STEP = "study"
+STEP = step_key("study")
 MAX_SAMPLES = 2
 
 

@@ -8,7 +8,6 @@ mid-stage redoes only the unfinished candidate.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from omskills import progress
@@ -21,13 +20,13 @@ from omskills.contracts.samples import Sample, load_sample, one_per_shape
 from omskills.convert.export import dynamic_dims_from_strategy
 from omskills.convert.export import export_onnx as _export
 from omskills.convert.optimize import optimize_variants, probe_samples
-from omskills.errors import OmskillsError, StageError, one_line
+from omskills.errors import StageError, one_line
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
 from omskills.profiling.memory_estimate import plan_probe, probe_budget_bytes
 from omskills.records.export import ExporterName, ExportResult
 from omskills.records.parity import ParityReport, verdict_rank
-from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
+from omskills.records.stage_order import TOOLCHAIN_STEPS, step_key
 from omskills.records.task import TaskRecord, load_record, updating
 from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
 from omskills.run_folder import RunFolder
@@ -56,10 +55,6 @@ def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
     return [load_sample(p) for p in _sample_paths(record, workdir, name)]
 
 
-# The steps whose results live in the graph's `toolchain` entry (`<kind>:<graph>[:<variant>]`).
-_CHAIN_STEPS = ("probe", "optimize", "precision", "atc")
-
-
 def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynamo") -> ExportResult:
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
@@ -68,7 +63,7 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
     if boundary is None or not boundary.exportable or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no exportable boundary: run analyze_boundaries first")
     inputs_hash = fingerprint(contract, boundary.shape_strategy, exporter)
-    step = f"export:{name}"
+    step = step_key("export", name)
     if is_done(record, step, inputs_hash, workdir):
         return record.exports[name]
     require_intact(record, workdir, {"study": contract.samples}, "profile_main_path")  # the samples it traces with
@@ -98,7 +93,7 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
         def store(rec: TaskRecord) -> None:
             rec.exports[name] = result
             rec.toolchain.pop(name, None)  # probes, variants and ATC of an earlier export no longer apply
-            for later in [s for s in rec.stages if s.split(":")[:2] in ([k, name] for k in _CHAIN_STEPS)]:
+            for later in [s for s in rec.stages if s.split(":")[:2] in ([k, name] for k in TOOLCHAIN_STEPS)]:
                 del rec.stages[later]  # nor their statuses: a stage says done only beside its results
             rec.set_status(name, "exported")
 
@@ -129,7 +124,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     )
     # A variant is made from the export deterministically: its sha and the samples fix the result.
     inputs_hash = fingerprint(record.exports[name].sha256, variant, record.contract(name).samples)
-    step = f"probe:{name}:{variant}"
+    step = step_key("probe", name, variant)
     existing = record.toolchain_of(name).probes.get(variant)
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
@@ -181,9 +176,9 @@ def _model_steps(
     the graph's samples (study) when given, the export, and the optimised variants unless only
     the original is read."""
     steps: dict[str, list[str] | None] = {"study": samples} if samples is not None else {}
-    steps[f"export:{name}"] = None
+    steps[step_key("export", name)] = None
     if variant != "original":
-        steps[f"optimize:{name}"] = None
+        steps[step_key("optimize", name)] = None
     return steps
 
 
@@ -296,7 +291,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
     split = record.batch_split_of(name)
     # The split is part of the inputs only when there is one, so earlier records stay done.
     inputs_hash = fingerprint(record.exports[name].sha256, *([split] if split else []))
-    step = f"optimize:{name}"
+    step = step_key("optimize", name)
     existing = record.toolchain_of(name).optimize
     if is_done(record, step, inputs_hash, workdir) and existing is not None:
         return existing
@@ -374,7 +369,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     )
     # Relative paths: the same ATC run in a copied run folder has the same inputs.
     inputs_hash = fingerprint(RunFolder(workdir).command(build_atc_command(options)))
-    step = f"atc:{name}"
+    step = step_key("atc", name)
     existing = record.toolchain_of(name).atc
     # Converted with this command and the OM as ATC wrote it: reused. "not_run" and "failed" run
     # again (CANN may have been installed or fixed since); their decision is not repeated.
@@ -409,7 +404,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
                 result.reason or "ATC exited 0 and wrote the OM",
             )
             if precision_mode is None and rec.toolchain_of(name).precision is None:
-                failed = rec.stages.get(f"precision:{name}")
+                failed = rec.stages.get(step_key("precision", name))
                 why = f"its emulation failed ({failed.error})" if failed and failed.error else "no mode was emulated"
                 decide_unless_repeated(
                     rec,
@@ -438,67 +433,3 @@ def _precision_options(record: TaskRecord, name: str, asked: str | None, out_dir
     if path is not None:
         options["keep_dtype"] = str(path)
     return options
-
-
-def for_each_candidate(
-    task_path: Path,
-    candidate: str | None,
-    batch: CandidateBatch[ResultT],
-    run: Callable[[str], ResultT],
-    desc: str,
-    promote_inner: bool = False,
-    advisory: bool = False,
-    needs_export: bool = True,
-) -> CandidateBatch[ResultT]:
-    """Run one step per graph; a failing one is recorded (status failed) and the rest go on. With
-    `promote_inner`, the candidates deferred inside a failed one join the batch and take the step.
-    An `advisory` step (its result informs, the graph does not depend on it) records its failure
-    as a decision and leaves the graph's status alone. A step that `needs_export` skips the graphs
-    whose export failed (listed in `skipped` with why), rather than failing on each of them again.
-
-    Asked for one candidate, its error is raised instead, so a caller sees the message.
-    """
-    record = load_record(task_path)
-    names = record.graphs(candidate)
-    done = 0
-    while done < len(names):
-        name = names[done]
-        progress.report(done, len(names), f"{desc}: {name}")
-        blocked = _export_failed(record, name) if needs_export and candidate is None else None
-        if blocked is not None:
-            batch.skipped[name] = blocked
-            done += 1
-            continue
-        try:
-            batch.results[name] = run(name)
-        except OmskillsError as err:
-            if candidate is not None:
-                raise
-            batch.failed.append(CandidateFailure(candidate=name, error=str(err)))
-            names += _record_failure(task_path, name, desc, err, promote_inner, advisory)
-        done += 1
-    progress.report(done, len(names), f"{desc}: done")
-    return batch
-
-
-def _export_failed(record: TaskRecord, name: str) -> str | None:
-    """Why a graph has no export to work on, when its export step failed."""
-    step = record.stages.get(f"export:{name}")
-    if name in record.exports or step is None or step.status != "failed":
-        return None
-    return f"its export failed ({one_line(step.error or 'failed', 300)})"
-
-
-def _record_failure(
-    task_path: Path, name: str, desc: str, err: Exception, promote_inner: bool, advisory: bool
-) -> list[str]:
-    """Record a graph's failed step; returns the graphs promoted to take the step in its place."""
-    with updating(task_path) as rec:
-        if advisory:
-            rec.decide(desc, f"{name}: {desc} failed", str(err))
-            return []
-        rec.set_status(name, "failed", f"{desc}: {err}")
-        promoted = rec.promote_inside(rec.contract(name).plan_candidate) if promote_inner else []
-        for cand in promoted:
-            rec.decide(desc, f"{cand}: selected", f"{name} failed ({err}); {cand} runs inside it")
-        return [c.candidate for cand in promoted for c in rec.contracts_of(cand)]

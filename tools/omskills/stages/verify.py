@@ -14,6 +14,7 @@ from omskills.errors import InputError
 from omskills.isolation import return_freed_memory
 from omskills.models.api import MainPathRun, RunHooks
 from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.records.traffic import MergedRun
 from omskills.records.verify import VerifyReport
@@ -43,14 +44,14 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     require_intact(
         record,
         workdir,
-        {f"{kind}:{n}": None for n in names for kind in ("export", "optimize")},
+        {step_key(kind, n): None for n in names for kind in ("export", "optimize")},
         "export_onnx / optimize_onnx",
     )
     modes = chosen_modes(record, names) if emulated else {}
     model = open_model(record, workdir)
     driver, loaded = model.driver, model.loaded
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
-    with running_step(task_path, "verify:emulated" if emulated else "verify", inputs_hash) as step:
+    with running_step(task_path, step_key("verify", None, "emulated" if emulated else None), inputs_hash) as step:
         progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({driver.step_name}s)...")
         reference = model.run()
         notes = page_out_spliced(loaded.root, record, names, workdir)
