@@ -526,10 +526,10 @@ def test_a_graph_that_breaks_the_main_path_in_fp16_is_named_by_its_own_error_ref
         rec.stages.pop("precision_plan", None)
         for graph in rec.graphs():
             if graph not in (fragile, sound):  # its own emulation chose to keep every dtype
-                _only_the_safest_mode(rec.chain(graph).precision)
+                _only_the_safest_mode(rec.toolchain_entry(graph).precision)
         # Its own emulation strayed most (cosine 0.9995 against a gate of 0.999).
-        rec.chain(fragile).precision.mode("force_fp16").result.cosine = 0.9995
-        rec.chain(sound).precision.mode("force_fp16").result.cosine = 0.99999
+        rec.toolchain_entry(fragile).precision.mode("force_fp16").result.cosine = 0.9995
+        rec.toolchain_entry(sound).precision.mode("force_fp16").result.cosine = 0.99999
     opened = precision_plan.open_spliced
 
     def fragile_until_refitted(record, workdir, name, backend, emulation=None, written=None):
@@ -695,7 +695,7 @@ def test_a_plan_whose_every_graph_keeps_its_dtypes_is_not_judged_by_the_precisio
         rec.precision_plan = None
         rec.stages.pop("precision_plan", None)
         for graph in rec.graphs():
-            _only_the_safest_mode(rec.chain(graph).precision)
+            _only_the_safest_mode(rec.toolchain_entry(graph).precision)
     plan = precision_plan.check_precision_plan(run / "task.yaml")
     assert plan.verdict == "not_judged" and plan.runs == 0 and plan.attempts == []
     assert plan.fp16_mac_share == 0.0 and "fp32 verification" in plan.why

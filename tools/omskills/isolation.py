@@ -42,11 +42,6 @@ class ChildDied(OmskillsError):
     """The child process ended without an answer (killed, most likely out of memory)."""
 
 
-def run_isolated_if_big(model: Path, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a child process when `model` is big enough for its memory to matter, here otherwise."""
-    return run_in_child(fn, *args) if model_bytes(model) >= ISOLATE_MIN_BYTES else fn(*args)
-
-
 def run_in_child(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` in a spawned process (fn and args must pickle); its stdout goes to stderr.
 

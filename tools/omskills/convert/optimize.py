@@ -59,10 +59,10 @@ class FirstChunk:
 # One probe sample: feeds by input name, reference (PyTorch) outputs by output name.
 # (feeds, reference outputs), or a captured .npz sample, loaded only when it is run: the
 # 4-frame samples of a full-scale video backbone are GBs each, too big to hold or to pickle.
-Sample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path | FirstChunk
+ProbeSample = tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Path | FirstChunk
 
 
-def sample_arrays(sample: Sample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def sample_arrays(sample: ProbeSample) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     if isinstance(sample, FirstChunk):
         feeds, outputs = sample_arrays(sample.path)
         split = sample.split
@@ -87,13 +87,13 @@ def first_chunk(arrays: dict[str, np.ndarray], axes: dict[str, int], max_batch: 
     }
 
 
-def first_chunks(samples: Sequence[Sample], split: BatchSplit | None) -> list[Sample]:
+def first_chunks(samples: Sequence[ProbeSample], split: BatchSplit | None) -> list[ProbeSample]:
     """Where ONNX Runtime takes the batch in chunks, the captured samples cut to their first chunk,
     one per shape of chunk: a call of 4 frames and one of 1 both start with a chunk of 1, which the
     graph computes with the same operators (`one_per_shape`'s reason, applied to what is run)."""
     if split is None:
         return list(samples)
-    kept: list[Sample] = []
+    kept: list[ProbeSample] = []
     seen: set[tuple] = set()
     for sample in samples:
         if isinstance(sample, Path):
@@ -125,7 +125,7 @@ PREFERENCE: tuple[VariantName, ...] = ("auto_optimizer", "onnxslim", "original")
 def optimize_variants(
     original_path: str | Path,
     out_dir: str | Path,
-    samples: Sequence[Sample],
+    samples: Sequence[ProbeSample],
     variants: Sequence[VariantName] = VARIANTS,
     knowledges: list[str] | None = None,
     original_probe: ParityReport | None = None,
@@ -192,7 +192,7 @@ def optimize_variants(
 
 
 def _check_most_optimised_first(
-    results: list[VariantResult], samples: Sequence[Sample], split: BatchSplit | None, isolate: bool
+    results: list[VariantResult], samples: Sequence[ProbeSample], split: BatchSplit | None, isolate: bool
 ) -> list[VariantResult]:
     """Probe the built variants in order of preference and stop at the first that passes: the
     ones after it would not be chosen, and probing a 2 GB graph is minutes of CPU."""
@@ -293,7 +293,7 @@ def _knowledge_note(outcomes: list[KnowledgeOutcome]) -> str:
     return note
 
 
-def _check(built: VariantResult, samples: Sequence[Sample], split: BatchSplit | None) -> VariantResult:
+def _check(built: VariantResult, samples: Sequence[ProbeSample], split: BatchSplit | None) -> VariantResult:
     """check_variant on a built variant, keeping what the build recorded."""
     assert built.path is not None
     checked = check_variant(built.name, Path(built.path), samples, split=split)
@@ -380,7 +380,7 @@ def _keep(model: onnx.ModelProto, weights: dict[str, str], target: Path, changed
 def check_variant(
     name: VariantName,
     path: Path,
-    samples: Sequence[Sample],
+    samples: Sequence[ProbeSample],
     probed: ParityReport | None = None,
     split: BatchSplit | None = None,
 ) -> VariantResult:
@@ -481,7 +481,7 @@ def probe_samples(path: Path, sample_paths: list[Path], split: BatchSplit | None
     return reports
 
 
-def probe_parity(backend, samples: Sequence[Sample]) -> tuple[list[OutputParity], Verdict, str]:
+def probe_parity(backend, samples: Sequence[ProbeSample]) -> tuple[list[OutputParity], Verdict, str]:
     """Run every sample and compare with its reference; per output, the worst sample counts."""
     worst: dict[str, OutputParity] = {}
     # An optimiser may drop graph inputs nothing reads (onnxslim does): feed what the variant takes.

@@ -208,10 +208,10 @@ class TaskRecord(Record):
         return self.intake.model.checkpoint or "random"
 
     def toolchain_of(self, graph: str) -> CandidateToolchain:
-        """The graph's stage-3 results (empty when there are none yet); see `chain` to write them."""
+        """The graph's stage-3 results (empty when there are none yet); see `toolchain_entry` to write them."""
         return self.toolchain.get(graph) or CandidateToolchain()
 
-    def chain(self, graph: str) -> CandidateToolchain:
+    def toolchain_entry(self, graph: str) -> CandidateToolchain:
         """The graph's stage-3 results, created in the record when missing, to write into."""
         return self.toolchain.setdefault(graph, CandidateToolchain())
 

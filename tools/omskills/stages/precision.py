@@ -119,7 +119,7 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
         report = report.model_copy(update={"model": RunFolder(workdir).stored(model)})
 
         def store(rec: TaskRecord) -> None:
-            rec.chain(name).precision = report
+            rec.toolchain_entry(name).precision = report
             table = "; ".join(
                 f"{m.mode} {'pass' if (m.with_keep or m.result).passed else 'fail'} "
                 f"(cos {(m.with_keep or m.result).cosine:.5f}{f', keep {len(m.keep)}' if m.keep else ''})"

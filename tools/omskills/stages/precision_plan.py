@@ -459,7 +459,7 @@ def _stored(plan_record: PrecisionPlan, report: VerifyReport | None, plan: Plan,
         if report is not None:
             rec.verification_emulated = report
         for graph, emulation in plan.items():
-            chosen = rec.chain(graph).precision
+            chosen = rec.toolchain_entry(graph).precision
             if chosen is None:
                 continue
             if graph in refined and emulation.mode != SAFEST:

@@ -141,7 +141,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             report = report.model_copy(update={"batch_chunks_of": split.max_batch})
 
         def store(rec: TaskRecord) -> None:
-            chain = rec.chain(name)
+            chain = rec.toolchain_entry(name)
             chain.probes[variant] = report
             chain.batch_split = split
             chunked = (
@@ -310,7 +310,7 @@ def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
         handle.result.artifacts += artifacts_of(made + [p.with_name(p.name + ".data") for p in made], workdir)
 
         def store(rec: TaskRecord) -> None:
-            rec.chain(name).optimize = result
+            rec.toolchain_entry(name).optimize = result
             if result.preferred:
                 rec.set_status(name, "optimised")
             rec.decide("optimize_onnx", f"{name}: preferred variant {result.preferred}", result.why)
@@ -331,7 +331,7 @@ def precheck_candidate(task_path: Path, name: str, soc: str | None = None) -> Op
     if record.toolchain_of(name).precheck == result:
         return result
     with updating(task_path) as rec:
-        rec.chain(name).precheck = result
+        rec.toolchain_entry(name).precheck = result
         pitfalls = "; ".join(f"{h.id} ({h.count} node(s), {'/'.join(h.modes)})" for h in result.pitfalls) or "none"
         decide_unless_repeated(
             rec,
@@ -388,7 +388,7 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
             handle.result.error = result.reason
 
         def store(rec: TaskRecord) -> None:
-            rec.chain(name).atc = result
+            rec.toolchain_entry(name).atc = result
             if result.status == "converted":
                 rec.set_status(name, "converted")
                 cand = rec.plan_candidate_of(name)
