@@ -7,6 +7,7 @@ nodes added as a study would add it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import TASK
 from omskills.errors import TaskRecordError
-from omskills.records.details import INLINE_MAX_SCALARS
 from omskills.records.profile import ModuleProfile, ProfileReport
 from omskills.records.task import load_record, save_record, updating
 
@@ -63,27 +63,33 @@ def _reference(task: Path) -> dict:
     return load_yaml(task.read_text())["profile"]["nodes"]
 
 
-def test_a_big_table_is_kept_in_a_detail_file_the_record_names_with_its_hash(profiled):
+def test_a_big_table_is_kept_in_a_detail_file_named_by_its_hash(profiled):
     ref = _reference(profiled)
-    assert set(ref) == {"detail", "sha256", "items"} and ref["items"] == NODES
+    assert set(ref) == {"detail", "items"} and ref["items"] == NODES
     side = profiled.parent / ref["detail"]
     assert side.parent == profiled.parent / "task-details" and side.is_file()
+    assert side.name == f"profile.nodes.{hashlib.sha256(side.read_bytes()).hexdigest()[:16]}.json"
     assert len(json.loads(side.read_text())) == NODES
     # The record stays short: the 200 nodes (14 fields each) take two lines of it.
     assert len(profiled.read_text().splitlines()) < 120
     assert load_record(profiled).profile == _profile(NODES)
 
 
-def test_a_small_table_stays_in_the_record(tmp_path):
-    task = tmp_path / "task.yaml"
-    shutil.copy(TASK, task)
-    small = _profile(1)
-    assert len(small.nodes[0].model_dump()) <= INLINE_MAX_SCALARS
-    with updating(task) as record:
-        record.profile = small
-    assert isinstance(_reference(task), list)
-    assert not (tmp_path / "task-details").exists()
-    assert load_record(task).profile == small
+def test_a_table_that_fits_on_one_line_stays_in_the_record():
+    from typing import Annotated
+
+    from omskills.records.base import Record
+    from omskills.records.details import DETAIL, split_details
+
+    class Table(Record):
+        rows: Annotated[list[int], DETAIL]
+        note: str | None = None
+
+    short, long = {"rows": [1, 2, 3], "note": None}, {"rows": list(range(100)), "note": None}
+    assert split_details(Table, short, "task-details") == {} and short == {"rows": [1, 2, 3]}
+    files = split_details(Table, long, "task-details")
+    assert list(files) == [long["rows"]["detail"]] and long["rows"]["items"] == 100
+    assert json.loads(files[long["rows"]["detail"]]) == list(range(100))
 
 
 def test_a_changed_detail_file_is_an_error_naming_the_field_and_the_file(profiled):
@@ -91,7 +97,7 @@ def test_a_changed_detail_file_is_an_error_naming_the_field_and_the_file(profile
     nodes = json.loads(side.read_text())
     nodes[0]["calls"] = 99
     side.write_text(json.dumps(nodes, indent=1))
-    with pytest.raises(TaskRecordError, match=r"profile\.nodes: its detail file task-details/.*sha256 differs"):
+    with pytest.raises(TaskRecordError, match=r"profile\.nodes: its detail file task-details/.*changed since it was written"):
         load_record(profiled)
 
 

@@ -229,8 +229,8 @@ class ContractSpec(Record):
     method: str = "forward"  # ... and the method that is called
     calls: int
     calls_per_frame: float | None = None
-    in_spec: str  # serialised pytree spec of (args, kwargs)
-    out_spec: str  # serialised pytree spec of the output
+    in_spec: Annotated[str, DETAIL]  # serialised pytree spec of (args, kwargs)
+    out_spec: Annotated[str, DETAIL]  # serialised pytree spec of the output
     inputs: Annotated[list[TensorSpec], DETAIL]
     outputs: Annotated[list[TensorSpec], DETAIL]
     non_tensor_args: Annotated[list[NonTensorArg], DETAIL] = Field(default_factory=list)
@@ -315,7 +315,7 @@ class ShapeStrategy(Record):
     gears: Annotated[list[list[int]], DETAIL] = Field(default_factory=list)
     # dynamic_shape: input name -> per-dim [min, max] ranges ("1~16" in ATC syntax)
     ranges: dict[str, list[list[int]]] = Field(default_factory=dict)
-    rationale: str
+    rationale: Annotated[str, DETAIL]  # also in the decision analyze_boundaries records
 
     def serves(self) -> str:
         """The input sizes a graph built with this strategy takes, in a line: `x 1x3x[96..320]x[96..320]`."""
@@ -344,6 +344,6 @@ class BoundaryDecision(Record):
     candidate: SafeName
     exportable: bool
     reasons: list[str]
-    control_plane: list[str] = Field(default_factory=list)  # what stays in Python, with evidence
+    control_plane: Annotated[list[str], DETAIL] = Field(default_factory=list)  # what stays in Python, with evidence
     shape_strategy: ShapeStrategy | None = None
     merge_with: list[str] = Field(default_factory=list)

@@ -3,13 +3,15 @@
 A person opens `task.yaml` for decisions, verdicts and figures; the per-node, per-sample and
 per-site tables behind them (an operator precheck's rows, a profile's nodes, a verification's
 per-step figures) would bury those under thousands of lines. A field that holds such a table is
-declared `Annotated[list[...], DETAIL]`; when its value is big, a save writes it as JSON to
-`<record stem>-details/<where it sits>.<hash>.json` and the record keeps a reference with the
-file's sha256 and its number of items. Files are named by their content, so the record a crash
+declared `Annotated[list[...], DETAIL]` (a mapping, a model or a long text may be one too); when its
+value takes more than a line, a save writes it as JSON to `<record stem>-details/<where it
+sits>.<hash>.json`, `<hash>` the first 16 hex digits of the text's sha256, and the record keeps a
+reference to that file with its length (items, or characters of a text), one line. Files are named
+by their content, so the record a crash
 or a concurrent reader still holds names files that are still there: a save writes the new files,
 then the record, and only then removes the files no reference names. A load puts the values back
 before the record is validated, so every reader sees one record; a detail file that is missing, or
-whose bytes are not the ones the record names, is an error naming the file and the field (a reader
+whose bytes do not have the hash its name says, is an error naming the file and the field (a reader
 racing a writer reads again).
 
 Which fields are details is declared on the field, by its type: the walk below follows the
@@ -41,12 +43,13 @@ class _DetailMarker:
 # `Annotated[list[Row], DETAIL]`: a table kept in a side file when it is big.
 DETAIL = _DetailMarker()
 
-# A value of at most this many scalars stays in the record (about as many lines of YAML): a side
-# file for three rows would make the record harder to read, not easier.
-INLINE_MAX_SCALARS = 16
+# A value whose JSON is at most this long stays in the record, where it takes one line: a side
+# file for what one line says would make the record harder to read, not easier.
+INLINE_MAX_CHARS = 100
 # A detail file bigger than this is not read (a record's tables reach a few MB at full scale).
 MAX_DETAIL_BYTES = 512 * 1024 * 1024
-_REF_KEYS = {"detail", "sha256", "items"}
+_REF_KEYS = {"detail", "items"}
+HASH_DIGITS = 16  # of the sha256 a detail file's name carries: enough to tell any edit
 _PLAIN_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 
 
@@ -62,28 +65,25 @@ def is_reference(value: object) -> bool:
 def split_details(
     model: type[BaseModel], data: dict, folder: str | None, untouched: tuple[str, ...] = ()
 ) -> dict[str, str]:
-    """Replace each big detail value in `data` (a dump of `model`) by a reference to its side file,
-    and leave out the fields whose value is their null or empty default (they say nothing but take
-    a line each);
-    returns the files to write, relative path -> JSON text. Top-level keys in `untouched` (the
-    sections a user writes) stay as they are; with no `folder`, every detail stays inline."""
+    """Replace each detail value of `data` (a dump of `model`) that takes more than a line by a
+    reference to its side file, and leave out the fields that hold their null or empty default
+    (they say nothing but take a line each); returns the files to write, relative path -> JSON
+    text. Top-level keys in `untouched` (the sections a user writes) stay as they are; with no
+    `folder`, every detail stays inline."""
     files: dict[str, str] = {}
 
     def keep_aside(where: tuple[str, ...], value: Any) -> Any:
-        if folder is None or not isinstance(value, (list, dict)) or is_reference(value):
+        if folder is None or not isinstance(value, (list, dict, str)) or is_reference(value):
             return value
-        if _scalars(value, INLINE_MAX_SCALARS + 1) <= INLINE_MAX_SCALARS:
+        if len(json.dumps(value, ensure_ascii=False)) <= INLINE_MAX_CHARS:
             return value
         text = json.dumps(value, indent=1, ensure_ascii=False)
         digest = _sha256(text)
         relative = f"{folder}/{_file_name(where, digest)}"
         files[relative] = text
-        return {"detail": relative, "sha256": digest, "items": len(value)}
+        return {"detail": relative, "items": len(value)}
 
-    for name, field in model.model_fields.items():
-        key = field.alias or name
-        if key in data and key not in untouched:
-            data[key] = _walk(field.annotation, data[key], (key,), keep_aside, trim_nones=True)
+    _walk(model, data, (), keep_aside, trim_nones=True, skip=untouched)
     return files
 
 
@@ -104,10 +104,11 @@ def join_details(model: type[BaseModel], data: dict, root: Path, record_path: Pa
             raise DetailMissing(
                 f"task record {record_path}: {field}: its detail file {value['detail']}: {err}"
             ) from None
-        if _sha256(text) != value["sha256"]:
+        if _digest_in_name(str(value["detail"])) != _sha256(text)[:HASH_DIGITS]:
             raise DetailMissing(
-                f"task record {record_path}: {field}: its detail file {value['detail']} is not the one the record "
-                "names (sha256 differs): restore it, or delete the step's results to run it again"
+                f"task record {record_path}: {field}: its detail file {value['detail']} changed since it was "
+                "written (its sha256 is not the one its name says): restore it, or delete the step's results "
+                "to run it again"
             )
         return json.loads(text)
 
@@ -148,18 +149,9 @@ def _is_empty_default(field: FieldInfo, value: Any) -> bool:
     return False
 
 
-def _scalars(value: Any, enough: int) -> int:
-    """How many scalars `value` holds, counted up to `enough`."""
-    count, stack = 0, [value]
-    while stack and count < enough:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        else:
-            count += 1
-    return count
+def _digest_in_name(relative: str) -> str:
+    """The hash a detail file's name carries (`<where>.<hash>.json`)."""
+    return Path(relative).name.removesuffix(".json").rpartition(".")[2]
 
 
 def _sha256(text: str) -> str:
@@ -170,29 +162,39 @@ def _file_name(where: tuple[str, ...], digest: str) -> str:
     """`toolchain.vision_backbone.precheck.rows.<hash>.json`; a key that is no plain name (or a
     path too long for a file name) is left out of it: keys come from records users edit."""
     if all(_PLAIN_PART.match(part) for part in where) and sum(map(len, where)) < 180:
-        return f"{'.'.join(where)}.{digest[:16]}.json"
-    return f"{where[0]}.{digest[:16]}.json"
+        return f"{'.'.join(where)}.{digest[:HASH_DIGITS]}.json"
+    return f"{where[0]}.{digest[:HASH_DIGITS]}.json"
 
 
 Visit = Callable[[tuple[str, ...], Any], Any]
 
 
-def _walk(annotation: Any, value: Any, where: tuple[str, ...], visit: Visit, trim_nones: bool = False) -> Any:
+def _walk(
+    annotation: Any,
+    value: Any,
+    where: tuple[str, ...],
+    visit: Visit,
+    trim_nones: bool = False,
+    skip: tuple[str, ...] = (),
+) -> Any:
     """`value` (data of type `annotation`) with `visit` applied to every detail field inside it
-    (and, `trim_nones`, without the fields that hold their null or empty default). Data that does not
-    have the type's shape is left to validation, which says what is wrong."""
+    (and, `trim_nones`, without the fields that hold their null or empty default); the fields of
+    the outermost model named in `skip` are left as they are. Data that does not have the type's
+    shape is left to validation, which says what is wrong."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         if isinstance(value, dict):
             for name, field in annotation.model_fields.items():
                 key = field.alias or name
-                if key not in value:
+                if key not in value or key in skip:
                     continue
                 inner = where + (key,)
                 if trim_nones and _is_empty_default(field, value[key]):
                     del value[key]
-                elif DETAIL in field.metadata:
-                    value[key] = visit(inner, value[key])
                 else:
+                    if DETAIL in field.metadata:
+                        value[key] = visit(inner, value[key])
+                    # What a detail holds may hold details itself (a record written before the outer
+                    # field was one holds references inside it): walked after it is read back.
                     value[key] = _walk(field.annotation, value[key], inner, visit, trim_nones)
         return value
     origin, args = get_origin(annotation), get_args(annotation)

@@ -3,9 +3,10 @@ back into the live model (stage 4)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.records.base import Record
+from omskills.records.details import DETAIL
 from omskills.records.names import RunPath
 from pydantic import Field
 
@@ -34,9 +35,9 @@ class ExportResult(Record):
     sha256: str  # of the .onnx file followed by its external data file (when there is one)
     external_data: bool  # weights in "<name>.onnx.data" next to the .onnx (models over 2 GB)
     log_path: RunPath  # everything the exporter printed or warned
-    input_names: list[str]  # graph inputs in order (an exporter may drop unused contract inputs)
-    output_names: list[str]
-    fact_source: str  # where the opset limit we target comes from
+    input_names: Annotated[list[str], DETAIL]  # graph inputs in order (an exporter may drop unused contract inputs)
+    output_names: Annotated[list[str], DETAIL]
+    fact_source: Annotated[str, DETAIL]  # where the opset limit we target comes from
 
 
 # "backend": the call was within the contract but the backend raised (its one line is the reason).

@@ -98,7 +98,7 @@ class ParityReport(Record):
     verdict: Verdict
     worst_cosine: float | None = None
     worst_max_abs: float | None = None
-    gates: ParityGates
+    gates: Annotated[ParityGates, DETAIL]
     # Set when ONNX Runtime takes the batch in chunks of this many items (the task record's batch_split):
     # the probe ran the samples' first chunks, one per shape of chunk.
     batch_chunks_of: int | None = None

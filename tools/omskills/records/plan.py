@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from omskills.records.base import Record
 from omskills.records.contracts import QuantityLimit, QuantitySchedule
+from omskills.records.details import DETAIL
 from omskills.records.names import RunPath, SafeName
 from pydantic import Field
 
@@ -94,13 +95,13 @@ class StudyRun(Record):
 
     inputs_hash: str
     main_path_json: RunPath
-    seeds: list[Seed] = Field(default_factory=list)
+    seeds: Annotated[list[Seed], DETAIL] = Field(default_factory=list)
     # "driver": its seed candidates; "profile": the heaviest subtrees of a discovery run's profile.
     seeds_from: Literal["driver", "profile"] = "driver"
     contracts_captured: list[str] = Field(default_factory=list)
     seconds: float
     # Per candidate, the ranges the driver read from the built model (for the shape strategy).
-    source_limits: dict[str, list[QuantityLimit | QuantitySchedule]] = Field(default_factory=dict)
+    source_limits: Annotated[dict[str, list[QuantityLimit | QuantitySchedule]], DETAIL] = Field(default_factory=dict)
     # The weights the model ran with, as its driver said: "random", a checkpoint, or weights the
     # builder loads itself (None in records written before it was kept).
     weights: str | None = None

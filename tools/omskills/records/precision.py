@@ -207,9 +207,9 @@ class PrecisionReport(Record):
     sample: str  # the captured sample it ran on
     backend: str = EMULATED_BACKEND
     gates: PrecisionGates = Field(default_factory=PrecisionGates)
-    calibration: GraphCalibration | None = None  # None: emulated before calibration existed
+    calibration: Annotated[GraphCalibration | None, DETAIL] = None  # None: emulated before calibration existed
     macs: CubeMacs = Field(default_factory=CubeMacs)  # fp16: under the chosen mode and keep list
-    modes: list[ModePrecision]
+    modes: Annotated[list[ModePrecision], DETAIL]
     chosen_mode: str  # the fastest mode whose emulated result passes (with its keep list)
     chosen_keep: Annotated[list[str], DETAIL] = Field(default_factory=list)
     why: str
@@ -217,7 +217,7 @@ class PrecisionReport(Record):
     not_evaluated: Annotated[list[str], DETAIL] = Field(default_factory=list)
     # What each mode's emulated outputs are compared with.
     reference: str = "the graph in fp32 on ONNX Runtime"
-    assumptions: str  # what emulation cannot see (ATC's own lowering: see the pitfalls in precheck)
+    assumptions: Annotated[str, DETAIL]  # what emulation cannot see (ATC's own lowering: see the pitfalls in precheck)
 
     def mode(self, name: str) -> ModePrecision | None:
         return next((m for m in self.modes if m.mode == name), None)

@@ -64,7 +64,6 @@ class StageResult(Record):
     # Hash of everything the step read; a rerun skips the step when it is unchanged.
     inputs_hash: str | None = None
     started: str | None = None
-    finished: str | None = None
     seconds: float | None = None
     artifacts: Annotated[list[Artifact], DETAIL] = Field(default_factory=list)
     logs: list[RunPath] = Field(default_factory=list)

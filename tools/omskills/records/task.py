@@ -35,6 +35,7 @@ from omskills.records.contracts import BoundaryDecision, ContractSpec, is_ancest
 from omskills.records.details import (
     DetailMissing,
     details_folder,
+    is_reference,
     join_details,
     remove_unnamed,
     split_details,
@@ -345,6 +346,9 @@ def _upgraded(data: dict, folder: Path) -> dict:
         data = {**data, "schema_version": SCHEMA_VERSION, "verification": None}
         data["stages"] = {k: v for k, v in (data.get("stages") or {}).items() if k != "verify"}
     _relative_merged_commands(data, folder)
+    for result in (data.get("stages") or {}).values():
+        if isinstance(result, dict):
+            result.pop("finished", None)  # once recorded beside `started` and `seconds`, which say it
     return data
 
 
@@ -547,7 +551,8 @@ class _RecordDumper(_Dumper):  # type: ignore[misc, valid-type]
 
     def represent_mapping(self, tag: str, mapping: Any, flow_style: bool | None = None) -> yaml.MappingNode:
         node = super().represent_mapping(tag, mapping, flow_style)
-        node.flow_style = _one_line(node.value, self)
+        # A detail file's reference is one entry, however long its hash.
+        node.flow_style = is_reference(mapping) or _one_line(node.value, self)
         return node
 
     def represent_sequence(self, tag: str, sequence: Any, flow_style: bool | None = None) -> yaml.SequenceNode:
@@ -557,7 +562,7 @@ class _RecordDumper(_Dumper):  # type: ignore[misc, valid-type]
 
 
 # A collection of scalars whose text is at most this long goes on one line.
-ONE_LINE_CHARS = 100
+ONE_LINE_CHARS = 110
 
 
 def _one_line(entries: list, dumper: Any) -> bool:

@@ -136,7 +136,7 @@ class VariantResult(Record):
 
 class OptimizeResult(Record):
     original: str
-    variants: list[VariantResult]
+    variants: Annotated[list[VariantResult], DETAIL]
     # Preference auto_optimizer -> onnxslim -> original among variants that pass every check
     # and whose parity is no worse than the original's.
     preferred: VariantName | None = None
@@ -209,7 +209,7 @@ class AtcErrorAdvice(Record):
 class AtcResult(Record):
     status: AtcStatus
     reason: str | None = None
-    command: AtcArgv  # argv of atc
+    command: Annotated[AtcArgv, DETAIL]  # argv of atc
     script: RunPath  # ready-to-run shell script with the same command
     atc: str | None = None  # which atc ran
     log: RunPath | None = None

@@ -147,7 +147,7 @@ class TrafficReport(Record):
     per_graph: Annotated[list[GraphTraffic], DETAIL] = Field(
         description="Each graph's calls and bytes over the whole run."
     )
-    link: LinkCost = Field(description="The link figures the prediction uses.")
+    link: Annotated[LinkCost, DETAIL] = Field(description="The link figures the prediction uses.")
     calls_per_step: float = Field(description="Mean backend calls per step.")
     copies_per_step: float = Field(description="Mean tensors copied in or out per step.")
     bytes_per_step: float = Field(description="Mean bytes crossing the link per step, both ways.")

@@ -165,7 +165,7 @@ class VerifyReport(Record):
         description="The runtime backend the spliced graphs were asked to run on (e.g. 'onnxruntime', 'om')."
     )
     step_name: str = Field("step", description="What the driver calls one step of the main path (e.g. 'frame').")
-    backend_per_candidate: dict[str, str] = Field(
+    backend_per_candidate: Annotated[dict[str, str], DETAIL] = Field(
         description=(
             "Graph -> what really ran it ('<backend>:<device>', with batch chunks or the emulated mode when so); "
             "'pytorch (not spliced)' for candidates left in PyTorch."
@@ -253,7 +253,7 @@ class VerifyReport(Record):
             "its figure and whether it passed."
         ),
     )
-    figures: list[RunPath] = Field(
+    figures: Annotated[list[RunPath], DETAIL] = Field(
         default_factory=list,
         description=(
             "Run-folder paths of the report's PNG pictures (charts, and steps of both runs side by side); "

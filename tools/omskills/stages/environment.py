@@ -62,7 +62,6 @@ def check_environment(task_path: Path) -> EnvironmentReport:
         rec.stages[step_key("environment")] = StageResult(
             status="done",
             started=started,
-            finished=now_iso(),
             seconds=round(time.perf_counter() - clock, 3),
             note=f"cannot run here: {', '.join(blocked)}" if blocked else "every stage can run here",
         )

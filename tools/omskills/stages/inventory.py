@@ -44,6 +44,6 @@ def take_inventory(task_path: Path) -> Inventory | None:
             else f"the {driver.family} driver names no source package: nothing to scan"
         )
         rec.stages[step_key("inventory")] = StageResult(
-            status="done", started=started, finished=now_iso(), seconds=round(time.perf_counter() - clock, 3), note=note
+            status="done", started=started, seconds=round(time.perf_counter() - clock, 3), note=note
         )
     return inventory

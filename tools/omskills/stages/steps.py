@@ -172,7 +172,6 @@ def reap_interrupted(record: TaskRecord, record_path: str) -> list[str]:
 
 
 def _close(task_path: Path, step: str, result: StageResult, start: float, handle: Step | None) -> None:
-    result.finished = now_iso()
     result.seconds = round(time.perf_counter() - start, 3)
     result.pid = None  # it tells a live step from a dead one, and this one has ended
     with updating(task_path) as record:
