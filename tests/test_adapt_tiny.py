@@ -203,6 +203,7 @@ def test_every_seed_candidate_exports_the_deferred_ones_when_named(tiny_adaptati
 
     task = tmp_path / "task.yaml"
     shutil.copy(tiny_adaptation / "task.yaml", task)
+    shutil.copytree(tiny_adaptation / "task-details", tmp_path / "task-details")  # the record's tables
     record = load_record(task)
     deferred = [c.name for c in record.plan.candidates if c.status == "deferred"]
     (tmp_path / "samples").mkdir()

@@ -97,7 +97,7 @@ def test_a_changed_detail_file_is_an_error_naming_the_field_and_the_file(profile
     nodes = json.loads(side.read_text())
     nodes[0]["calls"] = 99
     side.write_text(json.dumps(nodes, indent=1))
-    with pytest.raises(TaskRecordError, match=r"profile\.nodes: its detail file task-details/.*changed since it was written"):
+    with pytest.raises(TaskRecordError, match=r"profile\.nodes: its detail file task-details/.*changed since"):
         load_record(profiled)
 
 

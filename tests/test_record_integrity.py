@@ -148,7 +148,7 @@ def test_a_record_cut_inside_its_stages_redoes_only_the_steps_whose_status_was_l
     graph = graphs_by_size(task)[0]
     text = task.read_text()
     assert text.rstrip().splitlines()[-1].startswith("  ") and "\nstages:\n" in text  # stages come last
-    probe_step = f"  probe:{graph}:original:\n"
+    probe_step = f"  probe:{graph}:original: "
     cut = text.index(probe_step)
     task.write_text(text[:cut])  # every stage entry from this probe on is gone
     truncated = load_record(task)

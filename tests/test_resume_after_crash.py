@@ -21,17 +21,16 @@ def test_rerun_after_a_crash_in_stage_3_redoes_only_the_unfinished_export(tiny_a
     done = [step for step in done if step != crashed] + [crashed]
     # What a kill during that export leaves behind: the step marked running, no result stored.
     record.stages[crashed].status = "running"
-    record.stages[crashed].finished = None
     record.exports.pop(crashed.split(":", 1)[1])
     save_record(record, run / "task.yaml")
-    finished_before = {k: record.stages[k].finished for k in done[:-1]}
+    started_before = {k: record.stages[k].started for k in done[:-1]}
     kept_probes = [f"probe:{k.split(':', 1)[1]}:original" for k in done[:-1]]
-    probes_before = {k: record.stages[k].finished for k in kept_probes}
+    probes_before = {k: record.stages[k].started for k in kept_probes}
 
     result = omskills("adapt", str(TASK), "--scale", "tiny", "--frames", "2", "--out", str(run))
     assert result.returncode == 0, result.stderr[-2000:]
     after = load_record(run / "task.yaml")
-    assert all(after.stages[k].finished == v for k, v in finished_before.items()), "finished exports were redone"
-    assert all(after.stages[k].finished == v for k, v in probes_before.items()), "probes of kept exports were redone"
+    assert all(after.stages[k].started == v for k, v in started_before.items()), "finished exports were redone"
+    assert all(after.stages[k].started == v for k, v in probes_before.items()), "probes of kept exports were redone"
     assert after.stages[crashed].status == "done" and crashed.split(":", 1)[1] in after.exports
     assert after.verification is not None and after.verification.main_path.fallbacks == 0

@@ -696,7 +696,6 @@ def file_run_in_record(task: Path, result: AgentResult, settings: AgentSettings,
         record.stages[AGENT_STAGE] = StageResult(
             status="done" if finished else "failed",
             started=started,
-            finished=now_iso(),
             seconds=round(seconds, 3),
             # Relative to the run folder, like every path in the record, so a moved run still finds it.
             artifacts=[Artifact(path=RunFolder.of_record(task).stored(result.transcript_path))],

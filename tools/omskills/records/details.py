@@ -50,7 +50,7 @@ INLINE_MAX_CHARS = 100
 MAX_DETAIL_BYTES = 512 * 1024 * 1024
 _REF_KEYS = {"detail", "items"}
 HASH_DIGITS = 16  # of the sha256 a detail file's name carries: enough to tell any edit
-_PLAIN_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]|^\.+")
 
 
 def details_folder(record_path: Path) -> str:
@@ -159,11 +159,11 @@ def _sha256(text: str) -> str:
 
 
 def _file_name(where: tuple[str, ...], digest: str) -> str:
-    """`toolchain.vision_backbone.precheck.rows.<hash>.json`; a key that is no plain name (or a
-    path too long for a file name) is left out of it: keys come from records users edit."""
-    if all(_PLAIN_PART.match(part) for part in where) and sum(map(len, where)) < 180:
-        return f"{'.'.join(where)}.{digest[:HASH_DIGITS]}.json"
-    return f"{where[0]}.{digest[:HASH_DIGITS]}.json"
+    """`toolchain.vision_backbone.precheck.rows.<hash>.json`: the field's path, with what is no
+    plain name in a key (keys come from records users edit) made `_`, and cut short. Two fields
+    whose names come out the same share a file only when their content is the same."""
+    name = ".".join(_UNSAFE.sub("_", part.replace(":", ".")) for part in where)[:150]
+    return f"{name}.{digest[:HASH_DIGITS]}.json"
 
 
 Visit = Callable[[tuple[str, ...], Any], Any]

@@ -565,6 +565,32 @@ class _RecordDumper(_Dumper):  # type: ignore[misc, valid-type]
 ONE_LINE_CHARS = 110
 
 
+class _Entry(dict):
+    """An entry of a log section: one flow mapping, wrapped at the width, not a block of fields."""
+
+
+def _represent_entry(dumper: _RecordDumper, entry: _Entry) -> yaml.MappingNode:
+    node = dumper.represent_mapping("tag:yaml.org,2002:map", dict(entry))
+    node.flow_style = True
+    return node
+
+
+_RecordDumper.add_representer(_Entry, _represent_entry)
+
+# Sections that are logs (what was decided, how each step went): an entry each, read line by line.
+LOG_SECTIONS = ("decisions", "stages")
+
+
+def _as_entries(key: str, value: Any) -> Any:
+    if key not in LOG_SECTIONS:
+        return value
+    if isinstance(value, list):
+        return [_Entry(item) if isinstance(item, dict) else item for item in value]
+    if isinstance(value, dict):
+        return {name: _Entry(item) if isinstance(item, dict) else item for name, item in value.items()}
+    return value
+
+
 def _one_line(entries: list, dumper: Any) -> bool:
     scalars = [part for entry in entries for part in entry]
     if not all(isinstance(part, yaml.ScalarNode) for part in scalars):
@@ -590,7 +616,7 @@ def _dump_section(key: str, value: Any) -> str:
     known = _section_yaml.get(key)
     if known is not None and known[0] == as_json:
         return known[1]
-    text = _dump({key: value})
+    text = _dump({key: _as_entries(key, value)})
     _section_yaml[key] = (as_json, text)
     return text
 
