@@ -9,10 +9,10 @@ from omskills.boundary.analysis import render_contract_table
 from omskills.models.registry import driver_for
 from omskills.records.results import BoundariesResult, ContractsResult
 from omskills.records.stage_order import step_key
-from omskills.records.task import TaskRecord, load_record
+from omskills.records.task import TaskRecord
 from omskills.run_folder import RunFolder
 from omskills.stages.model import open_model
-from omskills.stages.steps import fingerprint, is_done, running_step
+from omskills.stages.steps import StepStart, fingerprint
 from omskills.stages.study import ensure_study
 
 
@@ -30,7 +30,8 @@ def capture_contracts(task_path: Path, candidate: str | None = None) -> Contract
 
 
 def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_export: bool = False) -> BoundariesResult:
-    record = load_record(task_path)
+    start = StepStart.of(task_path, step_key("boundaries", candidate))
+    record = start.record
     # With the first batch come the candidates deferred inside it: deployed if their outer one fails.
     names = record.graphs(candidate) + (record.inner_graphs() if candidate is None else [])
     contracts = [record.contracts[n] for n in names]
@@ -38,12 +39,11 @@ def analyze_boundaries(task_path: Path, candidate: str | None = None, trial_expo
     # The driver's limits are per plan candidate; each of its graphs takes them.
     limits = {c.candidate: study_limits[c.plan_candidate] for c in contracts if c.plan_candidate in study_limits}
     inputs_hash = fingerprint(contracts, trial_export, limits)
-    step_name = step_key("boundaries", candidate)
-    workdir = TaskRecord.workdir(task_path)
-    if is_done(record, step_name, inputs_hash, workdir):
+    workdir = start.workdir
+    if start.done(inputs_hash):
         decisions = [record.boundaries[n] for n in names]
     else:
-        with running_step(task_path, step_name, inputs_hash) as step:
+        with start.running(inputs_hash) as step:
             driver = driver_for(record.intake.model, workdir)
             modules = {}
             if trial_export:

@@ -21,10 +21,10 @@ from omskills.records.inventory import Inventory
 from omskills.records.plan import Candidate, Plan, Seed
 from omskills.records.profile import ProfileReport
 from omskills.records.stage_order import step_key
-from omskills.records.task import TaskRecord, load_record
+from omskills.records.task import TaskRecord
 from omskills.report.inventory import render_inventory_report
 from omskills.run_folder import RunFolder
-from omskills.stages.steps import fingerprint, is_done, running_step
+from omskills.stages.steps import StepStart, fingerprint
 from omskills.stages.study import require_study
 
 MIN_SHARE = 0.005
@@ -158,7 +158,8 @@ def render_plan_report(plan: Plan, inventory: Inventory | None, profile: Profile
 
 
 def plan_candidates(task_path: Path) -> Plan:
-    record = load_record(task_path)
+    start = StepStart.of(task_path, step_key("plan"))
+    record = start.record
     require_study(record)
     assert record.profile is not None and record.study is not None
     inputs_hash = fingerprint(
@@ -166,14 +167,14 @@ def plan_candidates(task_path: Path) -> Plan:
         record.intake.target.deploy,
         record.intake.target.defer,
     )
-    workdir = TaskRecord.workdir(task_path)
-    if is_done(record, step_key("plan"), inputs_hash, workdir):
+    workdir = start.workdir
+    if start.done(inputs_hash):
         if record.plan is None:  # is_done checks the step's results; a record edited by hand may still lack them
             raise StageError(
                 f"{task_path}: stage plan is marked done but the record has no plan: rerun plan_candidates"
             )
         return record.plan
-    with running_step(task_path, step_key("plan"), inputs_hash) as step:
+    with start.running(inputs_hash) as step:
         target = record.intake.target
         plan = plan_from_study(
             record.study.seeds, record.profile, record.contracts, deploy=target.deploy, defer=target.defer

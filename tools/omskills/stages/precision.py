@@ -35,7 +35,7 @@ from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.run_folder import RunFolder
 from omskills.stages.model import open_model
-from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
+from omskills.stages.steps import StepStart, fingerprint
 
 T = TypeVar("T")
 
@@ -84,13 +84,11 @@ def first_feeds(record: TaskRecord, workdir: Path, name: str) -> tuple[dict[str,
 
 
 def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None) -> PrecisionReport:
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, step_key("precision", name))
+    record, workdir = start.record, start.workdir
     chosen = _checked_modes(modes)
     model = record.preferred_model(workdir, name)
-    require_intact(
-        record,
-        workdir,
+    start.require_intact(
         {"study": record.contract(name).samples[:1], step_key("export", name): None, step_key("optimize", name): None},
         "export_onnx / optimize_onnx",
     )
@@ -101,13 +99,12 @@ def emulate_candidate(task_path: Path, name: str, modes: list[str] | None = None
         record.contract(name).samples[:1],
         EMULATION_REVISION,
     )
-    step = step_key("precision", name)
     existing = record.toolchain_of(name).precision
-    if is_done(record, step, inputs_hash, workdir) and existing is not None:
+    if start.done(inputs_hash) and existing is not None:
         return existing
     feeds, sample = first_feeds(record, workdir, name)
     model_cache.release()  # emulation needs no PyTorch model
-    with running_step(task_path, step, inputs_hash) as handle:
+    with start.running(inputs_hash) as handle:
         try:
             report = emulation_runner(model, feeds)(
                 precision_on_sample, model, feeds, workdir / sample, sample, chosen, record.batch_split_of(name)

@@ -47,7 +47,7 @@ from omskills.records.precision import (
     PrecisionReport,
 )
 from omskills.records.stage_order import step_key
-from omskills.records.task import TaskRecord, load_record
+from omskills.records.task import TaskRecord
 from omskills.records.verify import AGREEMENTS, CheckSummary, MainPathParity, OutputCheck, VerifyReport
 from omskills.splicing.splice import SpliceHandle, splice
 from omskills.stages.model import TaskModel, open_model
@@ -59,7 +59,7 @@ from omskills.stages.spliced_runs import (
     page_out_spliced,
     spliceable,
 )
-from omskills.stages.steps import fingerprint, is_done, require_intact, running_step
+from omskills.stages.steps import StepStart, fingerprint
 from omskills.stages.verify_report import verification_report, write_verification_report
 
 logger = logging.getLogger(__name__)
@@ -184,13 +184,11 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
     """The main path with every deployed graph in its chosen ATC precision mode and keep list,
     emulated; when it fails and the budget allows, the graphs at fault get longer keep lists found
     on their recorded inputs, and the plan runs once more."""
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, STEP)
+    record, workdir = start.record, start.workdir
     names, _ = spliceable(record)
     graphs = [n for n in names if record.toolchain_of(n).precision is not None]
-    require_intact(
-        record,
-        workdir,
+    start.require_intact(
         {step_key(kind, n): None for n in graphs for kind in ("export", "optimize")},
         "export_onnx / optimize_onnx",
     )
@@ -205,12 +203,12 @@ def check_precision_plan(task_path: Path, budget: int = DEFAULT_BUDGET) -> Preci
         bound.driver.precision_checks(bound.verification),
         PLAN_REVISION,
     )
-    if is_done(record, STEP, inputs_hash, workdir) and record.precision_plan is not None:
+    if start.done(inputs_hash) and record.precision_plan is not None:
         return record.precision_plan
     started = time.perf_counter()
     # Each graph's own choice, not the recorded `chosen_mode`, which an earlier check may have changed.
     plan = {g: Emulation(mode, tuple(keep)) for g in graphs for mode, keep in [own_choice(reports[g])]}
-    with running_step(task_path, STEP, inputs_hash) as step:
+    with start.running(inputs_hash) as step:
         if not any(_computes_in_fp16(reports[g], plan[g]) for g in graphs):
             summary = _not_judged(plan, budget, time.perf_counter() - started)
             step.update(_stored(summary, None, plan, {}))

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from omskills.records.stage_order import AdaptationStep
 from omskills.records.stage_order import step as step_declared
 from omskills.records.stages import Artifact, StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
+from omskills.run_folder import RunFolder
 from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
@@ -179,6 +181,41 @@ def _close(task_path: Path, step: str, result: StageResult, start: float, handle
             handle.apply(record)
         # Written after the results it summarises (and saved after them: `stages` ends the file).
         record.stages[step] = result
+
+
+# -- the set-up every step shares -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """A step about to run: the record as it is now, the run folder, and the step's key. A stage
+    function opens one, returns the recorded result when `done`, and runs inside `running`."""
+
+    task_path: Path
+    key: str
+    record: TaskRecord
+
+    @classmethod
+    def of(cls, task_path: Path, key: str) -> StepStart:
+        return cls(Path(task_path), key, load_record(task_path))
+
+    @property
+    def workdir(self) -> Path:
+        return TaskRecord.workdir(self.task_path)
+
+    @property
+    def run(self) -> RunFolder:
+        return RunFolder(self.workdir)
+
+    def done(self, inputs_hash: str) -> bool:
+        """Finished with these inputs, its results and files intact (`is_done`): nothing to redo."""
+        return is_done(self.record, self.key, inputs_hash, self.workdir)
+
+    def require_intact(self, reads: Mapping[str, Collection[str] | None], tool: str) -> None:
+        require_intact(self.record, self.workdir, reads, tool)
+
+    def running(self, inputs_hash: str) -> contextlib.AbstractContextManager[Step]:
+        return running_step(self.task_path, self.key, inputs_hash)
 
 
 # -- the per-graph loop ------------------------------------------------------------------------

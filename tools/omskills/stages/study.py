@@ -33,7 +33,7 @@ from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
 from omskills.stages.main_path import write_main_path
 from omskills.stages.model import open_model
-from omskills.stages.steps import artifacts_of, fingerprint, is_done, running_step
+from omskills.stages.steps import StepStart, artifacts_of, fingerprint
 
 STEP = step_key("study")
 MAX_SAMPLES = 2
@@ -126,15 +126,15 @@ def _run_shape_inputs(bound: BoundIntake, loaded: LoadedModel, workdir: Path, st
 
 def ensure_study(task_path: Path) -> TaskRecord:
     """Run the study unless a finished one with the same intake is in the record."""
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, STEP)
+    record, workdir = start.record, start.workdir
     inputs_hash = study_inputs_hash(record, driver_for(record.intake.model, workdir))
     samples_present = all((workdir / p).exists() for c in record.contracts.values() for p in c.samples)
-    if is_done(record, STEP, inputs_hash, workdir) and record.contracts and samples_present:
+    if start.done(inputs_hash) and record.contracts and samples_present:
         return record
     model = open_model(record, workdir)
     bound, driver, data, loaded = model.bound, model.driver, model.data, model.loaded
-    with running_step(task_path, STEP, inputs_hash) as step:
+    with start.running(inputs_hash) as step:
         declared = declared_seeds(driver)
         progress.report(
             0, None, "study: seeds from the driver" if declared else "study: discovery run to find seed candidates..."

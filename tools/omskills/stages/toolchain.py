@@ -32,7 +32,7 @@ from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, Optimi
 from omskills.run_folder import RunFolder
 from omskills.runtime.batch_split import batch_split_for
 from omskills.stages.model import open_model
-from omskills.stages.steps import artifacts_of, fingerprint, is_done, require_intact, running_step
+from omskills.stages.steps import StepStart, artifacts_of, fingerprint, require_intact
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +56,16 @@ def _samples(record: TaskRecord, workdir: Path, name: str) -> list[Sample]:
 
 
 def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynamo") -> ExportResult:
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, step_key("export", name))
+    record, workdir = start.record, start.workdir
     contract = record.contract(name)
     boundary = record.boundaries.get(name)
     if boundary is None or not boundary.exportable or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no exportable boundary: run analyze_boundaries first")
     inputs_hash = fingerprint(contract, boundary.shape_strategy, exporter)
-    step = step_key("export", name)
-    if is_done(record, step, inputs_hash, workdir):
+    if start.done(inputs_hash):
         return record.exports[name]
-    require_intact(record, workdir, {"study": contract.samples}, "profile_main_path")  # the samples it traces with
+    start.require_intact({"study": contract.samples}, "profile_main_path")  # the samples it traces with
     dims = dynamic_dims_from_strategy(contract, boundary.shape_strategy)
     sample = _tracing_sample(_samples(record, workdir, name), dims)
     model = open_model(record, workdir)
@@ -74,8 +73,8 @@ def export_candidate(task_path: Path, name: str, exporter: ExporterName = "dynam
     module = loaded.root.get_submodule(contract.module_path)
     out = workdir / "onnx" / name / f"{name}.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with running_step(task_path, step, inputs_hash) as handle:
-        run = RunFolder(workdir)
+    with start.running(inputs_hash) as handle:
+        run = start.run
         handle.result.logs.append(run.stored(out.parent / f"{name}.onnx.export.log"))
         with driver.export_patches(loaded, contract.plan_candidate):
             result = _export(
@@ -116,24 +115,21 @@ def _tracing_sample(samples: list[Sample], dims: dict[str, dict[int, str]]) -> S
 
 
 def probe_candidate(task_path: Path, name: str, variant: str = "original") -> ParityReport:
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, step_key("probe", name, variant))
+    record, workdir = start.record, start.workdir
     path = record.model_path(workdir, name, variant)
-    require_intact(
-        record, workdir, _model_steps(name, variant, record.contract(name).samples), "export_onnx / optimize_onnx"
-    )
+    start.require_intact(_model_steps(name, variant, record.contract(name).samples), "export_onnx / optimize_onnx")
     # A variant is made from the export deterministically: its sha and the samples fix the result.
     inputs_hash = fingerprint(record.exports[name].sha256, variant, record.contract(name).samples)
-    step = step_key("probe", name, variant)
     existing = record.toolchain_of(name).probes.get(variant)
-    if is_done(record, step, inputs_hash, workdir) and existing is not None:
+    if start.done(inputs_hash) and existing is not None:
         return existing
     sample_paths = _probed_sample_paths(record, workdir, name)
     captured = len(record.contract(name).samples)
     # Probing needs no PyTorch model; at full scale the model next to a 2 GB backbone's ORT
     # session on 4-frame samples went past 24 GB. Big models are probed in a child process.
     model_cache.release()
-    with running_step(task_path, step, inputs_hash) as handle:
+    with start.running(inputs_hash) as handle:
         reports, split, predicted = _probe_reports(record, name, path, sample_paths)
         # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
         report = max(reports, key=lambda r: (verdict_rank(r.verdict), -r.worst_cosine))
@@ -285,22 +281,21 @@ def _split_after_death(record: TaskRecord, name: str) -> BatchSplit | None:
 
 
 def optimize_candidate(task_path: Path, name: str) -> OptimizeResult:
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, step_key("optimize", name))
+    record, workdir = start.record, start.workdir
     original = record.model_path(workdir, name)
     split = record.batch_split_of(name)
     # The split is part of the inputs only when there is one, so earlier records stay done.
     inputs_hash = fingerprint(record.exports[name].sha256, *([split] if split else []))
-    step = step_key("optimize", name)
     existing = record.toolchain_of(name).optimize
-    if is_done(record, step, inputs_hash, workdir) and existing is not None:
+    if start.done(inputs_hash) and existing is not None:
         return existing
-    require_intact(record, workdir, _model_steps(name, "original", record.contract(name).samples), "export_onnx")
+    start.require_intact(_model_steps(name, "original", record.contract(name).samples), "export_onnx")
     samples = _probed_sample_paths(record, workdir, name)  # loaded one at a time, where they are run
     # At full scale the model (several GB) plus a 2 GB ONNX in three variants and their ORT
     # sessions exceeded 24 GB; optimising needs no PyTorch model, verify reloads it.
     model_cache.release()
-    with running_step(task_path, step, inputs_hash) as handle:
+    with start.running(inputs_hash) as handle:
         progress.report(0, None, f"optimize {name}: building and checking each variant (onnxslim, auto_optimizer)...")
         probed = record.toolchain_of(name).probes.get("original")
         result = _relative_optimize(
@@ -352,13 +347,13 @@ def decide_unless_repeated(rec: TaskRecord, by: str, name: str, what: str, why: 
 
 
 def convert_candidate(task_path: Path, name: str, precision_mode: str | None = None) -> AtcResult:
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, step_key("atc", name))
+    record, workdir = start.record, start.workdir
     boundary = record.boundaries.get(name)
     if boundary is None or boundary.shape_strategy is None:
         raise StageError(f"candidate {name!r} has no shape strategy: run analyze_boundaries first")
     model = record.preferred_model(workdir, name)
-    require_intact(record, workdir, _model_steps(name), "export_onnx / optimize_onnx")
+    start.require_intact(_model_steps(name), "export_onnx / optimize_onnx")
     out_dir = workdir / "om" / name
     options = AtcOptions.from_strategy(
         boundary.shape_strategy,
@@ -369,13 +364,12 @@ def convert_candidate(task_path: Path, name: str, precision_mode: str | None = N
     )
     # Relative paths: the same ATC run in a copied run folder has the same inputs.
     inputs_hash = fingerprint(RunFolder(workdir).command(build_atc_command(options)))
-    step = step_key("atc", name)
     existing = record.toolchain_of(name).atc
     # Converted with this command and the OM as ATC wrote it: reused. "not_run" and "failed" run
     # again (CANN may have been installed or fixed since); their decision is not repeated.
-    if is_done(record, step, inputs_hash, workdir) and existing is not None and existing.status == "converted":
+    if start.done(inputs_hash) and existing is not None and existing.status == "converted":
         return existing
-    with running_step(task_path, step, inputs_hash) as handle:
+    with start.running(inputs_hash) as handle:
         result = _relative_atc(run_atc(options, out_dir), workdir)
         handle.result.logs += [p for p in (result.log, result.script) if p]
         if result.om_path:

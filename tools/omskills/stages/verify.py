@@ -15,7 +15,7 @@ from omskills.isolation import return_freed_memory
 from omskills.models.api import MainPathRun, RunHooks
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.stage_order import step_key
-from omskills.records.task import TaskRecord, load_record
+from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedRun
 from omskills.records.verify import VerifyReport
 from omskills.runtime import BACKENDS
@@ -23,7 +23,7 @@ from omskills.splicing.splice import SpliceBackend, splice
 from omskills.stages.merged_graphs import merged_run
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.spliced_runs import chosen_emulation, chosen_modes, open_spliced, page_out_spliced, spliceable
-from omskills.stages.steps import fingerprint, require_intact, running_step
+from omskills.stages.steps import StepStart, fingerprint
 from omskills.stages.verify_report import verification_report, write_verification_report
 
 
@@ -38,12 +38,10 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     emulated = precision == "emulated"
     if emulated and backend != "onnxruntime":
         raise InputError(f"precision 'emulated' runs on onnxruntime (CPU), not on {backend!r}")
-    record = load_record(task_path)
-    workdir = TaskRecord.workdir(task_path)
+    start = StepStart.of(task_path, step_key("verify", None, "emulated" if emulated else None))
+    record, workdir = start.record, start.workdir
     names, skipped = spliceable(record)
-    require_intact(
-        record,
-        workdir,
+    start.require_intact(
         {step_key(kind, n): None for n in names for kind in ("export", "optimize")},
         "export_onnx / optimize_onnx",
     )
@@ -51,7 +49,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     model = open_model(record, workdir)
     driver, loaded = model.driver, model.loaded
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
-    with running_step(task_path, step_key("verify", None, "emulated" if emulated else None), inputs_hash) as step:
+    with start.running(inputs_hash) as step:
         progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({driver.step_name}s)...")
         reference = model.run()
         notes = page_out_spliced(loaded.root, record, names, workdir)
