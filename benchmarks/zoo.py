@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omskills.orchestrator.fleet import plan_jobs, run_adaptation, run_fleet
+from omskills.orchestrator.fleet import plan_adaptations, run_adaptation, run_fleet
 from omskills.orchestrator.run_rows import AdaptationRow, cells, last_line
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -113,8 +113,9 @@ def held_out_run(task: Path, overrides: dict[str, Any]) -> HeldOut:
 def run_model(model: ZooModel, out: Path) -> ZooRow:
     """One model without Ray (the test suite's zoo slice): a fresh adaptation, then its held-out run."""
     shutil.rmtree(out, ignore_errors=True)
-    [job] = plan_jobs([model.record], out.parent, None, [])
-    row = ZooRow(**run_adaptation(job.model_copy(update={"run": out.resolve()}), 1).row.model_dump(), kind=model.kind)
+    [adaptation] = plan_adaptations([model.record], out.parent, None, [])
+    attempt = run_adaptation(adaptation.model_copy(update={"run": out.resolve()}), 1)
+    row = ZooRow(**attempt.row.model_dump(), kind=model.kind)
     if row.deployed:
         row.held_out = held_out_run(out / "task.yaml", model.held_out)
     return row
@@ -161,9 +162,9 @@ def main() -> int:
     models = zoo_models(ns.names, ns.slice)
     for model in models:  # fresh runs: a benchmark measures whole adaptations, not resumes
         shutil.rmtree(out / model.name, ignore_errors=True)
-    jobs = plan_jobs([m.record for m in models], out, None, [], ZOO_MEMORY_GB)
+    adaptations = plan_adaptations([m.record for m in models], out, None, [], ZOO_MEMORY_GB)
     load = _load()
-    report = run_fleet(jobs, local_cpus=1 if ns.one_at_a_time else None)
+    report = run_fleet(adaptations, local_cpus=1 if ns.one_at_a_time else None)
     rows = []
     for model, result in zip(models, report.results):
         last = result.attempts[-1].row

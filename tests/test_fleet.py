@@ -140,7 +140,7 @@ def test_without_an_address_a_local_ray_instance_runs_one_task_per_cpu_with_a_to
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "fleet.json").read_text())
     assert report["address"] == "local" and report["nodes"] == 1
-    assert all(r["job"]["memory_from"] == "--memory-gb" for r in report["results"])
+    assert all(r["adaptation"]["memory_from"] == "--memory-gb" for r in report["results"])
     assert all(r["attempts"][0]["row"]["verdict"] == "pass" for r in report["results"])
     first, second = sorted((r["attempts"][0]["started"], r["attempts"][0]["ended"]) for r in report["results"])
     assert second[0] >= first[1], "two tasks ran at once on one CPU"
@@ -153,7 +153,7 @@ def first_run(cluster, records, tmp_path_factory):
     address, env = cluster
     result = fleet(*map(str, records), "--address", address, "--out", str(out), env=env)
     report = json.loads((out / "fleet.json").read_text())
-    return out, result, {r["job"]["name"]: r for r in report["results"]}
+    return out, result, {r["adaptation"]["name"]: r for r in report["results"]}
 
 
 def test_three_adaptations_pass_and_the_broken_one_fails_with_its_reason_after_one_retry_elsewhere(first_run):
@@ -177,7 +177,7 @@ def test_memory_not_cpus_keeps_each_node_to_one_adaptation_at_a_time(first_run):
     for node in {a["node_id"] for a in attempts}:
         spans = sorted((a["started"], a["ended"]) for a in attempts if a["node_id"] == node)
         assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
-    assert all(r["job"]["memory_from"] == "default for scale tiny" for r in results.values())
+    assert all(r["adaptation"]["memory_from"] == "default for scale tiny" for r in results.values())
 
 
 def test_progress_says_each_state_change_with_a_live_count(first_run):
@@ -195,12 +195,12 @@ def test_a_rerun_resumes_every_run_folder_without_redoing_finished_steps(first_r
     address, env = cluster
     again = fleet(*map(str, records), "--address", address, "--out", str(out), env=env)
     assert again.returncode == 1, again.stderr[-3000:]
-    report = {r["job"]["name"]: r for r in json.loads((out / "fleet.json").read_text())["results"]}
+    report = {r["adaptation"]["name"]: r for r in json.loads((out / "fleet.json").read_text())["results"]}
     for name in ("toy-a", "toy-b", "toy-c"):
         assert finished_steps(out / name) == before[name]
         assert report[name]["attempts"][-1]["row"]["verdict"] == "pass"
         # The second run asks for what the first measured, not the scale's default.
-        assert report[name]["job"]["memory_from"].startswith("measured peak")
+        assert report[name]["adaptation"]["memory_from"].startswith("measured peak")
 
 
 def test_an_adaptation_no_node_can_hold_fails_at_once_naming_the_memory(cluster, records, tmp_path):

@@ -53,7 +53,7 @@ FLEET_OWN_NAMES = frozenset({FLEET_JSON, FLEET_MD})  # no record id (a run folde
 ADDRESS_TIMEOUT_S = 10.0
 
 
-class FleetJob(BaseModel):
+class FleetAdaptation(BaseModel):
     name: str = Field(description="The run folder's name: the record's id, '-<soc>' when fanned out over SoCs.")
     record: Path = Field(description="The task record (absolute).")
     run: Path = Field(description="The run folder (absolute, where every worker reaches it).")
@@ -75,7 +75,7 @@ class Attempt(BaseModel):
 
 
 class FleetResult(BaseModel):
-    job: FleetJob
+    adaptation: FleetAdaptation
     attempts: list[Attempt] = Field(default_factory=list)
 
     @property
@@ -97,13 +97,13 @@ class FleetReport(BaseModel):
             row = result.attempts[-1].row if result.attempts else None
             shown = cells(row) if row else ["not run"] + ["-"] * (len(HEADERS) - 1)
             tried = ", ".join(f"{a.number} ({a.node_ip or '-'} {a.node_id[:8]})" for a in result.attempts) or "-"
-            lines.append("| " + " | ".join([result.job.name, *shown[:-1], tried, shown[-1]]) + " |")
+            lines.append("| " + " | ".join([result.adaptation.name, *shown[:-1], tried, shown[-1]]) + " |")
         passed = sum(r.passed for r in self.results)
         lines += ["", f"{passed} of {len(self.results)} pass; wall {self.wall_s:.0f} s on {self.nodes} node(s)."]
         return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------- jobs
+# --------------------------------------------------------------------------- adaptations
 
 
 def memory_request(record: Path, run: Path, scale: str | None, unmeasured_gb: float | None = None) -> tuple[float, str]:
@@ -144,20 +144,20 @@ def _study_peak_gb(run: Path) -> float | None:
     return MainPathReport.model_validate_json(report.read_text()).peak_rss_mb / 1024
 
 
-def plan_jobs(
+def plan_adaptations(
     records: Sequence[Path],
     out: Path,
     scale: str | None,
     socs: Sequence[str],
     unmeasured_gb: float | None = None,
-) -> list[FleetJob]:
-    """One job per record, or per record and SoC; run folders `out/<id>[-<soc>]`."""
+) -> list[FleetAdaptation]:
+    """One adaptation per record, or per record and SoC; run folders `out/<id>[-<soc>]`."""
     from omskills.ascend.atc import check_soc
     from omskills.records.task import load_record
 
     for soc in socs:  # a SoC names a run folder: only those ATC knows
         check_soc(soc, "--soc")
-    jobs: list[FleetJob] = []
+    adaptations: list[FleetAdaptation] = []
     for record in records:
         record = record.resolve()
         if not record.is_file():
@@ -168,8 +168,8 @@ def plan_jobs(
             name = f"{ident}-{soc}" if soc else ident
             run = (out / name).resolve()
             memory, why = memory_request(record, leader or run, scale, unmeasured_gb)
-            jobs.append(
-                FleetJob(
+            adaptations.append(
+                FleetAdaptation(
                     name=name,
                     record=record,
                     run=run,
@@ -181,14 +181,14 @@ def plan_jobs(
                 )
             )
             leader = leader or run
-    names = [job.name for job in jobs]
+    names = [adaptation.name for adaptation in adaptations]
     taken = sorted(set(names) & FLEET_OWN_NAMES)
     if taken:
         raise InputError(f"record id(s) {taken}: the fleet's own files in {out} use these names; rename the record(s)")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise InputError(f"two records share the id(s) {twice}: each run folder is named after its record's id")
-    return jobs
+    return adaptations
 
 
 def zoo_records(names: Sequence[str], zoo_index: Path) -> list[Path]:
@@ -207,26 +207,27 @@ def zoo_records(names: Sequence[str], zoo_index: Path) -> list[Path]:
 # --------------------------------------------------------------------------- one attempt (on a worker)
 
 
-def adapt_attempt(job: FleetJob, number: int, starts) -> Attempt:
+def adapt_attempt(adaptation: FleetAdaptation, number: int, starts) -> Attempt:
     """The Ray task: tells the `StartLog` actor it started on this node, then runs the adaptation."""
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
     # Not waited for: a task blocked in ray.get gives its CPU back and Ray starts another beside it.
-    starts.started.remote(job.name, number, node_id)
-    return run_adaptation(job, number, node_id)
+    starts.started.remote(adaptation.name, number, node_id)
+    return run_adaptation(adaptation, number, node_id)
 
 
-def run_adaptation(job: FleetJob, number: int, node_id: str = "local") -> Attempt:
-    """`omskills adapt` on the job's record in its run folder, the process tree's memory sampled.
+def run_adaptation(adaptation: FleetAdaptation, number: int, node_id: str = "local") -> Attempt:
+    """`omskills adapt` on the adaptation's record in its run folder, the process tree's memory sampled.
     Its console output goes to `<run>/fleet/attempt-<n>.log`."""
-    if job.seed_from is not None and not (job.run / "task.yaml").exists():
-        shutil.copytree(job.seed_from, job.run, symlinks=True, dirs_exist_ok=True)
-    folder = job.run / FLEET_FOLDER
+    if adaptation.seed_from is not None and not (adaptation.run / "task.yaml").exists():
+        shutil.copytree(adaptation.seed_from, adaptation.run, symlinks=True, dirs_exist_ok=True)
+    folder = adaptation.run / FLEET_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / f"attempt-{number}.log"
-    command = [sys.executable, "-c", CLI, "adapt", str(job.record), "--out", str(job.run)]
-    command += [*(["--scale", job.scale] if job.scale else []), *(["--soc", job.soc] if job.soc else [])]
+    command = [sys.executable, "-c", CLI, "adapt", str(adaptation.record), "--out", str(adaptation.run)]
+    command += ["--scale", adaptation.scale] if adaptation.scale else []
+    command += ["--soc", adaptation.soc] if adaptation.soc else []
     started, began = time.perf_counter(), time.time()
     with log.open("w") as sink:
         proc = subprocess.Popen(
@@ -246,13 +247,13 @@ def run_adaptation(job: FleetJob, number: int, node_id: str = "local") -> Attemp
     wall = time.perf_counter() - started
     (folder / f"peak-{number}.json").write_text(json.dumps({"peak_tree_gb": sampler.peak_gb}))
     output = log.read_text(errors="replace")
-    row = row_of_run(job.name, job.run, code, output, wall, sampler.peak_gb)
+    row = row_of_run(adaptation.name, adaptation.run, code, output, wall, sampler.peak_gb)
     return Attempt(
         number=number,
         node_id=node_id,
         started=began,
         ended=time.time(),
-        log=log.relative_to(job.run).as_posix(),
+        log=log.relative_to(adaptation.run).as_posix(),
         row=row,
     )
 
@@ -294,8 +295,8 @@ State = Literal["waiting", "running", "passed", "failed"]
 class Board:
     """The live count, and one line per change of a task's state."""
 
-    def __init__(self, jobs: Sequence[FleetJob], echo: Callable[[str], None]) -> None:
-        self.states: dict[str, State] = {job.name: "waiting" for job in jobs}
+    def __init__(self, adaptations: Sequence[FleetAdaptation], echo: Callable[[str], None]) -> None:
+        self.states: dict[str, State] = {adaptation.name: "waiting" for adaptation in adaptations}
         self.echo = echo
 
     def move(self, name: str, state: State, what: str) -> None:
@@ -319,13 +320,13 @@ def require_ray() -> None:
 
 
 def run_fleet(
-    jobs: Sequence[FleetJob],
+    adaptations: Sequence[FleetAdaptation],
     *,
     address: str | None = None,
     local_cpus: int | None = None,
     echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> FleetReport:
-    """Every job as a Ray task; a failed one tried once more on another node. Blocks until all end;
+    """Every adaptation as a Ray task; a failed one tried once more on another node. Blocks until all end;
     an interrupt cancels the tasks still pending or running."""
     require_ray()
     started, clock = dt.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
@@ -337,14 +338,14 @@ def run_fleet(
 
         ray.init(logging_level="ERROR", log_to_driver=False, **options)
         try:
-            fleet = _Fleet(ray, jobs, Board(jobs, echo))
+            fleet = _Fleet(ray, adaptations, Board(adaptations, echo))
             fleet.run()
             return FleetReport(
                 address=address or "local",
                 nodes=len(fleet.nodes),
                 started=started,
                 wall_s=round(time.perf_counter() - clock, 1),
-                results=[fleet.results[job.name] for job in jobs],
+                results=[fleet.results[adaptation.name] for adaptation in adaptations],
             )
         finally:
             ray.shutdown()
@@ -401,56 +402,59 @@ class StartLog:
 class _Fleet:
     """The driver side of one fleet run: submits, collects, retries, starts the SoC followers."""
 
-    def __init__(self, ray, jobs: Sequence[FleetJob], board: Board) -> None:
+    def __init__(self, ray, adaptations: Sequence[FleetAdaptation], board: Board) -> None:
         self.ray, self.board = ray, board
         self.nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         self.largest = max(n["Resources"].get("memory", 0) for n in self.nodes.values())
         self.starts = ray.remote(num_cpus=0)(StartLog).remote()
-        self.jobs = jobs
-        self.results = {job.name: FleetResult(job=job) for job in jobs}
-        self.pending: dict = {}  # Ray object ref -> (job, attempt number)
+        self.adaptations = adaptations
+        self.results = {adaptation.name: FleetResult(adaptation=adaptation) for adaptation in adaptations}
+        self.pending: dict = {}  # Ray object ref -> (adaptation, attempt number)
 
     def run(self) -> None:
-        for job in self.jobs:
-            if job.seed_from is None:
-                self.submit(job, 1)
+        for adaptation in self.adaptations:
+            if adaptation.seed_from is None:
+                self.submit(adaptation, 1)
         try:
             while self.pending:
                 ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=1.0)
                 for ref in ready:  # ends first: a task that starts as another ends is not counted twice
-                    job, number = self.pending.pop(ref)
-                    self.finish(job, self.collect(ref, number, job))
+                    adaptation, number = self.pending.pop(ref)
+                    self.finish(adaptation, self.collect(ref, number, adaptation))
                 self.show_started()
         except KeyboardInterrupt:
             for ref in self.pending:
                 self.ray.cancel(ref)  # the task ends its adaptation's process tree (run_adaptation)
             raise
 
-    def submit(self, job: FleetJob, number: int, avoid: str | None = None) -> None:
+    def submit(self, adaptation: FleetAdaptation, number: int, avoid: str | None = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if job.memory_gb * GB > self.largest:
+        if adaptation.memory_gb * GB > self.largest:
             offers = f"the largest node offers {self.largest / GB:.1f} GB"
             row = AdaptationRow(
-                name=job.name, exit_code=-1, stage="none", failure=f"memory: needs {job.memory_gb:.1f} GB "
-                f"({job.memory_from}); {offers}"
-            )  # fmt: skip
-            self.finish(job, Attempt(number=number, node_id="", row=row))
+                name=adaptation.name,
+                exit_code=-1,
+                stage="none",
+                failure=f"memory: needs {adaptation.memory_gb:.1f} GB ({adaptation.memory_from}); {offers}",
+            )
+            self.finish(adaptation, Attempt(number=number, node_id="", row=row))
             return
         others = [node for node in self.nodes if node != avoid]
         strategy = NodeAffinitySchedulingStrategy(others[0], soft=True) if avoid and others else "DEFAULT"
         task = self.ray.remote(adapt_attempt).options(
-            num_cpus=1, memory=int(job.memory_gb * GB), max_retries=0, scheduling_strategy=strategy
+            num_cpus=1, memory=int(adaptation.memory_gb * GB), max_retries=0, scheduling_strategy=strategy
         )
-        self.pending[task.remote(job, number, self.starts)] = (job, number)
+        self.pending[task.remote(adaptation, number, self.starts)] = (adaptation, number)
         how = f" on another node than {avoid[:8]}" if avoid else ""
-        self.board.move(job.name, "waiting", f"attempt {number} asks {job.memory_gb:.1f} GB ({job.memory_from}){how}")
+        asks = f"attempt {number} asks {adaptation.memory_gb:.1f} GB ({adaptation.memory_from}){how}"
+        self.board.move(adaptation.name, "waiting", asks)
 
-    def collect(self, ref, number: int, job: FleetJob) -> Attempt:
+    def collect(self, ref, number: int, adaptation: FleetAdaptation) -> Attempt:
         try:
             return self.ray.get(ref)
         except self.ray.exceptions.RayError as err:  # the worker died (killed for memory, a node lost)
-            row = AdaptationRow(name=job.name, exit_code=-1, stage="none", failure=f"worker: {err}"[:300])
+            row = AdaptationRow(name=adaptation.name, exit_code=-1, stage="none", failure=f"worker: {err}"[:300])
             return Attempt(number=number, node_id="", row=row)
 
     def show_started(self) -> None:
@@ -462,22 +466,22 @@ class _Fleet:
     def address_of(self, node_id: str) -> str:
         return self.nodes[node_id]["NodeManagerAddress"] if node_id in self.nodes else ""
 
-    def finish(self, job: FleetJob, attempt: Attempt) -> None:
+    def finish(self, adaptation: FleetAdaptation, attempt: Attempt) -> None:
         attempt.node_ip = self.address_of(attempt.node_id)
-        self.results[job.name].attempts.append(attempt)
+        self.results[adaptation.name].attempts.append(attempt)
         where = f" on {attempt.node_ip} ({attempt.node_id[:8]})" if attempt.node_id else ""
         if attempt.row.passed:
-            self.board.move(job.name, "passed", f"passed{where} in {attempt.row.wall_s:.0f} s")
+            self.board.move(adaptation.name, "passed", f"passed{where} in {attempt.row.wall_s:.0f} s")
         elif attempt.number < ATTEMPTS and not (attempt.row.failure or "").startswith("memory:"):
-            self.board.move(job.name, "waiting", f"failed{where}: {attempt.row.failure}; trying again")
-            self.submit(job, attempt.number + 1, avoid=attempt.node_id or None)
+            self.board.move(adaptation.name, "waiting", f"failed{where}: {attempt.row.failure}; trying again")
+            self.submit(adaptation, attempt.number + 1, avoid=attempt.node_id or None)
             return
         else:
             tries = f"{attempt.number} attempt(s)"
-            self.board.move(job.name, "failed", f"failed{where} after {tries}: {attempt.row.failure}")
-        for follower in (f for f in self.jobs if f.seed_from == job.run):
+            self.board.move(adaptation.name, "failed", f"failed{where} after {tries}: {attempt.row.failure}")
+        for follower in (f for f in self.adaptations if f.seed_from == adaptation.run):
             # Asked for what the run it starts from measured, now that it has run.
-            memory, why = memory_request(follower.record, job.run, follower.scale, follower.memory_gb)
+            memory, why = memory_request(follower.record, adaptation.run, follower.scale, follower.memory_gb)
             self.submit(follower.model_copy(update={"memory_gb": memory, "memory_from": why}), 1)
 
 

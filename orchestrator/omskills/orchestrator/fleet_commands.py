@@ -34,7 +34,7 @@ def _fleet(ns: argparse.Namespace) -> int:
     from omskills.errors import InputError
     from omskills.host.toolkit import repo_root
 
-    from .fleet import plan_jobs, require_ray, run_fleet, write_report, zoo_records
+    from .fleet import plan_adaptations, require_ray, run_fleet, write_report, zoo_records
 
     require_ray()  # says how to install Ray before any record is read
     records = [Path(r) for r in ns.records]
@@ -47,8 +47,8 @@ def _fleet(ns: argparse.Namespace) -> int:
         raise InputError(f"--memory-gb: {ns.memory_gb} is not a positive number of GB")
     if ns.cpus is not None and ns.cpus < 1:
         raise InputError(f"--cpus: {ns.cpus}: a fleet runs one task per CPU, it needs at least 1")
-    jobs = plan_jobs(records, out, ns.scale, ns.soc, ns.memory_gb)
-    report = run_fleet(jobs, address=ns.address, local_cpus=ns.cpus)
+    adaptations = plan_adaptations(records, out, ns.scale, ns.soc, ns.memory_gb)
+    report = run_fleet(adaptations, address=ns.address, local_cpus=ns.cpus)
     data, table = write_report(report, out)
     print(table.read_text())
     print(f"omskills fleet: {data}", file=sys.stderr)
