@@ -1,7 +1,7 @@
 """A crash during stage 3 of the shared tiny SAM 3 adaptation, and its rerun (issues 3-6).
 
-Its own file so that the test runner can give it to the worker the tiny adaptation itself does
-not occupy (tests are spread over workers file by file)."""
+Its own file: one long test, a unit of work of its own that either worker takes, longest first
+(tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ another size that the adaptation never saw (`load_adapted`). The whole zoo is th
 
 Two of them are then looked at closely: torchvision's Faster R-CNN (a detector with a Python
 control plane: anchors, NMS, RoI heads) and RAFT (optical flow whose update block is one
-candidate called many times per pair). One file, so one worker makes every run it reads."""
+candidate called many times per pair). Each run is made once for both workers (`zoo_adaptation`),
+so the tests are spread over them one by one (tests/conftest.py)."""
 
 from __future__ import annotations
 
