@@ -94,9 +94,9 @@ def zoo_adaptation(tmp_path_factory, worker_id: str):
 # runs in a row. A file whose tests share module-scoped state (a server, a cluster, an export) is
 # one unit, as `--dist loadfile` makes it. The tests of a SPREAD file share only the session
 # fixtures above (made once per run for every worker) or nothing: each is a unit of its own, so
-# both workers take them. Units start longest first (seconds in durations.json), so that no long
+# every worker takes them. Units start longest first (seconds in durations.json), so that no long
 # unit starts last while the other worker has nothing left; before them all comes the longest test
-# that needs the tiny adaptation, so that one worker makes it while the other runs long units.
+# that needs the tiny adaptation, so that one worker makes it while the others run long units.
 
 SPREAD = {
     "test_adapt_tiny.py",
@@ -139,6 +139,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda i: (unit_of(i.nodeid) != first, -cost[unit_of(i.nodeid)]))  # stable: a unit keeps its order
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadscope` with `unit_of` as the scope (xdist's own scopes are files and classes)."""
     if config.getvalue("dist") != "loadscope":
