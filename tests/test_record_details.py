@@ -108,7 +108,9 @@ def test_a_missing_detail_file_is_an_error_naming_it(profiled):
         load_record(profiled)
 
 
-@pytest.mark.parametrize("planted", ["../outside.json", "/etc/passwd", "task-details/link.json"])
+@pytest.mark.parametrize(
+    "planted", ["../outside.json", "/etc/passwd", "task-details/link.json", "task-details/../task.yaml", "onnx/x.json"]
+)
 def test_a_detail_reference_leading_outside_the_run_folder_is_refused(profiled, planted):
     outside = profiled.parent.parent / "outside.json"
     outside.write_text("[]")

@@ -7,9 +7,9 @@ declared `Annotated[list[...], DETAIL]` (a mapping, a model or a long text may b
 value takes more than a line, a save writes it as JSON to `<record stem>-details/<where it
 sits>.<hash>.json`, `<hash>` the first 16 hex digits of the text's sha256, and the record keeps a
 reference to that file with its length (items, or characters of a text), one line. Files are named
-by their content, so the record a crash
-or a concurrent reader still holds names files that are still there: a save writes the new files,
-then the record, and only then removes the files no reference names. A load puts the values back
+by their content, so the record a crash or a concurrent reader still holds names files that are
+still there: a save writes the new files, then the record, and only then removes the files no
+reference names. A load puts the values back
 before the record is validated, so every reader sees one record; a detail file that is missing, or
 whose bytes do not have the hash its name says, is an error naming the file and the field (a reader
 racing a writer reads again).
@@ -91,11 +91,15 @@ def join_details(model: type[BaseModel], data: dict, root: Path, record_path: Pa
     """Put each referenced detail of `data` back in place, read from its file under `root`;
     TaskRecordError (naming the field and the file) when one is missing or changed."""
 
+    folder = details_folder(record_path)
+
     def read_back(where: tuple[str, ...], value: Any) -> Any:
         if not is_reference(value):
             return value
         field = ".".join(where)
         try:
+            if Path(str(value["detail"])).parent != Path(folder):
+                raise ValueError(f"not a file of {folder}/")
             path = RunFolder(root).file(str(value["detail"]))
             if path.stat().st_size > MAX_DETAIL_BYTES:
                 raise ValueError(f"bigger than {MAX_DETAIL_BYTES} bytes")

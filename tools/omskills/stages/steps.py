@@ -1,5 +1,6 @@
-"""Running the steps of a stage: status in the task record, input fingerprint, resume, and the
-loop that runs a per-graph step on every graph of the batch (`for_each_graph`).
+"""Running the steps of a stage: the set-up every stage function opens (`StepStart`), status in
+the task record, input fingerprint, resume, and the loop that runs a per-graph step on every graph
+of the batch (`for_each_graph`).
 
 A step that finished with the same inputs is skipped on a rerun, unless the record or the
 disk says its result cannot be trusted: the results it wrote are missing from the record, or a
