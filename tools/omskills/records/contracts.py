@@ -343,7 +343,7 @@ class ShapeStrategy(Record):
 class BoundaryDecision(Record):
     candidate: SafeName
     exportable: bool
-    reasons: list[str]
+    reasons: Annotated[list[str], DETAIL]  # the evidence; the decision analyze_boundaries records says the verdict
     control_plane: Annotated[list[str], DETAIL] = Field(default_factory=list)  # what stays in Python, with evidence
     shape_strategy: ShapeStrategy | None = None
     merge_with: list[str] = Field(default_factory=list)

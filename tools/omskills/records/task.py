@@ -552,12 +552,12 @@ class _RecordDumper(_Dumper):  # type: ignore[misc, valid-type]
     def represent_mapping(self, tag: str, mapping: Any, flow_style: bool | None = None) -> yaml.MappingNode:
         node = super().represent_mapping(tag, mapping, flow_style)
         # A detail file's reference is one entry, however long its hash.
-        node.flow_style = is_reference(mapping) or _one_line(node.value, self)
+        node.flow_style = is_reference(mapping) or _one_line(node.value)
         return node
 
     def represent_sequence(self, tag: str, sequence: Any, flow_style: bool | None = None) -> yaml.SequenceNode:
         node = super().represent_sequence(tag, sequence, flow_style)
-        node.flow_style = _one_line([(item,) for item in node.value], self)
+        node.flow_style = _one_line([(item,) for item in node.value])
         return node
 
 
@@ -591,7 +591,7 @@ def _as_entries(key: str, value: Any) -> Any:
     return value
 
 
-def _one_line(entries: list, dumper: Any) -> bool:
+def _one_line(entries: list) -> bool:
     scalars = [part for entry in entries for part in entry]
     if not all(isinstance(part, yaml.ScalarNode) for part in scalars):
         return False
