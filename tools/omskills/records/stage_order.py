@@ -46,55 +46,32 @@ class AdaptationStep(Record):
         return ":".join(part for part in (self.key, graph, variant) if part)
 
 
-def _steps(stage: str, *steps: AdaptationStep | tuple[str, str]) -> list[AdaptationStep]:
-    return [
-        step.model_copy(update={"stage": stage})
-        if isinstance(step, AdaptationStep)
-        else AdaptationStep(tool=step[0], stage=stage, label=step[1])
-        for step in steps
-    ]
+def _steps(stage: str, *steps: AdaptationStep) -> list[AdaptationStep]:
+    return [step.model_copy(update={"stage": stage}) for step in steps]
+
+
+def _step(tool: str, label: str, key: str | None = None, *results: str, **more: object) -> AdaptationStep:
+    """A step run once for the whole record (its stage is set by `_steps`)."""
+    return AdaptationStep(tool=tool, stage="", label=label, key=key, results=results, **more)
 
 
 def _graph_step(tool: str, label: str, key: str, *results: str, **more: object) -> AdaptationStep:
-    return AdaptationStep(
-        tool=tool, stage="", label=label, key=key, per_graph=True, in_stage_table=True, results=results, **more
-    )
+    """A step run on each graph, with a column in the stage table."""
+    return _step(tool, label, key, *results, per_graph=True, in_stage_table=True, **more)
 
 
 ADAPTATION_STEPS: tuple[AdaptationStep, ...] = (
     *_steps(
         "1 inventory & plan",
-        AdaptationStep(
-            tool="check_environment", stage="", label="environment gate", key="environment", results=("environment",)
-        ),
-        AdaptationStep(
-            tool="inventory_entries",
-            stage="",
-            label="static inventory of the model source",
-            key="inventory",
-            results=("inventory",),
-        ),
-        AdaptationStep(
-            tool="profile_main_path",
-            stage="",
-            label="instrumented main-path run (profile + contracts)",
-            key="study",
-            results=("profile", "study"),
-        ),
-        AdaptationStep(
-            tool="plan_candidates",
-            stage="",
-            label="rank candidates, choose the first batch",
-            key="plan",
-            results=("plan",),
-        ),
+        _step("check_environment", "environment gate", "environment", "environment"),
+        _step("inventory_entries", "static inventory of the model source", "inventory", "inventory"),
+        _step("profile_main_path", "instrumented main-path run (profile + contracts)", "study", "profile", "study"),
+        _step("plan_candidates", "rank candidates, choose the first batch", "plan", "plan"),
     ),
     *_steps(
         "2 contracts & boundaries",
-        ("capture_contracts", "contracts of the selected candidates"),
-        AdaptationStep(
-            tool="analyze_boundaries", stage="", label="exportability and ATC shape strategy", key="boundaries"
-        ),
+        _step("capture_contracts", "contracts of the selected candidates"),
+        _step("analyze_boundaries", "exportability and ATC shape strategy", "boundaries"),
     ),
     *_steps(
         "3 ONNX -> OM",
@@ -121,12 +98,11 @@ ADAPTATION_STEPS: tuple[AdaptationStep, ...] = (
             on_failure="advisory",
             needs_export=True,
         ),
-        AdaptationStep(
-            tool="check_precision_plan",
-            stage="",
-            label="precision plan checked end to end (emulated), fixed if it fails",
-            key="precision_plan",
-            results=("precision_plan",),
+        _step(
+            "check_precision_plan",
+            "precision plan checked end to end (emulated), fixed if it fails",
+            "precision_plan",
+            "precision_plan",
         ),
         _graph_step(
             "precheck_ops",
@@ -141,16 +117,15 @@ ADAPTATION_STEPS: tuple[AdaptationStep, ...] = (
     ),
     *_steps(
         "4 splice & verify",
-        AdaptationStep(
-            tool="verify_main_path",
-            stage="",
-            label="spliced vs PyTorch main path",
-            key="verify",
+        _step(
+            "verify_main_path",
+            "spliced vs PyTorch main path",
+            "verify",
+            "verification",
             in_stage_table=True,
-            results=("verification",),
             results_of_variant={"emulated": ("verification_emulated",)},
         ),
-        ("write_delivery_doc", "delivery document"),
+        _step("write_delivery_doc", "delivery document"),
     ),
 )
 
