@@ -13,12 +13,14 @@ import io
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import anyio
 import pytest
 from anthropic import AsyncAnthropic
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -26,7 +28,7 @@ from fake_anthropic import HttpError, calls, done, fake_anthropic, message, over
 from mcp_helpers import write_task_record, write_tool, write_toy_skill
 from omskills.orchestrator.agent import AgentResult, AgentSettings, chat, run_agent
 from omskills.orchestrator.mcp_client import OmskillsClient, connect
-from omskills.orchestrator.messages_api import RetryPolicy
+from omskills.orchestrator.messages_api import ApiFailure, RetryNotice, RetryPolicy, create_message
 from omskills.orchestrator.tool_results import ResultPager
 from omskills.records.task import load_record
 
@@ -383,6 +385,64 @@ def test_an_api_that_stays_overloaded_stops_the_run_with_the_status(world):
     assert record.stages["agent"].error.startswith("stopped: api_error_529: Anthropic API error 529")
 
 
+class _FakeClock:
+    """Time that passes only while the retry loop sleeps: a 45 s schedule runs in milliseconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def _retried_until_failure(policy: RetryPolicy, script, clock: _FakeClock):
+    """One request through the real SDK to the fake API under `policy` on `clock`:
+    (the retry notices, the failure it ended with, the requests the API received)."""
+    notices: list[RetryNotice] = []
+    request = {"model": "claude-fake", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    with fake_anthropic(script) as api:
+
+        async def ask() -> None:
+            await create_message(_llm(api), policy, notices.append, request, clock=clock, sleep=clock.sleep)
+
+        with pytest.raises(ApiFailure) as failed:
+            anyio.run(ask)
+    return notices, failed.value, api.requests
+
+
+def test_a_lasting_overload_is_retried_for_the_time_the_lines_announce_with_the_waits_they_announce():
+    clock = _FakeClock()
+    policy = RetryPolicy(total_seconds=45)  # the default backoff: 2 s doubling, plus up to 2 s of jitter
+    notices, failure, requests = _retried_until_failure(policy, lambda i: overloaded(), clock)
+
+    lines = [notice.line(policy) for notice in notices]
+    assert all(line.endswith("giving up after 45s") for line in lines), lines
+    # The waits announced are the waits taken, and together they are the 45 s announced.
+    assert [notice.wait for notice in notices] == clock.slept
+    assert sum(clock.slept) == pytest.approx(45.0)
+    # 2-4, 4-6, 8-10 and 16-18 s; the fifth backoff (32 s or more) is cut to the 7-15 s left, and says so.
+    assert len(notices) == 5 and len(requests) == 6
+    assert [notice.last for notice in notices] == [False, False, False, False, True]
+    assert ", the last; giving up after 45s" in lines[-1]
+    assert failure.stop == "api_error_529" and "(after retrying for 45s)" in failure.message
+
+
+def test_a_retry_after_longer_than_the_time_left_ends_the_retries_and_says_why():
+    clock = _FakeClock()
+    notices, failure, requests = _retried_until_failure(
+        RetryPolicy(total_seconds=45), lambda i: overloaded(**{"retry-after": "30"}), clock
+    )
+    # The first wait is the server's 30 s; after it 15 s are left, too few for the next 30 s.
+    assert [(n.wait, n.server_asked) for n in notices] == [(30.0, True)] and len(requests) == 2
+    assert clock.slept == [30.0]
+    assert "(after retrying for 30s) (the server asked to wait 30s more, past the retry time)" in failure.message
+
+
 def test_a_400_mid_run_stops_honestly_and_leaves_the_record_consistent(world):
     refusal = HttpError(400, "invalid_request_error", "messages.2.content.0: tool_result block is malformed")
     script = [
@@ -630,6 +690,40 @@ def test_adapt_with_claude_prints_why_the_api_refused_in_the_line_it_stops_on(tm
     assert "api_error_400" in line and "prompt is too long: 250000 tokens > 200000" in line, line
 
 
+def test_adapt_with_claude_keeps_the_servers_messages_in_a_log_and_the_terminal_for_progress(tmp_path):
+    """The tool server's stderr (a tool's prints included, which stdio moves off stdout) goes to
+    server.log in the run folder, named once; stderr carries the progress lines only."""
+    skills, run = tmp_path / "skills", tmp_path / "run"
+    write_toy_skill(skills)
+    task = write_task_record(tmp_path / "task.yaml")
+    script = [calls(tool_use("toy_write", {"out": str(run / "note.txt"), "text": "hi"})), done("SUMMARY: wrote it.")]
+    with fake_anthropic(script) as api:
+        env = {
+            **os.environ,
+            "ANTHROPIC_API_KEY": "test-key",
+            "ANTHROPIC_BASE_URL": api.base_url,
+            "OMSKILLS_SKILLS_DIR": str(skills),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", _CLI, "adapt", str(task), "--agent", "claude", "--out", str(run)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [named] = [line for line in proc.stderr.splitlines() if "server.log" in line]
+    log = Path(named.removeprefix("the tool server's messages go to "))
+    assert log.is_file() and log.resolve().is_relative_to(run.resolve()), named
+    assert "noise" not in proc.stderr, proc.stderr
+    logged = log.read_text()
+    for noise in ("import-time noise", "python-level noise", "fd-level noise", "child-process noise"):
+        assert noise in logged, logged
+    assert "[turn 1] toy_write: ok in " in proc.stderr and (run / "note.txt").read_text() == "hi"
+
+
 def _wait_for(predicate, seconds: float = 60.0) -> None:
     import time
 
@@ -708,3 +802,119 @@ def test_chat_ctrl_c_cancels_the_running_tool_and_returns_to_the_prompt_and_at_t
     assert "(quit; transcript" in shown
     [log] = list((workspace / "toy").glob("agent_runs/*-chat/server.log"))
     assert "server.log" in shown and log.stat().st_size > 0  # the server's messages are there, not in the terminal
+
+
+# --------------------------------------------------------------------------- chat in a real terminal
+
+# Make the pty the child's controlling terminal, as a shell does, so that Ctrl-C typed into it is
+# the line discipline's SIGINT; then run the CLI.
+_IN_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, '-c', sys.argv[1], *sys.argv[2:]])"
+)
+_CLI = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
+_CSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _screen(raw: bytes) -> list[str]:
+    """The lines a terminal shows for `raw`: a carriage return goes back to the line's start, what
+    follows overwrites it (escape sequences are dropped: the chat draws with none)."""
+    lines, row, col = [[]], 0, 0
+    for char in _CSI.sub(b"", raw).decode("utf-8", "replace"):
+        if char == "\n":
+            row, col = row + 1, 0
+            if row == len(lines):
+                lines.append([])
+        elif char == "\r":
+            col = 0
+        else:
+            line = lines[row]
+            line.extend(" " * (col - len(line)))
+            line[col : col + 1] = [char]
+            col += 1
+    return ["".join(line).rstrip() for line in lines]
+
+
+class _Terminal:
+    """A pty whose other end is the program under test: type into it, read what it shows."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path) -> None:
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _IN_TERMINAL, _CLI, *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env={**env, "COLUMNS": "160", "LINES": "40", "TERM": "xterm"},
+            cwd=cwd,
+            start_new_session=True,  # a session of its own, whose controlling terminal the pty becomes
+        )
+        os.close(slave)
+        self.raw = b""
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def wait_for(self, predicate, seconds: float = 120.0) -> list[str]:
+        """Read until `predicate(screen lines)` holds; the screen then."""
+        import select
+        import time
+
+        deadline = time.monotonic() + seconds
+        while not predicate(_screen(self.raw)):
+            assert time.monotonic() < deadline, "timed out; the screen:\n" + "\n".join(_screen(self.raw))
+            if select.select([self.master], [], [], 0.1)[0]:
+                try:
+                    self.raw += os.read(self.master, 65536)
+                except OSError:  # the program ended and closed the terminal
+                    time.sleep(0.1)
+        return _screen(self.raw)
+
+    def settle(self, seconds: float) -> list[str]:
+        """What the screen shows after `seconds` more of the program's output."""
+        import time
+
+        until = time.monotonic() + seconds
+        return self.wait_for(lambda _: time.monotonic() >= until, seconds + 5)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        os.close(self.master)
+
+
+def test_chat_in_a_terminal_shows_a_clean_status_line_and_keeps_its_prompt_after_a_cancel(tmp_path):
+    """The status line of a running tool reads `[turn N] tool: elapsed phase`; Ctrl-C typed while it
+    runs cancels the call, and the `you>` prompt that follows stays on the screen as the user types."""
+    skills, workspace = tmp_path / "skills", tmp_path / "ws"
+    write_toy_skill(skills)
+    task = write_task_record(workspace / "toy" / "task.yaml").resolve()
+    script = [calls(tool_use("toy_stage", {"task": str(task), "seconds": 120})), done("fine, stopped.")]
+    with fake_anthropic(script) as api:
+        env = {
+            **os.environ,
+            "ANTHROPIC_API_KEY": "test-key",
+            "ANTHROPIC_BASE_URL": api.base_url,
+            "OMSKILLS_SKILLS_DIR": str(skills),
+        }
+        terminal = _Terminal(["chat", "--task", str(task), "--workspace", str(workspace)], env, tmp_path)
+        try:
+            terminal.wait_for(lambda screen: screen[-1] == "you>")
+            terminal.type(b"stage it\r")
+            working = terminal.wait_for(lambda screen: "toy work" in screen[-1])
+            terminal.type(b"\x03")
+            terminal.wait_for(lambda screen: screen[-2:] == ["(cancelled; type again to go on)", "you>"])
+            after_cancel = terminal.settle(2.0)  # the cancelled call's leftovers have had time to draw
+            terminal.type(b"exit\r")
+            terminal.wait_for(lambda screen: terminal.process.poll() is not None)
+            shown = terminal.settle(0.5)
+        finally:
+            terminal.close()
+
+    assert re.fullmatch(r"\[turn 1\] toy_stage: \d\d:\d\d toy work \([\d.]+/120\)", working[-1]), working[-1]
+    assert after_cancel[-1] == "you>", after_cancel[-3:]
+    assert shown[shown.index("(cancelled; type again to go on)") + 1] == "you> exit", shown
+    assert terminal.process.returncode == 0

@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -550,9 +550,7 @@ class AgentSession:
             self.llm,
             self.settings.api_retry,
             self._announce_retry,
-            model=self.settings.model,
-            max_tokens=max_tokens,
-            **request,
+            {"model": self.settings.model, "max_tokens": max_tokens, **request},
         )
         self.transcript.usage.add(response.usage)
         return response
@@ -616,6 +614,8 @@ class AgentSession:
                 seconds=round(time.perf_counter() - started, 3),
                 text=f"the tool server failed during {name}: {err}",
             )
+        finally:
+            display.close()  # a cancel (Ctrl-C in chat) too: its status line must not outlive the call
         display.finish(outcome)
         return _ToolAnswer(text=outcome.text, is_error=outcome.is_error)
 
@@ -659,6 +659,26 @@ class AgentSession:
 
 
 # --------------------------------------------------------------------------- entry points
+
+
+SERVER_LOG = "server.log"
+
+
+@contextlib.asynccontextmanager
+async def served_with_log(
+    workspace: Path, skills_dir: str | Path | None, folder: Path
+) -> AsyncIterator[tuple[OmskillsClient, Path]]:
+    """`omskills serve` for `workspace`, its stderr appended to `folder`/server.log: the server's own
+    messages (warnings, library logs, a tool's prints, which stdio moves off stdout) would otherwise
+    land among the progress lines and the chat's prompt. A server that fails to start names the log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    server_log = folder / SERVER_LOG
+    with server_log.open("a", encoding="utf-8") as errlog:
+        try:
+            async with connect(workspace, skills_dir, errlog=errlog) as mcp:
+                yield mcp, server_log
+        except OmskillsError as err:
+            raise OmskillsError(f"{err} (the server's messages: {server_log})") from None
 
 
 def default_workspace(task: Path | None) -> Path:
@@ -737,9 +757,10 @@ async def run_agent(
 ) -> AgentResult:
     """Let Claude work on `goal` (default: adapt the task's model) until it ends its turn or hits a limit.
 
-    Without `client` an `omskills serve` is started for `workspace`; without `llm` an
-    AsyncAnthropic client is made from the environment (OmskillsError without a key). Tool
-    calls, retries and cut replies are reported on `progress_stream` (default stderr).
+    Without `client` an `omskills serve` is started for `workspace`, its messages in the run's
+    server.log (named once on `progress_stream`); without `llm` an AsyncAnthropic client is made
+    from the environment (OmskillsError without a key). Tool calls, retries and cut replies are
+    reported on `progress_stream` (default stderr).
     """
     settings = settings or agent_settings()
     task = Path(task_path).resolve() if task_path else None
@@ -757,7 +778,8 @@ async def run_agent(
     if client is not None:
         result = await with_client(client)
     else:
-        async with connect(root, skills_dir) as mcp:
+        async with served_with_log(root, skills_dir, folder) as (mcp, server_log):
+            print(f"the tool server's messages go to {server_log}", file=progress_stream or sys.stderr, flush=True)
             result = await with_client(mcp)
     if task is not None:
         file_run_in_record(task, result, settings, started, time.perf_counter() - clock)
@@ -890,13 +912,5 @@ async def chat(
 
     if client is not None:
         return await converse(client)
-    # The server's own messages (warnings, library logs, progress bars) would land in the terminal
-    # line the chat draws on: they go to a file in the chat's folder.
-    folder.mkdir(parents=True, exist_ok=True)
-    server_log = folder / "server.log"
-    with server_log.open("a", encoding="utf-8") as errlog:
-        try:
-            async with connect(root, skills_dir, errlog=errlog) as mcp:
-                return await converse(mcp, server_log)
-        except OmskillsError as err:
-            raise OmskillsError(f"{err} (the server's messages: {server_log})") from None
+    async with served_with_log(root, skills_dir, folder) as (mcp, server_log):
+        return await converse(mcp, server_log)

@@ -3,21 +3,22 @@
 The SDK's own retries are off (`max_retries=0`): its default two retries span about 1.3 s,
 far shorter than an overload lasts, and they are silent. Here 408, 429, 5xx (529 included) and connection
 errors are retried with exponential backoff and jitter, honouring the server's
-`retry-after`, for a bounded total time; each retry is announced in one line. Any other
-error (a 400, 401, 404 ...) is an `ApiFailure` at once: the loop stops and says why.
+`retry-after`, for a bounded total time; each retry is announced in one line with the wait it
+then takes, and the waits add up to that total. Any other error (a 400, 401, 404 ...) is an
+`ApiFailure` at once: the loop stops and says why.
 """
 
 from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anthropic
 from anthropic import AsyncAnthropic
 from pydantic import BaseModel, Field
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_before_delay, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 EPHEMERAL = {"type": "ephemeral"}
 # The API takes at most four cache breakpoints: system, tools, and the last two user messages.
@@ -50,16 +51,22 @@ class RetryNotice(BaseModel):
     wait: float
     # True when the wait is the server's retry-after rather than our backoff.
     server_asked: bool
+    # True when the wait was cut to the retry time left: this retry is the last.
+    last: bool = False
 
     def line(self, policy: RetryPolicy) -> str:
         why = " (retry-after)" if self.server_asked else ""
+        last = ", the last" if self.last else ""
         return (
-            f"Anthropic API {self.status}: {self.detail} — retry {self.attempt} in {self.wait:.1f}s{why}; "
+            f"Anthropic API {self.status}: {self.detail} — retry {self.attempt} in {self.wait:.1f}s{why}{last}; "
             f"giving up after {policy.total_seconds:.0f}s"
         )
 
 
 Notify = Callable[[RetryNotice], None]
+# The retry loop's clock and sleep: time.monotonic and the event loop's sleep, a fake pair in tests.
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
 
 
 def is_transient(err: BaseException) -> bool:
@@ -94,8 +101,10 @@ def _describe(err: BaseException) -> tuple[str, str]:
     return "connection error", str(err) or type(err).__name__
 
 
-def failure_of(err: BaseException, model: str, retried_for: float) -> ApiFailure:
+def failure_of(err: BaseException, model: str, retried_for: float, refused_wait: float | None = None) -> ApiFailure:
     after = f" (after retrying for {retried_for:.0f}s)" if retried_for >= 1 else ""
+    if refused_wait is not None:
+        after += f" (the server asked to wait {refused_wait:.0f}s more, past the retry time)"
     if isinstance(err, anthropic.APIStatusError):
         kind, detail = _describe(err)
         return ApiFailure(
@@ -107,18 +116,50 @@ def failure_of(err: BaseException, model: str, retried_for: float) -> ApiFailure
     )
 
 
-class _Backoff:
-    """Exponential backoff with jitter, or the server's retry-after when it asks for longer."""
+class _Schedule:
+    """When to retry and when to give up, on one clock started at the first attempt.
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    Each wait is the backoff (or the server's retry-after when longer) cut to the retry time
+    left, so the waits announced are the waits taken and they add up to the policy's total: the
+    last retry is made when the total is spent. (Stopping as soon as the next full wait would
+    cross the total gave up one backoff early: at 33 s of an announced 45 s.)
+    """
+
+    def __init__(self, policy: RetryPolicy, clock: Clock) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.deadline = self.started + policy.total_seconds
         self.exponential = wait_exponential_jitter(
             multiplier=policy.first_wait, max=policy.max_wait, jitter=policy.first_wait
         )
+        self.last = False  # the latest wait was cut to the time left
+        self.refused_wait: float | None = None  # a retry-after longer than the time left
 
-    def __call__(self, state: RetryCallState) -> float:
-        ours = self.exponential(state)
-        asked = server_retry_after(state.outcome.exception()) if state.outcome else None
-        return max(ours, asked) if asked is not None else ours
+    def left(self) -> float:
+        return max(0.0, self.deadline - self.clock())
+
+    def spent(self) -> float:
+        return self.clock() - self.started
+
+    def wait(self, state: RetryCallState) -> float:
+        wanted = self.exponential(state)
+        asked = _asked(state)
+        if asked is not None:
+            wanted = max(wanted, asked)
+        left = self.left()
+        self.last = wanted >= left
+        return min(wanted, left)
+
+    def stop(self, state: RetryCallState) -> bool:
+        """Out of time, or the server asks for longer than is left (retrying sooner would ignore it)."""
+        asked, left = _asked(state), self.left()
+        if asked is not None and asked > left > 0:
+            self.refused_wait = asked
+        return left <= 0 or self.refused_wait is not None
+
+
+def _asked(state: RetryCallState) -> float | None:
+    return server_retry_after(state.outcome.exception()) if state.outcome else None
 
 
 def cached_request(system: str, tools: list[dict[str, Any]], messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,11 +188,16 @@ def cached_request(system: str, tools: list[dict[str, Any]], messages: list[dict
 
 
 async def create_message(
-    llm: AsyncAnthropic, policy: RetryPolicy, notify: Notify, **request: Any
+    llm: AsyncAnthropic,
+    policy: RetryPolicy,
+    notify: Notify,
+    request: dict[str, Any],
+    *,
+    clock: Clock = time.monotonic,
+    sleep: Sleep | None = None,
 ) -> anthropic.types.Message:
     """`llm.messages.create(**request)` under the retry policy; ApiFailure when it fails for good."""
-    backoff = _Backoff(policy)
-    started = time.monotonic()
+    schedule = _Schedule(policy, clock)
 
     def announce(state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome else None
@@ -167,15 +213,17 @@ async def create_message(
                 detail=detail,
                 wait=wait,
                 server_asked=asked is not None and wait <= asked,
+                last=schedule.last,
             )
         )
 
     retrying = AsyncRetrying(
         retry=retry_if_exception(is_transient),
-        wait=backoff,
-        stop=stop_before_delay(policy.total_seconds),
+        wait=schedule.wait,
+        stop=schedule.stop,
         before_sleep=announce,
         reraise=True,
+        **({"sleep": sleep} if sleep is not None else {}),
     )
     try:
         async for attempt in retrying:
@@ -183,4 +231,4 @@ async def create_message(
                 response = await llm.messages.create(**request)
         return response
     except (anthropic.APIStatusError, anthropic.APIConnectionError) as err:
-        raise failure_of(err, str(request.get("model")), time.monotonic() - started) from None
+        raise failure_of(err, str(request.get("model")), schedule.spent(), schedule.refused_wait) from None

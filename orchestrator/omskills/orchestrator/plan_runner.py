@@ -59,7 +59,9 @@ class ToolCallDisplay:
     heartbeats ("<tool>: running for N s; last: ...") in between (both worded by
     `omskills.progress`). On a terminal one status line shows the elapsed time and the phase; in a
     log file each new phase is a line of its own, its elapsed time shown once (heartbeats are left
-    out: they repeat the phase).
+    out: they repeat the phase). The status line is cleared when the call ends, however it ends:
+    `close()` in a `finally` (a bar left to the garbage collector clears whatever line the
+    terminal is on by then, such as the chat's next `you>` prompt).
     """
 
     def __init__(self, prefix: str, tool: str, stream: TextIO) -> None:
@@ -71,8 +73,8 @@ class ToolCallDisplay:
         print(f"{self.prefix}: {tool} ...", file=stream, flush=True)
 
     async def on_progress(self, done: float, total: float | None, message: str | None) -> None:
+        phase = without_elapsed(message) if message else None
         if not self.on_terminal:
-            phase = without_elapsed(message) if message else None
             if phase and phase != self.last_phase and not is_heartbeat(phase):
                 self.last_phase = phase
                 print(f"{self.prefix}: [{done:6.1f} s] {phase}", file=self.stream, flush=True)
@@ -84,18 +86,28 @@ class ToolCallDisplay:
                 file=self.stream,
                 leave=False,
                 dynamic_ncols=True,
-                bar_format="{desc}: {elapsed} {postfix}" if total is None else None,
+                bar_format=_status_format(total, ""),
             )
         if total is not None:
             self.bar.total = total
             self.bar.n = done
-        if message:
-            self.bar.set_postfix_str(message, refresh=False)
+        if phase and not is_heartbeat(phase):
+            self.bar.bar_format = _status_format(self.bar.total, self._shown(phase))
         self.bar.refresh()
 
-    def finish(self, outcome: ToolCallOutcome) -> None:
+    def _shown(self, phase: str) -> str:
+        """The phase without the tool's name when the prefix already ends with it ("[turn 3] export_onnx")."""
+        tool, sep, rest = phase.partition(": ")
+        return rest if sep and self.prefix.endswith(f" {tool}") else phase
+
+    def close(self) -> None:
+        """Clear the status line (idempotent)."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def finish(self, outcome: ToolCallOutcome) -> None:
+        self.close()
         failed = failed_graphs(outcome)
         skipped = outcome.structured.get("skipped") if isinstance(outcome.structured, dict) else None
         status = "FAILED" if outcome.is_error else (f"ok, {len(failed)} graph(s) FAILED" if failed else "ok")
@@ -107,6 +119,12 @@ class ToolCallDisplay:
         print(line, file=self.stream, flush=True)
         for graph, error in failed:
             print(f"{self.prefix}:   {graph} failed: {error}", file=self.stream, flush=True)
+
+
+def _status_format(total: float | None, phase: str) -> str:
+    """The status line's tqdm format: the phase is written into it, as tqdm's postfix would start it with ", "."""
+    head = "{desc}: {elapsed}" if total is None else "{l_bar}{bar}| {elapsed}"
+    return f"{head} {phase.replace('{', '{{').replace('}', '}}')}".rstrip()
 
 
 def failed_graphs(outcome: ToolCallOutcome) -> list[tuple[str, str]]:
@@ -138,6 +156,8 @@ async def _run_steps(steps: Sequence[PlanStep], client: OmskillsClient, stream: 
                 text=f"the tool server stopped during {step.tool} ({err}); it may have been "
                 "killed (out of memory?). The task record keeps what finished: rerun to resume.",
             )
+        finally:
+            display.close()  # an interrupt too: the status line must not outlive the call
         display.finish(outcome)
         done = StepOutcome(step=step, outcome=outcome)
         if outcome.is_error:
