@@ -8,6 +8,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -22,7 +23,7 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from omskills.errors import InputError
 from omskills.host.toolkit import skills_root
-from omskills.orchestrator.skills_admin import desktop_config_path, install_client
+from omskills.orchestrator.skills_admin import desktop_config_path, install_client, parse_env_args
 
 # --------------------------------------------------------------------------- helpers
 
@@ -239,6 +240,88 @@ def test_install_client_cli_exits_non_zero_naming_force(tmp_path):
     assert lines[-2].startswith(f"workspace: {tmp_path.resolve()} ")  # said, absolute
     again = omskills("install-client", "claude-desktop", "--workspace", str(REPO), env=env)
     assert again.returncode == 1 and "rerun with --force" in again.stderr and f'+    "{REPO}"' in again.stdout
+
+
+def test_install_client_env_writes_the_servers_settings_into_the_entry(tmp_path):
+    """`--env KEY=VALUE` (repeatable) is how the server gets its settings from a client, which starts it
+    with the entry's `env`: each one checked, then written; a setting set in the shell but not passed is
+    named on stderr, since the server will not see it."""
+    home, workspace, inputs, checkout = (tmp_path / name for name in ("home", "work", "inputs", "sam31"))
+    for folder in (home, workspace, inputs, checkout):
+        folder.mkdir()
+    shell = {key: value for key, value in os.environ.items() if not key.startswith("OMSKILLS_")}
+    env = {**shell, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg"), "OMSKILLS_HEARTBEAT_SECONDS": "5"}
+    installed = omskills(
+        "install-client",
+        "claude-desktop",
+        "--workspace",
+        str(workspace),
+        "--env",
+        f"OMSKILLS_INPUT_ROOTS={inputs}{os.pathsep}{checkout}",
+        "--env",
+        "OMSKILLS_LOG_LEVEL=debug",
+        "--env",
+        f"OMSKILLS_SAM31_SOURCE={checkout}",
+        env=env,
+    )
+    assert installed.returncode == 0, installed.stderr
+    config = home / "xdg" / "Claude" / "claude_desktop_config.json"
+    assert json.loads(config.read_text())["mcpServers"]["omskills"]["env"] == {
+        "OMSKILLS_INPUT_ROOTS": f"{inputs}{os.pathsep}{checkout}",
+        "OMSKILLS_LOG_LEVEL": "DEBUG",
+        "OMSKILLS_SAM31_SOURCE": str(checkout),
+    }
+    assert '+    "OMSKILLS_LOG_LEVEL": "DEBUG",' in installed.stdout  # in the diff it shows
+    assert installed.stderr.splitlines() == [
+        "omskills: note: OMSKILLS_HEARTBEAT_SECONDS is set here but not written, so the server will not see "
+        'it: add --env OMSKILLS_HEARTBEAT_SECONDS="$OMSKILLS_HEARTBEAT_SECONDS" to give it'
+    ]
+
+
+@pytest.mark.parametrize(
+    ("setting", "why"),
+    [
+        ("OMSKILLS_INPUT_ROOTS=relative/inputs", "'relative/inputs' is not an absolute path"),
+        ("OMSKILLS_INPUT_ROOTS={missing}", "{missing} is not an existing folder"),
+        ("OMSKILLS_INPUT_ROOTS={inputs}:{missing}", "{missing} is not an existing folder"),
+        ("OMSKILLS_INPUT_ROOTS=:", "names no folder"),
+        ("OMSKILLS_SAM31_SOURCE={inputs}\nrm -rf ~", "the value is empty or holds a control character"),
+        ("OMSKILLS_LOG_LEVEL=chatty", "OMSKILLS_LOG_LEVEL='CHATTY': expected DEBUG"),
+        ("OMSKILLS_HEARTBEAT_SECONDS=inf", "expected a positive number of seconds"),
+        ("OMSKILLS_PARENT_PID=1", "not a setting the server reads; it takes OMSKILLS_INPUT_ROOTS"),
+        ("ANTHROPIC_API_KEY=sk-secret", "not a setting the server reads"),
+        ("OMSKILLS_LOG_LEVEL", "expected KEY=VALUE"),
+    ],
+)
+def test_install_client_env_refuses_a_setting_it_cannot_vouch_for_and_writes_nothing(home, tmp_path, setting, why):
+    inputs, missing = tmp_path / "inputs", tmp_path / "missing"
+    inputs.mkdir()
+    given = setting.format(inputs=inputs, missing=missing)
+    with pytest.raises(InputError, match=re.escape(why.format(missing=missing))):
+        install_client("claude-desktop", tmp_path, env=parse_env_args([given]))
+    assert not desktop_config_path().exists()
+
+
+def test_install_client_env_refused_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("XDG_CONFIG_HOME", None)
+    refused = omskills("install-client", "claude-desktop", "--env", "OMSKILLS_INPUT_ROOTS=inputs", env=env)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.splitlines() == [
+        "omskills: error: --env OMSKILLS_INPUT_ROOTS: 'inputs' is not an absolute path (the client starts the "
+        "server elsewhere)"
+    ]
+    twice = omskills(
+        "install-client",
+        "claude-desktop",
+        "--env",
+        "OMSKILLS_LOG_LEVEL=INFO",
+        "--env",
+        "OMSKILLS_LOG_LEVEL=DEBUG",
+        env=env,
+    )
+    assert twice.returncode == 2 and "--env OMSKILLS_LOG_LEVEL: given twice" in twice.stderr
+    assert not (tmp_path / ".config").exists()
 
 
 # --------------------------------------------------------------------------- --version, main-path

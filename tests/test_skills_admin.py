@@ -5,6 +5,7 @@ never overwrites a local edit without --force."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import skills_ref
 from mcp_helpers import write_task_record, write_tool
 from omskills.errors import InputError
 from omskills.host.toolkit import skills_root
@@ -349,6 +351,28 @@ def test_install_skills_cli_user_scope_diff_and_force(tmp_path):
         f"omskills: error: {skill_md.parent} installed by an older omskills (no install manifest, "
         "diff above): nothing was installed; rerun with --force to update"
     )
+
+
+def test_installed_skills_name_the_python_that_runs_their_scripts(tmp_path):
+    """An installed SKILL.md says which interpreter runs its scripts: the one `install-skills` ran
+    with, where omskills is installed; that interpreter runs an installed script as said."""
+    target = tmp_path / "claude-skills"
+    installed = omskills("install-skills", "--target", str(target), cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr
+
+    skill = target / "om-deployer"
+    text = (skill / "SKILL.md").read_text()
+    source = (skills_root() / "om-deployer" / "SKILL.md").read_text()
+    assert text.startswith(source) and "## The Python environment of this installation" in text[len(source) :]
+    [python] = re.findall(r"^- Python: `([^`]+)`", text, re.MULTILINE)
+    assert python == str(Path(sys.executable).absolute())  # the installing interpreter, its venv link kept
+    assert skills_ref.validate(skill) == []  # still a valid skill
+    ran = subprocess.run(
+        [python, str(skill / "scripts" / "list_drivers.py"), "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0 and "usage:" in ran.stdout, ran.stderr[-2000:]
+    again = omskills("install-skills", "--target", str(target), cwd=tmp_path)
+    assert again.stdout.count("already up to date") == 3  # what it wrote is what it installs: no local edit
 
 
 def test_a_scaffolded_skills_tests_run_with_the_suite_and_pass_its_lint(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
-from .choices import Client, Scope
+from .choices import Client, Scope, ServerSetting
 from .command_table import command
 
 # --------------------------------------------------------------------------- MCP server, agent, skills
@@ -172,6 +172,15 @@ def _install_client_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the configuration file is a symbolic link: write the file it points at (the link is kept)",
     )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a setting for the server, written into the entry (repeatable): {', '.join(get_args(ServerSetting))}, "
+        "or a driver's OMSKILLS_<DRIVER>_SOURCE; folders absolute and existing (OMSKILLS_INPUT_ROOTS: several "
+        "joined by ':')",
+    )
 
 
 @command("install-client", _install_client_args)
@@ -180,12 +189,23 @@ def _install_client(ns: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from .skills_admin import install_client
+    from .skills_admin import install_client, parse_env_args
 
     result = install_client(
-        ns.client, Path(ns.workspace) if ns.workspace else None, ns.scope, force=ns.force, follow_link=ns.follow_link
+        ns.client,
+        Path(ns.workspace) if ns.workspace else None,
+        ns.scope,
+        force=ns.force,
+        follow_link=ns.follow_link,
+        env=parse_env_args(ns.env),
     )
     sys.stdout.write(result.diff)
+    for key in result.not_carried:
+        print(
+            f"omskills: note: {key} is set here but not written, so the server will not see it: "
+            f'add --env {key}="${key}" to give it',
+            file=sys.stderr,
+        )
     where = f"mcpServers.omskills in {result.config_path}"
     if result.status == "refused":
         print(

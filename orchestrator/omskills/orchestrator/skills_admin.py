@@ -20,7 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -29,9 +29,9 @@ import jinja2
 import skills_ref
 from omskills.errors import InputError, OmskillsError
 from omskills.files import atomic_write_text
-from omskills.host.mcp_server import registration_problem
+from omskills.host.mcp_server import parse_heartbeat_seconds, parse_log_level, registration_problem
 from omskills.host.toolkit import TOOL_NAME, ToolInfo, hints_of, load_tool, parameter_description, skills_root
-from omskills.orchestrator.choices import Client, Scope
+from omskills.orchestrator.choices import Client, Scope, ServerSetting
 from omskills.orchestrator.version import installed_version
 from omskills.records.stage_order import ADAPTATION_STEPS
 from pydantic import BaseModel, Field
@@ -378,8 +378,40 @@ def _files_under(folder: Path) -> dict[str, bytes]:
     return found
 
 
+def installation_python() -> Path:
+    """This installation's interpreter, absolute but not resolved: a venv's python is a symlink
+    whose target does not see the venv's packages."""
+    return Path(sys.executable).absolute()
+
+
+def _console_script(python: Path) -> Path | None:
+    script = python.parent / ("omskills.exe" if os.name == "nt" else "omskills")
+    return script if script.is_file() else None
+
+
+def python_section(python: Path) -> str:
+    """What an installed SKILL.md adds: the interpreter its scripts run with (the one that installed
+    them, where omskills and its dependencies are), so an agent reading it needs no guess."""
+    venv = f" (the virtual environment `{sys.prefix}`)" if sys.prefix != sys.base_prefix else ""
+    script = _console_script(python)
+    lines = [
+        "",
+        "## The Python environment of this installation",
+        "",
+        "Written by `omskills install-skills`. The scripts run with the interpreter that installed them,",
+        "where omskills and its dependencies are (another `python` may lack them):",
+        "",
+        f"- Python: `{python}`{venv}",
+        f"- a tool: `{python} <this skill's folder>/scripts/<tool>.py --help`",
+        *([f"- the CLI: `{script} tool --list`"] if script else []),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _source_files(skill: Path) -> dict[str, bytes]:
-    files = {"SKILL.md": (skill / "SKILL.md").read_bytes()}
+    """The files to install: the skill's own, SKILL.md with the interpreter that runs the scripts."""
+    skill_md = (skill / "SKILL.md").read_text(encoding="utf-8").rstrip("\n") + "\n"
+    files = {"SKILL.md": (skill_md + python_section(installation_python())).encode("utf-8")}
     for part in ("references", "scripts"):
         if (skill / part).is_dir():
             files.update({f"{part}/{name}": data for name, data in _files_under(skill / part).items()})
@@ -451,8 +483,10 @@ def _write_skill(skill: Path, plan: SkillInstall, files: dict[str, bytes], versi
                     break
                 folder.rmdir()
         else:
+            name = change.path.relative_to(plan.dest)
             change.path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(skill / change.path.relative_to(plan.dest), change.path)  # keeps the mode
+            change.path.write_bytes(files[name.as_posix()])  # as planned: SKILL.md is not the source's
+            shutil.copymode(skill / name, change.path)  # a script keeps its executable bit
     manifest = InstallManifest(omskills_version=version, files={name: _sha256(data) for name, data in files.items()})
     if _read_manifest(plan.dest) != manifest:
         atomic_write_text(plan.dest / INSTALL_MANIFEST, manifest.model_dump_json(indent=2) + "\n")
@@ -491,17 +525,93 @@ class ClientInstall(BaseModel):
     previous: dict[str, Any] | None  # the entry that was there
     status: Literal["added", "replaced", "unchanged", "refused"]
     diff: str
+    # Server settings set in this shell but not written (no --env for them): the server will not see them.
+    not_carried: list[str] = Field(default_factory=list)
+
+
+# ---- the server's environment in a client's entry (`--env KEY=VALUE`)
+# A client starts the server with the entry's `env` and little else of the user's shell, so the
+# settings the server reads go there. Every value is checked here, before anything is written:
+# this is the one place a value bound for a client's configuration is checked.
+
+
+def _folder(key: str, value: str) -> str:
+    path = Path(value)
+    if not path.is_absolute():
+        raise InputError(f"--env {key}: {value!r} is not an absolute path (the client starts the server elsewhere)")
+    if not path.is_dir():
+        raise InputError(f"--env {key}: {value} is not an existing folder")
+    return str(path)
+
+
+def _folders(key: str, value: str) -> str:
+    parts = [part for part in value.split(os.pathsep) if part]
+    if not parts:
+        raise InputError(f"--env {key}: names no folder")
+    return os.pathsep.join(_folder(key, part) for part in parts)
+
+
+def _log_level(key: str, value: str) -> str:
+    return parse_log_level(value)
+
+
+def _seconds(key: str, value: str) -> str:
+    return str(parse_heartbeat_seconds(value))
+
+
+# The allow-list (README, `install-client --help`), each setting with its check; and DRIVER_SOURCE_ENV.
+SERVER_ENV: dict[ServerSetting, Callable[[str, str], str]] = {
+    "OMSKILLS_INPUT_ROOTS": _folders,
+    "OMSKILLS_SKILLS_DIR": _folder,
+    "OMSKILLS_LOG_LEVEL": _log_level,
+    "OMSKILLS_HEARTBEAT_SECONDS": _seconds,
+}
+# A driver's checkout, such as OMSKILLS_SAM31_SOURCE (a driver declares its own as `source_env`).
+DRIVER_SOURCE_ENV = re.compile(r"OMSKILLS_[A-Z0-9]+(?:_[A-Z0-9]+)*_SOURCE")
+
+
+def _check_setting(key: str, value: str) -> str:
+    if key in SERVER_ENV:
+        check = SERVER_ENV[key]  # type: ignore[index]
+    elif DRIVER_SOURCE_ENV.fullmatch(key):
+        check = _folder
+    else:
+        raise InputError(
+            f"--env {key}: not a setting the server reads; it takes {', '.join(SERVER_ENV)} "
+            "or a driver's OMSKILLS_<DRIVER>_SOURCE (e.g. OMSKILLS_SAM31_SOURCE)"
+        )
+    if not value or any(ord(char) < 32 or ord(char) == 127 for char in value):
+        raise InputError(f"--env {key}: the value is empty or holds a control character")
+    return check(key, value)
+
+
+def parse_env_args(items: Iterable[str]) -> dict[str, str]:
+    """`KEY=VALUE` items as given on the command line (each key once), not yet checked."""
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--env {item!r}: expected KEY=VALUE")
+        if key in env:
+            raise InputError(f"--env {key}: given twice; keep one")
+        env[key] = value
+    return env
+
+
+def checked_server_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The settings to write into the entry, each checked (InputError naming the first bad one), sorted."""
+    return {key: _check_setting(key, env[key]) for key in sorted(env)}
+
+
+def _not_carried(env: Mapping[str, str]) -> list[str]:
+    """Server settings this shell has that the entry will not carry."""
+    return sorted(key for key in SERVER_ENV if os.environ.get(key) and key not in env)
 
 
 def serve_command(workspace: str) -> tuple[str, list[str]]:
-    """The command that starts this installation's MCP server, with absolute paths.
-
-    The interpreter path is kept as it is (not resolved): a venv's python is a symlink whose
-    target does not see the venv's packages.
-    """
-    python = Path(sys.executable).absolute()
-    script = python.parent / ("omskills.exe" if os.name == "nt" else "omskills")
-    if script.is_file():
+    """The command that starts this installation's MCP server, with absolute paths."""
+    python = installation_python()
+    if script := _console_script(python):
         return str(script), ["serve", "--workspace", workspace]
     return str(python), ["-m", "omskills.orchestrator.cli", "serve", "--workspace", workspace]
 
@@ -592,13 +702,16 @@ def install_client(
     *,
     force: bool = False,
     follow_link: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> ClientInstall:
     """Add the omskills server to a client's `mcpServers`, keeping every other server and key.
 
-    A different omskills entry already there is replaced only with `force`; the result carries
-    the diff either way. A configuration file that is a symbolic link is written (its target,
-    the link kept) only with `follow_link`.
+    `env` is the server's settings (SERVER_ENV keys, a driver's source), checked before anything
+    is written. A different omskills entry already there is replaced only with `force`; the result
+    carries the diff either way. A configuration file that is a symbolic link is written (its
+    target, the link kept) only with `follow_link`.
     """
+    server_env = checked_server_env(env or {})
     path, workspace_arg, extra = _client_target(client, workspace, scope)
     if path.is_symlink() and not follow_link:
         raise InputError(
@@ -606,7 +719,7 @@ def install_client(
             "write the file it points at and keep the link"
         )
     command, args = serve_command(workspace_arg)
-    entry = {**extra, "command": command, "args": args, "env": {}}
+    entry = {**extra, "command": command, "args": args, "env": server_env}
     data = _load_config(path)
     previous = data.get("mcpServers", {}).get(SERVER_NAME)
     label = f"{path} mcpServers.{SERVER_NAME}"
@@ -614,7 +727,15 @@ def install_client(
     diff = unified_diff(
         as_text(previous) if previous is not None else None, as_text(entry), f"{label} (now)", f"{label} (new)"
     )
-    result = ClientInstall(client=client, config_path=path, entry=entry, previous=previous, status="added", diff=diff)
+    result = ClientInstall(
+        client=client,
+        config_path=path,
+        entry=entry,
+        previous=previous,
+        status="added",
+        diff=diff,
+        not_carried=_not_carried(server_env),
+    )
     if previous == entry:
         result.status, result.diff = "unchanged", ""
     elif previous is not None and not force:

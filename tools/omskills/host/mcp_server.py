@@ -35,6 +35,7 @@ import contextlib
 import inspect
 import ipaddress
 import logging
+import math
 import os
 import socket
 import sys
@@ -162,13 +163,16 @@ def _phase_line(job: Job) -> str:
 def heartbeat_seconds() -> float:
     """$OMSKILLS_HEARTBEAT_SECONDS (a positive number), else HEARTBEAT_SECONDS."""
     text = os.environ.get("OMSKILLS_HEARTBEAT_SECONDS")
-    if text is None:
-        return HEARTBEAT_SECONDS
+    return HEARTBEAT_SECONDS if text is None else parse_heartbeat_seconds(text)
+
+
+def parse_heartbeat_seconds(text: str) -> float:
+    """A value of OMSKILLS_HEARTBEAT_SECONDS (install-client checks the one it writes here too)."""
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise InputError(f"OMSKILLS_HEARTBEAT_SECONDS={text!r}: expected a positive number of seconds")
     return value
 
@@ -732,7 +736,12 @@ def _port_free(host: str, port: int) -> None:
 
 def log_level() -> str:
     """$OMSKILLS_LOG_LEVEL (the orchestrator sets WARNING for the servers it starts), else INFO."""
-    level = os.environ.get("OMSKILLS_LOG_LEVEL", "INFO").upper()
+    return parse_log_level(os.environ.get("OMSKILLS_LOG_LEVEL", "INFO"))
+
+
+def parse_log_level(text: str) -> str:
+    """A value of OMSKILLS_LOG_LEVEL, upper-cased (install-client checks the one it writes here too)."""
+    level = text.upper()
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
         raise InputError(f"OMSKILLS_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
     return level
