@@ -15,10 +15,12 @@ same in every run.
 
 Optional names in the same file: `Inputs` (a pydantic model validating intake.inputs),
 `COMPARISON` and `PRECISION_CHECKS` (lists of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
-`FAMILY`, `STEP_NAME`, and `WEIGHTS`: what `build_model` loads itself, for the gate (which builds
+`FAMILY`, `STEP_NAME`, `WEIGHTS`: what `build_model` loads itself, for the gate (which builds
 nothing) and for reports when the build reads no file the engine sees (`torch.load` and safetensors
-reads are named with their hash whatever it says). Without seed candidates the study ranks the
-module tree.
+reads are named with their hash whatever it says), and for the static inventory `SOURCE_PACKAGE`
+(the package to scan, installed or under `intake.model.source`), `ENTRY_CLASSES` and
+`ENTRY_METHODS` (as `ModelDriver.entry_classes` / `entry_methods`). Without seed candidates the
+study ranks the module tree.
 
 When the record names a checkpoint, the gate (check_environment) runs `build_model(spec)` once
 with every parameter on the meta device to list the model's keys and compare them with the
@@ -48,6 +50,7 @@ from omskills.models.checkpoints import load_state_dict, parameters_on_meta
 from omskills.models.weights import RANDOM
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
+from omskills.source.packages import package_root
 from pydantic import BaseModel, ConfigDict
 
 BUILD = "build_model"
@@ -76,14 +79,23 @@ class FunctionDriver(ModelDriver):
             )
         self.family = str(getattr(module, "FAMILY", path.stem))  # type: ignore[misc]
         self.step_name = str(getattr(module, "STEP_NAME", "step"))  # type: ignore[misc]
+        self.entry_methods = tuple(getattr(module, "ENTRY_METHODS", ()))  # type: ignore[misc]
+        self.entry_classes = tuple(getattr(module, "ENTRY_CLASSES", ()))  # type: ignore[misc]
         inputs = getattr(module, "Inputs", None)
         if inputs is not None:
             if not (isinstance(inputs, type) and issubclass(inputs, BaseModel)):
                 raise TaskRecordError(f"intake.model.driver: {path}: Inputs must be a pydantic model class")
             self.inputs_model = inputs  # type: ignore[misc]
 
+    def source_package(self, spec: ModelSpec) -> str | None:
+        """`SOURCE_PACKAGE`: the package the static inventory scans (installed, or under
+        `intake.model.source`); without it there is no static inventory."""
+        package = getattr(self.module, "SOURCE_PACKAGE", None)
+        return str(package) if package else None
+
     def source_root(self, spec: ModelSpec) -> Path:
-        return self.path.parent
+        package = self.source_package(spec)
+        return package_root(spec.source, package) if package else self.path.parent
 
     def code_fingerprint(self) -> str:
         import hashlib
@@ -107,7 +119,7 @@ class FunctionDriver(ModelDriver):
         # What the file declares; the engine's label comes from what the build read (models.weights).
         weights = spec.checkpoint or self.builder_weights(spec) or RANDOM
         root.to(spec.device)
-        return LoadedModel(entry=entry, root=root, source_root=self.path.parent, weights=weights)
+        return LoadedModel(entry=entry, root=root, source_root=self.source_root(spec), weights=weights)
 
     def builder_weights(self, spec: ModelSpec) -> str | None:
         weights = getattr(self.module, "WEIGHTS", None)
