@@ -431,7 +431,8 @@ def test_weights_a_two_function_builder_reads_are_named_by_file_and_hash_in_ever
     result = omskills("adapt", str(task), "--out", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
 
-    label = ", ".join(f"{source / name} (sha256 {hashes[name][:12]})" for name in ("encoder.pt", "head.safetensors"))
+    # Named from the run folder, as DELIVERY.md names every path.
+    label = ", ".join(f"../model/{name} (sha256 {hashes[name][:12]})" for name in ("encoder.pt", "head.safetensors"))
     record = yaml.safe_load((tmp_path / "run" / "task.yaml").read_text())
     assert record["study"]["weights"] == label
     assert json.loads((tmp_path / "run" / "verify" / "report.json").read_text())["weights"] == label

