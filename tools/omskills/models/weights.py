@@ -103,16 +103,15 @@ def watching_weight_reads() -> Iterator[WeightReads]:
 
         return reader
 
-    originals = _loaders()
-    wrappers = {name: watched(original) for name, original in originals.items()}
-    load_state_dict = torch.nn.Module.load_state_dict
-
     def watched_state(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() == thread:
             reads.state_loaded()
         return load_state_dict(module, *args, **kwargs)
 
     with _WATCHING:  # one watch at a time: another's wrappers would be taken for the originals
+        originals = _loaders()
+        wrappers = {name: watched(original) for name, original in originals.items()}
+        load_state_dict = torch.nn.Module.load_state_dict
         _rebind({id(originals[name]): wrappers[name] for name in originals})
         torch.nn.Module.load_state_dict = watched_state  # type: ignore[method-assign]
         try:
