@@ -54,6 +54,24 @@ NET_DRIVER = textwrap.dedent("""\
         import torch
         return model(torch.zeros(1, inputs.size))
     """)
+GOOD_CLIPS = {
+    "id": "bad-inputs-clips",
+    "intake": {"model": {"driver": "clips.py"}, "inputs": {"clips": ["short.gif"]}, "target": {"soc": "Ascend910B4"}},
+}
+# A two-function driver taking a list of files: each item is checked, resolved and confined like one file.
+CLIPS_DRIVER = textwrap.dedent("""\
+    from pydantic import BaseModel
+    from omskills.models.kit import InputPath
+
+    class Inputs(BaseModel):
+        clips: list[InputPath]
+
+    def build_model(spec):
+        raise AssertionError("the gate builds no model")
+
+    def run_main_path(model, inputs):
+        raise AssertionError("the gate runs no model")
+    """)
 GOOD_CHECKED = {
     "id": "bad-inputs-checked",
     "intake": {"model": {"driver": "checked.py:Checked"}, "inputs": {"size": 4}, "target": {"soc": "Ascend910B4"}},
@@ -317,6 +335,19 @@ CASES = [
         (edit("intake.shape_inputs", [{"size": 2}, {"size": "x"}]),),
         base=GOOD_NET,
     ),
+    # -- a list of input files: the item at fault named by its index
+    Case(
+        "input-list-item-missing",
+        ("intake.inputs.clips[1]", "gone.gif", "not found"),
+        (edit("intake.inputs.clips", ["short.gif", "gone.gif"]),),
+        base=GOOD_CLIPS,
+    ),
+    Case(
+        "input-list-item-outside",
+        ("intake.inputs.clips[1]", "outside"),
+        (edit("intake.inputs.clips", ["short.gif", "{outside}/clip.gif"]),),
+        base=GOOD_CLIPS,
+    ),
     # -- a class driver's own checks raising ValueError / TypeError
     Case(
         "driver-check-value-error",
@@ -508,6 +539,7 @@ def _write_files(folder: Path, shared: Path) -> None:
     (folder / "wrong.pt").write_bytes((shared / "wrong.pt").read_bytes())
     (folder / "net.py").write_text(NET_DRIVER)
     (folder / "checked.py").write_text(CHECKED_DRIVER)
+    (folder / "clips.py").write_text(CLIPS_DRIVER)
     (folder / "bad.onnx").write_bytes(os.urandom(1024))
     (folder / "afile").write_text("a file, not a folder\n")
     (folder / "link.gif").symlink_to(shared.parent / "outside" / "clip.gif")

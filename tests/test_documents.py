@@ -34,6 +34,30 @@ def shell_words(line: str) -> list[str]:
 # -- pieces that need no run ------------------------------------------------------------------
 
 
+def test_the_driver_guides_examples_are_valid_code_records_and_checks():
+    """docs/drivers.md's Python blocks parse, its YAML blocks load, and the comparison checks it
+    shows are `OutputCheck`s the engine accepts."""
+    import ast
+
+    import yaml
+    from omskills.records.verify import OutputCheck
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "drivers.md").read_text()
+    fences = [t for t in MarkdownIt("commonmark").parse(text) if t.type == "fence"]
+    assert {t.info for t in fences} >= {"python", "yaml"}
+    for fence in fences:
+        if fence.info == "python":
+            ast.parse(fence.content)
+        elif fence.info == "yaml":
+            assert isinstance(yaml.safe_load(fence.content), dict)
+    shown = [f.content for f in fences if f.info == "python" and f.content.startswith("COMPARISON")]
+    assert shown
+    for block in shown:
+        namespace: dict = {}
+        exec(block, namespace)
+        assert all(OutputCheck.model_validate(check) for check in namespace["COMPARISON"])
+
+
 def test_an_atc_command_line_keeps_the_semicolons_of_its_input_shape_in_one_argument():
     argv = [
         "atc",

@@ -372,6 +372,142 @@ def test_weights_the_builder_loads_and_a_scalar_output_are_reported_as_they_are(
     assert count["shape"] == [] and count["values"] == [3]
 
 
+TRAINED_DRIVER = """
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file  # bound before any build: the engine must still see it read
+
+HERE = Path(WEIGHTS_FOLDER)  # adapt runs a copy of this file from the run folder
+SEED_CANDIDATES = [("encoder", "encoder")]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        self.head = torch.nn.Linear(256, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def build_model(spec):
+    net = Net()
+    net.encoder.load_state_dict(torch.load(HERE / "encoder.pt", weights_only=True))
+    net.head.load_state_dict(load_file(str(HERE / "head.safetensors")))
+    return net
+
+
+def run_main_path(model, inputs):
+    return {"logits": model(torch.linspace(-1, 1, 32).reshape(2, 16))}
+"""
+
+
+def trained_weights(folder: Path) -> dict[str, str]:
+    """The two files TRAINED_DRIVER reads (saved from another seed than the engine's), by name: their sha256."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(123)
+    encoder = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    torch.save(encoder.state_dict(), folder / "encoder.pt")
+    save_file(torch.nn.Linear(256, 4).state_dict(), str(folder / "head.safetensors"))
+    names = ("encoder.pt", "head.safetensors")
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
+
+
+def test_weights_a_two_function_builder_reads_are_named_by_file_and_hash_in_every_report(tmp_path):
+    """Issue "trained weights labelled random": a `build_model` that reads its own checkpoint files
+    (torch.load, safetensors) and declares no `WEIGHTS` is reported by those files and their hashes;
+    the gate, which builds nothing, claims no random weights."""
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "trained_driver.py").write_text(f"WEIGHTS_FOLDER = {str(source)!r}\n" + TRAINED_DRIVER)
+    hashes = trained_weights(source)
+    task = task_record(source, {"driver": "trained_driver.py"}, {})
+    result = omskills("adapt", str(task), "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Named from the run folder, as DELIVERY.md names every path.
+    label = ", ".join(f"../model/{name} (sha256 {hashes[name][:12]})" for name in ("encoder.pt", "head.safetensors"))
+    record = yaml.safe_load((tmp_path / "run" / "task.yaml").read_text())
+    assert record["study"]["weights"] == label
+    assert json.loads((tmp_path / "run" / "verify" / "report.json").read_text())["weights"] == label
+    gate = [line for line in record["environment"]["checked"] if line.startswith("intake.model.checkpoint")]
+    assert gate == [
+        "intake.model.checkpoint: none (the weights are what the builder makes: the files it reads are named "
+        "with their sha256 when the model is built, random from seed 0 if it reads none)"
+    ]
+    delivery = (tmp_path / "run" / "DELIVERY.md").read_text()
+    assert f"weights **{label}**" in delivery
+    assert "random" not in delivery.split("## ")[0] and "random weights" not in delivery
+
+
+def test_weights_a_build_reads_nothing_for_are_random_from_the_engines_seed(tmp_path):
+    """The other side of the rule: a build that reads no file and sets no state is "random", and
+    the engine seeded it, so the same seed gives the same weights in every process."""
+    (tmp_path / "random_driver.py").write_text(
+        textwrap.dedent("""
+        import torch
+
+        def build_model(spec):
+            return torch.nn.Linear(4, 2)
+
+        def run_main_path(model, inputs):
+            return {"y": model(torch.ones(1, 4))}
+    """)
+    )
+    task = task_record(tmp_path, {"driver": "random_driver.py", "seed": 7}, {})
+    runs = [omskills("main-path", str(task), "--out", str(tmp_path / out)) for out in ("a", "b")]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr[-2000:]
+    reports = [json.loads((tmp_path / out / "main_path.json").read_text()) for out in ("a", "b")]
+    assert [r["weights"] for r in reports] == ["random", "random"]
+    assert "random weights: the engine seeded the generators with 7 before the build" in reports[0]["notes"]
+    assert reports[0]["steps"][0]["outputs"] == reports[1]["steps"][0]["outputs"]
+
+
+def test_a_list_of_input_files_reaches_the_driver_as_files_from_the_records_folder(tmp_path):
+    """A field typed `list[InputPath]` is resolved like one file: each item from the record's folder
+    (whatever folder the command runs in), and absolute in a run folder's copy of the intake."""
+    from omskills.models.registry import localised_intake
+
+    task_dir = tmp_path / "task"
+    (task_dir / "frames").mkdir(parents=True)
+    for index in range(3):
+        np.save(task_dir / "frames" / f"{index}.npy", np.full((1, 4), float(index), dtype=np.float32))
+    (task_dir / "frames_driver.py").write_text(
+        textwrap.dedent("""
+        import numpy as np
+        import torch
+        from pydantic import BaseModel
+        from omskills.models.kit import InputPath
+
+        class Inputs(BaseModel):
+            frames: list[InputPath]
+
+        def build_model(spec):
+            return torch.nn.Identity()
+
+        def run_main_path(model, inputs):
+            for frame in inputs.frames:  # one step per file
+                yield {"frame": model(torch.from_numpy(np.load(frame)))}
+    """)
+    )
+    frames = ["frames/0.npy", "frames/1.npy", "frames/2.npy"]
+    task = task_record(task_dir, {"driver": "frames_driver.py"}, {"frames": frames})
+    ran = omskills("main-path", str(task), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    steps = json.loads((tmp_path / "out" / "main_path.json").read_text())["steps"]
+    assert [step["outputs"][0]["values"] for step in steps] == [[[float(i)] * 4] for i in range(3)]
+
+    intake = Intake.model_validate(yaml.safe_load(task.read_text())["intake"])
+    localised = localised_intake(intake, task_dir)
+    assert localised.inputs["frames"] == [str((task_dir / f).resolve()) for f in frames]
+
+
 def test_every_run_of_the_main_path_draws_the_same_noise_from_every_generator(tmp_path):
     """A model that dithers with numpy or Python's `random` (a pitch tracker, a sampler) gives the
     same outputs on every run: the engine seeds all three generators, not torch's alone."""

@@ -321,3 +321,150 @@ def test_the_om_deployer_skill_passes_agentskills_validate():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Valid skill" in done.stdout
+
+
+# --- a model a factory builds from dotted names (Hydra's instantiate) ---------------------
+
+FACTORY_FILES = {
+    "toyhydra/__init__.py": "",
+    "toyhydra/build.py": """\
+        import json
+        from pathlib import Path
+
+        from toyhydra.config import instantiate
+
+
+        def build_toy(config="tiny.json"):
+            return instantiate(json.loads((Path(__file__).parent / config).read_text())["predictor"])
+        """,
+    "toyhydra/config.py": """\
+        import importlib
+
+
+        def instantiate(node):
+            '''hydra.utils.instantiate in small: the class a `_target_` string names, built.'''
+            node = dict(node)
+            module, _, name = node.pop("_target_").rpartition(".")
+            kwargs = {k: instantiate(v) if isinstance(v, dict) else v for k, v in node.items()}
+            return getattr(importlib.import_module(module), name)(**kwargs)
+        """,
+    # The classes are named in the config only: no import statement of the builder leads to them.
+    "toyhydra/tiny.json": """\
+        {"predictor": {"_target_": "toyhydra.predictor.ToyPredictor",
+                       "net": {"_target_": "toyhydra.modeling.net.ToyNet", "width": 8}}}
+        """,
+    "toyhydra/predictor.py": """\
+        from toyhydra.sessions import SessionStore
+
+
+        class ToyPredictor:
+            def __init__(self, net):
+                self.net = net
+                self.sessions = SessionStore()
+
+            def handle_request(self, request):
+                if request["type"] == "start_session":
+                    return self.start_session(request)
+                if request["type"] == "predict":
+                    return self.predict(request)
+
+            def start_session(self, request):
+                return self.sessions.open()
+
+            def predict(self, request):
+                return self.net(request["x"])
+        """,
+    "toyhydra/sessions.py": """\
+        import torch
+
+
+        class SessionStore:
+            def open(self):
+                return torch.zeros(1).pin_memory()
+        """,
+    "toyhydra/modeling/__init__.py": "",
+    "toyhydra/modeling/net.py": """\
+        from torch import nn
+
+
+        class ToyNet(nn.Module):
+            def __init__(self, width=8):
+                super().__init__()
+                self.body = nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, width))
+
+            def forward(self, x):
+                return self.body(x)
+
+            def moved(self, device="cuda"):
+                return self.to(device)
+        """,
+    "toyhydra/train/trainer.py": "import triton\n",  # never loaded by building or running: not scanned
+}
+
+
+def factory_checkout(folder: Path) -> Path:
+    for rel, text in FACTORY_FILES.items():
+        path = folder / "checkout" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return folder / "checkout"
+
+
+# A two-function driver: SOURCE_PACKAGE gives it a static inventory, ENTRY_CLASSES the predictor.
+FACTORY_DRIVER = """\
+import torch
+
+SOURCE_PACKAGE = "toyhydra"
+ENTRY_CLASSES = ("ToyPredictor",)
+ENTRY_METHODS = ("handle_request",)
+SEED_CANDIDATES = [("body", "body")]
+
+
+def build_model(spec):
+    from toyhydra.build import build_toy
+
+    predictor = build_toy()
+    return predictor, predictor.net
+
+
+def run_main_path(predictor, inputs):
+    return {"y": predictor.handle_request({"type": "predict", "x": torch.ones(2, 8)})}
+"""
+
+
+def test_a_model_built_from_dotted_names_is_inventoried_from_its_entry_classes(tmp_path, monkeypatch):
+    """Issue "Hydra-built models": the builder's imports reach only the factory; the driver's entry
+    class is scanned wherever it is defined, with what it imports, and the classes the model was
+    seen to run are scanned once a study has profiled it."""
+    monkeypatch.syspath_prepend(str(factory_checkout(tmp_path)))
+    (tmp_path / "factory_driver.py").write_text(FACTORY_DRIVER)
+    record = TaskRecord.model_validate(
+        {"id": "factory", "intake": {"model": {"driver": "factory_driver.py", "source": "checkout"}, "inputs": {}}}
+    )
+    task = tmp_path / "task.yaml"
+    save_record(record, task)
+
+    inventory = TOOL(task=str(task))
+    assert inventory.scanned_from == ["toyhydra/__init__.py", "toyhydra/predictor.py"]
+    routes = {(r.request_type, r.method) for r in inventory.predictor("ToyPredictor").routes}
+    assert routes == {("start_session", "start_session"), ("predict", "predict")}
+    kinds = {(f.kind, f.file) for f in inventory.portability}
+    assert ("pin_memory", "toyhydra/sessions.py") in kinds  # imported by the predictor's module
+    assert not any(f.file.startswith(("toyhydra/modeling/", "toyhydra/train/")) for f in inventory.portability)
+
+    profile = load_tool(skills_root() / "om-deployer" / "scripts" / "profile_main_path.py").func
+    profile(task=str(task))
+    rescanned = TOOL(task=str(task))
+    assert "toyhydra/modeling/net.py" in rescanned.scanned_from  # ToyNet ran: its file is scanned now
+    assert ("device_cuda", "toyhydra/modeling/net.py") in {(f.kind, f.file) for f in rescanned.portability}
+    assert not any(f.file.startswith("toyhydra/train/") for f in rescanned.portability)
+
+
+def test_entry_classes_named_but_defined_nowhere_say_so_in_the_report(tmp_path):
+    checkout = factory_checkout(tmp_path)
+    inventory = scan_source(
+        checkout, "toyhydra", None, family="toy", entry_methods=("handle_request",), entry_classes=("Gone",)
+    )
+    assert inventory.predictors == []
+    text = render_inventory_report(inventory, None, [], tmp_path / "report").read_text()
+    assert "No class named Gone defines the driver's entry methods (handle_request) in the files scanned." in text

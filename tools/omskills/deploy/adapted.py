@@ -25,6 +25,7 @@ from omskills.contracts.pytree import register_struct
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record, read_bundle
 from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, run_seeded
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, driver_for, resolved_spec
+from omskills.models.weights import seeded_load
 from omskills.records.deploy import DeployManifest
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.intake import Intake
@@ -258,7 +259,7 @@ def build_model(intake: Intake, root: Path) -> tuple[BoundIntake, Any, LoadedMod
     bound = bind_intake(intake, root)
     data = bound.driver.load_inputs(bound.inputs, root)
     spec = resolved_spec(intake.model, root)
-    loaded = bound.driver.load(spec)
+    loaded = seeded_load(bound.driver, spec)  # the weights verify ran with, when random
     for cls in bound.driver.pytree_types(loaded):
         register_struct(cls)
     loaded.notes += bound.driver.prepare(loaded, data, bound.inputs, bound.verification)

@@ -36,11 +36,12 @@ from omskills.ascend.atc import atc_script
 from omskills.deploy.manifest import MANIFEST_NAME, DeployError, manifest_from_record
 from omskills.errors import OmskillsError
 from omskills.files import process_alive, sha256_file
+from omskills.models.api import with_input_files
 from omskills.models.registry import bind_intake, confine_intake, driver_for, localised_intake
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, DeployedMerge, DeployManifest
 from omskills.records.intake import allowed_input_roots
 from omskills.records.literals import BundleArtifact
-from omskills.records.names import STORED, is_input_path
+from omskills.records.names import STORED
 from omskills.records.results import BundleSummary
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
@@ -332,12 +333,16 @@ class _Writer:
         path_part, sep, name = (model.driver or "").partition(":")
         if path_part.endswith(".py"):
             update["driver"] = self.place(Path(path_part), f"driver/{Path(path_part).name}").path + sep + name
-        inputs = dict(intake.inputs)
         driver = driver_for(model, self.workdir)
-        for field_name, field in driver.inputs_model.model_fields.items():
-            value = inputs.get(field_name)
-            if is_input_path(field) and isinstance(value, str) and Path(value).is_file():
-                inputs[field_name] = self.place(Path(value), f"inputs/{Path(value).name}").path
+
+        def placed(where: str, value: str) -> str:
+            if not Path(value).is_file():
+                return value
+            # A list's items keep their own folder each: two frames may share a file name.
+            folder = "inputs" if "[" not in where else f"inputs/{where.replace('[', '/').rstrip(']')}"
+            return self.place(Path(value), f"{folder}/{Path(value).name}").path
+
+        inputs = with_input_files(driver.inputs_model, intake.inputs, placed)
         return intake.model_copy(update={"model": model.model_copy(update=update), "inputs": inputs}), required
 
 

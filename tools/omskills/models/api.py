@@ -33,7 +33,7 @@ from omskills.errors import InputError, OmskillsError, one_line
 from omskills.records.contracts import QuantityLimit, QuantitySchedule, ShapeDerivedArg
 from omskills.records.intake import ModelSpec
 from omskills.records.names import InputPath as InputPath  # re-exported: drivers import it from here
-from omskills.records.names import InputPathMarker
+from omskills.records.names import is_input_path
 from omskills.records.parity import FP16_GATES
 from omskills.records.verify import OutputCheck
 from pydantic import BaseModel, ConfigDict
@@ -52,6 +52,51 @@ def names_a_file(value: str) -> bool:
     return not value.startswith(BUILTIN_SCHEME)
 
 
+def _items(name: str, value: Any) -> list[tuple[str, Any]]:
+    """A field's value as (where, item): itself, or each item of a list (`frames[2]`)."""
+    if isinstance(value, (list, tuple)):
+        return [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+    return [(name, value)]
+
+
+def input_files(model: type[BaseModel], values: Mapping[str, Any], builtin: bool = False) -> list[tuple[str, str]]:
+    """(where, value) of every file a driver's inputs name: the value of each field typed `InputPath`
+    and each item of one typed `list[InputPath]` (where `frames[2]`); built-in clips only when
+    `builtin`. The one walk over input files: confinement, resolution, the existence check and
+    bundles all use it."""
+    return [
+        (where, item)
+        for name, info in model.model_fields.items()
+        if is_input_path(info)
+        for where, item in _items(name, values.get(name))
+        if isinstance(item, str) and (builtin or names_a_file(item))
+    ]
+
+
+def with_input_files(
+    model: type[BaseModel], values: Mapping[str, Any], change: Callable[[str, str], str]
+) -> dict[str, Any]:
+    """`values` with every file `input_files` finds replaced by `change(where, value)` (lists stay lists)."""
+    changed = dict(values)
+    files = dict(input_files(model, values))
+    for name in model.model_fields:
+        value = values.get(name)
+        if isinstance(value, (list, tuple)):
+            changed[name] = [change(w, v) if w in files else v for w, v in _items(name, value)]
+        elif name in files:
+            changed[name] = change(name, value)
+    return changed
+
+
+def input_files_from(model: type[BaseModel], values: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
+    """`values` with every relative input file taken from `base_dir` (the task record's folder)."""
+
+    def absolute(_where: str, value: str) -> str:
+        return value if Path(value).expanduser().is_absolute() else str((base_dir / value).resolve())
+
+    return with_input_files(model, values, absolute)
+
+
 class NoSettings(BaseModel):
     """The verification settings of a driver that has none (unknown fields are errors)."""
 
@@ -63,7 +108,7 @@ class LoadedModel:
     entry: Any  # the object users call (a predictor, a pipeline, the model itself)
     root: nn.Module  # the module tree candidates are paths into
     source_root: Path  # folder holding the model's Python source (for file:line findings)
-    weights: str  # "random" or the checkpoint path
+    weights: str  # what the driver says it loaded; the engine relabels it from what the build read (models.weights)
     # Entered around every run and export: the device-portability layer, or nothing.
     portability: contextlib.AbstractContextManager[Any] = field(default_factory=contextlib.nullcontext)
     notes: list[str] = field(default_factory=list)
@@ -287,7 +332,8 @@ class ModelDriver(ABC):
 
     def builder_weights(self, spec: ModelSpec) -> str | None:
         """What the builder loads when no checkpoint is given, when it loads trained weights itself
-        (files in the model's wheel), as `LoadedModel.weights` will say; None: seeded random."""
+        (files in the model's wheel): what the gate says before any build, and the label when the
+        build reads no file the engine sees (`omskills.models.weights`); None: nothing declared."""
         return None
 
     @abstractmethod
@@ -313,13 +359,11 @@ class ModelDriver(ABC):
         within what they hold (frames of a video). Raises InputError naming the field; returns what
         was found, for the report. By default every `InputPath` field must exist."""
         found = []
-        for name, info in type(inputs).model_fields.items():
-            value = getattr(inputs, name, None)
-            if not (isinstance(value, str) and any(isinstance(m, InputPathMarker) for m in info.metadata)):
-                continue
+        values = {name: getattr(inputs, name, None) for name in type(inputs).model_fields}
+        for where, value in input_files(type(inputs), values, builtin=True):
             if names_a_file(value) and not (base_dir / Path(value).expanduser()).exists():
-                raise InputError(f"intake.inputs.{name}: not found: {base_dir / Path(value).expanduser()}")
-            found.append(f"intake.inputs.{name}: {value}")
+                raise InputError(f"intake.inputs.{where}: not found: {base_dir / Path(value).expanduser()}")
+            found.append(f"intake.inputs.{where}: {value}")
         return found
 
     # -- the main path ---------------------------------------------------------------------

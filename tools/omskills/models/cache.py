@@ -15,6 +15,7 @@ from omskills.contracts.pytree import register_struct
 from omskills.isolation import return_freed_memory
 from omskills.models.api import LoadedModel, ModelDriver, driver_checks
 from omskills.models.registry import driver_for, resolved_spec
+from omskills.models.weights import load_labelled
 from omskills.records.intake import ModelSpec
 
 _lock = threading.Lock()
@@ -27,14 +28,14 @@ def load_model(spec: ModelSpec, base_dir: Path | None = None) -> tuple[ModelDriv
     global _cached
     spec = resolved_spec(spec, base_dir)
     driver = driver_for(spec, base_dir)
-    key = f"{id(driver)}:{spec.model_dump_json()}"
+    key = f"{id(driver)}:{base_dir}:{spec.model_dump_json()}"  # base_dir: the weights label names files from it
     with _lock:
         if _cached is not None and _cached[0] == key:
             return driver, _cached[1], _cached[2]
         _cached = None  # free the previous model before building the next
         start = time.perf_counter()
         with driver_checks(driver, "load"):
-            loaded = driver.load(spec)
+            loaded = load_labelled(driver, spec, base_dir)
         for cls in driver.pytree_types(loaded):
             register_struct(cls)
         _cached = (key, loaded, time.perf_counter() - start)

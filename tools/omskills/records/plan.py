@@ -102,6 +102,6 @@ class StudyRun(Record):
     seconds: float
     # Per candidate, the ranges the driver read from the built model (for the shape strategy).
     source_limits: Annotated[dict[str, list[QuantityLimit | QuantitySchedule]], DETAIL] = Field(default_factory=dict)
-    # The weights the model ran with, as its driver said: "random", a checkpoint, or weights the
-    # builder loads itself (None in records written before it was kept).
+    # The weights the model ran with (omskills.models.weights): the files its build read with their
+    # sha256, what its driver declares, or "random" (None in records written before it was kept).
     weights: str | None = None

@@ -33,7 +33,12 @@ class ModuleShare(Record):
 
 
 class ProfileSummary(Record):
-    weights: str = Field(description="The checkpoint the model was built with, or 'random' (random weights).")
+    weights: str = Field(
+        description=(
+            "The weights the model was built with: the files its build read with their sha256, what its driver "
+            "declares, or 'random' (the generators seeded with intake.model.seed)."
+        )
+    )
     scale: str = Field(description="Model scale the run used: 'full' or 'tiny'.")
     frames: int = Field(description="Steps (e.g. video frames) the main path ran.")
     total_seconds: float = Field(description="Wall time of the instrumented main path, in seconds.")

@@ -202,8 +202,8 @@ class TaskRecord(Record):
         return self.contracts[graph]
 
     def weights(self) -> str:
-        """The weights the model ran with: what its driver said at the study, else the intake's
-        checkpoint, else "random" (seeded random initialisation)."""
+        """The weights the model ran with: their label at the study (`omskills.models.weights`), else
+        the intake's checkpoint, else "random" (seeded random initialisation)."""
         if self.study is not None and self.study.weights:
             return self.study.weights
         return self.intake.model.checkpoint or "random"

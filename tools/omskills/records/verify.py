@@ -159,7 +159,12 @@ def figure(value: float | None, metric: str) -> str:
 
 class VerifyReport(Record):
     task_id: str = Field(description="The task record's id.")
-    weights: str = Field(description="The checkpoint the model was built with, or 'random' (seeded random weights).")
+    weights: str = Field(
+        description=(
+            "The weights the model was built with: the files its build read with their sha256, what its driver "
+            "declares, or 'random' (the generators seeded with intake.model.seed)."
+        )
+    )
     scale: str = Field(description="The model scale verified: 'full' or 'tiny'.")
     backend: str = Field(
         description="The runtime backend the spliced graphs were asked to run on (e.g. 'onnxruntime', 'om')."

@@ -4,8 +4,12 @@ It answers, without importing the model: which builders exist (and is the config
 there), which classes a user calls (those defining the driver's entry methods, e.g. a
 predictor's request dispatchers, with the request types they route), what Python control plane
 surrounds the network (tokenizer, session store, frame cache, object ids, prompts), and where the
-code is CUDA-only. Only the builder module's import closure inside the package is scanned: that
-is what building and running the model loads (training and evaluation code is left out).
+code is CUDA-only. Only what building and running the model loads is scanned (training and
+evaluation code is left out): the import closure inside the package of the builder's module, of the
+modules defining the driver's entry classes and of those defining classes the model was seen to run
+(an earlier study's profile). A model built from dotted names (Hydra's `_target_`, a registry,
+`importlib`) imports its classes where no import statement shows: a dotted string naming a module of
+the package counts as an import, and the entry classes are found by name wherever they are defined.
 """
 
 from __future__ import annotations
@@ -77,11 +81,19 @@ def read_package(root: Path, package: str) -> dict[str, SourceFile]:
     return files
 
 
+# "pkg.module.Class": a string a factory imports by (`importlib.import_module`, Hydra's `_target_`).
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
 def _imported_modules(source: SourceFile) -> Iterator[str]:
-    """Every module an import statement anywhere in the file names (lazy imports included)."""
+    """Every module an import statement anywhere in the file names (lazy imports included), and
+    every dotted string that may name one (`"pkg.module.Class"`: the module and its parent)."""
     package = source.module if source.is_package else source.module.rpartition(".")[0]
     for node in ast.walk(source.tree or ast.Module(body=[], type_ignores=[])):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _DOTTED_NAME.fullmatch(node.value):
+            yield node.value
+            yield node.value.rpartition(".")[0]
+        elif isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -93,10 +105,10 @@ def _imported_modules(source: SourceFile) -> Iterator[str]:
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def import_closure(files: dict[str, SourceFile], start: str) -> list[SourceFile]:
-    """Files reachable from module `start` through imports inside the package (+ parent __init__s)."""
+def import_closure(files: dict[str, SourceFile], starts: Sequence[str]) -> list[SourceFile]:
+    """Files reachable from the `starts` modules through imports inside the package (+ parent __init__s)."""
     seen: set[str] = set()
-    todo = [start]
+    todo = list(starts)
     while todo:
         module = todo.pop()
         if module in seen or module not in files:
@@ -106,6 +118,19 @@ def import_closure(files: dict[str, SourceFile], start: str) -> list[SourceFile]
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
         todo.extend(m for m in _imported_modules(files[module]) if m in files)
     return [files[m] for m in sorted(seen, key=lambda m: files[m].rel) if files[m].tree is not None]
+
+
+def defining_modules(files: dict[str, SourceFile], class_names: Iterable[str]) -> list[str]:
+    """Modules of the package defining a class of one of these names, wherever the builder's
+    imports lead (a factory may import them by name only)."""
+    names = set(class_names)
+    found = []
+    for module, source in files.items():
+        if not any(f"class {name}" in source.text for name in names) or source.tree is None:
+            continue  # cheap filter before parsing
+        if any(isinstance(node, ast.ClassDef) and node.name in names for node in ast.walk(source.tree)):
+            found.append(module)
+    return found
 
 
 # --- builders and predictors -------------------------------------------------------------
@@ -552,10 +577,12 @@ def scan_source(
     family: str,
     entry_methods: Sequence[str] = (),
     entry_classes: Sequence[str] = (),
+    runtime_classes: Sequence[str] = (),
     source: str | None = None,
 ) -> Inventory:
     """Static inventory of `package` under `source_root`, from the builder's module (from the
-    package's __init__ when no builder is named)."""
+    package's __init__ when no builder is named), the modules defining `entry_classes` and those
+    defining `runtime_classes` (class names the model was seen to run)."""
     source_root = Path(source_root)
     if not (source_root / package).is_dir():
         raise InputError(f"intake.model.source: {source_root / package} does not exist")
@@ -573,7 +600,8 @@ def scan_source(
     else:
         start_file = f"{package}/__init__.py"
     start = next(m for m, f in files.items() if f.rel == start_file)
-    closure = import_closure(files, start)
+    starts = list(dict.fromkeys([start, *defining_modules(files, [*entry_classes, *runtime_classes])]))
+    closure = import_closure(files, starts)
     return Inventory(
         family=family,
         source=source or str(source_root),
@@ -581,6 +609,9 @@ def scan_source(
         package=package,
         builder=builder or "",
         builder_file=start_file,
+        scanned_from=[files[m].rel for m in starts],
+        entry_methods=list(entry_methods),
+        entry_classes=list(entry_classes),
         files_scanned=len(closure),
         builders=builders,
         predictors=find_predictors(closure, entry_methods, entry_classes),

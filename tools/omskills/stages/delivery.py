@@ -141,7 +141,7 @@ def write_delivery_doc(task_path: Path) -> Path:
             m=model,
             family=bound.driver.family,
             inputs=inputs,
-            weights=_seen_from(record.weights(), workdir),
+            weights=record.weights(),  # a label naming its files itself (models.weights), not a path
             plan=record.plan,
             env=record.environment,
             v=record.verification,

@@ -21,6 +21,7 @@ from omskills.errors import InputError, OmskillsError
 from omskills.machine.probe import device_problem, probe_environment
 from omskills.models.api import ModelDriver, driver_checks
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
+from omskills.models.weights import gate_line
 from omskills.records.environment import EnvironmentReport
 from omskills.records.intake import ModelSpec, allowed_input_roots, confined_path
 from omskills.records.stage_order import step_key
@@ -107,10 +108,7 @@ def check_task_inputs(bound: BoundIntake, spec: ModelSpec, workdir: Path, model_
     with driver_checks(driver, "check_builder"):
         checked.append(driver.check_builder(spec))
     if found is None:
-        weights = driver.builder_weights(spec)
-        return checked + [
-            f"intake.model.checkpoint: none ({f'the builder loads {weights}' if weights else 'seeded random weights'})"
-        ]
+        return checked + [gate_line(driver, spec)]
     with driver_checks(driver, "expected_state_keys"):
         expected = driver.expected_state_keys(spec)
     mismatch = key_mismatch(expected, found) if expected is not None else None

@@ -15,7 +15,8 @@ from omskills.source.inventory import scan_source
 
 def take_inventory(task_path: Path) -> Inventory | None:
     """Scan the package the driver names (None when it names none: nothing to scan statically).
-    Runtime findings of an earlier study are kept."""
+    Runtime findings of an earlier study are kept, and the classes its profile saw run are scanned
+    too (a model a factory builds from dotted names shows them only at run time)."""
     started, clock = now_iso(), time.perf_counter()
     record = load_record(task_path)
     workdir = TaskRecord.workdir(task_path)
@@ -31,6 +32,7 @@ def take_inventory(task_path: Path) -> Inventory | None:
             family=driver.family,
             entry_methods=driver.entry_methods,
             entry_classes=driver.entry_classes,
+            runtime_classes=sorted({n.module_class for n in record.profile.nodes}) if record.profile else (),
             source=record.intake.model.source,
         )
     with updating(task_path) as rec:
