@@ -294,7 +294,7 @@ def _status(served, tool: str, args: dict[str, Any]) -> dict[str, Any]:
 def _assert_step_cancelled(record: Path) -> None:
     """toy_stage was stopped inside its running step: the record says failed (Cancelled), never done."""
     step = load_record(record).stages["toy_stage"]
-    assert step.status == "failed" and step.error.startswith("cancelled (Cancelled"), step
+    assert step.status == "failed" and step.error.startswith("interrupted: cancelled (Cancelled"), step
 
 
 def test_a_heartbeat_arrives_while_a_tool_reports_nothing(served):

@@ -156,7 +156,6 @@ def _adapt(ns: argparse.Namespace) -> int:
 
     from omskills.models.registry import localised_intake
     from omskills.records.task import load_record, save_record, updating
-    from omskills.stages.steps import reap_interrupted
 
     from .run_lock import claim_run_folder
 
@@ -171,10 +170,10 @@ def _adapt(ns: argparse.Namespace) -> int:
     if task.exists():  # resume: keep the results, take the intake from the command line
         with updating(task) as record:
             record.intake = intake
-            for step in reap_interrupted(record, str(task.resolve())):
+            for step in record.interrupted_on_load:
                 print(
                     f"omskills: step {step} was left running by a process that is gone: "
-                    "marked failed, this run redoes it",
+                    "marked interrupted, this run redoes it",
                     file=sys.stderr,
                 )
     else:

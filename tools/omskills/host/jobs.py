@@ -324,19 +324,14 @@ def _runner_died(job: StoredJob) -> None:
 
 
 def _reap_steps(job: StoredJob) -> None:
-    """The steps a dead runner left `running` in its task record (those with its pid) marked failed, with why."""
-    if job.task is None or job.pid is None or not Path(job.task).is_file():
+    """The steps a dead runner left `running` in its task record saved as interrupted (the record's
+    loader tells them by their process, `records.step_owner`)."""
+    if job.task is None or not Path(job.task).is_file():
         return
-    from omskills.records.task import updating
+    from omskills.records.task import settle_on_disk
 
-    with contextlib.suppress(OmskillsError, OSError), updating(Path(job.task)) as record:
-        for result in record.stages.values():
-            if result.status == "running" and result.pid == job.pid:
-                result.status = "failed"
-                result.error = (
-                    f"interrupted: the process that ran it (pid {job.pid}) stopped before it finished "
-                    "(killed, cancelled, or out of disk); rerun to redo it"
-                )
+    with contextlib.suppress(OmskillsError, OSError):
+        settle_on_disk(Path(job.task))
 
 
 def _jsonable_arguments(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -561,6 +561,18 @@ def _resource_reader(workspace: Path, resolve: Callable[[str, Path], Path]) -> C
     return read
 
 
+def _settled_task_record(value: str, workspace: Path) -> Path:
+    """A task record's path, its text first brought up to date when a step it says is running has
+    no process any more (read as interrupted, with the command that redoes it). A record that
+    cannot be loaded or written is served as it is."""
+    from omskills.records.task import settle_on_disk
+
+    path = mcp_resources.task_record_path(value, workspace)
+    with contextlib.suppress(OmskillsError, OSError):
+        settle_on_disk(path)
+    return path
+
+
 # (URI template, name, MIME type, description); the first template matching a URI reads it.
 RUN_TEMPLATES: list[tuple[str, str, str, str]] = [
     (
@@ -615,7 +627,7 @@ def register_resources(server: MCPServer, root: Path, workspace: Path) -> None:
         title="Task record",
         mime_type="application/yaml",
         description="A task record (YAML) by workspace-relative path: intake, stage statuses, every stage's results.",
-    )(_resource_reader(workspace, mcp_resources.task_record_path))
+    )(_resource_reader(workspace, _settled_task_record))
 
     for template, name, mime, description in RUN_TEMPLATES:
         suffix = "/DELIVERY.md" if template.endswith("/DELIVERY.md") else template.removeprefix("run://{+path}")
@@ -738,11 +750,22 @@ def log_level() -> str:
     return level
 
 
-def _stop_jobs(server: OmskillsServer, seconds: float) -> None:
-    """Cancel every job, give them `seconds` to stop, end the processes they started."""
+def _interrupt_jobs(server: OmskillsServer, why: str) -> None:
+    """Record the steps this server runs as interrupted, then cancel every job. The process may exit
+    before a job deep in a model call reaches its next progress point (or be killed right after):
+    the record says why either way, and a job that stops in time records its own end over that."""
+    from omskills.records.task import record_interrupted_here
+
+    record_interrupted_here(f"the tool server stopped ({why})")
+    server.jobs.cancel_all()
+
+
+def _stop_jobs(server: OmskillsServer, seconds: float, why: str) -> None:
+    """Cancel every job (their steps recorded as interrupted), give them `seconds` to stop, end the
+    processes they started."""
     from omskills.host.parent_watch import end_descendants
 
-    server.jobs.cancel_all()
+    _interrupt_jobs(server, why)
     stopped = server.jobs.wait_all(seconds)
     end_descendants()
     if not stopped:
@@ -760,7 +783,7 @@ def serve(options: ServeOptions) -> None:
         # The client is our parent: when it dies, so do we (and our children), whatever we are doing,
         # start-up included.
         started: list[OmskillsServer] = []
-        exit_with_parent(before_exit=lambda: [(s.jobs.cancel_all(), s.jobs.wait_all(1.0)) for s in started])
+        exit_with_parent(before_exit=lambda why: [(_interrupt_jobs(s, why), s.jobs.wait_all(1.0)) for s in started])
         # Tool scripts import the engine (torch, onnx, ...) before the transport owns fd 1.
         with stdout_to_stderr():
             server = build_server(options.workspace, options.skills_dir, quiet_stdout=True, log_level=level)
@@ -769,7 +792,7 @@ def serve(options: ServeOptions) -> None:
             server.run("stdio")
         finally:
             # stdin closed or stdout broken: the client is gone.
-            _stop_jobs(server, 3.0)
+            _stop_jobs(server, 3.0, "its client is gone")
         return
     port = options.http_port or 8765
     _port_free(options.http_host, port)
@@ -782,4 +805,4 @@ def serve(options: ServeOptions) -> None:
             transport_security=http_security(options.http_host, port),
         )
     finally:
-        _stop_jobs(server, 3.0)
+        _stop_jobs(server, 3.0, "it was stopped")
