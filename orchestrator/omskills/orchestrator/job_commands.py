@@ -193,7 +193,8 @@ def _adapt(ns: argparse.Namespace) -> int:
     _print_summary(task)
     if not result.ok:
         print(f"omskills: error: {result.error}", file=sys.stderr)
-        return 1
+        # Exit 2 for an error the user acts on (a driver's check, a record field), as the tool's CLI.
+        return 2 if result.failed is not None and result.failed.outcome.users_error else 1
     return 0
 
 

@@ -155,6 +155,9 @@ class Job:
     state: JobState = "running"
     result: Any = None
     error: str | None = None
+    # The error is one the user acts on (a bad argument, record field or input a driver's check
+    # refused: OmskillsError, OSError), the kind a direct call of the tool's CLI exits 2 for.
+    users_error: bool = False
     progress: JobProgress = field(default_factory=lambda: JobProgress(message="started"))
     # Bumped on every progress report, so followers can tell a new report from a heartbeat.
     reports: int = 0
@@ -179,6 +182,7 @@ class Job:
         except progress.Cancelled as err:
             self._end("cancelled", error=f"{self.tool} cancelled: {err}")
         except (Exception, SystemExit) as err:  # the server keeps serving whatever a tool does
+            self.users_error = isinstance(err, (OmskillsError, OSError))
             if not isinstance(err, OmskillsError):
                 log.error("tool %s raised %s", self.tool, type(err).__name__, exc_info=err)
             self._end("failed", error=one_line(err))

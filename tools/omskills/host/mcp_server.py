@@ -286,6 +286,23 @@ def takes_turns(info: ToolInfo) -> bool:
     return hints is None or not hints.read_only or hints.long_running
 
 
+# In a failed call's `_meta`: the error is the user's to act on (a bad argument, record field or
+# input a driver's check refused), the kind the tool's CLI exits 2 for; `omskills adapt` does too.
+USERS_ERROR_META = "omskills/users_error"
+
+
+def users_error(text: str) -> mcp_types.CallToolResult:
+    """A failed call whose error the user acts on: `text` as the client reads it, marked as such."""
+    return mcp_types.CallToolResult(
+        content=[mcp_types.TextContent(type="text", text=text)], is_error=True, _meta={USERS_ERROR_META: True}
+    )
+
+
+def _tool_error_text(tool: str, message: str) -> str:
+    """What the SDK makes of a `ToolError` a tool raises: the text every other failed call carries."""
+    return f"Error executing tool {tool}: {message}"
+
+
 def make_handler(info: ToolInfo, workspace: Path) -> Callable[..., Any]:
     """An async MCP handler with the tool's own typed signature plus the MCP context."""
     func = info.func
@@ -297,12 +314,15 @@ def make_handler(info: ToolInfo, workspace: Path) -> Callable[..., Any]:
         try:
             job = start_tool_job(_registry_of(ctx), info, kwargs, workspace, "call")
         except (OmskillsError, ValueError, OSError) as err:  # any other error would reach the client without its reason
-            raise ToolError(one_line(err)) from None
+            return users_error(_tool_error_text(info.name, one_line(err)))
         await run_followed(job, ctx)
         if job.state == "succeeded":
             return job.result
         # The same one-line error a start_job client reads in job_status.
-        raise ToolError(job.error or f"{info.name} ended: {job.state}")
+        error = job.error or f"{info.name} ended: {job.state}"
+        if job.state == "failed" and job.users_error:
+            return users_error(_tool_error_text(info.name, error))
+        raise ToolError(error)
 
     parameters = [p.replace(annotation=hints.get(name, p.annotation)) for name, p in signature.parameters.items()]
     parameters.append(inspect.Parameter(CONTEXT_PARAM, inspect.Parameter.KEYWORD_ONLY, annotation=Context))
@@ -502,7 +522,7 @@ class OmskillsServer(MCPServer):
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None) -> Any:
         problems = self.argument_problems(name, arguments)
         if problems:
-            raise ToolError("\n".join(problems))
+            return users_error("\n".join(problems))
         return await super().call_tool(name, arguments, context)
 
     def argument_problems(self, name: str, arguments: dict[str, Any]) -> list[str]:
