@@ -16,6 +16,7 @@ from omskills.records.stage_order import STAGE_COLUMNS, step_key
 from omskills.records.task import TaskRecord
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
+from omskills.report.wording import counted
 
 CellStatus = Literal["done", "failed", "not_run"]
 STAGES = STAGE_COLUMNS
@@ -176,10 +177,12 @@ def _verify_cell(record: TaskRecord, graph: str, candidate: str, verification: V
     if found is None:
         return StageCell(stage="verify", status="not_run", detail="not spliced in this verification")
     status = "done" if found.status == "integrated" else "failed"
+    run = counted(verification.main_path.steps, verification.step_name)
     return StageCell(
         stage="verify",
         status=status,
-        detail=f"{found.status} on {found.backend}, {found.calls} call(s), {found.fallbacks} fallback(s)",
+        detail=f"{found.status} on {found.backend}, {counted(found.calls, 'call')} over the {run} verified, "
+        f"{counted(found.fallbacks, 'fallback')}",
     )
 
 
