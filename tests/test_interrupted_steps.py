@@ -216,8 +216,9 @@ def test_a_step_running_on_another_host_is_not_judged_from_here(tmp_path):
     assert load_record(task).stages["study"].status == "running"
 
 
-def test_a_killed_per_graph_step_is_a_failed_stage_cell_naming_the_command_that_redoes_it(tmp_path):
+def test_in_the_stage_table_a_killed_step_is_failed_naming_the_command_that_redoes_it_a_live_one_running(tmp_path):
     from omskills.records.plan import Candidate, Plan
+    from omskills.records.step_owner import HOST, process_started
     from omskills.report.stage_status import stage_status
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -242,14 +243,18 @@ def test_a_killed_per_graph_step_is_a_failed_stage_cell_naming_the_command_that_
     )
     record.plan = Plan(candidates=[head], first_batch=["head"], rationale="test")
     record.stages["export:head"] = StageResult(status="running", pid=int(dead.stdout))
+    alive = os.getppid()
+    owner = {"pid": alive, "pid_started": process_started(alive), "host": HOST}
+    record.stages["optimize:head"] = StageResult(status="running", **owner)
     save_record(record, task)
 
     [row] = stage_status(load_record(task), None)
-    export = row.cells[0]
+    export, probe, optimize = row.cells[:3]
     assert export.stage == "export" and export.status == "failed"
     assert export.detail.startswith("interrupted: the process that ran it")
     assert f"rerun `omskills tool export_onnx --task {task} --candidate head`" in export.detail
-    assert row.cells[1].detail == "not reached: export failed"
+    assert probe.detail == "not reached: export failed"
+    assert (optimize.status, optimize.detail) == ("not_run", f"running now (pid {alive} on {HOST})")
 
 
 @pytest.mark.parametrize(

@@ -25,9 +25,10 @@ from omskills.records.stage_order import rerun_command
 from omskills.records.stages import StageResult
 
 HOST = socket.gethostname()
-# Two readings of one process's start time may differ by the clock tick's rounding: a later process
-# given the same pid starts at least this much later (it had to wait for the first to end).
-START_TOLERANCE_S = 0.05
+# Two readings of one process's start time agree unless the wall clock was stepped in between (it is
+# counted from the boot time, which moves with the clock): slack for that. A later process given the
+# same pid starts long after (the pid must have gone round every other pid first).
+START_TOLERANCE_S = 1.0
 
 # (resolved record path, step) of the steps this process is running now.
 _ACTIVE: set[tuple[str, str]] = set()

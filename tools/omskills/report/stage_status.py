@@ -95,7 +95,10 @@ def _after_failures(cells: list[StageCell]) -> list[StageCell]:
 def _step_cell(record: TaskRecord, stage: str, key: str, produced: str | None) -> StageCell:
     """The cell of a stage that keeps a step result in the record under `key`."""
     step = record.stages.get(key)
-    if step is None or step.status in ("pending", "running"):
+    if step is not None and step.status == "running":  # its process runs it now (the loader tells: step_owner)
+        where = f" on {step.host}" if step.host else ""
+        return StageCell(stage=stage, status="not_run", detail=f"running now (pid {step.pid}{where})")
+    if step is None or step.status == "pending":
         if produced is not None:  # a result written by an older run that did not keep the step
             return StageCell(stage=stage, status="done", detail=produced)
         return StageCell(stage=stage, status="not_run", detail="not reached")
