@@ -340,6 +340,45 @@ def test_a_checkpoint_that_is_not_a_state_dict_is_one_line_naming_the_path(tmp_p
     )
 
 
+PICKY_DRIVER = """
+import torch
+def build_model(spec):
+    {build}
+    return torch.nn.Linear(4, 2)
+def run_main_path(model, inputs):
+    {run}
+    return model(torch.ones(3, 4))
+"""
+
+
+@pytest.mark.parametrize(
+    ("build", "run", "exit_code"),
+    [
+        # The driver's own check of what the user gave (a ValueError in its builder): one line, exit 2.
+        ('raise ValueError("intake.model.builder_kwargs: this net needs a width, none given")', "pass", 2),
+        # A crash inside the model's run: not the user's input, exit 1.
+        ("pass", 'raise RuntimeError("the kernel image is not available")', 1),
+    ],
+    ids=["driver-error", "crash"],
+)
+def test_adapt_exits_as_the_tool_it_stopped_in_exits_when_called_by_hand(tmp_path, build, run, exit_code):
+    """README and docs/drivers.md: a driver's error is one line and exit status 2, whether the tool
+    is called by hand or `omskills adapt` runs it through the MCP server."""
+    (tmp_path / "picky_driver.py").write_text(PICKY_DRIVER.format(build=build, run=run))
+    task = task_record(tmp_path, {"driver": "picky_driver.py"}, {})
+    by_hand = omskills("tool", "profile_main_path", "--task", str(task))
+    adapted = omskills("adapt", str(task), "--out", str(tmp_path / "run"))
+
+    assert by_hand.returncode == exit_code, by_hand.stderr[-2000:]
+    assert adapted.returncode == exit_code, adapted.stderr[-2000:]
+    last = adapted.stderr.strip().splitlines()[-1]
+    assert last.startswith("omskills: error: Error executing tool profile_main_path: "), last
+    message = (build if exit_code == 2 else run).split('"')[1]
+    assert message in last
+    # A crash keeps its traceback (the server logs it); a user's error is one line.
+    assert ("Traceback" in adapted.stderr) == (exit_code == 1)
+
+
 def test_weights_the_builder_loads_and_a_scalar_output_are_reported_as_they_are(tmp_path):
     """A two-function file whose `build_model` loads trained weights itself says so (`WEIGHTS`):
     no report calls them random. A 0-d output (a count) is an output like any other."""

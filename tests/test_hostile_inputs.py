@@ -419,7 +419,10 @@ def test_a_cancelled_or_interrupted_step_is_failed_with_why_never_left_running(t
         with running_step(task, "study", "h"):
             raise KeyboardInterrupt
     study = load_record(task).stages["study"]
-    assert study.status == "failed" and study.error == "cancelled (KeyboardInterrupt); rerun to redo it"
+    assert study.status == "failed" and study.error == (
+        f"interrupted: by SIGINT (Ctrl-C); rerun `omskills tool profile_main_path --task {task}` "
+        "(or `omskills adapt`) to redo it"
+    )
 
 
 def test_an_export_killed_midway_leaves_no_scratch_folder_after_the_next_export(tmp_path):

@@ -120,7 +120,7 @@ def test_a_job_outlives_the_server_that_started_it_and_any_server_follows_or_can
     assert cancelled["state"] == "cancelled" and "cancelled" in cancelled["error"], cancelled
     interrupted = load_record(other)  # loads: every save was atomic
     assert interrupted.stages["study"].status == "failed" and interrupted.stages["study"].error.startswith(
-        "cancelled (Cancelled"
+        "interrupted: cancelled (Cancelled"
     )
     assert interrupted.profile is None and not interrupted.contracts
     # Progress reached the clients while they polled: the tool's phases and heartbeats.

@@ -97,7 +97,7 @@ def test_bad_arguments_come_back_as_one_readable_line_per_argument(served):
 
 def test_a_missing_argument_is_named(served):
     outcome = served.call("toy_add", {})
-    assert outcome.is_error and outcome.text == "toy_add: argument 'a': required"
+    assert outcome.is_error and outcome.users_error and outcome.text == "toy_add: argument 'a': required"
 
 
 def test_unknown_arguments_are_refused_as_the_cli_refuses_them(served):
@@ -108,13 +108,13 @@ def test_unknown_arguments_are_refused_as_the_cli_refuses_them(served):
 
 def test_an_omskills_error_reaches_the_client_with_its_message(served):
     outcome = served.call("toy_fail", {"name": "ghost"})
-    assert outcome.is_error
+    assert outcome.is_error and outcome.users_error  # what the tool's CLI exits 2 for: so does `omskills adapt`
     assert outcome.text.endswith("argument 'name': no model called 'ghost'")
 
 
 def test_the_server_survives_a_crashing_tool_and_keeps_serving(served):
     crash = served.call("toy_crash", {"x": 3})
-    assert crash.is_error and crash.text.endswith("RuntimeError: boom at 3")
+    assert crash.is_error and crash.text.endswith("RuntimeError: boom at 3") and not crash.users_error
     assert served.call("toy_add", {"a": 1}).structured == {"total": 2}
 
 
@@ -294,7 +294,7 @@ def _status(served, tool: str, args: dict[str, Any]) -> dict[str, Any]:
 def _assert_step_cancelled(record: Path) -> None:
     """toy_stage was stopped inside its running step: the record says failed (Cancelled), never done."""
     step = load_record(record).stages["toy_stage"]
-    assert step.status == "failed" and step.error.startswith("cancelled (Cancelled"), step
+    assert step.status == "failed" and step.error.startswith("interrupted: cancelled (Cancelled"), step
 
 
 def test_a_heartbeat_arrives_while_a_tool_reports_nothing(served):

@@ -1,5 +1,7 @@
 """Errors a user should read: one line, naming the field, path or argument at fault."""
 
+import signal
+
 
 class OmskillsError(Exception):
     """An error whose message is meant for the user (CLI prints it on one line, MCP as ToolError)."""
@@ -15,6 +17,15 @@ class InputError(OmskillsError):
 
 class StageError(OmskillsError):
     """A stage cannot run because an earlier stage has not produced what it needs."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal (SIGTERM) asked the process to stop: raised where SIGINT raises KeyboardInterrupt,
+    so the step in progress records why before the process exits (128 + the signal's number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def one_line(err: BaseException | str, limit: int = 500) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from omskills.errors import OmskillsError, one_line
@@ -68,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a path the system refuses (too long, a full disk, a port in use): the user's to act on
         print(f"omskills: error: {one_line(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM during a step (errors.Interrupted): 128 + the signal
         print("omskills: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(err, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

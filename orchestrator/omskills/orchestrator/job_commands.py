@@ -77,6 +77,7 @@ def _main_path(ns: argparse.Namespace) -> int:
         # Said before the imports: reading the record imports its driver (torch, the model's package).
         progress.report(0, None, f"reading {ns.task} and loading its model driver...")
         from omskills.records.task import load_record
+        from omskills.report.wording import counted
         from omskills.stages.main_path import run_and_report
 
         task_path = Path(ns.task)
@@ -90,7 +91,7 @@ def _main_path(ns: argparse.Namespace) -> int:
         report, _ = run_and_report(record, base, out)
     unit = report.step_name
     print(
-        f"{report.model_family} {report.scale} | weights: {report.weights} | {report.num_steps} {unit}s "
+        f"{report.model_family} {report.scale} | weights: {report.weights} | {counted(report.num_steps, unit)} "
         f"in {report.total_seconds:.1f} s ({report.seconds_per_step:.2f} s/{unit}) | load {report.load_seconds:.1f} s "
         f"| peak RSS {report.peak_rss_mb / 1024:.2f} GB",
         file=sys.stderr,
@@ -156,7 +157,6 @@ def _adapt(ns: argparse.Namespace) -> int:
 
     from omskills.models.registry import localised_intake
     from omskills.records.task import load_record, save_record, updating
-    from omskills.stages.steps import reap_interrupted
 
     from .run_lock import claim_run_folder
 
@@ -171,10 +171,10 @@ def _adapt(ns: argparse.Namespace) -> int:
     if task.exists():  # resume: keep the results, take the intake from the command line
         with updating(task) as record:
             record.intake = intake
-            for step in reap_interrupted(record, str(task.resolve())):
+            for step in record.interrupted_on_load:
                 print(
                     f"omskills: step {step} was left running by a process that is gone: "
-                    "marked failed, this run redoes it",
+                    "marked interrupted, this run redoes it",
                     file=sys.stderr,
                 )
     else:
@@ -194,7 +194,8 @@ def _adapt(ns: argparse.Namespace) -> int:
     _print_summary(task)
     if not result.ok:
         print(f"omskills: error: {result.error}", file=sys.stderr)
-        return 1
+        # Exit 2 for an error the user acts on (a driver's check, a record field), as the tool's CLI.
+        return 2 if result.failed is not None and result.failed.outcome.users_error else 1
     return 0
 
 
@@ -220,6 +221,7 @@ def _driver_in_run(intake: Intake, out: Path) -> Intake:
 def _print_summary(task: Path) -> None:
     from omskills.records.task import load_record
     from omskills.report.stage_status import stage_status
+    from omskills.report.wording import counted
 
     record = load_record(task)
     if record.plan is None:
@@ -261,7 +263,8 @@ def _print_summary(task: Path) -> None:
     if verification:
         m, unit = verification.main_path, verification.step_name
         print(
-            f"\nmain path: {verification.verdict} | weights {verification.weights} | {m.steps} {unit}s | {m.summary()} "
+            f"\nmain path: {m.shown_verdict} | weights {verification.weights} | {counted(m.steps, unit)} | "
+            f"{m.summary()} "
             f"| fallbacks {m.fallbacks} | torch {m.torch_s_per_step:.2f} s/{unit}, "
             f"spliced {m.spliced_s_per_step:.2f} s/{unit} "
             f"(ratio {m.latency_ratio:.2f}) | report {task.parent / verification.report_html}",

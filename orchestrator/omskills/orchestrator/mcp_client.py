@@ -55,6 +55,9 @@ class ToolCallOutcome(BaseModel):
     text: str
     structured: Any = None
     seconds: float
+    # The error is the user's to act on (a bad argument, record field or input a driver's check
+    # refused): what the tool's CLI exits 2 for. The server says so in the result's `_meta`.
+    users_error: bool = False
 
 
 class ResourceSpec(BaseModel):
@@ -107,6 +110,7 @@ class OmskillsClient:
             text=text,
             structured=structured,
             seconds=round(time.perf_counter() - started, 3),
+            users_error=bool(result.is_error and _users_error(result.meta)),
         )
 
     async def call_as_job(
@@ -254,6 +258,13 @@ async def connect_http(url: str) -> AsyncIterator[OmskillsClient]:
         if (err := _only_omskills_error(group)) is not None:
             raise err from None
         raise
+
+
+def _users_error(meta: dict[str, Any] | None) -> bool:
+    """Whether a failed call's `_meta` says the error is the user's to act on."""
+    from omskills.host.mcp_server import USERS_ERROR_META  # the server's word for it (imported when needed)
+
+    return bool((meta or {}).get(USERS_ERROR_META))
 
 
 def _same_document(text: str, structured: Any) -> bool:

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from omskills.compare.decision import decide
 from omskills.compare.parity import compare_arrays
-from omskills.records.verify import AGREEMENTS, CheckResult, OutputCheck
+from omskills.records.parity import Verdict
+from omskills.records.verify import AGREEMENTS, CheckResult, OutputCheck, worst_tier
 from omskills.registry import Registry
 
 Outputs = Mapping[str, np.ndarray]
@@ -22,7 +23,12 @@ COMPARATORS: Registry[Comparator] = Registry("output comparator")
 
 
 def _result(
-    check: OutputCheck, value: float | None, passed: bool, detail: str | None = None, cosine: float | None = None
+    check: OutputCheck,
+    value: float | None,
+    passed: bool,
+    detail: str | None = None,
+    cosine: float | None = None,
+    tier: Verdict | None = None,
 ) -> CheckResult:
     return CheckResult(
         output=check.output,
@@ -32,6 +38,7 @@ def _result(
         passed=passed,
         gating=check.gating,
         detail=detail,
+        tier=tier,
     )
 
 
@@ -97,7 +104,8 @@ def tensor(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckRes
     passed = "fail" not in verdicts and not unmatched
     if unmatched:
         reasons.append(f"items {unmatched} of the reference are missing")
-    return _result(check, worst_abs, passed, "; ".join(dict.fromkeys(reasons)) or None, cosine=worst_cos)
+    tier = "fail" if unmatched else worst_tier(verdicts)
+    return _result(check, worst_abs, passed, "; ".join(dict.fromkeys(reasons)) or None, cosine=worst_cos, tier=tier)
 
 
 def iou(check: OutputCheck, reference: Outputs, spliced: Outputs) -> CheckResult:

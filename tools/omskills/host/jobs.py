@@ -155,6 +155,9 @@ class Job:
     state: JobState = "running"
     result: Any = None
     error: str | None = None
+    # The error is one the user acts on (a bad argument, record field or input a driver's check
+    # refused: OmskillsError, OSError), the kind a direct call of the tool's CLI exits 2 for.
+    users_error: bool = False
     progress: JobProgress = field(default_factory=lambda: JobProgress(message="started"))
     # Bumped on every progress report, so followers can tell a new report from a heartbeat.
     reports: int = 0
@@ -179,6 +182,7 @@ class Job:
         except progress.Cancelled as err:
             self._end("cancelled", error=f"{self.tool} cancelled: {err}")
         except (Exception, SystemExit) as err:  # the server keeps serving whatever a tool does
+            self.users_error = isinstance(err, (OmskillsError, OSError))
             if not isinstance(err, OmskillsError):
                 log.error("tool %s raised %s", self.tool, type(err).__name__, exc_info=err)
             self._end("failed", error=one_line(err))
@@ -324,19 +328,14 @@ def _runner_died(job: StoredJob) -> None:
 
 
 def _reap_steps(job: StoredJob) -> None:
-    """The steps a dead runner left `running` in its task record (those with its pid) marked failed, with why."""
-    if job.task is None or job.pid is None or not Path(job.task).is_file():
+    """The steps a dead runner left `running` in its task record saved as interrupted (the record's
+    loader tells them by their process, `records.step_owner`)."""
+    if job.task is None or not Path(job.task).is_file():
         return
-    from omskills.records.task import updating
+    from omskills.records.task import settle_on_disk
 
-    with contextlib.suppress(OmskillsError, OSError), updating(Path(job.task)) as record:
-        for result in record.stages.values():
-            if result.status == "running" and result.pid == job.pid:
-                result.status = "failed"
-                result.error = (
-                    f"interrupted: the process that ran it (pid {job.pid}) stopped before it finished "
-                    "(killed, cancelled, or out of disk); rerun to redo it"
-                )
+    with contextlib.suppress(OmskillsError, OSError):
+        settle_on_disk(Path(job.task))
 
 
 def _jsonable_arguments(arguments: dict[str, Any]) -> dict[str, Any]:

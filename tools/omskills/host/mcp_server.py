@@ -290,6 +290,23 @@ def takes_turns(info: ToolInfo) -> bool:
     return hints is None or not hints.read_only or hints.long_running
 
 
+# In a failed call's `_meta`: the error is the user's to act on (a bad argument, record field or
+# input a driver's check refused), the kind the tool's CLI exits 2 for; `omskills adapt` does too.
+USERS_ERROR_META = "omskills/users_error"
+
+
+def users_error(text: str) -> mcp_types.CallToolResult:
+    """A failed call whose error the user acts on: `text` as the client reads it, marked as such."""
+    return mcp_types.CallToolResult(
+        content=[mcp_types.TextContent(type="text", text=text)], is_error=True, _meta={USERS_ERROR_META: True}
+    )
+
+
+def _tool_error_text(tool: str, message: str) -> str:
+    """What the SDK makes of a `ToolError` a tool raises: the text every other failed call carries."""
+    return f"Error executing tool {tool}: {message}"
+
+
 def make_handler(info: ToolInfo, workspace: Path) -> Callable[..., Any]:
     """An async MCP handler with the tool's own typed signature plus the MCP context."""
     func = info.func
@@ -301,12 +318,15 @@ def make_handler(info: ToolInfo, workspace: Path) -> Callable[..., Any]:
         try:
             job = start_tool_job(_registry_of(ctx), info, kwargs, workspace, "call")
         except (OmskillsError, ValueError, OSError) as err:  # any other error would reach the client without its reason
-            raise ToolError(one_line(err)) from None
+            return users_error(_tool_error_text(info.name, one_line(err)))
         await run_followed(job, ctx)
         if job.state == "succeeded":
             return job.result
         # The same one-line error a start_job client reads in job_status.
-        raise ToolError(job.error or f"{info.name} ended: {job.state}")
+        error = job.error or f"{info.name} ended: {job.state}"
+        if job.state == "failed" and job.users_error:
+            return users_error(_tool_error_text(info.name, error))
+        raise ToolError(error)
 
     parameters = [p.replace(annotation=hints.get(name, p.annotation)) for name, p in signature.parameters.items()]
     parameters.append(inspect.Parameter(CONTEXT_PARAM, inspect.Parameter.KEYWORD_ONLY, annotation=Context))
@@ -506,7 +526,7 @@ class OmskillsServer(MCPServer):
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context | None = None) -> Any:
         problems = self.argument_problems(name, arguments)
         if problems:
-            raise ToolError("\n".join(problems))
+            return users_error("\n".join(problems))
         return await super().call_tool(name, arguments, context)
 
     def argument_problems(self, name: str, arguments: dict[str, Any]) -> list[str]:
@@ -565,6 +585,18 @@ def _resource_reader(workspace: Path, resolve: Callable[[str, Path], Path]) -> C
     return read
 
 
+def _settled_task_record(value: str, workspace: Path) -> Path:
+    """A task record's path, its text first brought up to date when a step it says is running has
+    no process any more (read as interrupted, with the command that redoes it). A record that
+    cannot be loaded or written is served as it is."""
+    from omskills.records.task import settle_on_disk
+
+    path = mcp_resources.task_record_path(value, workspace)
+    with contextlib.suppress(OmskillsError, OSError):
+        settle_on_disk(path)
+    return path
+
+
 # (URI template, name, MIME type, description); the first template matching a URI reads it.
 RUN_TEMPLATES: list[tuple[str, str, str, str]] = [
     (
@@ -619,7 +651,7 @@ def register_resources(server: MCPServer, root: Path, workspace: Path) -> None:
         title="Task record",
         mime_type="application/yaml",
         description="A task record (YAML) by workspace-relative path: intake, stage statuses, every stage's results.",
-    )(_resource_reader(workspace, mcp_resources.task_record_path))
+    )(_resource_reader(workspace, _settled_task_record))
 
     for template, name, mime, description in RUN_TEMPLATES:
         suffix = "/DELIVERY.md" if template.endswith("/DELIVERY.md") else template.removeprefix("run://{+path}")
@@ -747,11 +779,22 @@ def parse_log_level(text: str) -> str:
     return level
 
 
-def _stop_jobs(server: OmskillsServer, seconds: float) -> None:
-    """Cancel every job, give them `seconds` to stop, end the processes they started."""
+def _interrupt_jobs(server: OmskillsServer, why: str) -> None:
+    """Record the steps this server runs as interrupted, then cancel every job. The process may exit
+    before a job deep in a model call reaches its next progress point (or be killed right after):
+    the record says why either way, and a job that stops in time records its own end over that."""
+    from omskills.records.task import record_interrupted_here
+
+    record_interrupted_here(f"the tool server stopped ({why})")
+    server.jobs.cancel_all()
+
+
+def _stop_jobs(server: OmskillsServer, seconds: float, why: str) -> None:
+    """Cancel every job (their steps recorded as interrupted), give them `seconds` to stop, end the
+    processes they started."""
     from omskills.host.parent_watch import end_descendants
 
-    server.jobs.cancel_all()
+    _interrupt_jobs(server, why)
     stopped = server.jobs.wait_all(seconds)
     end_descendants()
     if not stopped:
@@ -769,7 +812,7 @@ def serve(options: ServeOptions) -> None:
         # The client is our parent: when it dies, so do we (and our children), whatever we are doing,
         # start-up included.
         started: list[OmskillsServer] = []
-        exit_with_parent(before_exit=lambda: [(s.jobs.cancel_all(), s.jobs.wait_all(1.0)) for s in started])
+        exit_with_parent(before_exit=lambda why: [(_interrupt_jobs(s, why), s.jobs.wait_all(1.0)) for s in started])
         # Tool scripts import the engine (torch, onnx, ...) before the transport owns fd 1.
         with stdout_to_stderr():
             server = build_server(options.workspace, options.skills_dir, quiet_stdout=True, log_level=level)
@@ -778,7 +821,7 @@ def serve(options: ServeOptions) -> None:
             server.run("stdio")
         finally:
             # stdin closed or stdout broken: the client is gone.
-            _stop_jobs(server, 3.0)
+            _stop_jobs(server, 3.0, "its client is gone")
         return
     port = options.http_port or 8765
     _port_free(options.http_host, port)
@@ -791,4 +834,4 @@ def serve(options: ServeOptions) -> None:
             transport_security=http_security(options.http_host, port),
         )
     finally:
-        _stop_jobs(server, 3.0)
+        _stop_jobs(server, 3.0, "it was stopped")

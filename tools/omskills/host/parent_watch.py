@@ -9,9 +9,10 @@ starts. Three ways the parent's death reaches us:
 - a watcher thread that polls the parent pid (other systems, or a parent that double-forked);
 - stdin closing (the SDK's stdio transport ends its loop; `serve` then shuts down the same way).
 
-Shutting down cancels the running jobs, ends every descendant process (isolated ONNX Runtime
-children, ATC) and exits without waiting for worker threads: record saves are atomic, so a job
-cut off mid-step leaves the record as it was before that step's save.
+Shutting down records the steps in progress as interrupted, cancels the running jobs, ends every
+descendant process (isolated ONNX Runtime children, ATC) and exits without waiting for worker
+threads: record saves are atomic, so a job cut off mid-step leaves the record as it was before
+that step's save, with the step marked interrupted.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def exit_with_parent(before_exit: Callable[[], None] | None = None) -> None:
+def exit_with_parent(before_exit: Callable[[str], object] | None = None) -> None:
     """From now on, end this process (and its descendants) when its parent dies.
 
-    `before_exit` runs first (the server cancels its jobs there); it must be quick.
+    `before_exit(why)` runs first (the server records its steps interrupted and cancels its jobs
+    there); it must be quick.
     """
     parent = os.getppid()
     # The client may name itself: if it is not our parent any more, it died before we got here.
@@ -80,7 +82,7 @@ def exit_with_parent(before_exit: Callable[[], None] | None = None) -> None:
         os.write(2, f"omskills serve: {reason}: shutting down\n".encode())
         try:
             if before_exit is not None:
-                before_exit()
+                before_exit(reason)
         finally:
             end_descendants()
             # Not sys.exit: worker threads may be deep in a tool, and nothing waits for them.

@@ -11,6 +11,7 @@ is a declaration here, its stage function, its skill script and the report's cel
 
 from __future__ import annotations
 
+import shlex
 from typing import Literal
 
 from omskills.records.base import Record
@@ -37,6 +38,9 @@ class AdaptationStep(Record):
     results: tuple[str, ...] = ()
     # A step run again on the same graph in another form (`verify:emulated`): the slots that form fills.
     results_of_variant: dict[str, tuple[str, ...]] = {}
+    # The tool's argument naming the variant of a step key ("probe:<graph>:<variant>"); without
+    # one, what follows the key of a step run once names the candidate it ran on ("boundaries:<name>").
+    variant_argument: str | None = None
     on_failure: FailurePolicy = "fail_graph"
     needs_export: bool = False  # a graph whose export failed is skipped, with why
 
@@ -82,6 +86,7 @@ ADAPTATION_STEPS: tuple[AdaptationStep, ...] = (
             "probe",
             "toolchain.{graph}.probes.{variant}",
             needs_export=True,
+            variant_argument="variant",
         ),
         _graph_step(
             "optimize_onnx",
@@ -124,6 +129,7 @@ ADAPTATION_STEPS: tuple[AdaptationStep, ...] = (
             "verification",
             in_stage_table=True,
             results_of_variant={"emulated": ("verification_emulated",)},
+            variant_argument="precision",
         ),
         _step("write_delivery_doc", "delivery document"),
     ),
@@ -159,3 +165,19 @@ def result_slots(step_key: str) -> list[str]:
 def step_key(key: str, graph: str | None = None, variant: str | None = None) -> str:
     """The record's key of a declared step ("probe", "x", "original" -> "probe:x:original")."""
     return STEPS_BY_KEY[key].step_key(graph, variant)
+
+
+def rerun_command(step_key: str, task: str) -> str | None:
+    """The command that redoes the step recorded under `step_key` in the record at `task` (None: no
+    declared step has that key)."""
+    kind, _, rest = step_key.partition(":")
+    declared = STEPS_BY_KEY.get(kind)
+    if declared is None:
+        return None
+    graph, variant = rest.partition(":")[::2] if declared.per_graph else ("", rest)
+    if declared.variant_argument is None:
+        graph, variant = graph or variant, ""
+    command = ["omskills", "tool", declared.tool, "--task", task]
+    command += ["--candidate", graph] if graph else []
+    command += [f"--{declared.variant_argument}", variant] if variant and declared.variant_argument else []
+    return shlex.join(command)

@@ -69,9 +69,14 @@ class StageResult(Record):
     logs: list[RunPath] = Field(default_factory=list)
     error: str | None = None
     note: str | None = None
-    # The process running the step (while it is `running`): a rerun tells a step whose process is
-    # gone, killed or out of disk before it could record the end, from one still at work.
+    # The process running the step (while it is `running`): a reader tells a step whose process is
+    # gone, killed or out of disk before it could record the end, from one still at work
+    # (`records.step_owner`). With the pid, that process's start time (seconds since the epoch: a
+    # later process given the same pid is not taken for it) and the host it runs on (a process on
+    # another host is not judged). None in records written before they were kept.
     pid: int | None = None
+    pid_started: float | None = None
+    host: str | None = None
 
 
 class Decision(Record):

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import io
 import json
+import os
 import re
 import stat
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 
 import yaml
 from filelock import FileLock, Timeout
-from omskills.errors import StageError, TaskRecordError
+from omskills.errors import OmskillsError, StageError, TaskRecordError
 from omskills.files import atomic_write_text
 from omskills.records.base import Record
 from omskills.records.contracts import BoundaryDecision, ContractSpec, is_ancestor
@@ -51,6 +52,7 @@ from omskills.records.precision import PrecisionPlan
 from omskills.records.profile import ProfileReport
 from omskills.records.stage_order import result_slots
 from omskills.records.stages import Decision, StageResult
+from omskills.records.step_owner import active_steps, interrupted_reason, no_owner, settle_interrupted
 from omskills.records.toolchain import BatchSplit
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
@@ -161,6 +163,14 @@ class TaskRecord(Record):
     # The text the record was read from when it carries comments: a save keeps the user's comments
     # even into a new file (`omskills adapt` copies the intake into the run folder).
     _source_text: str | None = PrivateAttr(default=None)
+    # The steps the loader found `running` with their process gone, and marked interrupted.
+    _interrupted: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def interrupted_on_load(self) -> list[str]:
+        """The steps the record said were `running` whose process was gone when it was read: read
+        (and saved, by the next writer) as failed, interrupted (`records.step_owner`)."""
+        return list(self._interrupted)
 
     def decide(self, by: str, what: str, why: str) -> None:
         self.decisions.append(Decision(at=now_iso(), by=by, what=what, why=why))
@@ -413,6 +423,8 @@ def load_record(path: str | Path) -> TaskRecord:
             continue
         if "#" in text:
             record._source_text = text
+        # Every reader sees a step whose process is gone as interrupted, never as running.
+        record._interrupted = settle_interrupted(record.stages, path)
         return record
     raise AssertionError("unreachable")
 
@@ -535,6 +547,47 @@ def updating(path: str | Path) -> Iterator[TaskRecord]:
         record = load_record(path)
         yield record
         save_record(record, path)
+
+
+def settle_on_disk(path: str | Path) -> list[str]:
+    """The record saved when its loader found steps `running` whose process is gone, so that its
+    text, not only the loaded record, says they were interrupted (for readers of the file itself,
+    such as an MCP client reading `task://`). The steps settled; nothing is written otherwise."""
+    if not load_record(path).interrupted_on_load:
+        return []
+    with updating(path) as record:
+        return record.interrupted_on_load
+
+
+def record_interrupted_here(how: str, seconds: float = 2.0) -> list[str]:
+    """The steps this process runs now recorded as failed, interrupted `how`, with the command that
+    redoes each: for a process about to exit without waiting for them (a server shutting down while
+    a step is deep in a model call). Written from a thread of its own, waited for at most about
+    `seconds`: the caller may be a signal handler that interrupted the holder of a lock a save
+    takes. A step that ends meanwhile keeps its own end. The names of the steps recorded."""
+    marked: list[str] = []
+
+    def mark() -> None:
+        for path, step in active_steps():
+            with contextlib.suppress(OmskillsError, OSError, Timeout):
+                if _mark_interrupted(Path(path), step, how, seconds):
+                    marked.append(step)
+
+    worker = threading.Thread(target=mark, name="omskills interrupted steps", daemon=True)
+    worker.start()
+    worker.join(seconds + 1.0)
+    return list(marked)
+
+
+def _mark_interrupted(path: Path, step: str, how: str, seconds: float) -> bool:
+    with record_lock(path).acquire(timeout=seconds), updating(path) as record:
+        result = record.stages.get(step)
+        if result is None or result.status != "running" or result.pid != os.getpid():
+            return False
+        result.status, result.error = "failed", interrupted_reason(step, path, how)
+        for name, value in no_owner().items():
+            setattr(result, name, value)
+        return True
 
 
 # -- the YAML text -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from omskills.records.base import Record
 from omskills.records.details import DETAIL
 from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.names import RunPath
-from omskills.records.parity import ParityGates
+from omskills.records.parity import ParityGates, Verdict, verdict_rank
 from omskills.records.traffic import MergedRun, TrafficReport
 from pydantic import Field, model_validator
 
@@ -73,6 +73,9 @@ class CheckResult(Record):
     passed: bool
     gating: bool = True
     detail: str | None = None
+    # tensor only: the parity tier the step reached (`ParityGates`). A "review" tier passes the
+    # check, and is shown as review, never as pass.
+    tier: Verdict | None = None
     # decision only: elements whose side of the threshold changed although the reference sat within
     # tolerance of it (not a divergence), and elements that moved beyond their tolerance.
     near_threshold_flips: int | None = None
@@ -113,6 +116,19 @@ class CheckSummary(Record):
     worst: float | None
     passed: bool
     gating: bool
+    tier: Verdict | None = None  # tensor only: the lowest parity tier it reached over the steps
+
+    @property
+    def shown(self) -> str:
+        """Its worst figure and, unless it is an unqualified pass, what it reached: "4.6e-04 (review tier)"."""
+        mark = " FAILED" if not self.passed else " (review tier)" if self.tier == "review" else ""
+        return f"{figure(self.worst, self.metric)}{mark}"
+
+
+def worst_tier(tiers: list[Verdict | None]) -> Verdict | None:
+    """The lowest parity tier among those given (None: no tensor check reached any)."""
+    reached = [t for t in tiers if t is not None]
+    return max(reached, key=verdict_rank) if reached else None
 
 
 class CandidateVerification(Record):
@@ -145,9 +161,19 @@ class MainPathParity(Record):
         held = self.steps_equal and all(c.passed for c in self.checks if c.gating) and self.fallbacks == 0
         return "pass" if held else "fail"
 
+    @property
+    def in_review(self) -> list[str]:
+        """The gating checks that passed only in the review tier (their titles)."""
+        return [c.title for c in self.checks if c.gating and c.passed and c.tier == "review"]
+
+    @property
+    def shown_verdict(self) -> str:
+        """The verdict as reports print it: a pass with checks in the review tier names them."""
+        review = self.in_review
+        return f"pass, review tier: {', '.join(review)}" if self.verdict == "pass" and review else self.verdict
+
     def summary(self) -> str:
-        parts = [f"{c.title} worst {figure(c.worst, c.metric)}{'' if c.passed else ' FAILED'}" for c in self.checks]
-        return "; ".join(parts)
+        return "; ".join(f"{c.title} worst {c.shown}" for c in self.checks)
 
 
 def figure(value: float | None, metric: str) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from omskills.records.verify import figure
+from omskills.report.wording import counted, plural
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -59,4 +60,6 @@ def template_environment(*, html: bool = False) -> Environment:
     env.filters["figure"] = figure
     env.filters["code"] = inline_code
     env.filters["size"] = data_size
+    env.filters["plural"] = plural  # {{ step_name | plural }}
+    env.filters["counted"] = counted  # {{ steps | counted(step_name) }}
     return env

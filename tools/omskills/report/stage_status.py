@@ -16,6 +16,7 @@ from omskills.records.stage_order import STAGE_COLUMNS, step_key
 from omskills.records.task import TaskRecord
 from omskills.records.toolchain_stage import CandidateToolchain
 from omskills.records.verify import VerifyReport
+from omskills.report.wording import counted
 
 CellStatus = Literal["done", "failed", "not_run"]
 STAGES = STAGE_COLUMNS
@@ -94,7 +95,10 @@ def _after_failures(cells: list[StageCell]) -> list[StageCell]:
 def _step_cell(record: TaskRecord, stage: str, key: str, produced: str | None) -> StageCell:
     """The cell of a stage that keeps a step result in the record under `key`."""
     step = record.stages.get(key)
-    if step is None or step.status in ("pending", "running"):
+    if step is not None and step.status == "running":  # its process runs it now (the loader tells: step_owner)
+        where = f" on {step.host}" if step.host else ""
+        return StageCell(stage=stage, status="not_run", detail=f"running now (pid {step.pid}{where})")
+    if step is None or step.status == "pending":
         if produced is not None:  # a result written by an older run that did not keep the step
             return StageCell(stage=stage, status="done", detail=produced)
         return StageCell(stage=stage, status="not_run", detail="not reached")
@@ -176,10 +180,12 @@ def _verify_cell(record: TaskRecord, graph: str, candidate: str, verification: V
     if found is None:
         return StageCell(stage="verify", status="not_run", detail="not spliced in this verification")
     status = "done" if found.status == "integrated" else "failed"
+    run = counted(verification.main_path.steps, verification.step_name)
     return StageCell(
         stage="verify",
         status=status,
-        detail=f"{found.status} on {found.backend}, {found.calls} call(s), {found.fallbacks} fallback(s)",
+        detail=f"{found.status} on {found.backend}, {counted(found.calls, 'call')} over the {run} verified, "
+        f"{counted(found.fallbacks, 'fallback')}",
     )
 
 

@@ -27,6 +27,7 @@ from omskills.records.precision import EmulatedResult, PrecisionGates
 from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
 from omskills.records.verify import OutputCheck
+from omskills.report.wording import counted
 from omskills.run_folder import RunFolder
 from omskills.runtime import open_backend
 from omskills.splicing.splice import SpliceBackend, splice
@@ -191,8 +192,8 @@ def _judged(graph: MergedGraph, verdict: str, fallbacks: int, answered: dict[str
             update={
                 "status": "verified",
                 "reason": (
-                    f"the main path passed with it; {sum(hits)} calls of {', '.join(graph.graphs[1:])} answered inside "
-                    f"{graph.graphs[0]}'s"
+                    f"the main path passed with it; {counted(sum(hits), 'call')} of {', '.join(graph.graphs[1:])} "
+                    f"over the run answered inside {graph.graphs[0]}'s"
                 ),
             }
         )

@@ -23,6 +23,7 @@ from omskills.records.profile import ProfileReport
 from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord
 from omskills.report.inventory import render_inventory_report
+from omskills.report.wording import counted
 from omskills.run_folder import RunFolder
 from omskills.stages.steps import StepStart, fingerprint
 from omskills.stages.study import require_study
@@ -82,6 +83,14 @@ def _candidate(seed: Seed, profile: ProfileReport, contracts: list[ContractSpec]
     )
 
 
+def _calls(cand: Candidate, profile: ProfileReport) -> str:
+    """Its calls, said to be the study run's (a verification may run another number of steps)."""
+    calls = f"{counted(cand.calls, 'call')} in the study run"
+    if not profile.frames or cand.calls_per_frame is None:
+        return calls
+    return f"{calls} of {counted(profile.frames, 'step')} ({cand.calls_per_frame:.2f} per step)"
+
+
 def plan_from_study(
     seeds: list[Seed],
     profile: ProfileReport,
@@ -117,8 +126,7 @@ def plan_from_study(
         else:
             cand.status = "selected"
             cand.reason = (
-                f"{cand.share:.1%} of main-path time, {cand.calls} calls"
-                f"{f' ({cand.calls_per_frame:.2f}/step)' if cand.calls_per_frame else ''}; clear tensor boundary"
+                f"{cand.share:.1%} of main-path time, {_calls(cand, profile)}; clear tensor boundary"
                 + ("; reads session state (bridged from Python each step)" if cand.state_dependent else "")
                 + ("; named in intake.target.deploy" if cand.name in deploy else "")
             )

@@ -14,7 +14,7 @@ from omskills.deploy.manifest import graph_from_record
 from omskills.errors import StageError, one_line
 from omskills.models.api import MainPathRun
 from omskills.records.task import TaskRecord
-from omskills.records.verify import CheckSummary, MainPathParity, OutputCheck, StepParity
+from omskills.records.verify import CheckSummary, MainPathParity, OutputCheck, StepParity, worst_tier
 from omskills.runtime.serving import open_graph
 from omskills.splicing.paged_weights import page_out
 from omskills.splicing.splice import SpliceBackend
@@ -126,6 +126,7 @@ def _summaries(checks: list[OutputCheck], per_step: list[StepParity]) -> list[Ch
                 worst=worst,
                 passed=all(r.passed for r in results),
                 gating=check.gating,
+                tier=worst_tier([r.tier for r in results]),
             )
         )
     return summaries

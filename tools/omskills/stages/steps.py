@@ -6,7 +6,8 @@ A step that finished with the same inputs is skipped on a rerun, unless the reco
 disk says its result cannot be trusted: the results it wrote are missing from the record, or a
 file it wrote is gone or changed (size and mtime first, then sha256). Either way a line on
 stderr says why the step runs again. A step that raises is recorded as failed with its error
-(the record stays valid) and the error propagates.
+(the record stays valid) and the error propagates; one interrupted (Ctrl-C, SIGTERM, a cancel)
+is recorded as failed, interrupted, with the command that redoes it.
 
 Every write goes through `updating` (the record's lock held across load, change and save), and
 a step's changes are closures applied to the record as it is at the end of the step, so
@@ -19,7 +20,8 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from omskills import progress
-from omskills.errors import OmskillsError, StageError, one_line
-from omskills.files import process_alive
+from omskills.errors import Interrupted, OmskillsError, StageError, one_line
 from omskills.records.results import CandidateBatch, CandidateFailure, ResultT
 from omskills.records.stage_order import AdaptationStep
 from omskills.records.stage_order import step as step_declared
 from omskills.records.stages import Artifact, StageResult
+from omskills.records.step_owner import interrupted_reason, no_owner, running_here, this_process
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
 from omskills.run_folder import RunFolder
 from pydantic import BaseModel
@@ -114,70 +116,86 @@ class Step:
             change(record)
 
 
-# (record path, step) of the steps this process is running now.
-_ACTIVE: set[tuple[str, str]] = set()
+@contextlib.contextmanager
+def running_step(task_path: Path, step: str, inputs_hash: str) -> Iterator[Step]:
+    """Mark `step` running (owned by this process: `records.step_owner`); on success apply the
+    step's record changes and mark it done in one locked, atomic save; on error, cancel or
+    interrupt (SIGINT, and SIGTERM in a process that has no handler of its own) mark it failed with
+    why (earlier results stay as they were). The step's changes are applied to the record as it is
+    then, so other writers keep theirs. Steps left `running` by a process that is gone read as
+    failed, interrupted, whoever loads the record (`load_record`)."""
+    with running_here(task_path, step), _sigterm_interrupts():
+        with updating(task_path) as record:
+            record.stages[step] = StageResult(
+                status="running", inputs_hash=inputs_hash, started=now_iso(), **this_process()
+            )
+            handle = Step(record.stages[step].model_copy())
+        start = time.perf_counter()
+        try:
+            yield handle
+        except BaseException as err:
+            handle.result.status = "failed"
+            handle.result.error = _why_stopped(err, step, task_path)
+            _close(task_path, step, handle.result, start, None)
+            raise
+        if handle.result.status == "running":
+            handle.result.status = "done"
+        _close(task_path, step, handle.result, start, handle)
+
+
+def _why_stopped(err: BaseException, step: str, task_path: Path) -> str:
+    """The error a step that raised `err` records: an interrupt or a cancel says so, with the command
+    that redoes the step."""
+    if isinstance(err, Interrupted):
+        how = f"by {err}"
+    elif isinstance(err, KeyboardInterrupt):
+        how = "by SIGINT (Ctrl-C)"
+    elif isinstance(err, SystemExit) or type(err).__name__ == "Cancelled":
+        how = f"cancelled ({type(err).__name__}{f': {err}' if str(err) else ''})"
+    else:
+        return f"{type(err).__name__}: {err}"[:2000]
+    return interrupted_reason(step, task_path, how)
 
 
 @contextlib.contextmanager
-def running_step(task_path: Path, step: str, inputs_hash: str) -> Iterator[Step]:
-    """Mark `step` running; on success apply the step's record changes and mark it done in one
-    locked, atomic save; on error, cancel or interrupt mark it failed with why (earlier results stay
-    as they were). The step's changes are applied to the record as it is then, so other writers keep
-    theirs. Steps left `running` by a process that is gone are marked failed first."""
-    key = (str(Path(task_path).resolve()), step)
-    with updating(task_path) as record:
-        reap_interrupted(record, key[0])
-        record.stages[step] = StageResult(status="running", inputs_hash=inputs_hash, started=now_iso(), pid=os.getpid())
-        handle = Step(record.stages[step].model_copy())
-    _ACTIVE.add(key)
-    start = time.perf_counter()
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises `Interrupted` in the step, as SIGINT raises KeyboardInterrupt, so a step
+    stopped that way records why before the process ends. Only in the main thread (where Python
+    runs signal handlers) and only where SIGTERM would otherwise end the process on the spot: a
+    handler the process set (a job runner's cancel flag, a server's shutdown) is kept."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
-        yield handle
-    except BaseException as err:
-        handle.result.status = "failed"
-        handle.result.error = _why_stopped(err)
-        _close(task_path, step, handle.result, start, None)
-        raise
+        yield
     finally:
-        _ACTIVE.discard(key)
-    if handle.result.status == "running":
-        handle.result.status = "done"
-    _close(task_path, step, handle.result, start, handle)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _why_stopped(err: BaseException) -> str:
-    if isinstance(err, (KeyboardInterrupt, SystemExit)) or type(err).__name__ == "Cancelled":
-        return f"cancelled ({type(err).__name__}{f': {err}' if str(err) else ''}); rerun to redo it"
-    return f"{type(err).__name__}: {err}"[:2000]
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
 
 
-def reap_interrupted(record: TaskRecord, record_path: str) -> list[str]:
-    """Steps the record says are `running` that nothing runs any more (their process is gone, or
-    is this one and not running them: it lost the disk or was cancelled before it could record
-    the end) marked failed, with why; their names."""
-    reaped = []
-    for name, result in record.stages.items():
-        if result.status != "running":
-            continue
-        here = result.pid == os.getpid()
-        if result.pid is not None and (
-            (here and (record_path, name) in _ACTIVE) or (not here and process_alive(result.pid))
-        ):
-            continue
-        owner = f"pid {result.pid}" if result.pid is not None else "an earlier omskills"
-        result.status = "failed"
-        result.error = (
-            f"interrupted: the process that ran it ({owner}) stopped before it finished "
-            "(killed, cancelled, or out of disk); rerun to redo it"
-        )
-        reaped.append(name)
-    return reaped
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the step's end is saved, so a second Ctrl-C cannot cut the
+    save that records the first (they are delivered once it is written)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _close(task_path: Path, step: str, result: StageResult, start: float, handle: Step | None) -> None:
     result.seconds = round(time.perf_counter() - start, 3)
-    result.pid = None  # it tells a live step from a dead one, and this one has ended
-    with updating(task_path) as record:
+    for name, value in no_owner().items():  # they tell a live step from a dead one, and this one has ended
+        setattr(result, name, value)
+    with _signals_held(), updating(task_path) as record:
         if handle is not None:
             handle.apply(record)
         # Written after the results it summarises (and saved after them: `stages` ends the file).

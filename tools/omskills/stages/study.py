@@ -31,6 +31,7 @@ from omskills.records.plan import Seed, StudyRun
 from omskills.records.results import ModuleShare, ProfileSummary
 from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord, load_record
+from omskills.report.wording import counted
 from omskills.stages.main_path import write_main_path
 from omskills.stages.model import open_model
 from omskills.stages.steps import StepStart, artifacts_of, fingerprint
@@ -206,7 +207,7 @@ def ensure_study(task_path: Path) -> TaskRecord:
         # The samples every later step reads: checked before a rerun reuses anything built on them.
         step.result.artifacts += artifacts_of([workdir / p for c in contracts for p in c.samples], workdir)
         step.result.note = (
-            f"{len(outcome[0].steps)} {driver.step_name}s, {len(contracts)} contracts, "
+            f"{counted(len(outcome[0].steps), driver.step_name)}, {len(contracts)} contracts, "
             f"seeds from the {study.seeds_from}, weights {loaded.weights}"
         )
     return load_record(task_path)

@@ -18,6 +18,7 @@ from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedRun
 from omskills.records.verify import VerifyReport
+from omskills.report.wording import plural
 from omskills.runtime import BACKENDS
 from omskills.splicing.splice import SpliceBackend, splice
 from omskills.stages.merged_graphs import merged_run
@@ -50,7 +51,7 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
     driver, loaded = model.driver, model.loaded
     inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
     with start.running(inputs_hash) as step:
-        progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({driver.step_name}s)...")
+        progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({plural(driver.step_name)})...")
         reference = model.run()
         notes = page_out_spliced(loaded.root, record, names, workdir)
         return_freed_memory()  # the reference run's activations go back too
