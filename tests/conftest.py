@@ -106,6 +106,7 @@ SPREAD = {
     "test_optimize.py",
     "test_record_integrity.py",
     "test_skills_admin.py",
+    "test_zoo_clip_memo.py",
     "test_zoo_slice.py",
 }
 DURATIONS = Path(__file__).with_name("durations.json")

@@ -429,7 +429,9 @@ def test_a_bundle_with_the_prompt_computed_ahead_answers_the_text_encoder_from_m
     summary = write_bundle(
         tiny_adaptation / "task.yaml", tmp_path / "bundle", precompute=[{"prompt": record.intake.inputs["prompt"]}]
     )
-    assert summary.remembered.get("text_encoder", 0) >= 1
+    assert summary.remembered["text_encoder"].entries >= 1 and summary.remembered["text_encoder"].bytes > 0
+    assert set(summary.remembered) | set(summary.not_remembered) == set(summary.graphs)
+    assert all(why for why in summary.not_remembered.values())  # each graph left out says why
     with load_adapted(tmp_path / "bundle", backend="onnxruntime", strict=True) as model:
         save_run(model.run_main_path(), tmp_path / "outputs.npz")
         text = {s.candidate: s for s in model.stats()}["text_encoder"]

@@ -6,12 +6,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from omskills.errors import InputError
 from omskills.records.literals import BundleArtifact
 
 from .command_table import command
+
+if TYPE_CHECKING:
+    from omskills.records.results import BundleSummary
 
 
 def _bundle_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +35,9 @@ def _bundle_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FIELD=VALUE",
         help="an input the deployment will meet (a field of intake.inputs, e.g. 'prompt=a red car'; the value "
-        "read as JSON when it is JSON); repeatable. The main path runs once on each, and graphs fed from "
-        "user inputs alone (a text encoder) carry their outputs, answered from memory when deployed",
+        "read as JSON when it is JSON); repeatable. The main path runs once on each, and graphs whose inputs "
+        "derive from user inputs and the model's constants alone (a text tower) carry their outputs, answered "
+        "from memory when deployed; every other graph is named with why",
     )
 
 
@@ -58,10 +62,23 @@ def _bundle(ns: argparse.Namespace) -> int:
         print(f"  {name} stays in PyTorch: {why}", file=sys.stderr)
     for what, hint in summary.required.items():
         print(f"  the loader must be given {what}= ({hint})", file=sys.stderr)
-    for graph, calls in summary.remembered.items():
-        print(f"  {graph}: {calls} call(s) computed ahead, answered from memory", file=sys.stderr)
+    _print_precomputed(summary, asked=bool(ns.precompute))
     print(summary.path)
     return 0
+
+
+def _print_precomputed(summary: BundleSummary, asked: bool) -> None:
+    """What --precompute stored, graph by graph, and why nothing of every other graph."""
+    if asked and not summary.remembered:
+        print("  --precompute: nothing computed ahead", file=sys.stderr)
+    for graph, kept in summary.remembered.items():
+        print(
+            f"  {graph}: {kept.entries} call(s) computed ahead ({kept.path}, {kept.bytes:,} bytes), "
+            "answered from memory",
+            file=sys.stderr,
+        )
+    for graph, why in summary.not_remembered.items():
+        print(f"  {graph}: nothing computed ahead: {why}", file=sys.stderr)
 
 
 def _input_set(given: str) -> dict[str, object]:

@@ -40,8 +40,10 @@ def write_bundle(
         Field(
             description=(
                 'Input sets the deployment will meet, each fields of intake.inputs (e.g. [{"prompt": "a red car"}]): '
-                "the main path runs once on each (ONNX Runtime CPU), and graphs fed from user inputs alone "
-                "(a text encoder) carry their outputs in the bundle, answered from memory when deployed."
+                "the main path runs once on each (ONNX Runtime CPU), and graphs whose inputs derive from user "
+                "inputs and the model's constants alone (a text tower) carry their outputs in the bundle, answered "
+                "from memory when deployed. The result names what was stored (remembered: entries, bytes) and "
+                "why nothing was for every other graph (not_remembered)."
             )
         ),
     ] = None,

@@ -33,6 +33,7 @@ from omskills.records.contracts import (
     CallShape,
     ContractSpec,
     Dispatch,
+    LineageRoot,
     NonTensorArg,
     Provenance,
     ShapeDerivedArg,
@@ -303,14 +304,27 @@ def _dynamic_dims(shapes: list[tuple[int, ...]]) -> dict[str, list[int]]:
 
 
 def _merged_provenance(per_call: list[Provenance]) -> Provenance:
+    """One input's provenance over all its calls: the first call's origin, every call's roots."""
     first = per_call[0]
+    roots = _merged_roots(per_call)
     distinct = list(dict.fromkeys((p.kind, p.source) for p in per_call))
     if len(distinct) == 1:
-        return first
+        return first.model_copy(update={"roots": roots})
     if len({kind for kind, _ in distinct}) == 1:
-        return Provenance(kind=first.kind, source="; ".join(s or "?" for _, s in distinct), derived=first.derived)
-    joined = "; ".join(f"{k}:{s or '?'}" for k, s in distinct)
-    return Provenance(kind=first.kind, source=joined, derived=first.derived)
+        source = "; ".join(s or "?" for _, s in distinct)
+    else:
+        source = "; ".join(f"{k}:{s or '?'}" for k, s in distinct)
+    return Provenance(kind=first.kind, source=source, derived=first.derived, roots=roots)
+
+
+def _merged_roots(per_call: list[Provenance]) -> dict[LineageRoot, str] | None:
+    if any(p.roots is None for p in per_call):
+        return None  # a call whose roots were not traced: the union is not known
+    roots: dict[LineageRoot, str] = {}
+    for provenance in per_call:
+        for kind, source in (provenance.roots or {}).items():
+            roots.setdefault(kind, source)
+    return roots
 
 
 def _reduced_consumers(consumers: list[str], producer: str, preferred: set[str]) -> list[str]:

@@ -14,6 +14,14 @@ A tensor passed through several nested modules gets one event per level, innermo
 With `trace_ops` (default), a TorchFunctionMode also gives each fresh tensor computed by a torch op
 the origin of its inputs, marked derived: a value thresholded in Python between two modules is
 still traced to the module that produced the logits.
+
+Each storage also keeps its roots (`Provenance.roots`): every kind of origin its values were computed
+from, however many ops and modules lie between, so whether a value depends only on user inputs and
+the model's constants is decidable (splicing.memo). A tag or the model's parameters set the roots; an
+op's result takes the union of its inputs' roots, an in-place op adds them to what it writes; a
+tensor made from Python values alone (`torch.zeros`, `torch.tensor`) is "constant"; a random op adds
+"random"; a write into a parameter or buffer during the run makes it "session" state; a tensor no
+traced op made (`torch.from_numpy`, or made before the run) is "unknown".
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import Any, get_args
 import torch
 import torch.utils._pytree as pt
 from omskills.contracts import pytree
-from omskills.records.contracts import Provenance, ProvenanceKind, is_ancestor
+from omskills.records.contracts import LineageRoot, Provenance, ProvenanceKind, is_ancestor
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -56,6 +64,11 @@ class StorageHistory:
 
     events: list[tuple[int, Provenance]] = field(default_factory=list)
     consumers: list[tuple[int, str]] = field(default_factory=list)
+    roots: dict[LineageRoot, str] = field(default_factory=dict)  # kind -> the first source seen
+
+    def add_roots(self, roots: dict[LineageRoot, str]) -> None:
+        for kind, source in roots.items():
+            self.roots.setdefault(kind, source)
 
     def consumers_after(self, seq: int) -> list[str]:
         seen: dict[str, None] = {}
@@ -118,9 +131,15 @@ class ProvenanceTracker:
     # ------------------------------------------------------------------ tagging by the driver
 
     def tag(self, tree: Any, kind: ProvenanceKind, source: str) -> Any:
-        """Tag every tensor in `tree` (a tensor or any nested structure); returns `tree` unchanged."""
+        """Tag every tensor in `tree` (a tensor or any nested structure); returns `tree` unchanged.
+
+        A tag says what the values are from now on (a driver's random frames stand for a user's),
+        so it replaces their roots; a module output tagged by hand keeps the roots it has."""
         for tensor in tensor_leaves(tree):
             self._add_event(tensor, Provenance(kind=kind, source=source))
+            history = self.history(tensor, create=False)
+            if history is not None and kind in _ROOT_KINDS:
+                history.roots = {kind: source}  # type: ignore[dict-item]
         return tree
 
     @contextmanager
@@ -155,7 +174,7 @@ class ProvenanceTracker:
     def attached(self, root: nn.Module) -> Iterator[ProvenanceTracker]:
         """Tag the root's parameters/buffers and hook every module; hooks are removed on exit."""
         for name, tensor in itertools.chain(root.named_parameters(), root.named_buffers()):
-            self._add_event(tensor, Provenance(kind="parameter", source=name))
+            self.tag(tensor, "parameter", name)
         handles = []
         try:
             for path, module in root.named_modules():
@@ -198,6 +217,15 @@ class ProvenanceTracker:
     # ------------------------------------------------------------------ queries
 
     def origin(self, tensor: torch.Tensor, consumer: str | None = None) -> Provenance:
+        """Where `tensor` came from, as seen by module `consumer` when it receives it, with its roots."""
+        return self._latest(tensor, consumer).model_copy(update={"roots": self.roots(tensor)})
+
+    def roots(self, tensor: torch.Tensor) -> dict[LineageRoot, str]:
+        """Every kind of origin `tensor`'s values were computed from ("unknown" when none was traced)."""
+        history = self.history(tensor, create=False)
+        return dict(history.roots) if history is not None and history.roots else dict(_UNTRACED)
+
+    def _latest(self, tensor: torch.Tensor, consumer: str | None = None) -> Provenance:
         """Where `tensor` came from, as seen by module `consumer` when it receives it.
 
         The latest event wins, except that outputs of the consumer's own ancestors are skipped (an
@@ -231,7 +259,7 @@ class ProvenanceTracker:
         fresh = [t for t in _shallow_tensors(outputs) if (h := self.history(t)) is not None and not h.events]
         if not fresh:
             return
-        origins = [self.origin(t) for t in _shallow_tensors(inputs)]
+        origins = [self._latest(t) for t in _shallow_tensors(inputs)]
         informative = [o for o in origins if o.kind not in ("parameter", "constant", "unknown")]
         chosen = informative or [o for o in origins if o.kind == "parameter"]
         if not chosen:
@@ -248,9 +276,119 @@ class ProvenanceTracker:
         for tensor in fresh:
             self._add_event(tensor, provenance)
 
+    def carry_roots(self, op: str, outputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """What op `op` wrote (its results, the tensor an in-place op writes into) gets the roots of
+        what it read; a write into a parameter or buffer makes that tensor session state."""
+        in_place = _writes_in_place(op, kwargs)
+        written = _written(outputs, args, kwargs, in_place)
+        if not written:
+            return
+        roots = self._read_roots(op, args, kwargs)
+        for tensor in written:
+            history = self.history(tensor)
+            if history is None:
+                continue
+            if in_place:
+                written_parameter = next((p.source for _, p in history.events if p.kind == "parameter"), None)
+                if written_parameter is not None:
+                    history.roots.setdefault("session", f"{written_parameter}, written by {op} during the run")
+            history.add_roots(roots)
+
+    def _read_roots(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[LineageRoot, str]:
+        """The roots of every tensor op `op` read; "constant" when it read none, "random" when it draws."""
+        read = _shallow_tensors((args, kwargs))
+        roots: dict[LineageRoot, str] = {}
+        for tensor in read:
+            for kind, source in self._roots_of(tensor).items():
+                roots.setdefault(kind, source)
+        if not read:
+            roots["constant"] = f"torch.{op}"  # made from Python values alone
+        if _draws_random(op, args, kwargs):
+            roots.setdefault("random", f"torch.{op}")
+        return roots
+
+    def _roots_of(self, tensor: torch.Tensor) -> dict[LineageRoot, str]:
+        history = self.history(tensor, create=False)
+        return history.roots if history is not None and history.roots else _UNTRACED
+
 
 _JOIN = "; "
 _KINDS = frozenset(get_args(ProvenanceKind))
+# Kinds a tag sets as a tensor's roots (a module output is a result, not a root).
+_ROOT_KINDS = frozenset(get_args(LineageRoot))
+_UNTRACED: dict[LineageRoot, str] = {
+    "unknown": "made outside torch's functions, e.g. torch.from_numpy, or before the run"
+}
+
+# Ops whose result comes from a random generator, whatever their arguments.
+_RANDOM_OPS = frozenset(
+    {
+        "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "normal", "normal_",
+        "uniform_", "bernoulli", "bernoulli_", "multinomial", "poisson", "exponential_", "geometric_", "cauchy_",
+        "log_normal_", "random_", "rrelu", "rrelu_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+        "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_",
+    }
+)  # fmt: skip
+# Ops that draw only with a probability above 0 while training: name -> (the probability's position
+# and keyword, its default, the training flag's position and keyword; None: no flag).
+_DROPOUT_OPS: dict[str, tuple[int, str, float, int | None, str | None]] = {
+    **dict.fromkeys(
+        ("dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"),
+        (1, "p", 0.5, 2, "training"),
+    ),
+    "scaled_dot_product_attention": (4, "dropout_p", 0.0, None, None),
+    "multi_head_attention_forward": (10, "dropout_p", 0.0, 13, "training"),
+}
+# Names ending in "_" that write no values.
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_", "refine_names_"})
+_IN_PLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+)  # fmt: skip
+
+
+def _written(outputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], in_place: bool) -> list[torch.Tensor]:
+    """The tensors an op wrote: its results in storages it did not read (a result in one it read is
+    a view of an input, or the input itself), and the target of an in-place op."""
+    results = _shallow_tensors(outputs)
+    if not results and not in_place:
+        return []
+    read = {ptr for t in _shallow_tensors((args, kwargs)) if (ptr := _storage_ptr(t)) is not None}
+    out = kwargs.get("out")
+    targets = _shallow_tensors(out if out is not None else list(args[:1])) if in_place else []
+    return [t for t in results if _storage_ptr(t) not in read] + targets
+
+
+def _writes_in_place(op: str, kwargs: dict[str, Any]) -> bool:
+    """Whether the op writes into its first argument (`add_`, `x[i] = v`, `x += y`) or into `out=`."""
+    if kwargs.get("out") is not None or op in _IN_PLACE_DUNDERS:
+        return True
+    return op.endswith("_") and not op.startswith("__") and op not in _NOT_WRITES
+
+
+def _draws_random(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if op in _RANDOM_OPS:
+        return True
+    dropout = _DROPOUT_OPS.get(op)
+    if dropout is None:
+        return False
+    p_at, p_name, p_default, training_at, training_name = dropout
+    p = _argument(args, kwargs, p_at, p_name, p_default)
+    training = True if training_at is None else _argument(args, kwargs, training_at, training_name, True)
+    if training_name is not None and "train" in kwargs:  # torch.dropout(input, p, train)
+        training = kwargs["train"]
+    return bool(training) and isinstance(p, (int, float)) and p > 0
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str | None, default: Any) -> Any:
+    if name is not None and name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int | None:
+    storage = _storage_of(tensor)
+    return storage.data_ptr() if storage is not None else None
 
 
 def _origin_parts(origin: Provenance) -> list[tuple[str, str | None]]:
@@ -293,6 +431,7 @@ class _LineageMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         try:
             self.tracker.inherit(out, (args, kwargs))
+            self.tracker.carry_roots(getattr(func, "__name__", str(func)), out, args, kwargs)
         except Exception:  # lineage is an annotation: it must never break the model's run
             _log.debug("provenance lineage skipped for %s", func, exc_info=True)
         return out

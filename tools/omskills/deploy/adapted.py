@@ -31,7 +31,7 @@ from omskills.records.export import FallbackEvent, SpliceStats
 from omskills.records.intake import Intake
 from omskills.runtime import open_backend
 from omskills.runtime.serving import open_graph, resolve_backend
-from omskills.splicing.memo import load_entries
+from omskills.splicing.memo import load_entries, why_not_memoisable
 from omskills.splicing.splice import SpliceHandle, splice
 
 logger = logging.getLogger(__name__)
@@ -232,8 +232,8 @@ def _preload_remembered(manifest: DeployManifest, root: Path, handle: SpliceHand
         route = next(r for r in handle.modules[graph.name].routes if r.contract.candidate == graph.name)
         if route.memo is None:
             raise DeployError(
-                f"{graph.name}: the bundle carries outputs computed ahead, but the graph is not fed "
-                "from user inputs alone; write the bundle again"
+                f"{graph.name}: the bundle carries outputs computed ahead, but the graph's calls are not "
+                f"remembered ({why_not_memoisable(route.contract)}); write the bundle again"
             )
         route.memo.preload(load_entries(root / graph.remembered.path))
 

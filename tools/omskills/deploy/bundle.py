@@ -42,11 +42,11 @@ from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph, Deplo
 from omskills.records.intake import allowed_input_roots
 from omskills.records.literals import BundleArtifact
 from omskills.records.names import STORED
-from omskills.records.results import BundleSummary
+from omskills.records.results import BundleSummary, RememberedGraph
 from omskills.records.task import TaskRecord, load_record
 from omskills.report.render import template_environment
 from omskills.run_folder import RunFolder
-from omskills.splicing.memo import MemoEntry, save_entries
+from omskills.splicing.memo import MAX_OUTPUT_BYTES, MemoEntry, save_entries, why_not_memoisable
 
 ARTIFACTS: tuple[str, ...] = get_args(BundleArtifact)
 
@@ -65,8 +65,9 @@ def write_bundle(
     ATC built); the ONNX files always come too (the contracts' reference and the ATC scripts'
     input). weights: copy the checkpoint (else the loader must be given `checkpoint=`).
     precompute: input sets (fields of intake.inputs, e.g. {"prompt": "a red car"}) the deployment
-    will meet: the main path runs once on each, and the outputs of every graph fed from user inputs
-    alone (a text encoder) go into the bundle, so the deployed model answers those calls from memory."""
+    will meet: the main path runs once on each, and the outputs of every graph whose inputs derive
+    from user inputs and the model's constants alone (a text tower) go into the bundle, so the
+    deployed model answers those calls from memory; the summary says why for every other graph."""
     if artifact not in ARTIFACTS:
         raise DeployError(f"artifact: {artifact!r} is not one of {list(ARTIFACTS)}")
     task_path = Path(task_path)
@@ -87,7 +88,7 @@ def write_bundle(
         writer = _Writer(workdir, staging, _recorded_hashes(record))
         graphs = [writer.graph(graph, artifact, record) for graph in manifest.graphs]
         merged = [writer.merged(m, record) for m in manifest.merged]
-        remembered = _precomputed(task_path, precompute) if precompute else {}
+        remembered, not_remembered = _precomputed(task_path, precompute) if precompute else ({}, {})
         graphs = [writer.remembered(g, remembered[g.name]) if g.name in remembered else g for g in graphs]
         intake, required = writer.intake(record, weights)
         bundled = manifest.model_copy(
@@ -113,7 +114,12 @@ def write_bundle(
         om_graphs=[g.name for g in graphs if g.om],
         not_deployed=bundled.not_deployed,
         required=required,
-        remembered={name: len(entries) for name, entries in remembered.items()},
+        remembered={
+            g.name: RememberedGraph(entries=len(remembered[g.name]), bytes=g.remembered.bytes, path=g.remembered.path)
+            for g in graphs
+            if g.remembered is not None
+        },
+        not_remembered=not_remembered,
     )
 
 
@@ -133,25 +139,39 @@ def _check_input_sets(task_path: Path, input_sets: Sequence[Mapping[str, Any]]) 
             raise DeployError(f"precompute[{k}]: {err}") from None
 
 
-def _precomputed(task_path: Path, input_sets: Sequence[Mapping[str, Any]]) -> dict[str, list[MemoEntry]]:
-    """Graph -> the calls it answered on `input_sets` (the deployed model on ONNX Runtime CPU),
-    for every graph fed from user inputs alone."""
+def _precomputed(
+    task_path: Path, input_sets: Sequence[Mapping[str, Any]]
+) -> tuple[dict[str, list[MemoEntry]], dict[str, str]]:
+    """Graph -> the calls it answered on `input_sets` (the deployed model on ONNX Runtime CPU), for
+    every graph whose calls may be remembered; and graph -> why none was, for every other graph."""
     from omskills.deploy.adapted import load_adapted
 
     _check_input_sets(task_path, input_sets)
     found: dict[str, dict[bytes, dict[str, np.ndarray]]] = {}
     with load_adapted(task_path, backend="onnxruntime", providers=["CPUExecutionProvider"]) as model:
-        routes = [
-            r
-            for spliced in {id(m): m for m in model.handle.modules.values()}.values()
-            for r in spliced.routes
-            if r.memo is not None
-        ]
+        routes = [r for spliced in {id(m): m for m in model.handle.modules.values()}.values() for r in spliced.routes]
         for inputs in input_sets:
             model.run_main_path(inputs)
             for route in routes:  # after each run: a memory holds the last few calls only
-                found.setdefault(route.contract.candidate, {}).update(route.memo.entries())
-    return {graph: list(entries.items()) for graph, entries in found.items() if entries}
+                if route.memo is not None:
+                    found.setdefault(route.contract.candidate, {}).update(route.memo.entries())
+        missing = {
+            r.contract.candidate: _why_nothing_remembered(r) for r in routes if not found.get(r.contract.candidate)
+        }
+    return {graph: list(entries.items()) for graph, entries in found.items() if entries}, missing
+
+
+def _why_nothing_remembered(route: Any) -> str:
+    """Why a graph's memory holds no call after the main path ran on every input set."""
+    if route.memo is None:
+        return why_not_memoisable(route.contract) or "its calls are not remembered"
+    if route.fallback_events:
+        return f"its calls fell back to PyTorch ({route.fallback_events[0].reason})"
+    if route.calls == 0:
+        return "it was not called on the input sets given"
+    if route.memo.oversized:
+        return f"its outputs are more than the {MAX_OUTPUT_BYTES:,} bytes a memory keeps per call"
+    return "its calls were answered inside the composed graph of its merged chain"
 
 
 # The file a bundle folder carries to say this command wrote it, and which files.

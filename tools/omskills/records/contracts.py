@@ -28,6 +28,11 @@ def is_ancestor(ancestor: str, path: str) -> bool:
 
 # input: made from what the user gives (frames, an image, text tokens); session: kept across calls.
 ProvenanceKind = Literal["input", "session", "parameter", "module_output", "constant", "unknown"]
+# Where the values a tensor was computed from entered the run, through any number of torch ops and
+# modules (contracts.provenance): user input; the model's parameters and buffers; tensors made from
+# Python values (`torch.arange`, a tokenizer's `torch.tensor`); session state; a random op; or what
+# the study could not trace (made outside torch's functions, or before the run).
+LineageRoot = Literal["input", "parameter", "constant", "session", "random", "unknown"]
 
 
 class Provenance(Record):
@@ -37,6 +42,9 @@ class Provenance(Record):
     # True when the tensor was computed from that origin by Python-side tensor ops (e.g. a value
     # thresholded in the model's Python code), not handed over as is.
     derived: bool = False
+    # Every kind of root the value was computed from, each with the first source seen (a parameter's
+    # name, the random op); None in records written before roots were traced.
+    roots: dict[LineageRoot, str] | None = None
 
     @field_validator("kind", mode="before")
     @classmethod

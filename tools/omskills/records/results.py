@@ -154,6 +154,12 @@ class DriverCheck(BaseModel):
 # --------------------------------------------------------------------------- write_bundle
 
 
+class RememberedGraph(Record):
+    entries: int = Field(description="Calls computed ahead (distinct inputs), answered from memory when deployed.")
+    bytes: int = Field(description="Size of the file holding their outputs.")
+    path: str = Field(description="That file, relative to the bundle (memo/<graph>.npz).")
+
+
 class BundleSummary(Record):
     path: str = Field(description="The bundle folder.")
     graphs: list[str] = Field(description="Graphs in the bundle.")
@@ -164,11 +170,18 @@ class BundleSummary(Record):
     required: dict[str, str] = Field(
         description="What the loader must be given that the bundle does not hold (e.g. a model source checkout)."
     )
-    remembered: dict[str, int] = Field(
+    remembered: dict[str, RememberedGraph] = Field(
         default_factory=dict,
         description=(
-            "Graph -> calls whose outputs the bundle carries, computed ahead for the inputs given to --precompute "
+            "Graph -> the calls whose outputs the bundle carries, computed ahead for the inputs given to --precompute "
             "(on ONNX Runtime CPU, fp32): the deployed model answers those calls from memory."
+        ),
+    )
+    not_remembered: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "With --precompute: graph -> why the bundle carries no call of it (an input that comes from session "
+            "state, a random op or untraced code; inputs too big to digest; not called on the inputs given)."
         ),
     )
 

@@ -1,9 +1,12 @@
 """Graph calls answered from memory. A compiled graph is a function of its inputs alone, so a call
 whose inputs repeat (a text encoder on the same prompt, once per video) need not run again.
 
-Only graphs fed from user inputs alone are remembered (every contract input's provenance is
-"input": prompt tokens, not activations), and only small calls: the inputs are digested on every
-call, which must cost nothing beside the call, and a remembered call's outputs stay in memory.
+Only graphs whose inputs derive from user inputs and the model's constants alone are remembered
+(`why_not_memoisable`, the one rule): prompt tokens, a text tower's input made from them with the token
+and positional embeddings, its attention mask (a buffer); never a value that session state or a random
+op went into, nor one the study could not trace, as such calls are not expected to repeat. Only small
+calls: the inputs are digested on every call, which must cost nothing beside the call, and a
+remembered call's outputs stay in memory.
 Outputs computed ahead (`omskills bundle --precompute`) are saved with `save_entries` and given
 back to a deployed model's memory with `OutputMemo.preload`, where no later call evicts them.
 """
@@ -18,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from omskills.records.contracts import ContractSpec
+from omskills.records.contracts import ContractSpec, Provenance
 
 # One remembered call: the digest of its inputs, and its outputs by name.
 MemoEntry = tuple[bytes, dict[str, np.ndarray]]
@@ -28,12 +31,51 @@ MAX_OUTPUT_BYTES = 16 << 20
 ENTRIES = 8
 
 
+# Roots a remembered graph's inputs may have: what the user gives and what the model holds.
+CONSTANT_ROOTS = frozenset({"input", "parameter", "constant"})
+# Why a value with another root would not repeat, by root.
+_NOT_REPEATING = {
+    "session": "comes from session state",
+    "random": "derives from a random op",
+    "unknown": "derives from a tensor the study could not trace",
+}
+
+
 def memoisable(contract: ContractSpec) -> bool:
-    """Whether calls of this graph may be answered from memory: fed from user inputs alone, small."""
-    inputs = contract.inputs
-    if not inputs or any(s.provenance is None or s.provenance.kind != "input" for s in inputs):
-        return False
-    return sum(np.dtype(s.dtype).itemsize * math.prod(s.shape) for s in inputs) <= MAX_INPUT_BYTES
+    """Whether calls of this graph may be answered from memory (`why_not_memoisable` says why not)."""
+    return why_not_memoisable(contract) is None
+
+
+def why_not_memoisable(contract: ContractSpec) -> str | None:
+    """Why calls of this graph are not answered from memory, in one line; None when they are: every
+    input derives from user inputs and the model's parameters and buffers alone, and a call's inputs
+    are small enough to digest."""
+    if not contract.inputs:
+        return "it takes no tensor input"
+    for spec in contract.inputs:
+        why = _why_not_constant(spec.provenance)
+        if why is not None:
+            return f"input {spec.name!r} {why}"
+    size = sum(np.dtype(s.dtype).itemsize * math.prod(s.shape) for s in contract.inputs)
+    if size > MAX_INPUT_BYTES:
+        return f"its inputs are {size:,} bytes a call, more than the {MAX_INPUT_BYTES:,} digested per call"
+    return None
+
+
+def _why_not_constant(provenance: Provenance | None) -> str | None:
+    """Why a value with this provenance may change between calls with the same user inputs."""
+    if provenance is None:
+        return "has no recorded provenance"
+    roots = provenance.roots
+    if roots is None:  # a record written before roots were traced: only a user input as given is known
+        if provenance.kind == "input" and not provenance.derived:
+            return None
+        return "has no recorded roots (a study before omskills traced them); study again"
+    outside = [kind for kind in roots if kind not in CONSTANT_ROOTS]
+    if not outside:
+        return None
+    kind = next((k for k in _NOT_REPEATING if k in outside), outside[0])  # session state said first
+    return f"{_NOT_REPEATING.get(kind, f'derives from {kind}')} ({roots[kind]})"
 
 
 class OutputMemo:
@@ -43,6 +85,7 @@ class OutputMemo:
         self._entries: OrderedDict[bytes, dict[str, np.ndarray]] = OrderedDict()
         self._preloaded: dict[bytes, dict[str, np.ndarray]] = {}
         self.hits = 0
+        self.oversized = 0  # calls whose outputs were too big to keep
 
     @staticmethod
     def key(feeds: Mapping[str, np.ndarray]) -> bytes | None:
@@ -69,6 +112,7 @@ class OutputMemo:
 
     def put(self, key: bytes, outputs: Mapping[str, np.ndarray]) -> None:
         if sum(np.asarray(a).nbytes for a in outputs.values()) > MAX_OUTPUT_BYTES:
+            self.oversized += 1
             return
         self._entries[key] = {name: np.array(array, copy=True) for name, array in outputs.items()}
         while len(self._entries) > ENTRIES:

@@ -15,6 +15,7 @@ from omskills.report.item_table import item_table
 from omskills.report.render import shell_line, template_environment
 from omskills.report.stage_status import STAGES, stage_notes, stage_status
 from omskills.run_folder import RunFolder
+from omskills.splicing.memo import why_not_memoisable
 
 
 def _io(specs: list[TensorSpec]) -> str:
@@ -45,6 +46,14 @@ def known_limits(record: TaskRecord, settings: list[str]) -> list[str]:
     if record.precision_plan is not None and record.precision_plan.verdict != "pass":
         limits.append(f"no precision plan passed end to end (emulated): {record.precision_plan.why}")
     return limits
+
+
+def memo_rule(record: TaskRecord) -> dict[str, str | None]:
+    """Each deployed graph -> why its repeated calls are not answered from memory (None: they are,
+    and `bundle --precompute` can compute them ahead)."""
+    verified = record.verification.candidates if record.verification else []
+    deployed = [c.name for c in verified if c.status == "integrated" and c.name in record.contracts]
+    return {name: why_not_memoisable(record.contracts[name]) for name in deployed}
 
 
 class AtcBlock(NamedTuple):
@@ -167,6 +176,7 @@ def write_delivery_doc(task_path: Path) -> Path:
                 ]
             ),
             limits=known_limits(record, settings),
+            memo=memo_rule(record),
             atc=atc_blocks(record, workdir),
             links=document_links(record, workdir),
             pictures=pictures(record, workdir),
