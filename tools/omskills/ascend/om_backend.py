@@ -38,7 +38,7 @@ import numpy as np
 from omskills.ascend.probe import om_runtime_problem
 from omskills.records.deploy import DeployedGraph
 from omskills.runtime.base import BackendError, IOSpec, Placement, Runner, RuntimeBackend
-from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
+from omskills.runtime.batch_split import served_in_gears
 
 OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]
 OM_MODES: tuple[str, ...] = get_args(OmMode)
@@ -168,12 +168,7 @@ class OmBackend(RuntimeBackend):
         mode = om_mode_for_strategy(strategy.kind) if strategy else "static"
         sizes = _dymshape_sizes(graph) if mode == "dymshape" else None
         om = cls(root / graph.om.path, device_id=placement.device_id, mode=mode, custom_sizes=sizes).activate()
-        if strategy is not None and strategy.kind == "dynamic_batch_size":
-            gears = sorted({gear[0] for gear in strategy.gears if gear})
-            split = batch_split_for(graph.contract, strategy, max(gears), "the OM runs only its batch gears")
-            if split is not None:
-                return SplitBatchBackend(om, split, gears=gears)
-        return om
+        return served_in_gears(om, graph, "the OM runs only its batch gears") or om
 
     def __init__(
         self,

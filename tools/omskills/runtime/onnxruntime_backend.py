@@ -16,7 +16,7 @@ from omskills.isolation import trim_heap
 from omskills.records.deploy import DeployedGraph
 from omskills.records.toolchain import BatchSplit
 from omskills.runtime.base import BackendError, IOSpec, Placement, Runner, RuntimeBackend, check_feeds
-from omskills.runtime.batch_split import SplitBatchBackend
+from omskills.runtime.batch_split import SplitBatchBackend, served_in_gears
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
 # of this project), then a GPU, then the CPU that is always there.
@@ -81,16 +81,19 @@ class OnnxRuntimeBackend(RuntimeBackend):
     @classmethod
     def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> Runner:
         """A session on the providers asked for (or the preferred ones present). The CANN provider
-        gets the NPU and the precision mode chosen in emulation; on the CPU the batch runs in the
-        chunks probe_onnx found it needs."""
+        gets the NPU and the precision mode chosen in emulation. A graph with batch gears runs the
+        sizes its OM runs, any other batch as gear-sized calls (as the OM backend serves it); on the
+        CPU no gear above the chunks probe_onnx found the batch needs."""
         cann = {"device_id": str(placement.device_id)}
         if graph.precision_mode:
             cann["precision_mode"] = graph.precision_mode
         model = placement.model or root / graph.onnx.path
         backend = cls(model, providers=placement.providers, provider_options={CANN_PROVIDER: cann}).activate()
-        if graph.batch_split is not None and backend.device == CPU_PROVIDER:
-            return SplitBatchBackend(backend, graph.batch_split)
-        return backend
+        memory = graph.batch_split if backend.device == CPU_PROVIDER else None
+        geared = served_in_gears(backend, graph, "ONNX Runtime runs the OM's batch gears", memory)
+        if geared is not None:
+            return geared
+        return SplitBatchBackend(backend, memory) if memory is not None else backend
 
     def __init__(
         self,

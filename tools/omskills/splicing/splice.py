@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from omskills.contracts.batch_axes import batch_axes
 from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
 from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
 from omskills.errors import OmskillsError, one_line
@@ -87,15 +88,21 @@ class ShapeRule:
     may take any of the sizes observed then. With one, its -1 dims are the dynamic ones and their
     values must form one of its gears (tiled when several inputs share them, as a batch does) or
     lie within its ranges. `any_batch`: inputs whose dim 0 takes any size, because the backend
-    serves other sizes as gear-sized calls.
+    serves other sizes as gear-sized calls. `unsplit`: why a batch outside the gears cannot be
+    served that way, told with the call that falls back.
     """
 
     def __init__(
-        self, inputs: list[TensorSpec], strategy: ShapeStrategy | None, any_batch: frozenset[str] = frozenset()
+        self,
+        inputs: list[TensorSpec],
+        strategy: ShapeStrategy | None,
+        any_batch: frozenset[str] = frozenset(),
+        unsplit: str | None = None,
     ) -> None:
         self.inputs = inputs
         self.strategy = strategy
         self.any_batch = any_batch
+        self.unsplit = unsplit
 
     def violation(self, tensors: Sequence[torch.Tensor]) -> str | None:
         if self.strategy is None:
@@ -132,7 +139,10 @@ class ShapeRule:
         values = [entry.size for entry in dynamic]
         if any(_tiled(gear, len(values)) == values for gear in strategy.gears):
             return None
-        return f"dynamic dims {_named(dynamic)} match no {strategy.kind} gear of {strategy.gears}"
+        why = f"dynamic dims {_named(dynamic)} match no {strategy.kind} gear of {strategy.gears}"
+        if strategy.kind == "dynamic_batch_size" and self.unsplit:
+            why += f"; the batch cannot run as gear-sized calls: {self.unsplit}"
+        return why
 
 
 def _tiled(gear: list[int], length: int) -> list[int] | None:
@@ -162,6 +172,12 @@ def _outside_ranges(dynamic: list[_DynamicDim], strategy: ShapeStrategy) -> str 
             if not low <= entry.size <= high:
                 return f"input {name} dim {entry.dim} is {entry.size}, outside the strategy's range [{low}, {high}]"
     return None
+
+
+def _unsplit(contract: ContractSpec, strategy: ShapeStrategy | None) -> str | None:
+    """Why this graph's batch cannot be split into gear-sized calls, or None when it can."""
+    axes = batch_axes(contract, strategy)
+    return axes if isinstance(axes, str) else None
 
 
 def _same_constant(value: Any, arg: NonTensorArg, bound: Any) -> bool:
@@ -207,7 +223,9 @@ class _Route:
         self.output_layout = TreeLayout.of_output(contract)
         self.in_spec = spec_from_str(contract.in_spec)
         self.out_spec = spec_from_str(contract.out_spec)
-        self.shape_rule = ShapeRule(contract.inputs, strategy, getattr(backend, "any_size_inputs", frozenset()))
+        self.shape_rule = ShapeRule(
+            contract.inputs, strategy, getattr(backend, "any_size_inputs", frozenset()), _unsplit(contract, strategy)
+        )
         self.bound_constants = self._bound_constants(contract)
         self.output_constants = self._output_constants(contract)
         self.feed_names = self._feed_names(contract, backend)
@@ -316,7 +334,7 @@ class _Route:
             backend = merged.backend if runs_merged else self.backend
             if self.holds_values and getattr(backend, "holds_values", False):
                 values, resident = self._run_values(backend, by_name, feeds)
-                produced = {name: value.numpy() for name, value in values.items()}  # views, not copies
+                produced = {name: _host_view(value) for name, value in values.items()}
             else:
                 produced = backend.run(feeds)
             if key is not None:
@@ -324,7 +342,7 @@ class _Route:
         outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
         if ran:  # a call answered from memory ran nothing and moved nothing
             self.backend_seconds.append(time.perf_counter() - started)
-            kept = [values[name] for name in names] if values is not None else None
+            kept = [_held(values[name]) for name in names] if values is not None else None
             if runs_merged:
                 merged.keep(produced, dict(zip(names, outputs)))
             self.traffic.record(
@@ -663,6 +681,17 @@ class SpliceHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.unsplice()
+
+
+def _host_view(value: Any) -> np.ndarray:
+    """A runtime value as the host array viewing it (no copy); an array (a call joined from
+    chunks on the host) as it is."""
+    return value if isinstance(value, np.ndarray) else value.numpy()
+
+
+def _held(value: Any) -> Any:
+    """The runtime's own value to hand on, or None for a host array (nothing held in the runtime)."""
+    return None if isinstance(value, np.ndarray) else value
 
 
 def _same_buffer(value: Any, array: np.ndarray) -> bool:
