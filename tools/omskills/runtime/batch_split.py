@@ -22,8 +22,9 @@ necessarily its first); a graph with an output that has none is left to run its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from omskills.contracts.batch_axes import batch_axes, batch_gears
@@ -31,7 +32,7 @@ from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.deploy import DeployedGraph
 from omskills.records.toolchain import BatchSplit
-from omskills.runtime.base import BackendInputError, IOSpec, Runner
+from omskills.runtime.base import BackendInputError, HeldOutput, IOSpec, Runner
 
 
 def batch_split_for(
@@ -126,25 +127,25 @@ class SplitBatchBackend(Runner):
     def close(self) -> None:
         self.backend.close()
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: Mapping[str, np.ndarray], fetch: Collection[str] | None = None) -> dict[str, Any]:
         chunks = self._chunks(feeds)
         if chunks is None:
-            return self.backend.run(feeds)
-        return self._run_chunks(feeds, chunks)
+            return self.backend.run(feeds, fetch)
+        return self._run_chunks(feeds, chunks, fetch)
 
     @property
     def holds_values(self) -> bool:
         """Whether the runner beneath keeps outputs as the runtime's own values (`run_values`)."""
         return bool(getattr(self.backend, "holds_values", False))
 
-    def run_values(self, feeds: Mapping[str, object]) -> dict[str, object]:
+    def run_values(self, feeds: Mapping[str, object], fetch: Collection[str] | None = None) -> dict[str, object]:
         """`run_values` of the runner beneath for a call that runs whole. A call run in chunks is
         joined on the host, so its outputs come back as arrays, which the splice hands on as such."""
         arrays = {name: _host_array(value) for name, value in feeds.items()}
         chunks = self._chunks(arrays)
         if chunks is None:
-            return self.backend.run_values(feeds)  # type: ignore[attr-defined]
-        return dict(self._run_chunks(arrays, chunks))
+            return self.backend.run_values(feeds, fetch)  # type: ignore[attr-defined]
+        return dict(self._run_chunks(arrays, chunks, fetch))
 
     def _chunks(self, feeds: Mapping[str, np.ndarray]) -> list[Chunk] | None:
         """The chunks this call runs as, or None when it runs whole."""
@@ -152,12 +153,14 @@ class SplitBatchBackend(Runner):
         chunks = self._plan(batch)
         return None if not chunks or (len(chunks) == 1 and chunks[0].gear == batch) else chunks
 
-    def _run_chunks(self, feeds: Mapping[str, np.ndarray], chunks: list[Chunk]) -> dict[str, np.ndarray]:
+    def _run_chunks(
+        self, feeds: Mapping[str, np.ndarray], chunks: list[Chunk], fetch: Collection[str] | None
+    ) -> dict[str, Any]:
         self.chunked_calls += 1
         self.chunk_sizes.append([chunk.gear for chunk in chunks])
         parts, start = [], 0
         for chunk in chunks:
-            produced = self.backend.run(self._chunk(feeds, start, chunk))
+            produced = self.backend.run(self._chunk(feeds, start, chunk), fetch)
             parts.append({name: self._unpadded(name, value, chunk) for name, value in produced.items()})
             start += chunk.size
         return {name: self._joined(name, [part[name] for part in parts]) for name in parts[0]}
@@ -182,15 +185,28 @@ class SplitBatchBackend(Runner):
             for name, value in feeds.items()
         }
 
-    def _unpadded(self, name: str, value: np.ndarray, chunk: Chunk) -> np.ndarray:
+    def _unpadded(self, name: str, value: Any, chunk: Chunk) -> Any:
         if chunk.size == chunk.gear or name not in self.split.output_axes:
             return value
-        return _take(value, self.split.output_axes[name], 0, Chunk(chunk.size, chunk.size))
+        axis, kept = self.split.output_axes[name], Chunk(chunk.size, chunk.size)
+        if isinstance(value, HeldOutput):  # cut when it is copied back, if ever
+            shape = tuple(chunk.size if k == axis else d for k, d in enumerate(value.shape))
+            return HeldOutput(shape, lambda: _take(value.copy_back(), axis, 0, kept))
+        return _take(value, axis, 0, kept)
 
-    def _joined(self, name: str, pieces: Sequence[np.ndarray]) -> np.ndarray:
+    def _joined(self, name: str, pieces: Sequence[Any]) -> Any:
         if name not in self.split.output_axes:
             raise OmskillsError(f"batch split: output {name!r} has no batch axis to join its chunks on")
-        return np.concatenate(pieces, axis=self.split.output_axes[name])
+        axis = self.split.output_axes[name]
+        if any(isinstance(piece, HeldOutput) for piece in pieces):  # each piece stays where it is until read
+            shape = list(pieces[0].shape)
+            shape[axis] = sum(piece.shape[axis] for piece in pieces)
+            return HeldOutput(tuple(shape), lambda: np.concatenate([_copied(piece) for piece in pieces], axis=axis))
+        return np.concatenate(pieces, axis=axis)
+
+
+def _copied(value: Any) -> np.ndarray:
+    return value.copy_back() if isinstance(value, HeldOutput) else value
 
 
 def _host_array(value: object) -> np.ndarray:
