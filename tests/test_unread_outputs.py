@@ -238,3 +238,35 @@ def test_a_batch_run_as_gear_sized_calls_holds_each_chunk_and_joins_them_when_re
             assert step.graphs[0].bytes_out == nbytes(5, 4) and sorted(runner.chunk_sizes[0]) == [2, 3]
             torch.testing.assert_close(big + 0, want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(small, want[1], rtol=1e-5, atol=1e-6)
+
+
+class RunsEveryOutput:
+    """A runner written before runners could leave outputs behind: `run(feeds)`, every output back."""
+
+    holds_values = False
+
+    def __init__(self, opened) -> None:
+        self.opened = opened
+
+    def __getattr__(self, name):
+        return getattr(self.opened, name)
+
+    def run(self, feeds):
+        return self.opened.run(feeds)
+
+
+def test_a_runner_that_copies_every_output_back_still_serves_and_is_counted_for_all(small_only):
+    host, graph, folder = small_only
+    x = inputs(3)
+    with torch.no_grad():
+        want = host.block(x)
+    runner = RunsEveryOutput(open_graph(graph, folder, "onnxruntime"))
+    with splice(host, [(graph.contract, runner)], strategies={"block": graph.strategy}) as handle:
+        with torch.no_grad():
+            got = host.block(x)
+        [step] = handle.traffic.steps()
+    runner.opened.close()
+    assert handle.fallbacks() == [] and not any(isinstance(tensor, Unfetched) for tensor in got)
+    assert step.graphs[0].bytes_out == nbytes(3, STEPS, WIDTH) + nbytes(3, 4)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

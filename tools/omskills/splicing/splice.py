@@ -12,6 +12,7 @@ contract raises `ContractViolation` instead (a deployment that must never run Py
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import Counter
@@ -364,7 +365,7 @@ class _Route:
         if self.holds_values and getattr(backend, "holds_values", False):
             values, resident = self._run_values(backend, by_name, feeds, fetch)
             return {name: _host_view(value) for name, value in values.items()}, values, resident
-        return dict(backend.run(feeds, fetch) if fetch is not None else backend.run(feeds)), None, []
+        return dict(backend.run(feeds, **_fetching(backend.run, fetch))), None, []
 
     def _count(
         self,
@@ -410,8 +411,8 @@ class _Route:
             if value is not None and _same_buffer(value, array):
                 bound[name] = value
         resident = [name for name in feeds if bound[name] is not feeds[name]]
-        ran = backend.run_values(bound, fetch) if fetch is not None else backend.run_values(bound)  # type: ignore[attr-defined]
-        return ran, resident
+        run_values = backend.run_values  # type: ignore[attr-defined]
+        return run_values(bound, **_fetching(run_values, fetch)), resident
 
     def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, Any], device: torch.device) -> torch.Tensor:
         if spec.name not in produced:
@@ -738,6 +739,19 @@ class SpliceHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.unsplice()
+
+
+def _fetching(run: Callable[..., Any], fetch: list[str] | None) -> dict[str, Any]:
+    """`fetch` as the keyword `run` takes, when there is a subset to ask for and `run` takes it: a
+    runner written before `fetch` existed copies every output back, and is counted so."""
+    if fetch is None:
+        return {}
+    try:
+        parameters = inspect.signature(run).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    takes = any(p.name == "fetch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return {"fetch": fetch} if takes else {}
 
 
 def _host_view(value: Any) -> Any:
