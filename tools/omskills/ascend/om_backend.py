@@ -13,7 +13,11 @@ github.com/mjlovesz/test-my-pages docs/benchmark/API_GUIDE.md) and its samples
 - `infer(feeds: list, mode='static', custom_sizes=100000, out_array=True)` -> list[np.ndarray];
   feeds are positional in `get_inputs()` order; outputs come in `get_outputs()` order; `mode` is
   one of 'static', 'dymbatch', 'dymhw', 'dymdims', 'dymshape' and must match how ATC compiled
-  the model; `custom_sizes` (bytes per output, int or list) only matters for 'dymshape'.
+  the model; `custom_sizes` (bytes per output, int or list) only matters for 'dymshape'. With
+  `out_array=False` the outputs are `aclruntime.Tensor`s in device memory (the guide); each is
+  copied back by `tensor.to_host()` then `numpy.array(tensor)`, which is what `InferSession.run`
+  does for `out_array=True` (ais_bench/infer/interface.py, `convert_tensors_to_host` and
+  `convert_tensors_to_arrays`), and it has a `.shape`.
 - `free_resource()` frees the session's device memory (newer releases; older ones lack it).
 
 `ais_bench` and `aclruntime` are not on PyPI: they come as wheels built for an Ascend host
@@ -37,8 +41,8 @@ from typing import Literal, get_args
 import numpy as np
 from omskills.ascend.probe import om_runtime_problem
 from omskills.records.deploy import DeployedGraph
-from omskills.runtime.base import BackendError, IOSpec, Placement, Runner, RuntimeBackend
-from omskills.runtime.batch_split import SplitBatchBackend, batch_split_for
+from omskills.runtime.base import BackendError, HeldOutput, IOSpec, Placement, Runner, RuntimeBackend
+from omskills.runtime.batch_split import served_in_gears
 
 OmMode = Literal["static", "dymbatch", "dymhw", "dymdims", "dymshape"]
 OM_MODES: tuple[str, ...] = get_args(OmMode)
@@ -168,12 +172,7 @@ class OmBackend(RuntimeBackend):
         mode = om_mode_for_strategy(strategy.kind) if strategy else "static"
         sizes = _dymshape_sizes(graph) if mode == "dymshape" else None
         om = cls(root / graph.om.path, device_id=placement.device_id, mode=mode, custom_sizes=sizes).activate()
-        if strategy is not None and strategy.kind == "dynamic_batch_size":
-            gears = sorted({gear[0] for gear in strategy.gears if gear})
-            split = batch_split_for(graph.contract, strategy, max(gears), "the OM runs only its batch gears")
-            if split is not None:
-                return SplitBatchBackend(om, split, gears=gears)
-        return om
+        return served_in_gears(om, graph, "the OM runs only its batch gears") or om
 
     def __init__(
         self,
@@ -236,9 +235,24 @@ class OmBackend(RuntimeBackend):
                 )
 
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        values = self._infer(feeds)
+        return {spec.name: np.asarray(value) for spec, value in zip(self._outputs, values)}
+
+    def _fetch_impl(self, feeds: dict[str, np.ndarray], names: list[str]) -> Mapping[str, object]:
+        """Only the outputs `names` cross the link: with out_array=False InferSession returns every
+        output as an aclruntime.Tensor in device memory, and the others stay there, held until the
+        host reads them (aclruntime allocates each call's output buffers anew, so a held output
+        keeps that call's values)."""
+        values = self._infer(feeds, out_array=False)
+        return {
+            spec.name: self._to_host(value) if spec.name in names else self._held(value)
+            for spec, value in zip(self._outputs, values)
+        }
+
+    def _infer(self, feeds: dict[str, np.ndarray], **extra: object) -> list:
         # InferSession takes feeds by position, in get_inputs() order, and reads raw buffers.
         ordered = [np.require(feeds[spec.name], requirements="C") for spec in self._inputs]  # 0-d stays 0-d
-        options: dict[str, object] = {"mode": self.mode}
+        options: dict[str, object] = {"mode": self.mode, **extra}
         if self.custom_sizes is not None:
             options["custom_sizes"] = self.custom_sizes
         try:
@@ -252,7 +266,16 @@ class OmBackend(RuntimeBackend):
             raise BackendError(
                 f"ais_bench returned {len(values)} outputs for {self.path.name}, which declares {len(self._outputs)}"
             )
-        return {spec.name: np.asarray(value) for spec, value in zip(self._outputs, values)}
+        return list(values)
+
+    def _to_host(self, value) -> np.ndarray:
+        """A device tensor copied back, as InferSession.run does for out_array=True."""
+        with self._contexts.held(self._context):
+            value.to_host()
+        return np.array(value)
+
+    def _held(self, value) -> HeldOutput:
+        return HeldOutput(shape=tuple(int(d) for d in value.shape), copy_back=lambda: self._to_host(value))
 
     def _deactivate_impl(self) -> None:
         # free_resource() releases this session's device memory only; finalize() would tear

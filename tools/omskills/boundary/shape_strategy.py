@@ -15,6 +15,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from omskills.contracts.batch_axes import batch_axes
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, QuantityLimit, QuantitySchedule, ShapeStrategy
 
@@ -333,6 +334,14 @@ def _ranges(contract: ContractSpec, symbols: list[_Symbol]) -> dict[str, list[li
     return ranges
 
 
+def _other_batches(contract: ContractSpec, strategy: ShapeStrategy) -> str:
+    """What a batch that is no gear does: run as gear-sized calls, or fall back to PyTorch and why."""
+    axes = batch_axes(contract, strategy)
+    if isinstance(axes, str):
+        return f"A batch that is no gear falls back to PyTorch: it cannot run as gear-sized calls ({axes})."
+    return "A batch between the gears or beyond the largest runs as gear-sized calls, the last one padded."
+
+
 def propose_shape_strategy(contract: ContractSpec, source_limits: SourceLimits | None = None) -> ShapeStrategy:
     """Exactly one ATC shape strategy, from observed varying dims and declared source ranges."""
     limits = _as_limits(source_limits)
@@ -359,12 +368,13 @@ def propose_shape_strategy(contract: ContractSpec, source_limits: SourceLimits |
 
     if fits_gears and len(symbols) == 1 and all(d.dim == 0 for d in dims):
         batches = [[b] for b in sorted({row[0] for row in gears})]  # one value per gear: the batch size
-        return ShapeStrategy(
+        strategy = ShapeStrategy(
             kind="dynamic_batch_size",
             input_shapes=input_shapes,
             gears=batches,
-            rationale=f"only dim 0 varies, the same in every input: {described}.{caveat}",
+            rationale=f"only dim 0 varies, the same in every input: {described}.",
         )
+        return strategy.model_copy(update={"rationale": f"{strategy.rationale} {_other_batches(contract, strategy)}"})
     if image_sizes is not None:
         return ShapeStrategy(
             kind="dynamic_image_size",

@@ -272,7 +272,6 @@ class _CandidateRecorder:
         call.out_paths = flat.paths
         call.out_leaves = _describe(flat.leaves)
         call.out_histories = [self.tracker.history(t) for t in flat.tensors()]
-        call.out_seq = self.tracker.seq
         if call.sample_inputs is not None and self.spill is not None:
             call.sample_outputs = self.spill.spill(flat.tensors())
             dropped = self.selector.add(call)
@@ -281,6 +280,7 @@ class _CandidateRecorder:
                     if spilled is not None:
                         spilled.drop()
                 dropped.sample_inputs = dropped.sample_outputs = None
+        call.out_seq = self.tracker.seq  # after the sample's copy: reading the outputs for it is no use
         self.calls.append(call)
 
 
@@ -419,10 +419,32 @@ def _input_specs(recorder: _CandidateRecorder, calls: list[_Call]) -> list[Tenso
     return specs
 
 
+def _reads(calls: list[_Call], outputs: int) -> list[list[bool]]:
+    """Per call, per tensor output: whether anything read its values after the call returned. A
+    storage the tracker cannot follow counts as read."""
+    return [[_read(call, k) for k in range(outputs)] for call in calls]
+
+
+def _read(call: _Call, k: int) -> bool:
+    history = call.out_histories[k] if k < len(call.out_histories) else None
+    return history is None or history.read_after(call.out_seq)
+
+
+def _unread(recorder: _CandidateRecorder, calls: list[_Call], outputs: int) -> list[bool]:
+    """Per tensor output: never read after any call, while every call had another output read, so
+    the study saw what the host does with the graph's results and this one is not among them. Only
+    with torch functions traced: module consumers alone miss what Python code reads."""
+    reads = _reads(calls, outputs)
+    if not recorder.tracker.trace_ops or not all(any(row) for row in reads):
+        return [False] * outputs
+    return [not any(row[k] for row in reads) for k in range(outputs)]
+
+
 def _output_specs(recorder: _CandidateRecorder, calls: list[_Call], taken: set[str]) -> list[TensorSpec]:
     first = calls[0]
     indices = _tensor_indices(first.out_leaves)
     names = pytree.output_names([first.out_paths[i] for i in indices], taken)
+    unread = _unread(recorder, calls, len(indices))
     specs = []
     for k, (index, name) in enumerate(zip(indices, names)):
         info = first.out_leaves[index]
@@ -440,6 +462,7 @@ def _output_specs(recorder: _CandidateRecorder, calls: list[_Call], taken: set[s
                 device=info.device,
                 dynamic_dims=_dynamic_dims([c.out_leaves[index].shape for c in calls]),
                 consumers=_reduced_consumers(list(consumers), recorder.path, recorder.tracker.preferred),
+                unread=unread[k],
                 flat_index=index,
             )
         )

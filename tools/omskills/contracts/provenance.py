@@ -9,7 +9,9 @@ Events on one storage are kept in time order:
     -> "input", tensors kept across frames -> "session";
   * `attached(root)` tags the root's parameters and buffers ("parameter") and adds a forward hook to
     every module, so each tensor a module returns gets a "module_output" event naming the module;
-    pre-hooks on every module record which modules receive each tensor (its consumers).
+    pre-hooks on every module record which modules receive each tensor (its consumers);
+  * each storage also keeps when its values were last read (by a consumer, or with `trace_ops` by a
+    torch function other than a metadata look-up, `contracts.reads`): an output no one read shows.
 A tensor passed through several nested modules gets one event per level, innermost first.
 With `trace_ops` (default), a TorchFunctionMode also gives each fresh tensor computed by a torch op
 the origin of its inputs, marked derived: a value thresholded in Python between two modules is
@@ -39,6 +41,7 @@ from typing import Any, get_args
 import torch
 import torch.utils._pytree as pt
 from omskills.contracts import pytree
+from omskills.contracts.reads import reads_values
 from omskills.records.contracts import LineageRoot, Provenance, ProvenanceKind, is_ancestor
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -65,10 +68,14 @@ class StorageHistory:
     events: list[tuple[int, Provenance]] = field(default_factory=list)
     consumers: list[tuple[int, str]] = field(default_factory=list)
     roots: dict[LineageRoot, str] = field(default_factory=dict)  # kind -> the first source seen
+    last_read: int = 0  # stamp of the last torch function or module that read its values
 
     def add_roots(self, roots: dict[LineageRoot, str]) -> None:
         for kind, source in roots.items():
             self.roots.setdefault(kind, source)
+
+    def read_after(self, seq: int) -> bool:
+        return self.last_read > seq
 
     def consumers_after(self, seq: int) -> list[str]:
         seen: dict[str, None] = {}
@@ -127,6 +134,14 @@ class ProvenanceTracker:
         history = self.history(tensor, create=False)
         if history is not None:
             history.consumers.append((self._tick(), module_path))
+            history.last_read = self.seq
+
+    def read(self, tensors: list[torch.Tensor]) -> None:
+        """A torch function read the values of `tensors` (only one stamp is kept per storage: the last)."""
+        for tensor in tensors:
+            history = self.history(tensor, create=False)
+            if history is not None:
+                history.last_read = self._tick()
 
     # ------------------------------------------------------------------ tagging by the driver
 
@@ -428,6 +443,11 @@ class _LineageMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if reads_values(func):
+            try:
+                self.tracker.read(_shallow_tensors((args, kwargs)))
+            except Exception:  # reads are an annotation too
+                _log.debug("provenance read skipped for %s", func, exc_info=True)
         out = func(*args, **kwargs)
         try:
             self.tracker.inherit(out, (args, kwargs))

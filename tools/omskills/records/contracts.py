@@ -64,6 +64,9 @@ class TensorSpec(Record):
     dynamic_dims: dict[str, list[int]] = Field(default_factory=dict)
     provenance: Provenance | None = None  # inputs only
     consumers: list[str] = Field(default_factory=list)  # outputs only: modules that read it next
+    # Outputs only: the study saw the host read other outputs of the graph after each call and never
+    # this one, so a deployment may leave it on the device (a placeholder copies it back if read).
+    unread: bool = False
     # Position among all leaves (tensor and non-tensor) of the flattened tree, to rebuild it.
     flat_index: int | None = None
 

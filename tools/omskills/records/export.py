@@ -65,6 +65,9 @@ class SpliceStats(Record):
     fallbacks: int
     memo_hits: int = 0  # calls answered from memory: the same inputs as an earlier call (splicing.memo)
     merged_hits: int = 0  # calls answered inside another graph's call by their merged graph (splicing.splice)
+    # Outputs the study saw no host code read, left on the device, that were read after all: each
+    # copied back then (splicing.unfetched), the study's view of the host's reads being wrong.
+    held_outputs_read: int = 0
     fallback_kinds: dict[FallbackKind, int] = Field(default_factory=dict)  # kind -> count
     fallback_reasons: list[str] = Field(default_factory=list)  # distinct reasons, first seen first
     total_backend_seconds: float = 0.0  # feeds conversion + backend run + output rebuild

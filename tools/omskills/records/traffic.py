@@ -18,7 +18,10 @@ class GraphTraffic(Record):
     calls: int = Field(description="Backend calls (fallbacks to PyTorch move nothing and are not counted).")
     bytes_in: int = Field(description="Bytes of the inputs the calls sent: what a host copies to the device.")
     bytes_out: int = Field(
-        description="Bytes of the outputs the calls returned: what a device copies back to the host."
+        description=(
+            "Bytes of the outputs the calls copied back to the host; an output the study saw no host code "
+            "read stays on the device and counts only when it is read after all."
+        )
     )
     copies: int = Field(
         0, description="Tensors copied in or out by the calls (each a host<->device copy on the target)."

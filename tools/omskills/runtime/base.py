@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from omskills.errors import OmskillsError
@@ -65,6 +65,16 @@ class IOSpec(Record):
 
 
 @dataclass(frozen=True)
+class HeldOutput:
+    """A graph output the runtime kept where it computed it, not copied back: its shape, and how to
+    copy it back when the host reads it after all. A runner returns one for each output it was not
+    asked to fetch, when it can leave outputs on its device (see `Runner.run`)."""
+
+    shape: tuple[int, ...]
+    copy_back: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
 class Placement:
     """What a deployment asks of the backend that opens a graph; the backend picks its device from it."""
 
@@ -103,8 +113,10 @@ class Runner(ABC):
         """Free the loaded model."""
 
     @abstractmethod
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Outputs by name (model order) for `feeds`."""
+    def run(self, feeds: Mapping[str, np.ndarray], fetch: Collection[str] | None = None) -> dict[str, Any]:
+        """Outputs by name (model order) for `feeds`. `fetch`: the outputs the host reads (None:
+        all); the others may come back as `HeldOutput`s, left on the device, where the runner can
+        leave them (else as arrays, copied back like the rest)."""
 
     def __enter__(self) -> Runner:
         return self.activate()
@@ -191,20 +203,22 @@ class RuntimeBackend(Runner):
 
     # -- inference --------------------------------------------------------------------------
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Check `feeds` against the inputs, run the model, return outputs by name (model order)."""
+    def run(self, feeds: Mapping[str, np.ndarray], fetch: Collection[str] | None = None) -> dict[str, Any]:
+        """Check `feeds` against the inputs, run the model, return outputs by name (model order);
+        with `fetch`, outputs outside it as the backend's `_fetch_impl` leaves them."""
         self.activate()
         arrays = check_feeds(self._inputs, feeds, model=self.path.name)
+        names = [spec.name for spec in self._outputs if fetch is None or spec.name in fetch]
         started = time.perf_counter()
-        produced = self._infer_impl(arrays)
+        produced = self._fetch_impl(arrays, names) if len(names) < len(self._outputs) else self._infer_impl(arrays)
         self.last_seconds = time.perf_counter() - started
         return self._ordered_outputs(produced)
 
-    def _ordered_outputs(self, produced: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _ordered_outputs(self, produced: Mapping[str, Any]) -> dict[str, Any]:
         missing = [spec.name for spec in self._outputs if spec.name not in produced]
         if missing:
             raise BackendError(f"{self.kind} backend on {self.path.name} returned no value for output(s) {missing}")
-        return {spec.name: np.asarray(produced[spec.name]) for spec in self._outputs}
+        return {spec.name: _array_or_held(produced[spec.name]) for spec in self._outputs}
 
     # -- hooks for backends -----------------------------------------------------------------
 
@@ -219,6 +233,15 @@ class RuntimeBackend(Runner):
     @abstractmethod
     def _deactivate_impl(self) -> None:
         """Free what `_activate_impl` allocated."""
+
+    def _fetch_impl(self, feeds: dict[str, np.ndarray], names: list[str]) -> Mapping[str, Any]:
+        """Run once, copying back only the outputs `names`; every other output as a `HeldOutput`.
+        By default a backend cannot leave outputs on its device: all come back as arrays."""
+        return self._infer_impl(feeds)
+
+
+def _array_or_held(value: Any) -> Any:
+    return value if isinstance(value, HeldOutput) else np.asarray(value)
 
 
 def check_feeds(specs: list[IOSpec], feeds: Mapping[str, object], model: str) -> dict[str, np.ndarray]:

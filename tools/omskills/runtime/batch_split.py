@@ -1,59 +1,64 @@
-"""Run a batched call in pieces: on ONNX Runtime when the whole batch does not fit in memory, on an
-OM when the batch is not one of the gears ATC compiled.
+"""Run a batched call in pieces: on ONNX Runtime when the whole batch does not fit in memory, and
+on every backend when the batch is not one of the gears ATC compiled.
 
 On the CPU, ONNX Runtime materialises every attention score matrix: a full-scale ViT
 backbone called on 4 frames needs more than 24 GB, where PyTorch's fused attention needs a
 fraction. A candidate whose ATC strategy is `dynamic_batch_size` computes each batch item on
 its own, so ONNX Runtime can run the call as chunks of at most `max_batch` items and concatenate
-the outputs. The OM keeps its gears: on the NPU the whole batch runs as one call.
+the outputs.
 
 Whether the candidate really is item-wise is not assumed: the chunked run is compared with the
 PyTorch reference of the whole batch (the captured samples), like any other probe.
 
 An OM built with batch gears (`--dynamic_batch_size="1,4"`) runs only those sizes. A call of
-another size is served as gear-sized calls: `gear_plan` picks the chunks that pad the fewest
-items (then the fewest calls); a chunk smaller than every gear is padded by repeating its last
-item, and the padded rows are cut from the outputs. A call of 3 with gears 1 and 4 runs as 1+1+1.
+another size, between the gears or beyond the largest, is served as gear-sized calls: `gear_plan`
+picks the chunks that pad the fewest items (then the fewest calls); a chunk smaller than every
+gear is padded by repeating its last item, and the padded rows are cut from the outputs. A call of
+3 with gears 1 and 4 runs as 1+1+1; 17 with gears 4..10 as 10+7. ONNX Runtime serves the graph
+the same way (`served_in_gears`), so it runs the sizes the OM runs and verify computes what
+deploys. Each output is joined along the dim that follows the batch (`contracts.batch_axes`, not
+necessarily its first); a graph with an output that has none is left to run its gears only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from omskills.contracts.batch_axes import batch_axes, batch_gears
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.deploy import DeployedGraph
 from omskills.records.toolchain import BatchSplit
-from omskills.runtime.base import BackendInputError, IOSpec, Runner
+from omskills.runtime.base import BackendInputError, HeldOutput, IOSpec, Runner
 
 
 def batch_split_for(
     contract: ContractSpec, strategy: ShapeStrategy | None, max_batch: int, reason: str
 ) -> BatchSplit | None:
-    """How to split this candidate's batch, or None when its outputs do not all follow the batch.
+    """How to split this candidate's batch, or None when its outputs do not all follow the batch
+    (`contracts.batch_axes` says why)."""
+    axes = batch_axes(contract, strategy)
+    if isinstance(axes, str):
+        return None
+    return BatchSplit(max_batch=max_batch, input_axes=axes.inputs, output_axes=axes.outputs, reason=reason)
 
-    The batch is dim 0 of the inputs a `dynamic_batch_size` strategy makes dynamic; an output
-    follows it when its dim 0 equals the batch in every observed call.
-    """
-    if strategy is None or strategy.kind != "dynamic_batch_size":
+
+def served_in_gears(
+    runner: Runner, graph: DeployedGraph, reason: str, memory: BatchSplit | None = None
+) -> Runner | None:
+    """`runner` serving any batch as calls of the graph's batch gears, or None when the graph has no
+    batch gears or its calls cannot be split. `memory`: the chunks ONNX Runtime's memory allows
+    (probe_onnx's split), so no gear above them runs."""
+    gears = [gear for gear in batch_gears(graph.strategy) if memory is None or gear <= memory.max_batch]
+    if not gears:
         return None
-    batched = [spec for spec in contract.inputs if strategy.input_shapes.get(spec.name, [None])[0] == -1]
-    if not batched:
+    split = batch_split_for(graph.contract, graph.strategy, max(gears), reason)
+    if split is None:
         return None
-    first = contract.input_index(batched[0].name)
-    shapes = contract.call_shapes
-    if not shapes or any(len(call.outputs) != len(contract.outputs) for call in shapes):
-        return None
-    for index in range(len(contract.outputs)):
-        if any(not call.outputs[index] or call.outputs[index][0] != call.inputs[first][0] for call in shapes):
-            return None
-    return BatchSplit(
-        max_batch=max_batch,
-        input_axes={spec.name: 0 for spec in batched},
-        output_axes={spec.name: 0 for spec in contract.outputs},
-        reason=reason,
-    )
+    return SplitBatchBackend(runner, memory or split, gears=gears)
 
 
 @dataclass(frozen=True)
@@ -122,16 +127,40 @@ class SplitBatchBackend(Runner):
     def close(self) -> None:
         self.backend.close()
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: Mapping[str, np.ndarray], fetch: Collection[str] | None = None) -> dict[str, Any]:
+        chunks = self._chunks(feeds)
+        if chunks is None:
+            return self.backend.run(feeds, fetch)
+        return self._run_chunks(feeds, chunks, fetch)
+
+    @property
+    def holds_values(self) -> bool:
+        """Whether the runner beneath keeps outputs as the runtime's own values (`run_values`)."""
+        return bool(getattr(self.backend, "holds_values", False))
+
+    def run_values(self, feeds: Mapping[str, object], fetch: Collection[str] | None = None) -> dict[str, object]:
+        """`run_values` of the runner beneath for a call that runs whole. A call run in chunks is
+        joined on the host, so its outputs come back as arrays, which the splice hands on as such."""
+        arrays = {name: _host_array(value) for name, value in feeds.items()}
+        chunks = self._chunks(arrays)
+        if chunks is None:
+            return self.backend.run_values(feeds, fetch)  # type: ignore[attr-defined]
+        return dict(self._run_chunks(arrays, chunks, fetch))
+
+    def _chunks(self, feeds: Mapping[str, np.ndarray]) -> list[Chunk] | None:
+        """The chunks this call runs as, or None when it runs whole."""
         batch = self._batch_of(feeds)
         chunks = self._plan(batch)
-        if not chunks or (len(chunks) == 1 and chunks[0].gear == batch):
-            return self.backend.run(feeds)
+        return None if not chunks or (len(chunks) == 1 and chunks[0].gear == batch) else chunks
+
+    def _run_chunks(
+        self, feeds: Mapping[str, np.ndarray], chunks: list[Chunk], fetch: Collection[str] | None
+    ) -> dict[str, Any]:
         self.chunked_calls += 1
         self.chunk_sizes.append([chunk.gear for chunk in chunks])
         parts, start = [], 0
         for chunk in chunks:
-            produced = self.backend.run(self._chunk(feeds, start, chunk))
+            produced = self.backend.run(self._chunk(feeds, start, chunk), fetch)
             parts.append({name: self._unpadded(name, value, chunk) for name, value in produced.items()})
             start += chunk.size
         return {name: self._joined(name, [part[name] for part in parts]) for name in parts[0]}
@@ -156,15 +185,33 @@ class SplitBatchBackend(Runner):
             for name, value in feeds.items()
         }
 
-    def _unpadded(self, name: str, value: np.ndarray, chunk: Chunk) -> np.ndarray:
+    def _unpadded(self, name: str, value: Any, chunk: Chunk) -> Any:
         if chunk.size == chunk.gear or name not in self.split.output_axes:
             return value
-        return _take(value, self.split.output_axes[name], 0, Chunk(chunk.size, chunk.size))
+        axis, kept = self.split.output_axes[name], Chunk(chunk.size, chunk.size)
+        if isinstance(value, HeldOutput):  # cut when it is copied back, if ever
+            shape = tuple(chunk.size if k == axis else d for k, d in enumerate(value.shape))
+            return HeldOutput(shape, lambda: _take(value.copy_back(), axis, 0, kept))
+        return _take(value, axis, 0, kept)
 
-    def _joined(self, name: str, pieces: Sequence[np.ndarray]) -> np.ndarray:
+    def _joined(self, name: str, pieces: Sequence[Any]) -> Any:
         if name not in self.split.output_axes:
             raise OmskillsError(f"batch split: output {name!r} has no batch axis to join its chunks on")
-        return np.concatenate(pieces, axis=self.split.output_axes[name])
+        axis = self.split.output_axes[name]
+        if any(isinstance(piece, HeldOutput) for piece in pieces):  # each piece stays where it is until read
+            shape = list(pieces[0].shape)
+            shape[axis] = sum(piece.shape[axis] for piece in pieces)
+            return HeldOutput(tuple(shape), lambda: np.concatenate([_copied(piece) for piece in pieces], axis=axis))
+        return np.concatenate(pieces, axis=axis)
+
+
+def _copied(value: Any) -> np.ndarray:
+    return value.copy_back() if isinstance(value, HeldOutput) else value
+
+
+def _host_array(value: object) -> np.ndarray:
+    """A feed as a host array: an array as it is, a runtime value (an OrtValue) as the array viewing it."""
+    return value if isinstance(value, np.ndarray) else value.numpy()  # type: ignore[attr-defined]
 
 
 def _take(array: np.ndarray, axis: int, start: int, chunk: Chunk) -> np.ndarray:

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 from omskills.isolation import trim_heap
 from omskills.records.deploy import DeployedGraph
 from omskills.records.toolchain import BatchSplit
-from omskills.runtime.base import BackendError, IOSpec, Placement, Runner, RuntimeBackend, check_feeds
-from omskills.runtime.batch_split import SplitBatchBackend
+from omskills.runtime.base import (
+    BackendError,
+    HeldOutput,
+    IOSpec,
+    Placement,
+    Runner,
+    RuntimeBackend,
+    check_feeds,
+)
+from omskills.runtime.batch_split import SplitBatchBackend, served_in_gears
 
 # Tried in this order when the caller does not choose: the Ascend provider first (the point
 # of this project), then a GPU, then the CPU that is always there.
@@ -81,16 +89,19 @@ class OnnxRuntimeBackend(RuntimeBackend):
     @classmethod
     def serve(cls, graph: DeployedGraph, root: Path, placement: Placement) -> Runner:
         """A session on the providers asked for (or the preferred ones present). The CANN provider
-        gets the NPU and the precision mode chosen in emulation; on the CPU the batch runs in the
-        chunks probe_onnx found it needs."""
+        gets the NPU and the precision mode chosen in emulation. A graph with batch gears runs the
+        sizes its OM runs, any other batch as gear-sized calls (as the OM backend serves it); on the
+        CPU no gear above the chunks probe_onnx found the batch needs."""
         cann = {"device_id": str(placement.device_id)}
         if graph.precision_mode:
             cann["precision_mode"] = graph.precision_mode
         model = placement.model or root / graph.onnx.path
         backend = cls(model, providers=placement.providers, provider_options={CANN_PROVIDER: cann}).activate()
-        if graph.batch_split is not None and backend.device == CPU_PROVIDER:
-            return SplitBatchBackend(backend, graph.batch_split)
-        return backend
+        memory = graph.batch_split if backend.device == CPU_PROVIDER else None
+        geared = served_in_gears(backend, graph, "ONNX Runtime runs the OM's batch gears", memory)
+        if geared is not None:
+            return geared
+        return SplitBatchBackend(backend, memory) if memory is not None else backend
 
     def __init__(
         self,
@@ -220,6 +231,15 @@ class OnnxRuntimeBackend(RuntimeBackend):
         # pages, and trimming made it fault them in again (a memory-attention call: 14 % slower).
         return dict(zip(names, values))
 
+    def _fetch_impl(self, feeds: dict[str, np.ndarray], names: list[str]) -> Mapping[str, object]:
+        """On the CPU, where ONNX Runtime stands in for the OM in verify, the outputs outside `names`
+        are held as the OM holds them on its device (here in host memory, where they already are), so
+        the host meets the same placeholders; a device provider copies every output back."""
+        produced = self._infer_impl(feeds)
+        if self.device != CPU_PROVIDER:
+            return produced
+        return {name: value if name in names else _held(value) for name, value in produced.items()}
+
     @property
     def holds_values(self) -> bool:
         """Whether `run_values` serves this session: ONNX Runtime's CPU, where an OrtValue and the
@@ -227,10 +247,11 @@ class OnnxRuntimeBackend(RuntimeBackend):
         self.activate()
         return self.device == CPU_PROVIDER and not self.fused_attention_blocks
 
-    def run_values(self, feeds: Mapping[str, object]) -> dict[str, object]:
+    def run_values(self, feeds: Mapping[str, object], fetch: Collection[str] | None = None) -> dict[str, object]:
         """`run` with values that stay in ONNX Runtime: an input may be an OrtValue another session
-        returned, bound as it is; every output comes back as an OrtValue on the session's device.
-        The spliced pipeline hands an output on this way when the next graph reads it unchanged."""
+        returned, bound as it is; every output comes back as an OrtValue on the session's device
+        (those outside `fetch` held, as `_fetch_impl` holds them). The spliced pipeline hands an
+        output on this way when the next graph reads it unchanged."""
         import onnxruntime
 
         if not self.holds_values:
@@ -254,11 +275,22 @@ class OnnxRuntimeBackend(RuntimeBackend):
         except Exception as exc:
             raise BackendError(f"onnxruntime failed to run {self.path.name}: {_first_line(exc)}") from exc
         self.last_seconds = time.perf_counter() - started
-        return dict(zip(names, binding.get_outputs()))
+        values = dict(zip(names, binding.get_outputs()))
+        return {name: v if fetch is None or name in fetch else _held_value(v) for name, v in values.items()}
 
     def _deactivate_impl(self) -> None:
         self._session = None
         trim_heap()
+
+
+def _held(array: np.ndarray) -> HeldOutput:
+    return HeldOutput(shape=tuple(array.shape), copy_back=lambda: array)
+
+
+def _held_value(value) -> HeldOutput:
+    """An OrtValue held: the host array viewing it is made only when the host reads it."""
+    # A copy: the host tensor must not outlive the OrtValue whose buffer a view would share.
+    return HeldOutput(shape=tuple(value.shape()), copy_back=lambda: np.array(value.numpy()))
 
 
 def _specs(node_args) -> list[IOSpec]:

@@ -12,15 +12,17 @@ contract raises `ContractViolation` instead (a deployment that must never run Py
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+from omskills.contracts.batch_axes import batch_axes
 from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
 from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
 from omskills.errors import OmskillsError, one_line
@@ -28,6 +30,7 @@ from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
 from omskills.splicing.memo import OutputMemo, memoisable
 from omskills.splicing.traffic import TrafficMeter
+from omskills.splicing.unfetched import Unfetched
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -60,7 +63,13 @@ class SpliceBackend(Protocol):
     @property
     def outputs(self) -> Sequence[IOName]: ...
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]: ...
+    def run(self, feeds: Mapping[str, np.ndarray], fetch: Collection[str] | None = None) -> Mapping[str, Any]: ...
+
+
+# What a backend returns for an output the splice did not ask it to fetch, when it can leave the
+# output on its device (`runtime.base.HeldOutput`): its `shape`, and `copy_back()`.
+def _is_held(value: Any) -> bool:
+    return hasattr(value, "copy_back") and hasattr(value, "shape") and not isinstance(value, np.ndarray)
 
 
 # --------------------------------------------------------------------------- contract checks
@@ -87,15 +96,21 @@ class ShapeRule:
     may take any of the sizes observed then. With one, its -1 dims are the dynamic ones and their
     values must form one of its gears (tiled when several inputs share them, as a batch does) or
     lie within its ranges. `any_batch`: inputs whose dim 0 takes any size, because the backend
-    serves other sizes as gear-sized calls.
+    serves other sizes as gear-sized calls. `unsplit`: why a batch outside the gears cannot be
+    served that way, told with the call that falls back.
     """
 
     def __init__(
-        self, inputs: list[TensorSpec], strategy: ShapeStrategy | None, any_batch: frozenset[str] = frozenset()
+        self,
+        inputs: list[TensorSpec],
+        strategy: ShapeStrategy | None,
+        any_batch: frozenset[str] = frozenset(),
+        unsplit: str | None = None,
     ) -> None:
         self.inputs = inputs
         self.strategy = strategy
         self.any_batch = any_batch
+        self.unsplit = unsplit
 
     def violation(self, tensors: Sequence[torch.Tensor]) -> str | None:
         if self.strategy is None:
@@ -132,7 +147,10 @@ class ShapeRule:
         values = [entry.size for entry in dynamic]
         if any(_tiled(gear, len(values)) == values for gear in strategy.gears):
             return None
-        return f"dynamic dims {_named(dynamic)} match no {strategy.kind} gear of {strategy.gears}"
+        why = f"dynamic dims {_named(dynamic)} match no {strategy.kind} gear of {strategy.gears}"
+        if strategy.kind == "dynamic_batch_size" and self.unsplit:
+            why += f"; the batch cannot run as gear-sized calls: {self.unsplit}"
+        return why
 
 
 def _tiled(gear: list[int], length: int) -> list[int] | None:
@@ -162,6 +180,12 @@ def _outside_ranges(dynamic: list[_DynamicDim], strategy: ShapeStrategy) -> str 
             if not low <= entry.size <= high:
                 return f"input {name} dim {entry.dim} is {entry.size}, outside the strategy's range [{low}, {high}]"
     return None
+
+
+def _unsplit(contract: ContractSpec, strategy: ShapeStrategy | None) -> str | None:
+    """Why this graph's batch cannot be split into gear-sized calls, or None when it can."""
+    axes = batch_axes(contract, strategy)
+    return axes if isinstance(axes, str) else None
 
 
 def _same_constant(value: Any, arg: NonTensorArg, bound: Any) -> bool:
@@ -207,7 +231,9 @@ class _Route:
         self.output_layout = TreeLayout.of_output(contract)
         self.in_spec = spec_from_str(contract.in_spec)
         self.out_spec = spec_from_str(contract.out_spec)
-        self.shape_rule = ShapeRule(contract.inputs, strategy, getattr(backend, "any_size_inputs", frozenset()))
+        self.shape_rule = ShapeRule(
+            contract.inputs, strategy, getattr(backend, "any_size_inputs", frozenset()), _unsplit(contract, strategy)
+        )
         self.bound_constants = self._bound_constants(contract)
         self.output_constants = self._output_constants(contract)
         self.feed_names = self._feed_names(contract, backend)
@@ -216,6 +242,11 @@ class _Route:
         self.backend_seconds: list[float] = []
         self.fallback_events: list[FallbackEvent] = []
         self.merged: MergedChain | None = None  # set on every graph of a merge
+        # The outputs to copy back: all but those the study saw no host code read. A graph whose
+        # calls are remembered keeps every output: the memory answers later calls with them.
+        unread = [spec.name for spec in contract.outputs if spec.unread]
+        self.fetch = [s.name for s in contract.outputs if not s.unread] if unread and self.memo is None else None
+        self.held_read: list[str] = []  # held outputs read after all, one entry per copy back
 
     @staticmethod
     def _bound_constants(contract: ContractSpec) -> list[Any]:
@@ -313,30 +344,49 @@ class _Route:
         if runs_merged:
             merged.forget()  # a call answered from memory computes nothing for the later graphs
         if produced is None:
-            backend = merged.backend if runs_merged else self.backend
-            if self.holds_values and getattr(backend, "holds_values", False):
-                values, resident = self._run_values(backend, by_name, feeds)
-                produced = {name: value.numpy() for name, value in values.items()}  # views, not copies
-            else:
-                produced = backend.run(feeds)
+            produced, values, resident = self._launch(merged.backend if runs_merged else self.backend, by_name, feeds)
             if key is not None:
                 self.memo.put(key, {name: produced[name] for name in names})
         outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
         if ran:  # a call answered from memory ran nothing and moved nothing
             self.backend_seconds.append(time.perf_counter() - started)
-            kept = [values[name] for name in names] if values is not None else None
             if runs_merged:
                 merged.keep(produced, dict(zip(names, outputs)))
-            self.traffic.record(
-                self.contract.candidate,
-                [by_name[name] for name in self.feed_names],
-                feeds,
-                outputs,
-                kept,
-                resident,
-                names,
-            )
+            self._count(by_name, feeds, outputs, values, resident)
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
+
+    def _launch(
+        self, backend: SpliceBackend, by_name: Mapping[str, torch.Tensor], feeds: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
+        """One backend call: (outputs as host arrays or held values, the runtime's own values when
+        kept, the feeds given as such values). A merged graph's call fetches every output: the
+        later members are answered from them."""
+        fetch = self.fetch if backend is self.backend else None
+        if self.holds_values and getattr(backend, "holds_values", False):
+            values, resident = self._run_values(backend, by_name, feeds, fetch)
+            return {name: _host_view(value) for name, value in values.items()}, values, resident
+        return dict(backend.run(feeds, **_fetching(backend.run, fetch))), None, []
+
+    def _count(
+        self,
+        by_name: Mapping[str, torch.Tensor],
+        feeds: Mapping[str, np.ndarray],
+        outputs: list[torch.Tensor],
+        values: Mapping[str, Any] | None,
+        resident: list[str],
+    ) -> None:
+        """The call's traffic: every feed in, and back only the outputs copied back (not those held)."""
+        names = [spec.name for spec in self.contract.outputs]
+        crossed = [k for k, tensor in enumerate(outputs) if not isinstance(tensor, Unfetched)]
+        self.traffic.record(
+            self.contract.candidate,
+            [by_name[name] for name in self.feed_names],
+            feeds,
+            [outputs[k] for k in crossed],
+            [_held(values[names[k]]) for k in crossed] if values is not None else None,
+            resident,
+            [names[k] for k in crossed],
+        )
 
     @property
     def holds_values(self) -> bool:
@@ -347,7 +397,11 @@ class _Route:
         return self._holds_values
 
     def _run_values(
-        self, backend: SpliceBackend, by_name: Mapping[str, torch.Tensor], feeds: Mapping[str, np.ndarray]
+        self,
+        backend: SpliceBackend,
+        by_name: Mapping[str, torch.Tensor],
+        feeds: Mapping[str, np.ndarray],
+        fetch: list[str] | None,
     ) -> tuple[dict[str, Any], list[str]]:
         """The call with each input that is another graph's output, unchanged, given as that graph's
         own runtime value (a device-resident hand-off); the outputs as the runtime's values."""
@@ -357,17 +411,38 @@ class _Route:
             if value is not None and _same_buffer(value, array):
                 bound[name] = value
         resident = [name for name in feeds if bound[name] is not feeds[name]]
-        return backend.run_values(bound), resident  # type: ignore[attr-defined]
+        run_values = backend.run_values  # type: ignore[attr-defined]
+        return run_values(bound, **_fetching(run_values, fetch)), resident
 
-    def _output_tensor(
-        self, spec: TensorSpec, produced: Mapping[str, np.ndarray], device: torch.device
-    ) -> torch.Tensor:
+    def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, Any], device: torch.device) -> torch.Tensor:
         if spec.name not in produced:
             raise SpliceError(
                 f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}"
             )
-        array = np.require(produced[spec.name], requirements="C")
+        value = produced[spec.name]
+        if _is_held(value):
+            return Unfetched(
+                tuple(value.shape), torch_dtype(spec.dtype), device, value.copy_back, self._read_held(spec.name)
+            )
+        array = np.require(value, requirements="C")
         return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
+
+    def _read_held(self, name: str) -> Callable[[torch.Tensor], None]:
+        """What happens when the host reads an output the study saw it never read: it was copied back
+        then; said once per output, counted every time."""
+
+        def read(tensor: torch.Tensor) -> None:
+            if name not in self.held_read:
+                logger.warning(
+                    "%s output %s, left on the device as the study saw no host code read it, was read: "
+                    "copied back now (the study's main path misses this read)",
+                    self.contract.candidate,
+                    name,
+                )
+            self.held_read.append(name)
+            self.traffic.record_late_copy(self.contract.candidate, tensor)
+
+        return read
 
     def stats(self) -> SpliceStats:
         kinds = Counter(event.kind for event in self.fallback_events)
@@ -382,6 +457,7 @@ class _Route:
             fallbacks=len(self.fallback_events),
             memo_hits=self.memo.hits if self.memo is not None else 0,
             merged_hits=self.merged.answered[self.merged.member(self)] if self.merged is not None else 0,
+            held_outputs_read=len(self.held_read),
             fallback_kinds=dict(kinds),
             fallback_reasons=list(dict.fromkeys(event.reason for event in self.fallback_events)),
             total_backend_seconds=total,
@@ -663,6 +739,30 @@ class SpliceHandle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.unsplice()
+
+
+def _fetching(run: Callable[..., Any], fetch: list[str] | None) -> dict[str, Any]:
+    """`fetch` as the keyword `run` takes, when there is a subset to ask for and `run` takes it: a
+    runner written before `fetch` existed copies every output back, and is counted so."""
+    if fetch is None:
+        return {}
+    try:
+        parameters = inspect.signature(run).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    takes = any(p.name == "fetch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return {"fetch": fetch} if takes else {}
+
+
+def _host_view(value: Any) -> Any:
+    """A runtime value as the host array viewing it (no copy); an array (a call joined from
+    chunks on the host) or an output held on the device as it is."""
+    return value if isinstance(value, np.ndarray) or _is_held(value) else value.numpy()
+
+
+def _held(value: Any) -> Any:
+    """The runtime's own value to hand on, or None for a host array (nothing held in the runtime)."""
+    return None if isinstance(value, np.ndarray) or _is_held(value) else value
 
 
 def _same_buffer(value: Any, array: np.ndarray) -> bool:

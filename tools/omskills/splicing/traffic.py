@@ -4,8 +4,9 @@ unchanged (a hand-off that could stay on the device).
 
 On an Ascend host every graph call copies its inputs to the device and its outputs back, so
 these counts, not the graphs' own time, are what merging graphs and keeping hand-offs on the
-device would save. The meter only counts; `records.traffic` turns the counts into a predicted
-link time.
+device would save. An output the study saw no host code read stays on the device
+(`splicing.unfetched`): it is counted only if it is read after all, when it is copied back.
+The meter only counts; `records.traffic` turns the counts into a predicted link time.
 """
 
 from __future__ import annotations
@@ -151,6 +152,17 @@ class TrafficMeter:
             counts.copies += len(outputs)
             self._forget_dead()
             self._produced_by(graph, outputs, None, output_names)
+
+        self._guarded(graph, count)
+
+    def record_late_copy(self, graph: str, tensor: torch.Tensor) -> None:
+        """An output `graph` left on the device, copied back when the host read it after all: counted
+        toward the step in which it was read."""
+
+        def count() -> None:
+            counts = self._pending[graph]
+            counts.bytes_out += int(tensor.nbytes)
+            counts.copies += 1
 
         self._guarded(graph, count)
 

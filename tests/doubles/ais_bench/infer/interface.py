@@ -16,7 +16,9 @@ enforces what the real session does:
   context current fails like ACL does (107003), so a caller mixing torch_npu and ais_bench must
   switch contexts around each call.
 
-Every `infer` call is recorded (mode, custom_sizes, feed shapes and dtypes) for tests to check.
+Every `infer` call is recorded (mode, custom_sizes, feed shapes and dtypes, and which outputs were
+copied back to the host) for tests to check. With `out_array=False` the outputs are device tensor
+doubles (`.shape`, `to_host()`, then `numpy.array`), as ais_bench's InferSession returns them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,26 @@ class InferCall:
     custom_sizes: object
     feed_shapes: list[tuple[int, ...]]
     feed_dtypes: list[str]
+    out_array: bool = True
+    copied_back: list[str] = field(default_factory=list)  # outputs brought to the host (all, with out_array)
+
+
+class DeviceTensorDouble:
+    """Mirrors an `aclruntime.Tensor` in device memory: its `.shape`; `to_host()` copies it back,
+    and only then does `numpy.array(tensor)` read it (as InferSession.run does for out_array=True)."""
+
+    def __init__(self, name: str, value, call: InferCall) -> None:
+        self.name, self._value, self._call, self._on_host = name, value, call, False
+        self.shape = list(value.shape)
+
+    def to_host(self) -> None:
+        self._on_host = True
+        self._call.copied_back.append(self.name)
+
+    def __array__(self, dtype=None, copy=None):
+        if not self._on_host:
+            raise RuntimeError(f"{self.name} is in device memory: call to_host() first")
+        return self._value if dtype is None else self._value.astype(dtype)
 
 
 @dataclass
@@ -152,14 +174,14 @@ class InferSessionDouble:
         return [self._desc(arg) for arg in self._ort.get_outputs()]
 
     def infer(self, feeds, mode="static", custom_sizes=100000, out_array=True):
-        self.calls.append(
-            InferCall(
-                mode=mode,
-                custom_sizes=custom_sizes,
-                feed_shapes=[tuple(f.shape) for f in feeds],
-                feed_dtypes=[str(f.dtype) for f in feeds],
-            )
+        call = InferCall(
+            mode=mode,
+            custom_sizes=custom_sizes,
+            feed_shapes=[tuple(f.shape) for f in feeds],
+            feed_dtypes=[str(f.dtype) for f in feeds],
+            out_array=out_array,
         )
+        self.calls.append(call)
         if mode not in DOCUMENTED_MODES:
             raise RuntimeError(f"mode {mode} invalid")
         if self.acl is not None and self.context is not None and self.acl.rt.get_context()[0] != self.context:
@@ -170,7 +192,12 @@ class InferSessionDouble:
         names = [arg.name for arg in self._ort.get_inputs()]
         if self.built:
             self._check_built(mode, dict(zip(names, feeds)))
-        return self._ort.run(None, dict(zip(names, feeds)))
+        values = self._ort.run(None, dict(zip(names, feeds)))
+        outputs = [arg.name for arg in self._ort.get_outputs()]
+        if out_array:
+            call.copied_back += outputs
+            return values
+        return [DeviceTensorDouble(name, value, call) for name, value in zip(outputs, values)]
 
     def _check_built(self, mode: str, feeds: dict) -> None:
         built = self.built
