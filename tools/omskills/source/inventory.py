@@ -77,6 +77,16 @@ def read_package(root: Path, package: str) -> dict[str, SourceFile]:
     return files
 
 
+def package_state(root: Path, package: str) -> list[tuple[str, int, int]]:
+    """Each .py file of the package with its size and modification time: what `read_package` would
+    read, checked without reading it (a scan of an unchanged package is reused)."""
+    return [
+        (path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns)
+        for path in sorted((root / package).rglob("*.py"))
+        for stat in [path.stat()]
+    ]
+
+
 def _imported_modules(source: SourceFile) -> Iterator[str]:
     """Every module an import statement anywhere in the file names (lazy imports included)."""
     package = source.module if source.is_package else source.module.rpartition(".")[0]
