@@ -109,8 +109,18 @@ def driver_request(record: Path, scale: str | None) -> MemoryRequest:
     estimate = given.estimate
     assert estimate is not None  # a driver that declares nothing is measured
     gb = round(estimate.need_bytes * ESTIMATE_MARGIN / GB, 2)
-    why = f"the {given.family} model measured: {estimate.describe()}, x{ESTIMATE_MARGIN} for its activations"
+    why = f"the {given.family} model measured: {described(estimate)}, x{ESTIMATE_MARGIN} for what that leaves out"
     return MemoryRequest(gb=gb, why=why, estimate=estimate)
+
+
+def described(estimate: AdaptationMemory) -> str:
+    """The estimate in Ray's GB (1e9 bytes, as the request)."""
+    parts = [
+        f"client {estimate.imports_bytes / GB:.2f}",
+        f"server with the model {estimate.loaded_bytes / GB:.2f}",
+        f"ONNX Runtime sessions {estimate.sessions_bytes / GB:.2f}",
+    ]
+    return f"{estimate.need_bytes / GB:.2f} GB predicted at scale {estimate.scale} ({' + '.join(parts)} GB)"
 
 
 def _record_scale(record: Path) -> str:

@@ -668,7 +668,7 @@ def plan_probe(
 
 class AdaptationMemory(Record):
     """What an adaptation's whole process tree may take at its peak, predicted before it runs from
-    its model as its driver builds it (`omskills.models.footprint` measures the parts in a fresh
+    its model as its driver builds it (`omskills fleet` measures the parts in a fresh
     process). At the peak (verify, or a probe in a child) the tree holds:
 
     - the `adapt` client, which imported the driver to check the record: `imports_bytes`;
@@ -687,13 +687,6 @@ class AdaptationMemory(Record):
     weights_bytes: int = Field(description="Bytes of the model's parameters and buffers.")
     sessions_bytes: int = Field(description="ONNX Runtime sessions holding the weights again (session_need_bytes).")
     need_bytes: int = Field(description="imports_bytes + loaded_bytes + sessions_bytes.")
-
-    def describe(self) -> str:
-        parts = (
-            f"client {size_text(self.imports_bytes)} + server with the model {size_text(self.loaded_bytes)} + "
-            f"ONNX Runtime sessions {size_text(self.sessions_bytes)}"
-        )
-        return f"{size_text(self.need_bytes)} predicted at scale {self.scale} ({parts})"
 
 
 def adaptation_memory(scale: str, imports_bytes: int, loaded_bytes: int, weights_bytes: int) -> AdaptationMemory:
