@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 import textwrap
 from pathlib import Path
@@ -94,6 +95,18 @@ def test_the_report_is_written_to_the_task_record(this_machine):
     record = load_record(path)
     assert record.environment == report
     assert record.stages["environment"].status == "done"
+
+
+def test_a_rerun_on_the_same_machine_reuses_its_probe_and_another_machine_state_probes_again(tmp_path, monkeypatch):
+    path = write_record(tmp_path)
+    first = TOOL(task=str(path))
+    again = TOOL(task=str(path))
+    assert again.probed_at == first.probed_at and again.packages == first.packages
+    assert "probe of " + first.probed_at + " reused" in load_record(path).stages["environment"].note
+    # Another PATH may hold another atc, another interpreter other packages: the machine is probed again.
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    TOOL(task=str(path))
+    assert "reused" not in load_record(path).stages["environment"].note
 
 
 def test_fake_ascend_toolchain_is_detected(tmp_path, monkeypatch):

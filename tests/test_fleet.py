@@ -1,8 +1,9 @@
-"""`omskills fleet`: many adaptations as Ray tasks on a real two-node Ray cluster (loopback).
+"""`omskills fleet`: many adaptations as Ray tasks on a real two-node Ray cluster (loopback), and
+on a local Ray instance of its own (first in the file, and Ctrl-C).
 
 The cluster is `ray start --head` plus one worker node, each offering 5 GB of Ray's memory
-resource and two CPUs: an adaptation asks for 3 GB, so memory, not CPUs, keeps each node to one
-at a time. Four toy adaptations run through it, one of them made to fail.
+resource and two CPUs: the first run's adaptations ask for 3 GB, so memory, not CPUs, keeps each
+node to one at a time. Four toy adaptations run through it, one of them made to fail, then again.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
+from omskills.orchestrator.fleet_memory import ESTIMATE_MARGIN, GB
 from test_drivers import TOY_DRIVER
 
 pytest.importorskip("ray", reason="Ray is the optional [fleet] extra")
@@ -43,7 +47,7 @@ class HugeDriver(ToyDriver):
     family = "toy-huge"
     adaptation_memory_gb = {"tiny": 900.0}
 """
-STEPS_KEPT_ON_RESUME = ("study", "plan", "boundaries", "export:", "probe:", "optimize:", "precision:")
+STEPS_KEPT_ON_RESUME = ("study", "plan", "boundaries", "export:", "probe:", "optimize:", "precision:", "verify")
 
 
 def free_port() -> int:
@@ -124,10 +128,27 @@ def fleet(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     return subprocess.run([*CLI, "fleet", *args], capture_output=True, text=True, timeout=1200, env=env)
 
 
-def finished_steps(run: Path) -> dict[str, str]:
+def finished_steps(record: dict) -> dict[str, str]:
     """The steps done, each with when it started: a step redone starts again."""
-    stages = yaml.safe_load((run / "task.yaml").read_text())["stages"]
+    stages = record["stages"]
     return {k: v["started"] for k, v in stages.items() if v["status"] == "done" and k.startswith(STEPS_KEPT_ON_RESUME)}
+
+
+def run_record(out: Path, name: str) -> dict:
+    return yaml.safe_load((out / name / "task.yaml").read_text())
+
+
+def results_by_name(out: Path) -> dict[str, dict]:
+    return {r["adaptation"]["name"]: r for r in json.loads((out / "fleet.json").read_text())["results"]}
+
+
+def wait_for(what, timeout: float, every: float = 0.5):
+    """`what()` once it is true, polled; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (found := what()):
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
+        time.sleep(every)
+    return found
 
 
 def test_without_an_address_a_local_ray_instance_runs_one_task_per_cpu_with_a_token_of_its_own(records, tmp_path):
@@ -147,17 +168,67 @@ def test_without_an_address_a_local_ray_instance_runs_one_task_per_cpu_with_a_to
     assert not (home / ".ray").exists(), "Ray wrote its token into the user's home"
 
 
+def test_ctrl_c_ends_the_adaptations_shuts_ray_down_and_reports_what_finished_and_what_did_not(records, tmp_path):
+    out, stderr = tmp_path / "out", tmp_path / "stderr.txt"
+    two = [str(records[0]), str(records[1])]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    with stderr.open("w") as sink:
+        # A session of its own: SIGINT goes to its whole process group, as a terminal's Ctrl-C does.
+        command = [*CLI, "fleet", *two, "--cpus", "1", "--memory-gb", "2", "--out", str(out)]
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=sink, text=True, env=env, start_new_session=True
+        )
+        try:
+            wait_for(lambda: "toy-a: attempt 1 running" in stderr.read_text(), timeout=300)
+            # Interrupted mid-adaptation, once its first step is done.
+            wait_for(lambda: "environment gate: ok" in read_if_there(out / "toy-a" / "fleet" / "attempt-1.log"), 300)
+            tree = psutil.Process(proc.pid).children(recursive=True)  # Ray's processes, the adaptation's
+            assert any(" adapt " in command_line(p) for p in tree)
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, stderr.read_text()[-3000:]
+    assert "[fleet] interrupted: cancelling 2 task(s)" in stderr.read_text()  # one running, one waiting
+    report = json.loads((out / "fleet.json").read_text())
+    assert report["interrupted"] is True
+    ran, waited = report["results"]
+    [attempt] = ran["attempts"]
+    assert re.fullmatch(r"interrupted \(SIGINT at \S+\) in attempt 1, after step '[^']+'", ran["interrupted"])
+    assert attempt["row"]["failure"].startswith("interrupted: the fleet was stopped (SIGINT at ")
+    assert attempt["log"] == "fleet/attempt-1.log" and ran["logs"] == [attempt["log"]]
+    assert waited["interrupted"].endswith(") before it started") and waited["attempts"] == []
+    table = (out / "fleet.md").read_text()
+    assert "0 of 2 pass" in table and "Interrupted: 2 did not finish." in table and ran["interrupted"] in table
+    # Nothing the fleet started is left: the adaptation's processes ended, Ray shut down.
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [command_line(p)[:200] for p in alive]
+
+
+def read_if_there(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def command_line(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:  # it ended meanwhile
+        return ""
+
+
 @pytest.fixture(scope="module")
 def first_run(cluster, records, tmp_path_factory):
+    """The four records through the cluster, asking 3 GB each: each attempt's log as it was written."""
     out = tmp_path_factory.mktemp("fleet")
     address, env = cluster
-    result = fleet(*map(str, records), "--address", address, "--out", str(out), env=env)
-    report = json.loads((out / "fleet.json").read_text())
-    return out, result, {r["adaptation"]["name"]: r for r in report["results"]}
+    result = fleet(*map(str, records), "--address", address, "--memory-gb", "3", "--out", str(out), env=env)
+    results = results_by_name(out)
+    logs = {name: {a["log"]: (out / name / a["log"]).read_text() for a in r["attempts"]} for name, r in results.items()}
+    return out, result, results, logs
 
 
 def test_three_adaptations_pass_and_the_broken_one_fails_with_its_reason_after_one_retry_elsewhere(first_run):
-    out, result, results = first_run
+    out, result, results, _ = first_run
     assert result.returncode == 1, result.stderr[-3000:]
     for name in ("toy-a", "toy-b", "toy-c"):
         [attempt] = results[name]["attempts"]
@@ -171,36 +242,58 @@ def test_three_adaptations_pass_and_the_broken_one_fails_with_its_reason_after_o
 
 
 def test_memory_not_cpus_keeps_each_node_to_one_adaptation_at_a_time(first_run):
-    _, _, results = first_run
+    _, _, results, _ = first_run
     attempts = [a for r in results.values() for a in r["attempts"]]
     assert {a["node_id"] for a in attempts} and len({a["node_id"] for a in attempts}) == 2
     for node in {a["node_id"] for a in attempts}:
         spans = sorted((a["started"], a["ended"]) for a in attempts if a["node_id"] == node)
         assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
-    assert all(r["adaptation"]["memory_from"] == "default for scale tiny" for r in results.values())
+    assert all(r["adaptation"]["memory_from"] == "--memory-gb" for r in results.values())
 
 
 def test_progress_says_each_state_change_with_a_live_count(first_run):
-    _, result, _ = first_run
+    _, result, _, _ = first_run
     lines = [line for line in result.stderr.splitlines() if line.startswith("[fleet] ")]
     assert any(re.search(r"toy-a: attempt 1 running on \S+ \([0-9a-f]{8}\) \|", line) for line in lines)
     assert any(re.search(r"toy-broken: failed on \S+ \([0-9a-f]{8}\): .* trying again \|", line) for line in lines)
     assert lines[-1].endswith("| 0 running, 3 passed, 1 failed, 0 waiting")
 
 
-def test_a_rerun_resumes_every_run_folder_without_redoing_finished_steps(first_run, cluster, records):
-    out, _, results = first_run
-    before = {name: finished_steps(out / name) for name in ("toy-a", "toy-b", "toy-c")}
-    assert all(before.values())
+@pytest.fixture(scope="module")
+def rerun(first_run, cluster, records):
+    """The same fleet again over the first run's folders: the records as the first run left them."""
+    out = first_run[0]
+    before = {name: run_record(out, name) for name in ("toy-a", "toy-b", "toy-c")}
     address, env = cluster
-    again = fleet(*map(str, records), "--address", address, "--out", str(out), env=env)
+    result = fleet(*map(str, records), "--address", address, "--out", str(out), env=env)
+    return out, before, result, results_by_name(out)
+
+
+def test_a_rerun_resumes_every_run_folder_without_redoing_finished_steps(rerun):
+    out, before, again, report = rerun
     assert again.returncode == 1, again.stderr[-3000:]
-    report = {r["adaptation"]["name"]: r for r in json.loads((out / "fleet.json").read_text())["results"]}
     for name in ("toy-a", "toy-b", "toy-c"):
-        assert finished_steps(out / name) == before[name]
+        after = run_record(out, name)
+        assert finished_steps(before[name]) and finished_steps(after) == finished_steps(before[name])
+        # The same machine state: the gate checked the record again and reused its probe of the machine.
+        assert after["environment"]["probed_at"] == before[name]["environment"]["probed_at"]
         assert report[name]["attempts"][-1]["row"]["verdict"] == "pass"
         # The second run asks for what the first measured, not the scale's default.
         assert report[name]["adaptation"]["memory_from"].startswith("measured peak")
+
+
+def test_a_rerun_numbers_its_attempts_after_the_earlier_ones_and_keeps_every_log(first_run, rerun):
+    _, _, earlier, logs_before = first_run
+    out, _, _, report = rerun
+    for name in ("toy-a", "toy-broken"):
+        first = [a["number"] for a in earlier[name]["attempts"]]
+        again = [a["number"] for a in report[name]["attempts"]]
+        assert first == list(range(1, len(first) + 1)) and again == [len(first) + n for n in first]
+        assert report[name]["logs"] == [f"fleet/attempt-{n}.log" for n in first + again]
+        assert [a["log"] for a in report[name]["attempts"]] == report[name]["logs"][len(first) :]
+        for log, text in logs_before[name].items():
+            assert (out / name / log).read_text() == text, f"{name}: {log} was overwritten"
+        assert all((out / name / log).stat().st_size for log in report[name]["logs"])
 
 
 def test_an_adaptation_no_node_can_hold_fails_at_once_naming_the_memory(cluster, records, tmp_path):
@@ -229,11 +322,17 @@ def test_without_ray_fleet_says_how_to_install_it_in_one_line(records):
     )
 
 
-def test_soc_fan_out_shares_the_first_socs_study_and_redoes_only_what_the_soc_changes(cluster, records, tmp_path):
+@pytest.fixture(scope="module")
+def soc_fan_out(cluster, records, tmp_path_factory):
+    """toy-a for two SoCs, without --memory-gb: nothing measured yet, so its driver is asked."""
+    out = tmp_path_factory.mktemp("socs")
     address, env = cluster
-    result = fleet(
-        str(records[0]), "--soc", "Ascend910B4", "Ascend310P3", "--address", address, "--out", str(tmp_path), env=env
-    )
+    socs = ("--soc", "Ascend910B4", "Ascend310P3")
+    return out, fleet(str(records[0]), *socs, "--address", address, "--out", str(out), env=env)
+
+
+def test_soc_fan_out_shares_the_first_socs_study_and_redoes_only_what_the_soc_changes(soc_fan_out):
+    tmp_path, result = soc_fan_out
     assert result.returncode == 0, result.stderr[-3000:]
     first, second = (
         yaml.safe_load((tmp_path / f"toy-a-{soc}" / "task.yaml").read_text()) for soc in ("Ascend910B4", "Ascend310P3")
@@ -245,6 +344,25 @@ def test_soc_fan_out_shares_the_first_socs_study_and_redoes_only_what_the_soc_ch
     assert graphs and all(second["toolchain"][g]["precheck"]["soc"] == "Ascend310P3" for g in graphs)
     scripts = list((tmp_path / "toy-a-Ascend310P3" / "om").rglob("convert_*.sh"))
     assert scripts and all("--soc_version=Ascend310P3" in s.read_text() for s in scripts)
+    # The second SoC's run folder started as a copy of the first's, but its attempts are its own.
+    assert results_by_name(tmp_path)["toy-a-Ascend310P3"]["logs"] == ["fleet/attempt-1.log"]
+
+
+def test_a_task_nothing_measured_asks_for_its_models_estimate_and_one_measured_for_its_peak(soc_fan_out):
+    out, result = soc_fan_out
+    report = results_by_name(out)
+    first, second = report["toy-a-Ascend910B4"], report["toy-a-Ascend310P3"]
+    asked, estimate = first["adaptation"]["memory_gb"], first["adaptation"]["memory_estimate"]
+    assert asked == round(estimate["need_bytes"] * ESTIMATE_MARGIN / GB, 2)
+    assert first["adaptation"]["memory_from"].startswith("the toy-mlp model measured: ")
+    assert f"toy-a-Ascend910B4: attempt 1 asks {asked:.1f} GB (the toy-mlp model measured: " in result.stderr
+    # What the adaptation then took fit in what it asked for.
+    [attempt] = first["attempts"]
+    assert 0 < attempt["row"]["peak_tree_gb"] <= asked
+    # The second SoC starts from the first one's run folder: it asks for what that run measured.
+    peak = json.loads((out / "toy-a-Ascend910B4" / "fleet" / "peak-1.json").read_text())["peak_tree_gb"]
+    assert second["adaptation"]["memory_from"] == f"measured peak {peak:.2f} GB of a previous run"
+    assert second["adaptation"]["memory_estimate"] is None
 
 
 def test_a_soc_is_checked_before_it_names_a_run_folder(records, tmp_path):

@@ -31,26 +31,26 @@ from pathlib import Path
 from typing import Literal
 
 from omskills.errors import InputError
+from omskills.profiling.memory_estimate import AdaptationMemory
 from pydantic import BaseModel, Field
 
+from .fleet_memory import GB, PEAK_FILE, MemoryRequest, driver_request, measured_request
 from .run_rows import HEADERS, AdaptationRow, cells, row_of_run
 
 RAY_MISSING = "omskills fleet needs Ray, an optional extra: pip install -e '.[fleet]'"
 CLI = "import sys; from omskills.orchestrator.cli import main; sys.exit(main())"
-GB = 1e9
-# Without a measurement: what an adaptation of each scale may take (a tiny zoo model peaked at
-# 1.5-2.6 GB of process tree; a full-scale one at about 10 GB).
-SCALE_MEMORY_GB = {"tiny": 3.0, "full": 12.0}
-MEASURED_MARGIN = 1.25  # over a previous run's measured peak: inputs and load differ between runs
-# The study's peak is one process's; the adaptation runs the model again beside ONNX Runtime in its
-# tools' processes (export, probe, verify): twice that, as a rule of thumb.
-STUDY_FACTOR = 2.0
-ATTEMPTS = 2  # a failed task is tried once more
-FLEET_FOLDER = "fleet"  # inside a run folder: each attempt's log and measured peak
+ATTEMPTS = 2  # a failed task is tried once more (in each fleet run)
+FLEET_FOLDER = "fleet"  # inside a run folder: each attempt's log and measured peak, numbered across reruns
+ATTEMPT_LOG = "attempt-{number}.log"
 FLEET_JSON, FLEET_MD = "fleet.json", "fleet.md"  # the report, beside the run folders
 FLEET_OWN_NAMES = frozenset({FLEET_JSON, FLEET_MD})  # no record id (a run folder's name) may take them
 # How long `--address` may stay silent before the fleet says nothing answers there (Ray retries forever).
 ADDRESS_TIMEOUT_S = 10.0
+# After an interrupt, how long the cancelled tasks get to end their adaptations' process trees.
+CANCEL_WAIT_S = 30.0
+# How often a task waiting on its adaptation runs Python: Ray's cancel is raised only then.
+POLL_S = 0.5
+TO_MEASURE = "to be measured from the driver's model before it is submitted"
 
 
 class FleetAdaptation(BaseModel):
@@ -60,12 +60,20 @@ class FleetAdaptation(BaseModel):
     scale: str | None = Field(None, description="--scale given to adapt.")
     soc: str | None = Field(None, description="--soc given to adapt.")
     seed_from: Path | None = Field(None, description="A run folder this one starts as a copy of (the first SoC's).")
-    memory_gb: float = Field(description="The memory the task asks Ray for, GB.")
+    memory_gb: float | None = Field(description="The memory the task asks Ray for, GB (None: not yet known).")
     memory_from: str = Field(description="Where that figure comes from.")
+    memory_estimate: AdaptationMemory | None = Field(
+        None, description="The driver's model measured, when the figure comes from it."
+    )
+
+    def asking(self, request: MemoryRequest) -> FleetAdaptation:
+        return self.model_copy(
+            update={"memory_gb": request.gb, "memory_from": request.why, "memory_estimate": request.estimate}
+        )
 
 
 class Attempt(BaseModel):
-    number: int
+    number: int = Field(description="Its number in the run folder, counted across fleet runs (names its log).")
     node_id: str = Field(description="The Ray node that ran it ('' when the task never started).")
     node_ip: str = Field("", description="The node's address, as Ray reports it.")
     started: float = Field(0.0, description="When it started on its node (seconds since the epoch).")
@@ -76,11 +84,16 @@ class Attempt(BaseModel):
 
 class FleetResult(BaseModel):
     adaptation: FleetAdaptation
-    attempts: list[Attempt] = Field(default_factory=list)
+    attempts: list[Attempt] = Field(default_factory=list, description="This fleet run's attempts.")
+    logs: list[str] = Field(
+        default_factory=list,
+        description="Every attempt's log in the run folder, earlier fleet runs' too, oldest first (relative to it).",
+    )
+    interrupted: str | None = Field(None, description="Why it did not finish: the fleet was interrupted, and when.")
 
     @property
     def passed(self) -> bool:
-        return bool(self.attempts) and self.attempts[-1].row.passed
+        return not self.interrupted and bool(self.attempts) and self.attempts[-1].row.passed
 
 
 class FleetReport(BaseModel):
@@ -88,6 +101,7 @@ class FleetReport(BaseModel):
     nodes: int
     started: str
     wall_s: float
+    interrupted: bool = Field(False, description="The fleet was interrupted (SIGINT): what had not finished says so.")
     results: list[FleetResult]
 
     def markdown(self, title: str) -> str:
@@ -96,52 +110,18 @@ class FleetReport(BaseModel):
         for result in self.results:
             row = result.attempts[-1].row if result.attempts else None
             shown = cells(row) if row else ["not run"] + ["-"] * (len(HEADERS) - 1)
+            if result.interrupted:
+                shown[-1] = result.interrupted
             tried = ", ".join(f"{a.number} ({a.node_ip or '-'} {a.node_id[:8]})" for a in result.attempts) or "-"
             lines.append("| " + " | ".join([result.adaptation.name, *shown[:-1], tried, shown[-1]]) + " |")
         passed = sum(r.passed for r in self.results)
-        lines += ["", f"{passed} of {len(self.results)} pass; wall {self.wall_s:.0f} s on {self.nodes} node(s)."]
+        stopped = sum(bool(r.interrupted) for r in self.results)
+        cut = f" Interrupted: {stopped} did not finish." if self.interrupted else ""
+        lines += ["", f"{passed} of {len(self.results)} pass; wall {self.wall_s:.0f} s on {self.nodes} node(s).{cut}"]
         return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- adaptations
-
-
-def memory_request(record: Path, run: Path, scale: str | None, unmeasured_gb: float | None = None) -> tuple[float, str]:
-    """GB to ask for, and why: a previous run's measured peak, else the study's, else
-    `unmeasured_gb` (the user's figure), else the driver's estimate, else the scale's."""
-    measured = [json.loads(p.read_text())["peak_tree_gb"] for p in sorted((run / FLEET_FOLDER).glob("peak-*.json"))]
-    measured = [m for m in measured if m]
-    if measured:
-        return round(max(measured) * MEASURED_MARGIN, 2), f"measured peak {max(measured):.2f} GB of a previous run"
-    study = _study_peak_gb(run)
-    if study:
-        return round(study * STUDY_FACTOR, 2), f"twice the study's measured peak ({study:.2f} GB)"
-    if unmeasured_gb:
-        return unmeasured_gb, "--memory-gb"
-    from omskills.models.registry import driver_for
-    from omskills.records.task import load_record
-
-    spec = load_record(record).intake.model
-    chosen = scale or spec.scale
-    driver = driver_for(spec, record.parent)
-    estimate = driver.adaptation_memory_gb.get(chosen)
-    if estimate:
-        return estimate, f"the {driver.family} driver's estimate for scale {chosen}"
-    return SCALE_MEMORY_GB[chosen], f"default for scale {chosen}"
-
-
-def _study_peak_gb(run: Path) -> float | None:
-    task = run / "task.yaml"
-    if not task.is_file():
-        return None
-    from omskills.records.main_path import MainPathReport
-    from omskills.records.task import load_record
-
-    study = load_record(task).study
-    report = run / study.main_path_json if study else None
-    if report is None or not report.is_file():
-        return None
-    return MainPathReport.model_validate_json(report.read_text()).peak_rss_mb / 1024
 
 
 def plan_adaptations(
@@ -151,7 +131,9 @@ def plan_adaptations(
     socs: Sequence[str],
     unmeasured_gb: float | None = None,
 ) -> list[FleetAdaptation]:
-    """One adaptation per record, or per record and SoC; run folders `out/<id>[-<soc>]`."""
+    """One adaptation per record, or per record and SoC; run folders `out/<id>[-<soc>]`. The memory
+    each asks for comes from its run folder's measurements or `unmeasured_gb`; else it is left to
+    the driver (`fleet_memory.driver_request`), asked when the task is submitted."""
     from omskills.ascend.atc import check_soc
     from omskills.records.task import load_record
 
@@ -167,19 +149,18 @@ def plan_adaptations(
         for soc in socs or [None]:
             name = f"{ident}-{soc}" if soc else ident
             run = (out / name).resolve()
-            memory, why = memory_request(record, leader or run, scale, unmeasured_gb)
-            adaptations.append(
-                FleetAdaptation(
-                    name=name,
-                    record=record,
-                    run=run,
-                    scale=scale,
-                    soc=soc,
-                    seed_from=leader,
-                    memory_gb=memory,
-                    memory_from=why,
-                )
+            planned = FleetAdaptation(
+                name=name,
+                record=record,
+                run=run,
+                scale=scale,
+                soc=soc,
+                seed_from=leader,
+                memory_gb=None,
+                memory_from=TO_MEASURE,
             )
+            request = measured_request(leader or run, unmeasured_gb)
+            adaptations.append(planned.asking(request) if request else planned)
             leader = leader or run
     names = [adaptation.name for adaptation in adaptations]
     taken = sorted(set(names) & FLEET_OWN_NAMES)
@@ -204,6 +185,23 @@ def zoo_records(names: Sequence[str], zoo_index: Path) -> list[Path]:
     return [zoo_index.parent / f"{name}.yaml" for name in known if not names or name in names]
 
 
+def attempt_logs(run: Path) -> list[str]:
+    """The attempt logs in a run folder, oldest first, relative to it."""
+    logs = (run / FLEET_FOLDER).glob(ATTEMPT_LOG.format(number="*"))
+    return [log.relative_to(run).as_posix() for log in sorted(logs, key=_attempt_number)]
+
+
+def next_attempt_number(run: Path) -> int:
+    """One more than the last attempt in the run folder: a rerun's attempts never take an earlier one's log."""
+    files = (run / FLEET_FOLDER).glob("*-*.*")  # attempt-<n>.log, peak-<n>.json
+    return max((_attempt_number(f) for f in files), default=0) + 1
+
+
+def _attempt_number(path: Path) -> int:
+    number = path.stem.rpartition("-")[2]
+    return int(number) if number.isdigit() else 0
+
+
 # --------------------------------------------------------------------------- one attempt (on a worker)
 
 
@@ -213,18 +211,20 @@ def adapt_attempt(adaptation: FleetAdaptation, number: int, starts) -> Attempt:
 
     node_id = ray.get_runtime_context().get_node_id()
     # Not waited for: a task blocked in ray.get gives its CPU back and Ray starts another beside it.
-    starts.started.remote(adaptation.name, number, node_id)
+    starts.started.remote(adaptation.name, number, node_id, time.time())
     return run_adaptation(adaptation, number, node_id)
 
 
 def run_adaptation(adaptation: FleetAdaptation, number: int, node_id: str = "local") -> Attempt:
     """`omskills adapt` on the adaptation's record in its run folder, the process tree's memory sampled.
-    Its console output goes to `<run>/fleet/attempt-<n>.log`."""
+    Its console output goes to `<run>/fleet/attempt-<number>.log`, its peak to `peak-<number>.json`."""
     if adaptation.seed_from is not None and not (adaptation.run / "task.yaml").exists():
-        shutil.copytree(adaptation.seed_from, adaptation.run, symlinks=True, dirs_exist_ok=True)
+        # The first SoC's attempts are its own: their logs and peaks stay in its folder.
+        own = shutil.ignore_patterns(FLEET_FOLDER)
+        shutil.copytree(adaptation.seed_from, adaptation.run, symlinks=True, dirs_exist_ok=True, ignore=own)
     folder = adaptation.run / FLEET_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    log = folder / f"attempt-{number}.log"
+    log = folder / ATTEMPT_LOG.format(number=number)
     command = [sys.executable, "-c", CLI, "adapt", str(adaptation.record), "--out", str(adaptation.run)]
     command += ["--scale", adaptation.scale] if adaptation.scale else []
     command += ["--soc", adaptation.soc] if adaptation.soc else []
@@ -236,7 +236,7 @@ def run_adaptation(adaptation: FleetAdaptation, number: int, node_id: str = "loc
         sampler = TreePeak(proc.pid)
         sampler.start()
         try:
-            code = proc.wait()
+            code = _wait(proc)
         except BaseException:  # the task was cancelled (Ray raises KeyboardInterrupt in it)
             from omskills.host.parent_watch import end_descendants
 
@@ -245,7 +245,8 @@ def run_adaptation(adaptation: FleetAdaptation, number: int, node_id: str = "loc
         finally:
             sampler.stop()
     wall = time.perf_counter() - started
-    (folder / f"peak-{number}.json").write_text(json.dumps({"peak_tree_gb": sampler.peak_gb}))
+    peak = {"peak_tree_gb": sampler.peak_gb, "exit_code": code}
+    (folder / PEAK_FILE.format(number=number)).write_text(json.dumps(peak))
     output = log.read_text(errors="replace")
     row = row_of_run(adaptation.name, adaptation.run, code, output, wall, sampler.peak_gb)
     return Attempt(
@@ -256,6 +257,16 @@ def run_adaptation(adaptation: FleetAdaptation, number: int, node_id: str = "loc
         log=log.relative_to(adaptation.run).as_posix(),
         row=row,
     )
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """The process's exit code, waited for in short turns: Ray raises a cancel in the task only
+    when it runs Python, never inside one long wait."""
+    while True:
+        try:
+            return proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class TreePeak(threading.Thread):
@@ -289,7 +300,7 @@ class TreePeak(threading.Thread):
 
 # --------------------------------------------------------------------------- the fleet (the driver side)
 
-State = Literal["waiting", "running", "passed", "failed"]
+State = Literal["waiting", "running", "passed", "failed", "interrupted"]
 
 
 class Board:
@@ -302,7 +313,8 @@ class Board:
     def move(self, name: str, state: State, what: str) -> None:
         self.states[name] = state
         counts = {s: list(self.states.values()).count(s) for s in ("running", "passed", "failed", "waiting")}
-        count = ", ".join(f"{n} {s}" for s, n in counts.items())
+        counts["interrupted"] = list(self.states.values()).count("interrupted")
+        count = ", ".join(f"{n} {s}" for s, n in counts.items() if n or s != "interrupted")
         self.echo(f"[fleet] {name}: {what} | {count}")
 
 
@@ -326,26 +338,32 @@ def run_fleet(
     local_cpus: int | None = None,
     echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> FleetReport:
-    """Every adaptation as a Ray task; a failed one tried once more on another node. Blocks until all end;
-    an interrupt cancels the tasks still pending or running."""
+    """Every adaptation as a Ray task; a failed one tried once more on another node. Blocks until all
+    end. An interrupt (SIGINT) cancels the tasks still running, which end their adaptations, and the
+    report says what finished and marks the rest interrupted."""
     require_ray()
     started, clock = dt.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
-    options = {"address": address} if address else {"num_cpus": local_cpus, "include_dashboard": False}
+    # "local": a new instance, never one some other `ray start` left on this machine.
+    options = {"address": address} if address else {"address": "local", "num_cpus": local_cpus}
     if address:
         check_reachable(address)
     with _local_auth_token(address):
         import ray  # after the token settings: Ray reads them on import
 
-        ray.init(logging_level="ERROR", log_to_driver=False, **options)
+        ray.init(logging_level="ERROR", log_to_driver=False, include_dashboard=False, **options)
         try:
             fleet = _Fleet(ray, adaptations, Board(adaptations, echo))
-            fleet.run()
+            interrupted = fleet.run()
+            results = [fleet.results[adaptation.name] for adaptation in adaptations]
+            for result in results:
+                result.logs = attempt_logs(result.adaptation.run)
             return FleetReport(
                 address=address or "local",
                 nodes=len(fleet.nodes),
                 started=started,
                 wall_s=round(time.perf_counter() - clock, 1),
-                results=[fleet.results[adaptation.name] for adaptation in adaptations],
+                interrupted=interrupted,
+                results=results,
             )
         finally:
             ray.shutdown()
@@ -389,18 +407,19 @@ class StartLog:
     """A Ray actor: each task says here that it started; the driver takes what is new."""
 
     def __init__(self) -> None:
-        self.starts: list[tuple[str, int, str]] = []
+        self.starts: list[tuple[str, int, str, float]] = []
 
-    def started(self, name: str, number: int, node_id: str) -> None:
-        self.starts.append((name, number, node_id))
+    def started(self, name: str, number: int, node_id: str, when: float) -> None:
+        self.starts.append((name, number, node_id, when))
 
-    def take(self) -> list[tuple[str, int, str]]:
+    def take(self) -> list[tuple[str, int, str, float]]:
         taken, self.starts = self.starts, []
         return taken
 
 
 class _Fleet:
-    """The driver side of one fleet run: submits, collects, retries, starts the SoC followers."""
+    """The driver side of one fleet run: sizes and submits, collects, retries, starts the SoC
+    followers; on an interrupt, cancels what runs and marks what did not finish."""
 
     def __init__(self, ray, adaptations: Sequence[FleetAdaptation], board: Board) -> None:
         self.ray, self.board = ray, board
@@ -410,26 +429,34 @@ class _Fleet:
         self.adaptations = adaptations
         self.results = {adaptation.name: FleetResult(adaptation=adaptation) for adaptation in adaptations}
         self.pending: dict = {}  # Ray object ref -> (adaptation, attempt number)
+        self.started: dict[tuple[str, int], tuple[str, float]] = {}  # (name, number) -> (node id, when)
+        # Submitted one per turn of the loop: sizing one may build its model (seconds), and the
+        # tasks already running are collected in between.
+        self.queue = [adaptation for adaptation in adaptations if adaptation.seed_from is None]
 
-    def run(self) -> None:
-        for adaptation in self.adaptations:
-            if adaptation.seed_from is None:
-                self.submit(adaptation, 1)
+    def run(self) -> bool:
+        """Until every task ended; True when interrupted (SIGINT) first."""
         try:
-            while self.pending:
-                ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=1.0)
+            while self.queue or self.pending:
+                if self.queue:
+                    self.submit(self.queue.pop(0))
+                if not self.pending:
+                    continue
+                ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=0 if self.queue else 1.0)
                 for ref in ready:  # ends first: a task that starts as another ends is not counted twice
                     adaptation, number = self.pending.pop(ref)
                     self.finish(adaptation, self.collect(ref, number, adaptation))
                 self.show_started()
         except KeyboardInterrupt:
-            for ref in self.pending:
-                self.ray.cancel(ref)  # the task ends its adaptation's process tree (run_adaptation)
-            raise
+            self.interrupt()
+            return True
+        return False
 
-    def submit(self, adaptation: FleetAdaptation, number: int, avoid: str | None = None) -> None:
+    def submit(self, adaptation: FleetAdaptation, avoid: str | None = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        adaptation = self.sized(adaptation)
+        number = self.next_number(adaptation)
         if adaptation.memory_gb * GB > self.largest:
             offers = f"the largest node offers {self.largest / GB:.1f} GB"
             row = AdaptationRow(
@@ -450,6 +477,19 @@ class _Fleet:
         asks = f"attempt {number} asks {adaptation.memory_gb:.1f} GB ({adaptation.memory_from}){how}"
         self.board.move(adaptation.name, "waiting", asks)
 
+    def sized(self, adaptation: FleetAdaptation) -> FleetAdaptation:
+        """The adaptation with the memory it asks for: its driver asked when nothing measured says it."""
+        if adaptation.memory_gb is None:
+            self.board.move(adaptation.name, "waiting", "measuring its model, for the memory to ask for")
+            adaptation = adaptation.asking(driver_request(adaptation.record, adaptation.scale))
+        self.results[adaptation.name].adaptation = adaptation  # fleet.json says what was asked
+        return adaptation
+
+    def next_number(self, adaptation: FleetAdaptation) -> int:
+        """Counted across fleet runs, so a rerun keeps every earlier attempt's log."""
+        here = [a.number for a in self.results[adaptation.name].attempts]
+        return max([next_attempt_number(adaptation.run) - 1, *here]) + 1
+
     def collect(self, ref, number: int, adaptation: FleetAdaptation) -> Attempt:
         try:
             return self.ray.get(ref)
@@ -458,8 +498,9 @@ class _Fleet:
             return Attempt(number=number, node_id="", row=row)
 
     def show_started(self) -> None:
-        for name, number, node_id in self.ray.get(self.starts.take.remote()):
-            if len(self.results[name].attempts) >= number:  # that attempt has already ended
+        for name, number, node_id, when in self.ray.get(self.starts.take.remote()):
+            self.started[(name, number)] = (node_id, when)
+            if any(a.number == number for a in self.results[name].attempts):  # that attempt has already ended
                 continue
             self.board.move(name, "running", f"attempt {number} running on {self.address_of(node_id)} ({node_id[:8]})")
 
@@ -468,21 +509,66 @@ class _Fleet:
 
     def finish(self, adaptation: FleetAdaptation, attempt: Attempt) -> None:
         attempt.node_ip = self.address_of(attempt.node_id)
-        self.results[adaptation.name].attempts.append(attempt)
+        tries = self.results[adaptation.name].attempts
+        tries.append(attempt)
         where = f" on {attempt.node_ip} ({attempt.node_id[:8]})" if attempt.node_id else ""
         if attempt.row.passed:
             self.board.move(adaptation.name, "passed", f"passed{where} in {attempt.row.wall_s:.0f} s")
-        elif attempt.number < ATTEMPTS and not (attempt.row.failure or "").startswith("memory:"):
+        elif len(tries) < ATTEMPTS and not (attempt.row.failure or "").startswith("memory:"):
             self.board.move(adaptation.name, "waiting", f"failed{where}: {attempt.row.failure}; trying again")
-            self.submit(adaptation, attempt.number + 1, avoid=attempt.node_id or None)
+            self.submit(adaptation, avoid=attempt.node_id or None)
             return
         else:
-            tries = f"{attempt.number} attempt(s)"
-            self.board.move(adaptation.name, "failed", f"failed{where} after {tries}: {attempt.row.failure}")
+            self.board.move(
+                adaptation.name, "failed", f"failed{where} after {len(tries)} attempt(s): {attempt.row.failure}"
+            )
         for follower in (f for f in self.adaptations if f.seed_from == adaptation.run):
-            # Asked for what the run it starts from measured, now that it has run.
-            memory, why = memory_request(follower.record, adaptation.run, follower.scale, follower.memory_gb)
-            self.submit(follower.model_copy(update={"memory_gb": memory, "memory_from": why}), 1)
+            # Asks for what the run it starts from measured, now that it has run.
+            measured = measured_request(adaptation.run)
+            self.queue.append(follower.asking(measured) if measured else follower)
+
+    # -- an interrupt (SIGINT)
+
+    def interrupt(self) -> None:
+        """Cancels the tasks still running (each ends its adaptation's process tree) and waits for
+        them a while; each running attempt is reported with what its run folder reached, and every
+        adaptation that did not finish is marked interrupted."""
+        when = dt.datetime.now().isoformat(timespec="seconds")
+        self.board.echo(f"[fleet] interrupted: cancelling {len(self.pending)} task(s)")
+        for ref in self.pending:
+            self.ray.cancel(ref)  # the task ends its adaptation's process tree (run_adaptation)
+        if self.pending:
+            self.ray.wait(list(self.pending), num_returns=len(self.pending), timeout=CANCEL_WAIT_S)
+        self.show_started()
+        for adaptation, number in self.pending.values():
+            if (adaptation.name, number) in self.started:
+                self.results[adaptation.name].attempts.append(self.cut_short(adaptation, number, when))
+        for name, result in self.results.items():
+            if self.board.states[name] not in ("passed", "failed"):
+                result.interrupted = f"interrupted (SIGINT at {when}) {self.where(result)}"
+                self.board.move(name, "interrupted", result.interrupted)
+
+    def cut_short(self, adaptation: FleetAdaptation, number: int, when: str) -> Attempt:
+        """A running attempt the interrupt ended: its node, its log and what its run folder reached."""
+        node_id, began = self.started[(adaptation.name, number)]
+        log = adaptation.run / FLEET_FOLDER / ATTEMPT_LOG.format(number=number)
+        output = log.read_text(errors="replace") if log.is_file() else ""
+        row = row_of_run(adaptation.name, adaptation.run, -2, output, time.time() - began, None)
+        row.failure = f"interrupted: the fleet was stopped (SIGINT at {when}) during this attempt"
+        return Attempt(
+            number=number,
+            node_id=node_id,
+            node_ip=self.address_of(node_id),
+            started=began,
+            ended=time.time(),
+            log=log.relative_to(adaptation.run).as_posix(),
+            row=row,
+        )
+
+    def where(self, result: FleetResult) -> str:
+        if not result.attempts or not result.attempts[-1].node_id:
+            return "before it started"
+        return f"in attempt {result.attempts[-1].number}, after step '{result.attempts[-1].row.stage}'"
 
 
 def write_report(report: FleetReport, out: Path) -> tuple[Path, Path]:

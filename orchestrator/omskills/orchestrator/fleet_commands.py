@@ -23,14 +23,15 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-gb",
         type=float,
-        help="what a task asks Ray for when no run of it was measured (default: the driver's estimate, "
-        "else 3 GB for a tiny scale, 12 GB for a full one)",
+        help="what a task asks Ray for when no run of it was measured (default: the driver's figure for "
+        "the scale, or its model built and measured in a fresh process, with a margin)",
     )
 
 
 @command("fleet", _fleet_args)
 def _fleet(ns: argparse.Namespace) -> int:
-    """Adapt many records at once as Ray tasks (local Ray, or a cluster with --address); a rerun resumes."""
+    """Adapt many records at once as Ray tasks (local Ray, or a cluster with --address); a rerun resumes.
+    Ctrl-C stops the tasks and still writes fleet.md and fleet.json, the unfinished marked interrupted."""
     from omskills.errors import InputError
     from omskills.host.toolkit import repo_root
 
@@ -52,4 +53,6 @@ def _fleet(ns: argparse.Namespace) -> int:
     data, table = write_report(report, out)
     print(table.read_text())
     print(f"omskills fleet: {data}", file=sys.stderr)
+    if report.interrupted:
+        return 130  # as the shell reports a command SIGINT ended
     return 0 if all(result.passed for result in report.results) else 1

@@ -10,10 +10,14 @@ auto_optimizer) are imported in a child process.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
+import os
 import platform
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,6 +45,9 @@ from omskills.records.intake import Intake
 from omskills.runtime import BACKENDS, available_backends
 
 SUBPROCESS_TIMEOUT_S = 120
+# Environment variables that change what imports or runs here (the rest cannot change a probe's answer).
+PROBED_VARIABLES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+PROBED_PREFIXES = ("ASCEND", "TOOLCHAIN_HOME")
 # Imported in this process: plain Python/C extensions without device side effects.
 IN_PROCESS = ("onnx", "onnxruntime", "onnxscript", "onnxslim")
 # Imported in a child process: they may load Ascend drivers, patch libraries or abort.
@@ -278,3 +285,28 @@ def probe_environment(
         backends=facts.backends,
         notes=_notes(intake, facts.cann, facts.npu),
     )
+
+
+def machine_state(
+    intake: Intake | None = None, model_problem: str | None = None, ascend_root: Path = DEFAULT_ASCEND_ROOT
+) -> str:
+    """A hash of everything `probe_environment` answers from, read in a fraction of a second: the
+    host, the interpreter, every installed distribution's version, the variables that change what
+    imports (PATH, LD_LIBRARY_PATH, ASCEND_*...), where atc and npu-smi are, CANN's install, the
+    registered runtime backends, and what the intake asks of them (device, target). The same state
+    gets the same probe: a rerun reuses the recorded one instead of importing every package again
+    in children."""
+    distributions = sorted({(d.metadata["Name"] or "", d.version) for d in importlib.metadata.distributions()})
+    variables = {k: v for k, v in os.environ.items() if k in PROBED_VARIABLES or k.startswith(PROBED_PREFIXES)}
+    state = {
+        "host": platform.node(),
+        "python": [sys.executable, sys.version],
+        "distributions": distributions,
+        "variables": variables,
+        "tools": [probe_atc(), shutil.which("npu-smi")],
+        "backends": BACKENDS.names(),
+        "cann": probe_cann(ascend_root).model_dump(mode="json"),
+        "intake": [intake.model.device, intake.target.model_dump(mode="json")] if intake else None,
+        "model_problem": model_problem,
+    }
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]

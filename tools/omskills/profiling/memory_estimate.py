@@ -661,3 +661,42 @@ def plan_probe(
     )
     split = batch_split_for(contract, strategy, choice.chunk, reason)
     return ProbePlan(split=split, note=reason)
+
+
+# -- a whole adaptation's process tree, before it runs ----------------------------------------------
+
+
+class AdaptationMemory(Record):
+    """What an adaptation's whole process tree may take at its peak, predicted before it runs from
+    its model as its driver builds it (`omskills fleet` measures the parts in a fresh
+    process). At the peak (verify, or a probe in a child) the tree holds:
+
+    - the `adapt` client, which imported the driver to check the record: `imports_bytes`;
+    - the tool server, which imported ONNX Runtime and built the model: `loaded_bytes`;
+    - ONNX Runtime sessions of the exported graphs beside it, at most the model's weights again
+      (`session_need_bytes` of the weights: the calibrated factor and a session's fixed cost).
+
+    The main path's activations are not in it (only the study measures them): `omskills fleet`
+    adds a margin, and asks for the study's measured peak once there is one."""
+
+    scale: str = Field(description="The scale the model was built at.")
+    imports_bytes: int = Field(description="RSS of a fresh process that imported the driver (the `adapt` client).")
+    loaded_bytes: int = Field(
+        description="Peak RSS of that process once it imported ONNX Runtime and built the model (the tool server)."
+    )
+    weights_bytes: int = Field(description="Bytes of the model's parameters and buffers.")
+    sessions_bytes: int = Field(description="ONNX Runtime sessions holding the weights again (session_need_bytes).")
+    need_bytes: int = Field(description="imports_bytes + loaded_bytes + sessions_bytes.")
+
+
+def adaptation_memory(scale: str, imports_bytes: int, loaded_bytes: int, weights_bytes: int) -> AdaptationMemory:
+    """The tree's predicted peak from what a fresh process measured importing the driver and building the model."""
+    sessions = int(weights_bytes * WEIGHT_FACTOR) + SESSION_BYTES
+    return AdaptationMemory(
+        scale=scale,
+        imports_bytes=imports_bytes,
+        loaded_bytes=loaded_bytes,
+        weights_bytes=weights_bytes,
+        sessions_bytes=sessions,
+        need_bytes=imports_bytes + loaded_bytes + sessions,
+    )

@@ -81,6 +81,16 @@ def read_package(root: Path, package: str) -> dict[str, SourceFile]:
     return files
 
 
+def package_state(root: Path, package: str) -> list[tuple[str, int, int]]:
+    """Each .py file of the package with its size and modification time: what `read_package` would
+    read, checked without reading it (a scan of an unchanged package is reused)."""
+    return [
+        (path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns)
+        for path in sorted((root / package).rglob("*.py"))
+        for stat in [path.stat()]
+    ]
+
+
 # "pkg.module.Class": a string a factory imports by (`importlib.import_module`, Hydra's `_target_`).
 _DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 

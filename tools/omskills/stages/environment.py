@@ -7,6 +7,10 @@ target SoC against ATC's list (with a did-you-mean), every path the record names
 folder or an allowed input root, the inputs' files (a video's frame count against the frames
 asked), the builder, the checkpoint (it reads, and its keys fit the model at the scale asked).
 A target SoC other than the one recorded ATC commands were written for drops those results.
+
+The checks run every time (they are quick, and the intake may have changed); the machine's probe
+(packages imported in children, toolchains, devices) is reused from the record while the
+machine's state (`machine.probe.machine_state`) is the one it was probed in.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import NamedTuple
 
 from omskills.ascend.atc import check_soc, soc_of_command
 from omskills.errors import InputError, OmskillsError
-from omskills.machine.probe import device_problem, probe_environment
+from omskills.machine.probe import device_problem, machine_state, probe_environment
 from omskills.models.api import ModelDriver, driver_checks
 from omskills.models.registry import BoundIntake, bind_intake, confine_intake, resolved_spec
 from omskills.models.weights import gate_line
@@ -27,6 +31,7 @@ from omskills.records.intake import ModelSpec, allowed_input_roots, confined_pat
 from omskills.records.stage_order import step_key
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
+from omskills.stages.steps import is_done
 
 SOC_FIELD = "intake.target.soc"
 
@@ -45,7 +50,9 @@ def check_environment(task_path: Path) -> EnvironmentReport:
     except OmskillsError as err:
         model_problem = str(err)
     checked = check_task_inputs(bound, spec, workdir, model_found=model_problem is None)
-    report = probe_environment(record.intake, model_problem)
+    state = machine_state(record.intake, model_problem)
+    reused = is_done(record, step_key("environment"), state) and record.environment is not None
+    report = record.environment if reused else probe_environment(record.intake, model_problem)
     report.checked = checked
     device = device_problem(report.torch, record.intake.model.device)
     if device:
@@ -60,11 +67,13 @@ def check_environment(task_path: Path) -> EnvironmentReport:
                 f"they were written for another SoC than {SOC_FIELD} {rec.intake.target.soc}",
             )
         blocked = [s.stage for s in report.stages if not s.can_run]
+        can = f"cannot run here: {', '.join(blocked)}" if blocked else "every stage can run here"
         rec.stages[step_key("environment")] = StageResult(
             status="done",
+            inputs_hash=state,
             started=started,
             seconds=round(time.perf_counter() - clock, 3),
-            note=f"cannot run here: {', '.join(blocked)}" if blocked else "every stage can run here",
+            note=f"{can} (the probe of {report.probed_at} reused: the same machine state)" if reused else can,
         )
     return report
 

@@ -1,4 +1,5 @@
-"""Stage 1 inventory: the static scan of the model's source, stored in the task record."""
+"""Stage 1 inventory: the static scan of the model's source, stored in the task record. A rerun
+reuses the recorded scan while the driver asks for the same package and its files are unchanged."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from omskills.records.inventory import Inventory
 from omskills.records.stage_order import step_key
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
-from omskills.source.inventory import scan_source
+from omskills.source.inventory import package_state, scan_source
+from omskills.stages.steps import fingerprint, is_done
 
 
 def take_inventory(task_path: Path) -> Inventory | None:
@@ -23,29 +25,44 @@ def take_inventory(task_path: Path) -> Inventory | None:
     driver = bind_intake(record.intake, workdir).driver
     spec = resolved_spec(record.intake.model, workdir)
     package = driver.source_package(spec)
-    inventory = None
-    if package is not None:
-        inventory = scan_source(
-            driver.source_root(spec),
-            package,
-            driver.builder_name(spec),
-            family=driver.family,
-            entry_methods=driver.entry_methods,
-            entry_classes=driver.entry_classes,
-            runtime_classes=sorted({n.module_class for n in record.profile.nodes}) if record.profile else (),
-            source=record.intake.model.source,
-        )
+    if package is None:
+        return _recorded(task_path, None, None, started, clock, f"the {driver.family} driver names no source package")
+    root = driver.source_root(spec)
+    runtime_classes = sorted({n.module_class for n in record.profile.nodes}) if record.profile else []
+    scan = (driver.family, driver.entry_methods, driver.entry_classes, driver.builder_name(spec), spec.source)
+    inputs_hash = fingerprint(*scan, runtime_classes, str(root), package_state(root, package))
+    if is_done(record, step_key("inventory"), inputs_hash):
+        return record.inventory
+    inventory = scan_source(
+        root,
+        package,
+        driver.builder_name(spec),
+        family=driver.family,
+        entry_methods=driver.entry_methods,
+        entry_classes=driver.entry_classes,
+        runtime_classes=runtime_classes,
+        source=record.intake.model.source,
+    )
+    note = (
+        f"{len(inventory.predictors)} entry classes, {len(inventory.control_plane)} control-plane sites, "
+        f"{len(inventory.portability)} portability findings in {inventory.files_scanned} files"
+    )
+    return _recorded(task_path, inventory, inputs_hash, started, clock, note)
+
+
+def _recorded(
+    task_path: Path, inventory: Inventory | None, inputs_hash: str | None, started: str, clock: float, note: str
+) -> Inventory | None:
+    """The scan into the record, with the runtime findings of an earlier study kept."""
     with updating(task_path) as rec:
         if inventory is not None and rec.inventory is not None:
             inventory.merge_runtime_findings([f for f in rec.inventory.portability if f.seen_at_runtime])
         rec.inventory = inventory
-        note = (
-            f"{len(inventory.predictors)} entry classes, {len(inventory.control_plane)} control-plane sites, "
-            f"{len(inventory.portability)} portability findings in {inventory.files_scanned} files"
-            if inventory
-            else f"the {driver.family} driver names no source package: nothing to scan"
-        )
         rec.stages[step_key("inventory")] = StageResult(
-            status="done", started=started, seconds=round(time.perf_counter() - clock, 3), note=note
+            status="done",
+            inputs_hash=inputs_hash,
+            started=started,
+            seconds=round(time.perf_counter() - clock, 3),
+            note=note if inventory else f"{note}: nothing to scan",
         )
     return inventory

@@ -2,7 +2,8 @@
 
 The same inputs go through the PyTorch reference and the spliced pipeline in one process. Per
 step every output check of the driver is applied (ids, region IoU, coordinates, tensors), and
-the report says which backend really ran each graph.
+the report says which backend really ran each graph. A rerun reuses the recorded verification
+while everything it depends on is unchanged (`_inputs_hash`) and the reports it wrote are intact.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from omskills import progress
+from omskills.deploy.manifest import graph_from_record
 from omskills.errors import InputError
 from omskills.isolation import return_freed_memory
 from omskills.models.api import MainPathRun, RunHooks
+from omskills.models.registry import driver_for
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord
@@ -24,7 +27,8 @@ from omskills.splicing.splice import SpliceBackend, splice
 from omskills.stages.merged_graphs import merged_run
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.spliced_runs import chosen_emulation, chosen_modes, open_spliced, page_out_spliced, spliceable
-from omskills.stages.steps import StepStart, fingerprint
+from omskills.stages.steps import StepStart, artifacts_of, fingerprint
+from omskills.stages.study import study_inputs_hash
 from omskills.stages.verify_report import verification_report, write_verification_report
 
 
@@ -47,9 +51,12 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         "export_onnx / optimize_onnx",
     )
     modes = chosen_modes(record, names) if emulated else {}
+    inputs_hash = _inputs_hash(record, workdir, names, skipped, backend, modes)
+    recorded = record.verification_emulated if emulated else record.verification
+    if start.done(inputs_hash) and recorded is not None:
+        return recorded
     model = open_model(record, workdir)
     driver, loaded = model.driver, model.loaded
-    inputs_hash = fingerprint(names, [record.exports[n].sha256 for n in names], backend, *([modes] if emulated else []))
     with start.running(inputs_hash) as step:
         progress.report(0, 3, f"verify: reference run of the main path in PyTorch ({plural(driver.step_name)})...")
         reference = model.run()
@@ -72,8 +79,30 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         if not emulated and report.traffic is not None and any(m.mergeable for m in report.traffic.merges):
             report.merged = _merged(record, workdir, model, reference, replacements, strategies, report, backend)
         report = write_verification_report(report, record, model, reference, spliced, workdir)
+        written = [report.report_html, report.report_json, *report.figures]
+        step.result.artifacts += artifacts_of([workdir / path for path in written], workdir)
         step.update(_stored(report))
     return report
+
+
+def _inputs_hash(
+    record: TaskRecord, workdir: Path, names: list[str], skipped: dict[str, str], backend: str, modes: dict[str, str]
+) -> str:
+    """What a verification depends on: the intake and the driver's code (as the study does), the
+    graphs spliced and why the others are not, each graph as a deployment opens it (its export,
+    contract, shape strategy, files, precision), the backend, and the packages that run them."""
+    environment = record.environment
+    packages = (environment.torch.version, environment.packages) if environment else None
+    return fingerprint(
+        study_inputs_hash(record, driver_for(record.intake.model, workdir)),
+        names,
+        skipped,
+        [record.exports[n].sha256 for n in names],
+        [graph_from_record(record, workdir, n) for n in names],
+        backend,
+        modes,
+        packages,
+    )
 
 
 def _merged(
