@@ -4,7 +4,9 @@ A graph built with batch gears [2, 4] runs only those sizes. A call of another b
 gear-sized calls, the last one padded up to a gear and the padding cut from its outputs, on ONNX
 Runtime as on the OM, and each output is joined along the dim that follows the batch (an LSTM
 gives its hidden states as layers x batch x hidden). A graph with an output that does not follow
-the batch cannot be served that way: such a call falls back to PyTorch, and says why.
+the batch cannot be served that way: such a call falls back to PyTorch, and says why. So does one
+whose batch items interact (batch statistics): probe_onnx runs two items together and one by one
+(runtime.batch_independence), and a graph not found independent, or never checked, is not split.
 
 The toy is a speaker encoder shaped like resemblyzer's: an LSTM over a batch of partial
 utterances, the last layer's hidden state read in Python. The OM path runs on the InferSession
@@ -29,6 +31,7 @@ from omskills.convert.export import export_onnx
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph
 from omskills.runtime import open_backend
+from omskills.runtime.batch_independence import UNCHECKED, check_batch_independence
 from omskills.runtime.serving import open_graph
 from omskills.splicing.splice import splice
 from torch import nn
@@ -64,6 +67,29 @@ class Pooled(nn.Module):
         return y, y.sum(0)
 
 
+class Centered(nn.Module):
+    """A block whose items read each other: every output follows the batch, yet holds its mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return y - y.mean(0)
+
+
+class Host(nn.Module):
+    """Calls its block on the first frame of each item."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor):
+        return self.block(x[:, 0])
+
+
 def mels(batch: int) -> torch.Tensor:
     return torch.randn(batch, 5, 6, generator=torch.Generator().manual_seed(batch))
 
@@ -82,14 +108,18 @@ def deployed(folder: Path, root: nn.Module, name: str, with_om: bool) -> Deploye
     assert strategy.kind == "dynamic_batch_size" and strategy.gears == [[2], [4]]
     batch_dim = {contract.inputs[0].name: {0: "batch"}}
     onnx = folder / f"{name}.onnx"
-    export_onnx(getattr(root, name), contract, _call_of(root, name, mels(4)), onnx, dynamic_dims=batch_dim)
+    call = _call_of(root, name, mels(4))
+    export_onnx(getattr(root, name), contract, call, onnx, dynamic_dims=batch_dim)
     om = _fake_atc(folder, onnx, strategy) if with_om else None
+    # what probe_onnx records: whether the batch items are computed independently
+    checked = check_batch_independence(onnx, {contract.inputs[0].name: call[0].numpy()}, contract, strategy)
     return DeployedGraph(
         name=name,
         plan_candidate=name,
         module_path=name,
         contract=contract,
         strategy=strategy,
+        batch_independence=checked,
         onnx=Artifact(files=[ArtifactFile(path=onnx.name, bytes=onnx.stat().st_size)]),
         om=Artifact(files=[ArtifactFile(path=om.name, bytes=om.stat().st_size)]) if om else None,
     )
@@ -151,6 +181,7 @@ def test_each_output_of_an_lstm_is_joined_along_the_dim_that_follows_the_batch(s
 
 def test_batches_beyond_between_and_below_the_gears_run_on_onnxruntime_as_gear_sized_calls(speaker):
     encoder, graph, folder = speaker
+    assert graph.batch_independence.independent, graph.batch_independence.reason
     want, got, (handle, runner) = served(encoder, graph, folder, "onnxruntime")
     assert handle.fallbacks() == []
     assert [sum(gears) for gears in runner.chunk_sizes] == RUN and {g for c in runner.chunk_sizes for g in c} <= {2, 4}
@@ -236,3 +267,59 @@ def test_an_output_with_two_dims_of_the_batch_size_is_not_guessed():
     assert batch_axes(contract, strategy) == (
         "output out has several dims of the batch's size in every call ([0, 1]), none known to be the batch"
     )
+
+
+def served_block(folder: Path, host: Host, graph: DeployedGraph, batch: int):
+    """PyTorch's answer for a batch that is no gear, the spliced graph's, and the splice's fallbacks."""
+    x = mels(batch)
+    with torch.no_grad():
+        want = host(x)
+    runner = open_graph(graph, folder, "onnxruntime")
+    with runner, splice(host, [(graph.contract, runner)], strategies={"block": graph.strategy}) as handle:
+        with torch.no_grad():
+            got = host(x)
+    return want, got, handle.fallbacks()
+
+
+def test_a_graph_whose_batch_items_interact_is_not_split_and_says_which_output(tmp_path):
+    torch.manual_seed(0)
+    host = Host(Centered()).eval()
+    graph = deployed(tmp_path, host, "block", with_om=False)
+    assert isinstance(batch_axes(graph.contract, graph.strategy), BatchAxes)  # its shapes allow a split
+    checked = graph.batch_independence
+    assert not checked.independent
+    assert checked.reason.startswith("batch items interact: out differs by ") and "when the batch is split" in (
+        checked.reason
+    )
+    want, got, fallbacks = served_block(tmp_path, host, graph, 9)
+    [event] = fallbacks
+    assert event.kind == "shape" and event.reason.endswith(
+        f"the batch cannot run as gear-sized calls: {checked.reason}"
+    )
+    torch.testing.assert_close(got, want)
+    # a gear still runs on the graph
+    assert served_block(tmp_path, host, graph, 4)[2] == []
+
+
+def test_a_sample_of_one_item_is_paired_with_a_perturbed_copy(tmp_path, speaker):
+    torch.manual_seed(0)
+    host = Host(Centered()).eval()
+    centered = deployed(tmp_path, host, "block", with_om=False)
+    one = {"x": mels(1)[:, 0].numpy()}
+    checked = check_batch_independence(tmp_path / "block.onnx", one, centered.contract, centered.strategy)
+    assert not checked.independent and "paired with a perturbed copy" in checked.reason
+    _, lstm, folder = speaker
+    one = {"input": mels(1).numpy()}
+    checked = check_batch_independence(folder / "lstm.onnx", one, lstm.contract, lstm.strategy)
+    assert checked.independent and "paired with a perturbed copy" in checked.reason
+
+
+def test_a_graph_recorded_before_the_check_is_not_split(speaker):
+    encoder, graph, folder = speaker
+    before = graph.model_copy(update={"batch_independence": None})
+    runner = open_graph(before, folder, "onnxruntime")
+    with runner, splice(encoder, [(before.contract, runner)], strategies={before.name: before.strategy}) as handle:
+        with torch.no_grad():
+            encoder(mels(9))
+    [event] = handle.fallbacks()
+    assert event.kind == "shape" and event.reason.endswith(UNCHECKED)

@@ -148,6 +148,8 @@ def test_a_probe_that_dies_on_the_whole_batch_is_run_again_in_chunks_and_the_spl
     split = record.toolchain["head"].batch_split
     assert split.max_batch == 2 and "died" in split.reason  # the smallest gear
     assert "batch in chunks of 2, one first chunk per shape probed" in record.decisions[-1].why
+    checked = record.toolchain["head"].batch_independence  # checked in a child too, on two items
+    assert checked.independent and "batch independent: 2 items" in record.decisions[-1].why
     spliced_backend = open_spliced(record, tmp_path, "head", "onnxruntime")
     assert isinstance(spliced_backend, SplitBatchBackend) and spliced_backend.split == split
     assert any(

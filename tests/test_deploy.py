@@ -30,6 +30,7 @@ from omskills.contracts import capture_contracts
 from omskills.convert.export import export_onnx
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph
 from omskills.runtime import BackendError, open_backend
+from omskills.runtime.batch_independence import check_batch_independence
 from omskills.runtime.serving import open_graph, resolve_backend
 from omskills.splicing.splice import ContractViolation, splice
 from torch import nn
@@ -102,6 +103,10 @@ def gear_graph(tmp_path_factory):
         module_path="encoder",
         contract=contract,
         strategy=strategy,
+        # what probe_onnx records: the encoder computes each batch item on its own
+        batch_independence=check_batch_independence(
+            folder / "encoder.onnx", {name: torch.randn(2, 3, 8, 8).numpy()}, contract, strategy
+        ),
         onnx=Artifact(files=[ArtifactFile(path="encoder.onnx", bytes=(folder / "encoder.onnx").stat().st_size)]),
         om=Artifact(files=[ArtifactFile(path="encoder.om", bytes=Path(built.om_path).stat().st_size)]),
         precision_mode="force_fp16",

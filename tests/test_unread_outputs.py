@@ -28,6 +28,7 @@ from omskills.contracts import capture_contracts
 from omskills.convert.export import export_onnx
 from omskills.records.contracts import ContractSpec
 from omskills.records.deploy import Artifact, ArtifactFile, DeployedGraph
+from omskills.runtime.batch_independence import check_batch_independence
 from omskills.runtime.serving import open_graph
 from omskills.splicing.splice import splice
 from omskills.splicing.unfetched import Unfetched
@@ -104,6 +105,10 @@ def deployed(folder: Path, host: Host, contract: ContractSpec) -> DeployedGraph:
         module_path="block",
         contract=contract,
         strategy=strategy,
+        # what probe_onnx records: the block computes each batch item on its own
+        batch_independence=check_batch_independence(
+            onnx, {contract.inputs[0].name: inputs(2).numpy()}, contract, strategy
+        ),
         onnx=Artifact(files=[ArtifactFile(path=onnx.name, bytes=onnx.stat().st_size)]),
         om=Artifact(files=[ArtifactFile(path=om.name, bytes=om.stat().st_size)]),
     )

@@ -96,6 +96,7 @@ def graph_from_record(record: TaskRecord, workdir: Path, name: str) -> DeployedG
         contract=contract,
         strategy=record.boundaries[name].shape_strategy if name in record.boundaries else None,
         batch_split=chain.batch_split,
+        batch_independence=chain.batch_independence,
         onnx=Artifact(files=[_file(workdir, path, None) for path in onnx_files(record.preferred_model(workdir, name))]),
         om=om,
         precision_mode=precision.chosen_mode if precision else None,

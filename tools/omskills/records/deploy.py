@@ -13,7 +13,7 @@ from omskills.records.base import Record
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.intake import Intake
 from omskills.records.names import RunPath, SafeName
-from omskills.records.toolchain import BatchSplit
+from omskills.records.toolchain import BatchIndependence, BatchSplit
 from pydantic import Field
 
 # Raised when the bundle layout or the meaning of a field changes; a loader refuses other formats.
@@ -55,6 +55,9 @@ class DeployedGraph(Record):
     strategy: ShapeStrategy | None = None  # the ATC shape strategy the OM is built with
     # How ONNX Runtime on the CPU runs the batch (probe_onnx found the whole batch does not fit).
     batch_split: BatchSplit | None = None
+    # Whether its batch items are computed independently: a batch that is no gear runs as gear-sized
+    # calls only when they are (None: not checked, a bundle written before; it is not split).
+    batch_independence: BatchIndependence | None = None
     onnx: Artifact
     om: Artifact | None = None  # None: ATC has not built it (no CANN where the adaptation ran)
     precision_mode: str | None = None  # the ATC precision mode chosen in emulation

@@ -31,6 +31,18 @@ class BatchSplit(Record):
     reason: str
 
 
+class BatchIndependence(Record):
+    """Whether each batch item of a graph with batch gears is computed on its own, as serving a
+    batch that is no gear in gear-sized calls assumes (runtime.batch_independence).
+
+    Set by probe_onnx: two items of a captured sample run together and one by one on ONNX Runtime.
+    A graph whose items interact (attention across the batch, batch statistics) is not split.
+    """
+
+    independent: bool
+    reason: str  # what ran and what came of it: "batch items interact: <output> differs by X ..." when not
+
+
 # -- inspect_onnx ---------------------------------------------------------------------------
 
 

@@ -91,6 +91,9 @@ class Runner(ABC):
 
     kind: BackendKind  # the backend that runs the calls
     device: str  # where the model really runs ("" until it is loaded)
+    # Set by `batch_split.served_in_gears` on a graph with batch gears it does not split: why a
+    # batch that is no gear cannot run as gear-sized calls (the splice tells it with the fallback).
+    unsplit: str | None = None
 
     @property
     @abstractmethod

@@ -17,7 +17,9 @@ gear is padded by repeating its last item, and the padded rows are cut from the 
 3 with gears 1 and 4 runs as 1+1+1; 17 with gears 4..10 as 10+7. ONNX Runtime serves the graph
 the same way (`served_in_gears`), so it runs the sizes the OM runs and verify computes what
 deploys. Each output is joined along the dim that follows the batch (`contracts.batch_axes`, not
-necessarily its first); a graph with an output that has none is left to run its gears only.
+necessarily its first); a graph with an output that has none is left to run its gears only, and so
+is one whose batch items were not found independent (`runtime.batch_independence`, checked by
+probe_onnx; unchecked in a record written before): the runner says why in `unsplit`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.deploy import DeployedGraph
 from omskills.records.toolchain import BatchSplit
 from omskills.runtime.base import BackendInputError, HeldOutput, IOSpec, Runner
+from omskills.runtime.batch_independence import UNCHECKED
 
 
 def batch_split_for(
@@ -46,17 +49,31 @@ def batch_split_for(
     return BatchSplit(max_batch=max_batch, input_axes=axes.inputs, output_axes=axes.outputs, reason=reason)
 
 
+def unsplit_reason(graph: DeployedGraph) -> str | None:
+    """Why a call of this graph cannot be split into gear-sized calls, or None when it can: an
+    output off the batch (`contracts.batch_axes`), or batch items not found independent."""
+    axes = batch_axes(graph.contract, graph.strategy)
+    if isinstance(axes, str):
+        return axes
+    checked = graph.batch_independence
+    if checked is None:
+        return UNCHECKED
+    return None if checked.independent else checked.reason
+
+
 def served_in_gears(
     runner: Runner, graph: DeployedGraph, reason: str, memory: BatchSplit | None = None
 ) -> Runner | None:
     """`runner` serving any batch as calls of the graph's batch gears, or None when the graph has no
-    batch gears or its calls cannot be split. `memory`: the chunks ONNX Runtime's memory allows
-    (probe_onnx's split), so no gear above them runs."""
+    batch gears or its calls cannot be split (then `runner.unsplit` says why). `memory`: the chunks
+    ONNX Runtime's memory allows (probe_onnx's split), so no gear above them runs."""
     gears = [gear for gear in batch_gears(graph.strategy) if memory is None or gear <= memory.max_batch]
     if not gears:
         return None
-    split = batch_split_for(graph.contract, graph.strategy, max(gears), reason)
+    why = unsplit_reason(graph)
+    split = batch_split_for(graph.contract, graph.strategy, max(gears), reason) if why is None else None
     if split is None:
+        runner.unsplit = why
         return None
     return SplitBatchBackend(runner, memory or split, gears=gears)
 
@@ -97,6 +114,15 @@ class SplitBatchBackend(Runner):
         self.kind = backend.kind
         self.chunked_calls = 0  # calls that were split or padded
         self.chunk_sizes: list[list[int]] = []  # per chunked call, the gear each chunk ran
+
+    @property
+    def unsplit(self) -> str | None:  # type: ignore[override]
+        """Why the runner beneath does not serve other batches as gear-sized calls (when it does not)."""
+        return getattr(self.backend, "unsplit", None)
+
+    @unsplit.setter
+    def unsplit(self, why: str | None) -> None:
+        self.backend.unsplit = why
 
     @property
     def any_size_inputs(self) -> frozenset[str]:

@@ -182,8 +182,12 @@ def _outside_ranges(dynamic: list[_DynamicDim], strategy: ShapeStrategy) -> str 
     return None
 
 
-def _unsplit(contract: ContractSpec, strategy: ShapeStrategy | None) -> str | None:
-    """Why this graph's batch cannot be split into gear-sized calls, or None when it can."""
+def _unsplit(contract: ContractSpec, strategy: ShapeStrategy | None, backend: object) -> str | None:
+    """Why this graph's batch cannot be split into gear-sized calls, or None when it can: what the
+    backend found when it was opened (`Runner.unsplit`: its batch items interact, say), else its shapes."""
+    found = getattr(backend, "unsplit", None)
+    if found:
+        return found
     axes = batch_axes(contract, strategy)
     return axes if isinstance(axes, str) else None
 
@@ -231,9 +235,8 @@ class _Route:
         self.output_layout = TreeLayout.of_output(contract)
         self.in_spec = spec_from_str(contract.in_spec)
         self.out_spec = spec_from_str(contract.out_spec)
-        self.shape_rule = ShapeRule(
-            contract.inputs, strategy, getattr(backend, "any_size_inputs", frozenset()), _unsplit(contract, strategy)
-        )
+        any_batch = getattr(backend, "any_size_inputs", frozenset())
+        self.shape_rule = ShapeRule(contract.inputs, strategy, any_batch, _unsplit(contract, strategy, backend))
         self.bound_constants = self._bound_constants(contract)
         self.output_constants = self._output_constants(contract)
         self.feed_names = self._feed_names(contract, backend)

@@ -16,7 +16,8 @@ from omskills.ascend.ops import precheck_ops as _precheck
 from omskills.ascend.pitfalls import check_pitfalls
 from omskills.ascend.precision_fix import atc_keep_nodes, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
-from omskills.contracts.samples import Sample, load_sample, one_per_shape
+from omskills.contracts.batch_axes import batch_axes
+from omskills.contracts.samples import Sample, load_sample, one_per_shape, read_arrays
 from omskills.convert.export import dynamic_dims_from_strategy
 from omskills.convert.export import export_onnx as _export
 from omskills.convert.optimize import optimize_variants, probe_samples
@@ -24,12 +25,14 @@ from omskills.errors import StageError, one_line
 from omskills.isolation import ISOLATE_MIN_BYTES, ChildDied, model_bytes, run_in_child
 from omskills.models import cache as model_cache
 from omskills.profiling.memory_estimate import plan_probe, probe_budget_bytes
+from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.export import ExporterName, ExportResult
 from omskills.records.parity import ParityReport, verdict_rank
 from omskills.records.stage_order import TOOLCHAIN_STEPS, step_key
 from omskills.records.task import TaskRecord, load_record, updating
-from omskills.records.toolchain import AtcResult, BatchSplit, OpPrecheck, OptimizeResult
+from omskills.records.toolchain import AtcResult, BatchIndependence, BatchSplit, OpPrecheck, OptimizeResult
 from omskills.run_folder import RunFolder
+from omskills.runtime.batch_independence import UNCHECKED, check_batch_independence
 from omskills.runtime.batch_split import batch_split_for
 from omskills.stages.model import open_model
 from omskills.stages.steps import StepStart, artifacts_of, fingerprint, require_intact
@@ -131,6 +134,7 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
     model_cache.release()
     with start.running(inputs_hash) as handle:
         reports, split, predicted = _probe_reports(record, name, path, sample_paths)
+        checked = _batch_independence(record, name, path, sample_paths) if variant == "original" else None
         # The sample that fares worst speaks for the candidate: worst verdict, then lowest cosine.
         report = max(reports, key=lambda r: (verdict_rank(r.verdict), -r.worst_cosine))
         if split is not None:
@@ -140,12 +144,16 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
             chain = rec.toolchain_entry(name)
             chain.probes[variant] = report
             chain.batch_split = split
+            if variant == "original":  # a property of the graph: the variants made from it keep it
+                chain.batch_independence = checked
             chunked = (
                 f"; batch in chunks of {split.max_batch}, one first chunk per shape probed: {split.reason}"
                 if split
                 else ""
             )
             chunked += f"; {predicted}" if predicted else ""
+            if checked is not None:
+                chunked += f"; batch {'independent' if checked.independent else 'not split'}: {checked.reason}"
             rec.decide(
                 "probe_onnx",
                 f"{name}/{variant}: probe {report.verdict}",
@@ -155,6 +163,32 @@ def probe_candidate(task_path: Path, name: str, variant: str = "original") -> Pa
 
         handle.update(store)
     return report
+
+
+def _batch_independence(
+    record: TaskRecord, name: str, path: Path, sample_paths: list[Path]
+) -> BatchIndependence | None:
+    """Whether the graph computes its batch items independently (checked on the smallest sample,
+    in a child for a big graph), or None when its strategy has no batch gears to split into."""
+    decision = record.boundaries.get(name)
+    strategy = decision.shape_strategy if decision else None
+    contract = record.contract(name)
+    if isinstance(batch_axes(contract, strategy), str):
+        return None
+    smallest = min(sample_paths, key=lambda p: p.stat().st_size)
+    if model_bytes(path) < ISOLATE_MIN_BYTES:
+        return _check_on_sample(path, smallest, contract, strategy)
+    try:
+        return run_in_child(_check_on_sample, path, smallest, contract, strategy)
+    except ChildDied as err:
+        return BatchIndependence(independent=False, reason=f"{UNCHECKED}: the process checking it died ({err})")
+
+
+def _check_on_sample(
+    path: Path, sample: Path, contract: ContractSpec, strategy: ShapeStrategy | None
+) -> BatchIndependence | None:
+    feeds, _ = read_arrays(sample)
+    return check_batch_independence(path, feeds, contract, strategy)
 
 
 def _probed_count(probed: int, captured: int) -> str:
