@@ -15,15 +15,12 @@ double (tests/doubles: ONNX Runtime underneath, the OM's gears enforced, no NPU)
 
 from __future__ import annotations
 
-import os
-import shutil
-import stat
 from pathlib import Path
 
 import pytest
 import torch
+from fake_atc_build import built_om
 from infer_session_double import install_acl_double, recording_sessions
-from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
 from omskills.contracts.batch_axes import BatchAxes, batch_axes
@@ -36,7 +33,6 @@ from omskills.runtime.serving import open_graph
 from omskills.splicing.splice import splice
 from torch import nn
 
-FAKE_ATC = Path(__file__).with_name("fake_atc")
 STUDIED = (2, 4)  # the batches the study saw: gears [2] and [4]
 BEYOND = (9, 5, 1)  # beyond the largest gear, between... and below the smallest
 RUN = [10, 6, 2]  # items each runs in all: its own and one padded item (9 = 4 + 2 + 3 padded to 4)
@@ -136,21 +132,7 @@ def _call_of(root: nn.Module, name: str, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _fake_atc(folder: Path, onnx: Path, strategy: ShapeStrategy) -> Path:
-    bin_dir = folder / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    shutil.copy(FAKE_ATC, bin_dir / "atc")
-    (bin_dir / "atc").chmod((bin_dir / "atc").stat().st_mode | stat.S_IXUSR)
-    path = os.environ["PATH"]
-    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}"
-    try:
-        options = AtcOptions.from_strategy(
-            strategy, model=str(onnx), output=str(onnx.with_suffix("")), soc_version="Ascend910B4"
-        )
-        built = run_atc(options, folder / "atc")
-    finally:
-        os.environ["PATH"] = path
-    assert built.status == "converted", built.reason
-    return Path(built.om_path)
+    return built_om(folder, onnx, strategy, onnx.with_suffix(""))
 
 
 @pytest.fixture(scope="module")

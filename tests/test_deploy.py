@@ -8,15 +8,12 @@ tests/fake_atc, whose ".om" names the ONNX it was given. Every device label says
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import stat
-from pathlib import Path
 
 import numpy as np
 import onnxruntime
 import pytest
 import torch
+from fake_atc_build import built_om
 from infer_session_double import (
     InferSessionDouble,
     acl_double,
@@ -24,7 +21,6 @@ from infer_session_double import (
     install_fake_ais_bench,
     recording_sessions,
 )
-from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
 from omskills.convert.export import export_onnx
@@ -35,7 +31,6 @@ from omskills.runtime.serving import open_graph, resolve_backend
 from omskills.splicing.splice import ContractViolation, splice
 from torch import nn
 
-FAKE_ATC = Path(__file__).with_name("fake_atc")
 GEARS = (1, 4)  # the batch sizes of the capture run, hence the OM's batch gears
 
 
@@ -83,20 +78,7 @@ def gear_graph(tmp_path_factory):
         folder / "encoder.onnx",
         dynamic_dims={name: {0: "batch"}},
     )
-    bin_dir = folder / "bin"
-    bin_dir.mkdir()
-    shutil.copy(FAKE_ATC, bin_dir / "atc")
-    (bin_dir / "atc").chmod((bin_dir / "atc").stat().st_mode | stat.S_IXUSR)
-    path = os.environ["PATH"]
-    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}"
-    try:
-        options = AtcOptions.from_strategy(
-            strategy, model=str(folder / exported.path), output=str(folder / "encoder"), soc_version="Ascend910B4"
-        )
-        built = run_atc(options, folder / "atc")
-    finally:
-        os.environ["PATH"] = path
-    assert built.status == "converted", built.reason
+    om = built_om(folder, folder / exported.path, strategy, folder / "encoder")
     graph = DeployedGraph(
         name="encoder",
         plan_candidate="encoder",
@@ -108,7 +90,7 @@ def gear_graph(tmp_path_factory):
             folder / "encoder.onnx", {name: torch.randn(2, 3, 8, 8).numpy()}, contract, strategy
         ),
         onnx=Artifact(files=[ArtifactFile(path="encoder.onnx", bytes=(folder / "encoder.onnx").stat().st_size)]),
-        om=Artifact(files=[ArtifactFile(path="encoder.om", bytes=Path(built.om_path).stat().st_size)]),
+        om=Artifact(files=[ArtifactFile(path="encoder.om", bytes=om.stat().st_size)]),
         precision_mode="force_fp16",
     )
     return pipeline, graph, folder

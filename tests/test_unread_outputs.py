@@ -14,15 +14,12 @@ The graphs are real exports run by ONNX Runtime; the OM path runs on the InferSe
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import stat
 from pathlib import Path
 
 import pytest
 import torch
+from fake_atc_build import built_om
 from infer_session_double import install_acl_double, recording_sessions
-from omskills.ascend.atc import AtcOptions, run_atc
 from omskills.boundary.shape_strategy import propose_shape_strategy
 from omskills.contracts import capture_contracts
 from omskills.convert.export import export_onnx
@@ -34,7 +31,6 @@ from omskills.splicing.splice import splice
 from omskills.splicing.unfetched import Unfetched
 from torch import nn
 
-FAKE_ATC = Path(__file__).with_name("fake_atc")
 BATCHES = (2, 3)
 STEPS, WIDTH = 16, 64  # the big output: batch x STEPS x WIDTH floats; the small one: batch x 4
 
@@ -84,21 +80,7 @@ def deployed(folder: Path, host: Host, contract: ContractSpec) -> DeployedGraph:
     strategy = propose_shape_strategy(contract)
     onnx = folder / "block.onnx"
     export_onnx(host.block, contract, [inputs(3)], onnx, dynamic_dims={contract.inputs[0].name: {0: "batch"}})
-    bin_dir = folder / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    shutil.copy(FAKE_ATC, bin_dir / "atc")
-    (bin_dir / "atc").chmod((bin_dir / "atc").stat().st_mode | stat.S_IXUSR)
-    path = os.environ["PATH"]
-    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}"
-    try:
-        options = AtcOptions.from_strategy(
-            strategy, model=str(onnx), output=str(folder / "block"), soc_version="Ascend910B4"
-        )
-        built = run_atc(options, folder / "atc")
-    finally:
-        os.environ["PATH"] = path
-    assert built.status == "converted", built.reason
-    om = Path(built.om_path)
+    om = built_om(folder, onnx, strategy, folder / "block")
     return DeployedGraph(
         name="block",
         plan_candidate="block",
