@@ -31,6 +31,12 @@ class BatchSplit(Record):
     reason: str
 
 
+# Why a graph probed before the batch-independence check is not split (nothing says its items are independent).
+BATCH_INDEPENDENCE_UNCHECKED = (
+    "whether its batch items are computed independently was not checked (a record written before the check)"
+)
+
+
 class BatchIndependence(Record):
     """Whether each batch item of a graph with batch gears is computed on its own, as serving a
     batch that is no gear in gear-sized calls assumes (runtime.batch_independence).

@@ -21,10 +21,10 @@ from omskills.compare.parity import compare_outputs
 from omskills.contracts.batch_axes import BatchAxes, batch_axes
 from omskills.errors import one_line
 from omskills.records.contracts import ContractSpec, ShapeStrategy
-from omskills.records.toolchain import BatchIndependence
+from omskills.records.toolchain import BATCH_INDEPENDENCE_UNCHECKED, BatchIndependence
 from omskills.runtime.base import Runner
 
-UNCHECKED = "whether its batch items are computed independently was not checked (a record written before the check)"
+UNCHECKED = BATCH_INDEPENDENCE_UNCHECKED
 
 
 def check_batch_independence(

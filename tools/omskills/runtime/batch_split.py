@@ -33,9 +33,8 @@ from omskills.contracts.batch_axes import batch_axes, batch_gears
 from omskills.errors import OmskillsError
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.deploy import DeployedGraph
-from omskills.records.toolchain import BatchSplit
+from omskills.records.toolchain import BATCH_INDEPENDENCE_UNCHECKED, BatchSplit
 from omskills.runtime.base import BackendInputError, HeldOutput, IOSpec, Runner
-from omskills.runtime.batch_independence import UNCHECKED
 
 
 def batch_split_for(
@@ -57,7 +56,7 @@ def unsplit_reason(graph: DeployedGraph) -> str | None:
         return axes
     checked = graph.batch_independence
     if checked is None:
-        return UNCHECKED
+        return BATCH_INDEPENDENCE_UNCHECKED
     return None if checked.independent else checked.reason
 
 
