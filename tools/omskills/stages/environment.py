@@ -15,6 +15,7 @@ machine's state (`machine.probe.machine_state`) is the one it was probed in.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from omskills.records.stage_order import step_key
 from omskills.records.stages import StageResult
 from omskills.records.task import TaskRecord, load_record, now_iso, updating
 from omskills.stages.steps import is_done
+
+logger = logging.getLogger(__name__)
 
 SOC_FIELD = "intake.target.soc"
 
@@ -53,6 +56,8 @@ def check_environment(task_path: Path) -> EnvironmentReport:
     state = machine_state(record.intake, model_problem)
     reused = is_done(record, step_key("environment"), state) and record.environment is not None
     report = record.environment if reused else probe_environment(record.intake, model_problem)
+    if reused:
+        logger.info("environment: the probe of %s reused (the same machine state)", report.probed_at)
     report.checked = checked
     device = device_problem(report.torch, record.intake.model.device)
     if device:
@@ -73,7 +78,7 @@ def check_environment(task_path: Path) -> EnvironmentReport:
             inputs_hash=state,
             started=started,
             seconds=round(time.perf_counter() - clock, 3),
-            note=f"{can} (the probe of {report.probed_at} reused: the same machine state)" if reused else can,
+            note=can,  # the same whether the probe ran or was reused: a rerun leaves the record as it was
         )
     return report
 
