@@ -298,6 +298,16 @@ def test_crashing_tool_and_unknown_tool_reach_the_model_as_errors(world):
     )
 
 
+def _chat_env(base_url: str, skills: Path) -> dict[str, str]:
+    """The environment of an `omskills chat` against the fake API, with the toy skill."""
+    return {
+        **os.environ,
+        "ANTHROPIC_API_KEY": "test-key",
+        "ANTHROPIC_BASE_URL": base_url,
+        "OMSKILLS_SKILLS_DIR": str(skills),
+    }
+
+
 def test_chat_keeps_the_conversation_across_lines(world, tmp_path):
     script = [done("hello"), calls(tool_use("toy_add", {"a": 4, "b": 4})), done("eight")]
     api, transcript, shown = _chat_typing(world, script, "hi\nadd four and four\nexit\n", tmp_path)
@@ -698,12 +708,7 @@ def test_adapt_with_claude_keeps_the_servers_messages_in_a_log_and_the_terminal_
     task = write_task_record(tmp_path / "task.yaml")
     script = [calls(tool_use("toy_write", {"out": str(run / "note.txt"), "text": "hi"})), done("SUMMARY: wrote it.")]
     with fake_anthropic(script) as api:
-        env = {
-            **os.environ,
-            "ANTHROPIC_API_KEY": "test-key",
-            "ANTHROPIC_BASE_URL": api.base_url,
-            "OMSKILLS_SKILLS_DIR": str(skills),
-        }
+        env = _chat_env(api.base_url, skills)
         proc = subprocess.run(
             [sys.executable, "-c", _CLI, "adapt", str(task), "--agent", "claude", "--out", str(run)],
             env=env,
@@ -745,12 +750,7 @@ def test_chat_ctrl_c_cancels_the_running_tool_and_returns_to_the_prompt_and_at_t
     task = write_task_record(workspace / "toy" / "task.yaml").resolve()
     script = [calls(tool_use("toy_stage", {"task": str(task), "seconds": 120})), done("fine, stopped.")]
     with fake_anthropic(script) as api:
-        env = {
-            **os.environ,
-            "ANTHROPIC_API_KEY": "test-key",
-            "ANTHROPIC_BASE_URL": api.base_url,
-            "OMSKILLS_SKILLS_DIR": str(skills),
-        }
+        env = _chat_env(api.base_url, skills)
         out, err = (tmp_path / "stdout.txt").open("w+"), (tmp_path / "stderr.txt").open("w+")
         chat_process = subprocess.Popen(
             [
@@ -894,12 +894,7 @@ def test_chat_in_a_terminal_shows_a_clean_status_line_and_keeps_its_prompt_after
     task = write_task_record(workspace / "toy" / "task.yaml").resolve()
     script = [calls(tool_use("toy_stage", {"task": str(task), "seconds": 120})), done("fine, stopped.")]
     with fake_anthropic(script) as api:
-        env = {
-            **os.environ,
-            "ANTHROPIC_API_KEY": "test-key",
-            "ANTHROPIC_BASE_URL": api.base_url,
-            "OMSKILLS_SKILLS_DIR": str(skills),
-        }
+        env = _chat_env(api.base_url, skills)
         terminal = _Terminal(["chat", "--task", str(task), "--workspace", str(workspace)], env, tmp_path)
         try:
             terminal.wait_for(lambda screen: screen[-1] == "you>")
