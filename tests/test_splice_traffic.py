@@ -375,7 +375,7 @@ def test_mergeable_graphs_link_into_chains_and_a_graph_runs_inside_one_others_ca
             proposal("p", "q"),
         ]
     )  # p and q: a loop, no first member
-    assert chains == [
+    assert [(names, [link.io_map for link in links]) for names, links in chains] == [
         (["a", "b", "c", "d"], [{"x": "a_out"}, {"x": "b_out"}, {"x": "c_out"}]),
         (["f", "g"], [{"x": "f_out"}]),
     ]
@@ -386,12 +386,14 @@ def test_a_chain_with_a_graph_run_in_batch_chunks_is_not_composed(tmp_path):
     from types import SimpleNamespace
 
     from omskills.records.toolchain import BatchSplit
+    from omskills.records.traffic import MergeProposal
     from omskills.stages.merged_graphs import _composed
 
     chunked = {
         "b": BatchSplit(max_batch=2, input_axes={"x": 0}, output_axes={"y": 0}, reason="the whole batch does not fit")
     }
     record = SimpleNamespace(batch_split_of=chunked.get)
-    graph = _composed(record, tmp_path, ["a", "b"], [{"x": "y"}])
+    link = MergeProposal(graph="b", upstream="a", mergeable=True, reason="", io_map={"x": "y"})
+    graph = _composed(record, tmp_path, ["a", "b"], [link], {})
     assert graph.status == "refused" and graph.reason.startswith("b run(s) the batch in chunks on the CPU")
     assert not (tmp_path / "onnx").exists()  # nothing written

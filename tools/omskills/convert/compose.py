@@ -9,7 +9,7 @@ its names prefixed, so the members' names cannot collide.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import onnx
@@ -28,12 +28,17 @@ def composed_prefix(member: str) -> str:
 
 
 def compose_chain(
-    models: Sequence[Path], names: Sequence[str], io_maps: Sequence[dict[str, str]], out: Path
+    models: Sequence[Path],
+    names: Sequence[str],
+    io_maps: Sequence[dict[str, str]],
+    out: Path,
+    internal: Collection[str] = (),
 ) -> list[str]:
     """Write to `out` one graph computing `models` in order, each member after the first fed by
     the member before it: `io_maps[k]` maps each input of member k+1 to the output of member k
     that feeds it (every input must be one). Returns the composed graph's outputs: the first
-    member's, then each later member's with `composed_prefix` of its name."""
+    member's, then each later member's with `composed_prefix` of its name, except the members
+    named in `internal` (a hop's glue: only the next member reads it)."""
     if len(models) < 2 or len(names) != len(models) or len(io_maps) != len(models) - 1:
         raise ComposeError(
             f"a chain needs two graphs or more, a name each and a map between each two: "
@@ -44,6 +49,11 @@ def compose_chain(
     for path, name, io_map in zip(models[1:], names[1:], io_maps):
         merged = _appended(merged, onnx.load(str(path)), io_map, before, composed_prefix(name), path.name)
         before = composed_prefix(name)
+    hidden = tuple(composed_prefix(name) for name in internal)
+    kept = [o for o in merged.graph.output if not o.name.startswith(hidden)] if hidden else None
+    if kept is not None:
+        del merged.graph.output[:]
+        merged.graph.output.extend(kept)
     onnx.checker.check_model(merged, full_check=False)
     save_onnx(merged, out)
     return [o.name for o in merged.graph.output]

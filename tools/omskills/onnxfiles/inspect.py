@@ -217,3 +217,10 @@ def external_data_info(model: ModelProto, folder: Path) -> ExternalDataInfo:
         elif f not in missing:
             total += (folder / f).stat().st_size
     return ExternalDataInfo(files=files, bytes=total, missing=missing)
+
+
+def graph_inputs(path: str | Path) -> list[str]:
+    """The inputs a caller feeds, in the graph's order (initializers listed as inputs are not fed)."""
+    graph = load_model_proto(path).graph
+    weights = _initializer_names(graph)
+    return [i.name for i in graph.input if i.name not in weights]

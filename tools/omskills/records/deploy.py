@@ -77,6 +77,9 @@ class DeployedMerge(Record):
     graphs: list[SafeName]  # the members, in call order
     io_maps: list[dict[str, str]]  # per member after the first: its input -> the output of the member before it
     prefixes: list[str]  # per member after the first: the prefix of its names in the composed graph
+    # Per member after the first: {} for an unchanged hand-off; for a widened boundary, its input -> the
+    # digest of the host code computing it (answered inside the composed graph only when that matches).
+    recipes: list[dict[str, str]] = Field(default_factory=list)
     onnx: Artifact
     precision_mode: str | None = None  # the slowest of the members' chosen modes
     atc_script: RunPath | None = None

@@ -141,6 +141,13 @@ class MergeProposal(Record):
             "When mergeable: each of its inputs -> the upstream graph's output that fed it, unchanged, in every call."
         ),
     )
+    recipes: Annotated[dict[str, str], DETAIL] = Field(
+        default_factory=dict,
+        description=(
+            "When the host code between the two is to be taken into the merged graph (a widened boundary): each "
+            "input -> the digest of how the host computes it from the upstream graph's outputs (records.glue)."
+        ),
+    )
 
 
 class TrafficReport(Record):
@@ -203,6 +210,18 @@ class MergedGraph(Record):
         description=(
             "Per member after the first: the prefix of its names (inputs, outputs) inside the composed graph."
         ),
+    )
+    recipes: Annotated[list[dict[str, str]], DETAIL] = Field(
+        default_factory=list,
+        description=(
+            "Per member after the first: {} when it reads the member before it's outputs unchanged; for a widened "
+            "boundary, each input -> the digest of the host code the composed graph computes it by (a call is "
+            "answered inside the composed graph only when the host computed its inputs that way)."
+        ),
+    )
+    glue_graphs: list[RunPath | None] = Field(
+        default_factory=list,
+        description="Per member after the first: the run-folder path of the glue graph composed before it, if any.",
     )
     onnx_path: RunPath | None = Field(None, description="Run-folder path of the composed ONNX graph.")
     atc_command: AtcArgv = Field(default_factory=list, description="The ATC command for the composed graph.")

@@ -13,6 +13,7 @@ from typing import Annotated
 from omskills.records.base import Record
 from omskills.records.details import DETAIL
 from omskills.records.export import FallbackEvent, SpliceStats
+from omskills.records.glue import GlueReport
 from omskills.records.names import RunPath
 from omskills.records.parity import ParityGates, Verdict, verdict_rank
 from omskills.records.traffic import MergedRun, TrafficReport
@@ -233,11 +234,19 @@ class VerifyReport(Record):
             "unchanged hand-offs from one graph to another), and the host<->device time that predicts on the target."
         ),
     )
+    glue: GlueReport | None = Field(
+        None,
+        description=(
+            "The host code between the deployed graphs, hop by hop (captured from a spliced run): what it does, "
+            "whether it can go into a graph, what it costs, and whether its boundary was widened to take it."
+        ),
+    )
     merged: MergedRun | None = Field(
         None,
         description=(
-            "When some graph reads only another's unchanged outputs: the main path again with those pairs composed "
-            "into one graph each (one call instead of two), its verdict and its traffic."
+            "When some graph reads only another's unchanged outputs, or its inputs only through host code that a "
+            "widened boundary takes in: the main path again with those chains composed into one graph each (one "
+            "call instead of several), its verdict and its traffic."
         ),
     )
     splice_stats: Annotated[list[SpliceStats], DETAIL] = Field(

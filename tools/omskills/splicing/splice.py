@@ -30,7 +30,7 @@ from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
 from omskills.splicing.memo import OutputMemo, memoisable
 from omskills.splicing.traffic import TrafficMeter
-from omskills.splicing.unfetched import Unfetched
+from omskills.splicing.unfetched import GlueWindow, Unfetched
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -326,20 +326,26 @@ class _Route:
         tensors = self.call_layout.tensors_of(flat.leaves)
         started = time.perf_counter()
         by_name = {spec.name: tensor for spec, tensor in zip(self.contract.inputs, tensors)}
-        # np.require, not np.ascontiguousarray: that one makes a 0-d value (a timestep) 1-d.
-        feeds = {name: np.require(by_name[name].detach().cpu().numpy(), requirements="C") for name in self.feed_names}
         # Outputs go where the caller's tensors are (the contract's device is the capture's).
         device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
         names = [spec.name for spec in self.contract.outputs]
         merged = self.merged
         if merged is not None and merged.first is not self:
             k = merged.member(self)
-            answered = merged.answer(k, by_name)
+            answered = merged.answer(k, by_name)  # before the feeds: a deferred input is never computed
             if answered is not None:  # computed inside the first graph's last call
-                outputs = [self._output_tensor(spec, answered, device) for spec in self.contract.outputs]
+                outputs = [self._output_tensor(spec, answered, device, quiet=True) for spec in self.contract.outputs]
                 merged.answered_with(k, dict(zip(names, outputs)))
-                self.traffic.record_merged(self.contract.candidate, merged.first.contract.candidate, outputs, names)
-                return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
+                crossed = [k for k, t in enumerate(outputs) if not isinstance(t, Unfetched)]  # held: counted when read
+                self.traffic.record_merged(
+                    self.contract.candidate,
+                    merged.first.contract.candidate,
+                    [outputs[k] for k in crossed],
+                    [names[k] for k in crossed],
+                )
+                return self._returned(by_name, outputs)
+        # np.require, not np.ascontiguousarray: that one makes a 0-d value (a timestep) 1-d.
+        feeds = {name: np.require(by_name[name].detach().cpu().numpy(), requirements="C") for name in self.feed_names}
         runs_merged = merged is not None and merged.first is self
         key = self.memo.key(feeds) if self.memo is not None else None
         produced = self.memo.get(key) if key is not None else None
@@ -350,12 +356,21 @@ class _Route:
             produced, values, resident = self._launch(merged.backend if runs_merged else self.backend, by_name, feeds)
             if key is not None:
                 self.memo.put(key, {name: produced[name] for name in names})
-        outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
+        quiet = runs_merged and merged.glued  # type: ignore[union-attr]
+        outputs = [self._output_tensor(spec, produced, device, quiet) for spec in self.contract.outputs]
         if ran:  # a call answered from memory ran nothing and moved nothing
             self.backend_seconds.append(time.perf_counter() - started)
             if runs_merged:
                 merged.keep(produced, dict(zip(names, outputs)))
             self._count(by_name, feeds, outputs, values, resident)
+        return self._returned(by_name, outputs)
+
+    def _returned(self, by_name: Mapping[str, torch.Tensor], outputs: list[torch.Tensor]) -> Any:
+        """The call's result as the caller expects it (an observer of the host code is told of it)."""
+        names = [spec.name for spec in self.contract.outputs]
+        self.traffic.observe(
+            self.contract.candidate, {n: by_name[n] for n in self.feed_names}, dict(zip(names, outputs))
+        )
         return unflatten(self.output_layout.merge(outputs, self.output_constants), self.out_spec)
 
     def _launch(
@@ -363,8 +378,10 @@ class _Route:
     ) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
         """One backend call: (outputs as host arrays or held values, the runtime's own values when
         kept, the feeds given as such values). A merged graph's call fetches every output: the
-        later members are answered from them."""
-        fetch = self.fetch if backend is self.backend else None
+        later members are answered from them, unless a member's inputs are computed by host code
+        from them (a widened boundary): then every output stays on the device until it is read."""
+        merged = self.merged
+        fetch = self.fetch if backend is self.backend else ([] if merged is not None and merged.glued else None)
         if self.holds_values and getattr(backend, "holds_values", False):
             values, resident = self._run_values(backend, by_name, feeds, fetch)
             return {name: _host_view(value) for name, value in values.items()}, values, resident
@@ -417,7 +434,11 @@ class _Route:
         run_values = backend.run_values  # type: ignore[attr-defined]
         return run_values(bound, **_fetching(run_values, fetch)), resident
 
-    def _output_tensor(self, spec: TensorSpec, produced: Mapping[str, Any], device: torch.device) -> torch.Tensor:
+    def _output_tensor(
+        self, spec: TensorSpec, produced: Mapping[str, Any], device: torch.device, quiet: bool = False
+    ) -> torch.Tensor:
+        """An output as the host sees it; a held one as an `Unfetched` placeholder (`quiet`: held by a
+        widened graph's call, which holds every output, so a read is expected and only counted)."""
         if spec.name not in produced:
             raise SpliceError(
                 f"{self.contract.candidate}: backend {self.backend.kind} returned no output {spec.name!r}"
@@ -425,16 +446,19 @@ class _Route:
         value = produced[spec.name]
         if _is_held(value):
             return Unfetched(
-                tuple(value.shape), torch_dtype(spec.dtype), device, value.copy_back, self._read_held(spec.name)
+                tuple(value.shape), torch_dtype(spec.dtype), device, value.copy_back, self._read_held(spec.name, quiet)
             )
         array = np.require(value, requirements="C")
         return torch.from_numpy(array).to(device=device, dtype=torch_dtype(spec.dtype))
 
-    def _read_held(self, name: str) -> Callable[[torch.Tensor], None]:
+    def _read_held(self, name: str, quiet: bool = False) -> Callable[[torch.Tensor], None]:
         """What happens when the host reads an output the study saw it never read: it was copied back
         then; said once per output, counted every time."""
 
         def read(tensor: torch.Tensor) -> None:
+            self.traffic.record_late_copy(self.contract.candidate, tensor)
+            if quiet:
+                return
             if name not in self.held_read:
                 logger.warning(
                     "%s output %s, left on the device as the study saw no host code read it, was read: "
@@ -443,7 +467,6 @@ class _Route:
                     name,
                 )
             self.held_read.append(name)
-            self.traffic.record_late_copy(self.contract.candidate, tensor)
 
         return read
 
@@ -481,14 +504,24 @@ class MergedChain:
         io_maps: Sequence[Mapping[str, str]],
         prefixes: Sequence[str],
         traffic: TrafficMeter,
+        recipes: Sequence[Mapping[str, str] | None] = (),
     ) -> None:
         self.routes = list(routes)
         self.backend = backend
         self.io_maps = [dict(m) for m in io_maps]  # member k+1's input -> member k's output
         self.prefixes = list(prefixes)  # of members 1..
         self.traffic = traffic
+        # Per link, for a widened boundary: member k+1's input -> the digest of the host code that
+        # computes it from member k's outputs (`contracts.recipes`); None for a direct hand-off.
+        self.recipes = [dict(r) if r else None for r in recipes] or [None] * len(self.io_maps)
         self.answered = [0] * len(self.routes)
+        self._window: GlueWindow | None = None
         self.forget()
+
+    @property
+    def glued(self) -> bool:
+        """Whether host code computes a later member's inputs (its operations deferred while a call waits)."""
+        return any(self.recipes)
 
     @property
     def first(self) -> _Route:
@@ -501,6 +534,12 @@ class MergedChain:
         self._pending: list[dict[str, np.ndarray]] = []
         self._next = 0  # the member whose call may be answered next
         self._given: dict[str, torch.Tensor] = {}
+        self._close_window()
+
+    def _close_window(self) -> None:
+        if self._window is not None:
+            self._window.open = False
+            self._window = None
 
     def keep(self, produced: Mapping[str, np.ndarray], outputs: Mapping[str, torch.Tensor]) -> None:
         """The composed graph's call: every later member's outputs, waiting for its call."""
@@ -515,10 +554,34 @@ class MergedChain:
         """Member k's outputs if this call is the one the composed call computed them for."""
         if k != self._next or not self._pending:
             return None
+        recipes = self.recipes[k - 1]
+        if recipes is not None:
+            return self._answer_glued(k, recipes, by_name)
         for name, given in self._given.items():
             tensor = by_name.get(name)
             produced = self.traffic.handed_output(tensor) if tensor is not None else None
             if tensor is not given or produced is None or produced.graph != self.routes[k - 1].contract.candidate:
+                return None
+        self.answered[k] += 1
+        return self._pending[k - 1]
+
+    def _answer_glued(
+        self, k: int, recipes: Mapping[str, str], by_name: Mapping[str, torch.Tensor]
+    ) -> dict[str, np.ndarray] | None:
+        """Member k's outputs if the host computed each of its inputs from the member before it's
+        outputs (still deferred) the way the widened graph does."""
+        window, self._window = self._window, None
+        if window is None:
+            return None
+        window.open = False  # whatever happens now, the host computes what it reads
+        for name, expected in recipes.items():
+            tensor = by_name.get(name)
+            if tensor is None or window.digest(tensor) != expected:
+                logger.info(
+                    "%s: input %s was not computed as the widened graph computes it; it runs its own graph",
+                    self.routes[k].contract.candidate,
+                    name,
+                )
                 return None
         self.answered[k] += 1
         return self._pending[k - 1]
@@ -532,6 +595,12 @@ class MergedChain:
         self._given = (
             {name: outputs[output] for name, output in self.io_maps[k].items()} if k < len(self.io_maps) else {}
         )
+        self._close_window()
+        if k < len(self.recipes) and self.recipes[k] is not None:
+            self._window = GlueWindow(self.routes[k].contract.candidate)
+            for name, tensor in outputs.items():
+                if isinstance(tensor, Unfetched):
+                    self._window.add_root(tensor, name)
 
 
 class SplicedModule(nn.Module):
@@ -595,6 +664,10 @@ class SplicedModule(nn.Module):
         return self._contract_call(*args, **kwargs)
 
     def _contract_call(self, *args: Any, **kwargs: Any) -> Any:
+        with self.traffic.graph_call():
+            return self._served_call(*args, **kwargs)
+
+    def _served_call(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         flat = flatten_call(args, kwargs)
         violations = [(route, route.violation(flat)) for route in self.routes]
@@ -709,10 +782,12 @@ class SpliceHandle:
         backend: SpliceBackend,
         io_maps: Sequence[Mapping[str, str]],
         prefixes: Sequence[str],
+        recipes: Sequence[Mapping[str, str] | None] = (),
     ) -> None:
         """Serve `graphs`, in that order, by one call of `backend`, their composition: its outputs
         are the first graph's, then each later one's with its prefix (`prefixes`, one per later
-        graph); `io_maps[k]`: graph k+1's input -> graph k's output."""
+        graph); `io_maps[k]`: graph k+1's input -> graph k's output; `recipes[k]`, for a widened
+        boundary: graph k+1's input -> the digest of the host code computing it from graph k's outputs."""
         routes = {route.contract.candidate: route for spliced in self._spliced for route in spliced.routes}
         where = f"merge {' + '.join(graphs)}"
         if missing := [name for name in graphs if name not in routes]:
@@ -727,7 +802,9 @@ class SpliceHandle:
         wanted += [prefix + spec.name for prefix, route in zip(prefixes, chain[1:]) for spec in route.contract.outputs]
         if missing := [name for name in wanted if name not in produced]:
             raise SpliceError(f"{where}: backend {backend.kind} has no output(s) {missing}")
-        merged = MergedChain(chain, backend, io_maps, prefixes, self.traffic)
+        if recipes and len(recipes) != len(io_maps):
+            raise SpliceError(f"{where}: a recipe map (or None) for each link, or none at all")
+        merged = MergedChain(chain, backend, io_maps, prefixes, self.traffic, recipes)
         for route in chain:
             route.merged = merged
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -103,6 +104,18 @@ def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
 
 
+class GraphCallObserver(Protocol):
+    """Something that watches the host code between graph calls (`boundary.glue.GlueRecorder`)."""
+
+    inside: int  # above 0 while a graph call is in progress: what it does is not host code
+
+    def graph_call(
+        self, graph: str, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]
+    ) -> None: ...
+
+    def step_done(self, index: int) -> None: ...
+
+
 class TrafficMeter:
     """Counts every backend call of a splice. Calls are counted toward the step the driver reports
     next (`step_done`); calls after the last report (teardown) toward a step of their own."""
@@ -117,6 +130,24 @@ class TrafficMeter:
         # An output tensor of a graph, by the address of its data, while the tensor lives: an input
         # at that address with the same version counter is that output, unchanged since.
         self._produced: dict[int, _Produced] = {}
+        self.observer: GraphCallObserver | None = None
+
+    @contextmanager
+    def graph_call(self) -> Iterator[None]:
+        """A graph call (or its fallback) in progress: an observer sees its inputs and outputs, not
+        the tensors the splice makes to move them."""
+        if self.observer is not None:
+            self.observer.inside += 1
+        try:
+            yield
+        finally:
+            if self.observer is not None:
+                self.observer.inside -= 1
+
+    def observe(self, graph: str, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        """Tell the observer, if any, of a call of `graph`."""
+        if self.observer is not None:
+            self._guarded(graph, lambda: self.observer.graph_call(graph, inputs, outputs))  # type: ignore[union-attr]
 
     def record(
         self,
@@ -231,6 +262,8 @@ class TrafficMeter:
     def step_done(self, index: int) -> None:
         """The driver finished step `index`: the calls since the last report were its calls."""
         self._merge(index)
+        if self.observer is not None:
+            self.observer.step_done(index)
         self._forget_dead()  # a kept runtime value holds its buffer: none outlives its tensor by a step
 
     def _forget_dead(self) -> None:

@@ -8,17 +8,27 @@ device: `contracts.reads.METADATA`) from what the runtime reported. The first to
 that reads its values copies the output back (that call's own values, which the runtime held),
 says so once in the log and counts the copy (`on_read`), and from then on it is that tensor:
 a read the study did not see costs a late copy, never a wrong value.
+
+A widened boundary (host code between two graphs taken into one graph) leaves every output of the
+first graph's call on the device, and opens a `GlueWindow` on them until the next graph's call. While
+it is open, a torch operation on those outputs is not run: it gives a `Deferred` tensor (its shape and
+dtype from running it on the meta device) that remembers the operation. The next graph's call is
+answered inside the widened graph when each of its inputs is such a recipe with the digest the
+capture saw (`contracts.recipes`); anything else that reads a deferred value computes it on the host
+then, from the outputs copied back (counted), so a recipe no graph answers is still the right value.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils._pytree as pt
-from omskills.contracts.reads import reads_values
+from omskills.contracts.reads import function_name, reads_values
+from omskills.contracts.recipes import canonical, op_digest, output_digest, value_digest
 
 
 class Unfetched(torch.Tensor):
@@ -27,6 +37,7 @@ class Unfetched(torch.Tensor):
     _copy_back: Callable[[], np.ndarray] | None
     _on_read: Callable[[torch.Tensor], None]
     _value: torch.Tensor | None
+    _window: GlueWindow | None
 
     @staticmethod
     def __new__(
@@ -38,7 +49,7 @@ class Unfetched(torch.Tensor):
         on_read: Callable[[torch.Tensor], None],
     ) -> Unfetched:
         made = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        made._copy_back, made._on_read, made._value = copy_back, on_read, None
+        made._copy_back, made._on_read, made._value, made._window = copy_back, on_read, None, None
         return made
 
     @property
@@ -61,6 +72,9 @@ class Unfetched(torch.Tensor):
         if not reads_values(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        window = _open_window((args, kwargs))
+        if window is not None and (deferred := _deferred(func, args, kwargs, window)) is not None:
+            return deferred
         args, kwargs = pt.tree_map(_value_of, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -73,3 +87,123 @@ class Unfetched(torch.Tensor):
 
 def _value_of(item: Any) -> Any:
     return item.value() if isinstance(item, Unfetched) else item
+
+
+class GlueWindow:
+    """The time between a widened graph's call and the call it answers: operations on the held
+    outputs of `graph` are deferred while it is open."""
+
+    def __init__(self, graph: str) -> None:
+        self.graph = graph
+        self.open = True
+        self._roots: dict[int, tuple[weakref.ref, str]] = {}
+        self._digests: dict[int, str] = {}
+
+    def add_root(self, tensor: Unfetched, output: str) -> None:
+        tensor._window = self
+        self._roots[id(tensor)] = (weakref.ref(tensor), output)
+
+    def digest(self, value: Any) -> str | None:
+        """How `value` was computed from the outputs (`contracts.recipes`); None for a non-tensor."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        cached = self._digests.get(id(value))
+        if cached is None:
+            cached = self._digest(value)
+            self._digests[id(value)] = cached
+        return cached
+
+    def _digest(self, tensor: torch.Tensor) -> str:
+        root = self._roots.get(id(tensor))
+        if root is not None and root[0]() is tensor:
+            return output_digest(self.graph, root[1])
+        if isinstance(tensor, Deferred) and tensor._window is self:
+            op = tensor._op
+            return op_digest(op.name, tensor._position, canonical((op.args, op.kwargs), self.digest))
+        return value_digest(tensor)
+
+
+class _DeferredOp:
+    """One deferred operation: run on the host, once, when a result is read."""
+
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.func, self.name, self.args, self.kwargs = func, function_name(func), args, kwargs
+        self._results: list[torch.Tensor] | None = None
+
+    def result(self, position: int) -> torch.Tensor:
+        if self._results is None:
+            args, kwargs = pt.tree_map(_value_of, (self.args, self.kwargs))
+            out = self.func(*args, **kwargs)
+            self._results = [leaf for leaf in pt.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        return self._results[position]
+
+
+class Deferred(Unfetched):
+    """The result of an operation on a widened graph's held outputs, not computed yet."""
+
+    _op: _DeferredOp
+    _position: int
+
+    @staticmethod
+    def __new__(
+        cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, op: _DeferredOp, position: int
+    ) -> Deferred:
+        made = Unfetched.__new__(cls, shape, dtype, device, _never, _nothing)
+        made._op, made._position = op, position
+        return made
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._op.result(self._position)
+        return self._value
+
+
+def _never() -> np.ndarray:
+    raise AssertionError("a deferred value is computed, never copied back")
+
+
+def _nothing(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _open_window(tree: Any) -> GlueWindow | None:
+    """The one open window the tensors of an operation's arguments are in, if any."""
+    windows = {id(w): w for leaf in pt.tree_leaves(tree) if isinstance(leaf, Unfetched) and (w := leaf._window)}
+    if len(windows) != 1:
+        return None
+    window = next(iter(windows.values()))
+    return window if window.open else None
+
+
+def _deferred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], window: GlueWindow) -> Any:
+    """The operation's results as `Deferred` tensors, or None when it cannot wait: it writes in
+    place, it gives something other than tensors, or the meta device cannot tell its shapes."""
+    name = function_name(func)
+    if name.endswith("_") or name.startswith("__i") or name == "__setitem__" or kwargs.get("out") is not None:
+        return None
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            meta = func(*pt.tree_map(_on_meta, args), **pt.tree_map(_on_meta, kwargs))
+    except Exception:  # noqa: BLE001 - an operation the meta device cannot run is computed now
+        return None
+    leaves = pt.tree_leaves(meta)
+    if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return None
+    device = next(leaf.device for leaf in pt.tree_leaves((args, kwargs)) if isinstance(leaf, Unfetched))
+    op = _DeferredOp(func, args, kwargs)
+    positions = iter(range(len(leaves)))
+
+    def wrap(leaf: torch.Tensor) -> Deferred:
+        made = Deferred(tuple(leaf.shape), leaf.dtype, device, op, next(positions))
+        made._window = window
+        return made
+
+    return pt.tree_map(wrap, meta)
+
+
+def _on_meta(item: Any) -> Any:
+    if isinstance(item, Unfetched):
+        return torch.empty(tuple(item.shape), dtype=item.dtype, device="meta")
+    if isinstance(item, torch.Tensor):
+        return item.to("meta")
+    return item

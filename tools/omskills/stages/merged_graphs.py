@@ -19,9 +19,12 @@ from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
 from omskills.ascend.link import link_cost
 from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, fastest_first, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
+from omskills.boundary.glue_graph import GlueGraphError, export_glue
+from omskills.boundary.hops import Hop
 from omskills.convert.compose import compose_chain, composed_prefix
 from omskills.errors import one_line
 from omskills.models.api import MainPathRun, RunHooks
+from omskills.onnxfiles.inspect import graph_inputs
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.precision import EmulatedResult, PrecisionGates
 from omskills.records.task import TaskRecord
@@ -47,12 +50,15 @@ def merged_run(
     proposals: list[MergeProposal],
     checks: list[OutputCheck],
     backend: str,
+    hops: list[Hop] = (),  # type: ignore[assignment]
 ) -> MergedRun | None:
-    """The main path with every chain of mergeable graphs composed into one; None when none can merge."""
-    chains, not_taken = merge_chains(proposals)
+    """The main path with every chain of mergeable graphs composed into one, the glue of each
+    widened hop between its two members; None when none can merge."""
+    widened = {(hop.glue.producer, hop.glue.consumer): hop for hop in hops if hop.program is not None}
+    chains, not_taken = merge_chains([*proposals, *(widening_proposal(hop) for hop in widened.values())])
     if not chains:
         return None
-    graphs = [_composed(record, workdir, names, maps) for names, maps in chains]
+    graphs = [_composed(record, workdir, names, links, widened) for names, links in chains]
     built = [g for g in graphs if g.status != "refused"]
     if not built:
         return MergedRun(graphs=graphs, not_taken=not_taken, verdict="not run", fallbacks=0)
@@ -60,7 +66,7 @@ def merged_run(
     try:
         with splice(model.loaded.root, replacements, strategies=strategies) as handle:
             for graph, opened in zip(built, composed):
-                handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes)
+                handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes, graph.recipes)
             spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
     finally:
         for opened in composed:
@@ -73,10 +79,24 @@ def merged_run(
     return MergedRun(graphs=judged, not_taken=not_taken, verdict=main.verdict, fallbacks=fallbacks, traffic=traffic)
 
 
-def merge_chains(proposals: list[MergeProposal]) -> tuple[list[tuple[list[str], list[dict[str, str]]]], dict[str, str]]:
-    """Mergeable proposals linked into chains, first member first, each with the maps between its
-    members; and the mergeable graphs no chain can take, with why (a graph whose outputs feed two
-    mergeable graphs runs the first of them inside its calls)."""
+def widening_proposal(hop: Hop) -> MergeProposal:
+    """A hop whose glue a widened boundary takes in, as a merge of its two graphs."""
+    cost = hop.glue.cost
+    return MergeProposal(
+        graph=hop.glue.consumer,
+        upstream=hop.glue.producer,
+        mergeable=True,
+        reason=f"its inputs are {hop.glue.producer}'s outputs through tensor-only host code: widened to take it",
+        calls_saved_per_step=cost.consumer_calls_per_step,
+        bytes_saved_per_step=cost.fed_bytes_per_step,
+        recipes=hop.glue.recipes,
+    )
+
+
+def merge_chains(proposals: list[MergeProposal]) -> tuple[list[tuple[list[str], list[MergeProposal]]], dict[str, str]]:
+    """Mergeable proposals linked into chains, first member first, each with the proposals linking
+    its members; and the mergeable graphs no chain can take, with why (a graph whose outputs feed
+    two mergeable graphs runs the first of them inside its calls)."""
     feeds: dict[str, MergeProposal] = {}
     not_taken: dict[str, str] = {}
     for proposal in (p for p in proposals if p.mergeable and p.upstream):
@@ -87,22 +107,29 @@ def merge_chains(proposals: list[MergeProposal]) -> tuple[list[tuple[list[str], 
     fed = {p.graph for p in feeds.values()}
     chains = []
     for head in (u for u in feeds if u not in fed):
-        names, maps = [head], []
+        names, links = [head], []
         while (link := feeds.get(names[-1])) is not None and link.graph not in names:
             names.append(link.graph)
-            maps.append(link.io_map)
-        chains.append((names, maps))
+            links.append(link)
+        chains.append((names, links))
     return chains, not_taken
 
 
-def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[dict[str, str]]) -> MergedGraph:
+def _composed(
+    record: TaskRecord,
+    workdir: Path,
+    names: list[str],
+    links: list[MergeProposal],
+    widened: dict[tuple[str, str], Hop],
+) -> MergedGraph:
     name = f"{names[0]}_to_{names[-1]}"
     out = workdir / "onnx" / "merged" / f"{name}.onnx"
     base = MergedGraph(
         name=name,
         graphs=names,
-        io_maps=maps,
+        io_maps=[link.io_map for link in links],
         prefixes=[composed_prefix(g) for g in names[1:]],
+        recipes=[link.recipes for link in links],
         status="refused",
         reason="",
     )
@@ -117,7 +144,9 @@ def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[di
             }
         )
     try:
-        compose_chain([record.preferred_model(workdir, g) for g in names], names, maps, out)
+        members, member_names, maps, glue = _members(record, workdir, names, links, widened)
+        base = base.model_copy(update={"glue_graphs": [RunFolder(workdir).stored(g) if g else None for g in glue]})
+        compose_chain(members, member_names, maps, out, internal=[n for n in member_names if n not in names])
         mode, keep, emulated = _precision(record, workdir, base, out)
         command, script = _atc(record, workdir, name, names[0], out, mode, keep)
     except Exception as err:  # noqa: BLE001 - a merge is an optimisation: the graphs apart still serve
@@ -134,6 +163,34 @@ def _composed(record: TaskRecord, workdir: Path, names: list[str], maps: list[di
             "reason": "not run yet",
         }
     )
+
+
+def _members(
+    record: TaskRecord,
+    workdir: Path,
+    names: list[str],
+    links: list[MergeProposal],
+    widened: dict[tuple[str, str], Hop],
+) -> tuple[list[Path], list[str], list[dict[str, str]], list[Path | None]]:
+    """The graphs to compose, in order, with their names and the maps between them: each widened
+    link's glue graph (exported now) goes between its two members."""
+    members, member_names, maps, glue = [record.preferred_model(workdir, names[0])], [names[0]], [], []
+    for before, after, link in zip(names, names[1:], links):
+        consumer = record.preferred_model(workdir, after)
+        if not link.recipes:
+            members.append(consumer), member_names.append(after), maps.append(link.io_map), glue.append(None)
+            continue
+        inputs = graph_inputs(consumer)
+        path = workdir / "onnx" / "merged" / f"{before}_glue_{after}.onnx"
+        try:
+            reads = export_glue(widened[(before, after)].program, before, inputs, path)  # type: ignore[arg-type]
+        except GlueGraphError as err:
+            raise ValueError(f"the glue between {before} and {after} as a graph: {err}") from None
+        members += [path, consumer]
+        member_names += [f"{before}_glue_{after}", after]
+        maps += [{n: n for n in reads}, {n: n for n in inputs}]
+        glue.append(path)
+    return members, member_names, maps, glue
 
 
 def _precision(

@@ -19,11 +19,11 @@ from omskills.models.registry import driver_for
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.stage_order import step_key
 from omskills.records.task import TaskRecord
-from omskills.records.traffic import MergedRun
 from omskills.records.verify import VerifyReport
 from omskills.report.wording import plural
 from omskills.runtime import BACKENDS
 from omskills.splicing.splice import SpliceBackend, splice
+from omskills.stages.glue import captured_hops, decided
 from omskills.stages.merged_graphs import merged_run
 from omskills.stages.model import TaskModel, open_model
 from omskills.stages.spliced_runs import chosen_emulation, chosen_modes, open_spliced, page_out_spliced, spliceable
@@ -76,8 +76,8 @@ def verify_main_path(task_path: Path, backend: str = "onnxruntime", precision: s
         progress.report(2, 3, "verify: comparing outputs, writing the report and pictures...")
         report = verification_report(record, workdir, model, reference, spliced, handle, names, modes, backend)
         report.notes += notes
-        if not emulated and report.traffic is not None and any(m.mergeable for m in report.traffic.merges):
-            report.merged = _merged(record, workdir, model, reference, replacements, strategies, report, backend)
+        if not emulated and report.traffic is not None:
+            _boundaries(record, workdir, model, reference, replacements, strategies, report, backend)
         report = write_verification_report(report, record, model, reference, spliced, workdir)
         written = [report.report_html, report.report_json, *report.figures]
         step.result.artifacts += artifacts_of([workdir / path for path in written], workdir)
@@ -105,7 +105,7 @@ def _inputs_hash(
     )
 
 
-def _merged(
+def _boundaries(
     record: TaskRecord,
     workdir: Path,
     model: TaskModel,
@@ -114,16 +114,33 @@ def _merged(
     strategies: dict[str, ShapeStrategy],
     report: VerifyReport,
     backend: str,
-) -> MergedRun | None:
-    """Graphs that read only another's unchanged outputs, composed with it and verified (a
-    composed graph is an ONNX graph: on another backend the merges are proposed, not run)."""
+) -> None:
+    """The host code between the graphs captured (`stages.glue`), then graphs that read only
+    another's unchanged outputs, or its outputs through glue worth taking in, composed with it and
+    verified. A composed graph is an ONNX graph: on another backend the merges are proposed, not run."""
     if backend != "onnxruntime":
         report.notes.append(f"merge proposals not run: composed graphs are ONNX, the spliced run used {backend}")
-        return None
-    progress.report(2, 3, "verify: the main path again with mergeable graphs composed into one...")
-    return merged_run(
-        record, workdir, model, reference, replacements, strategies, report.traffic.merges, report.comparison, backend
-    )
+        return
+    found, recorder = [], None
+    if len(replacements) > 1:
+        progress.report(2, 3, "verify: the main path again, recording the host code between the graphs...")
+        found, recorder = captured_hops(record, model, replacements, strategies)
+    if any(m.mergeable for m in report.traffic.merges) or any(hop.program is not None for hop in found):  # type: ignore[union-attr]
+        progress.report(2, 3, "verify: the main path again with mergeable graphs composed into one...")
+        report.merged = merged_run(
+            record,
+            workdir,
+            model,
+            reference,
+            replacements,
+            strategies,
+            report.traffic.merges,  # type: ignore[union-attr]
+            report.comparison,
+            backend,
+            found,
+        )
+    if recorder is not None:
+        report.glue = decided(found, recorder, report.merged)
 
 
 def _stored(report: VerifyReport):
