@@ -1,18 +1,19 @@
-"""The host code between deployed graphs: captured from a spliced run, one hop at a time.
+"""The host code between deployed graphs: captured from a spliced run, one consumer call at a time.
 
-A hop is a pair of graphs where host code takes the first one's outputs (the producer) and computes
-some of the next one's inputs (the consumer) from them: a reshape, a scale, a concatenation with a
-constant. While the recorder is on, every torch operation that reads a value derived from a graph's
-outputs is recorded with what it read; operations on other tensors are not (they are not the
-glue). At a graph call, each input's recipe is walked back to the graph outputs it came from. The
-recipe has a digest (operations, their Python arguments and the values of the tensors they read
-that no graph made), so calls whose host code did the same thing have the same digest.
+While the recorder is on, every torch operation that reads a value derived from a graph's outputs
+is recorded with what it read (operations on other tensors are not the glue). At each graph call,
+the graph whose call came last among those its inputs derive from is the hop's producer; each input
+is walked back to the producer's outputs. What it rests on that is not the producer's output is a
+slot: a tensor no graph made (a weight, a constant, a user input) or a value computed before the
+producer's call (another graph's output, glue on it). A slot whose values are the same in every
+call is a constant of the glue; the others are inputs a widened graph is fed.
 
-Per hop the capture decides whether the glue can go into a graph: only torch operations on the
-producer's outputs and constants, the same in every call, with no value read into Python (an
-`.item()`, a `bool()`, a shape made from values) between the producer's call and the consumer's.
-The first call's recipe is kept, with the values it read, to be replayed as a graph of its own
-(`convert.glue_graph`).
+Each input's recipe has a digest (`contracts.recipes`) over the operations, their Python arguments,
+the producer outputs and the slots' dtypes and shapes, so calls whose host code did the same thing
+have the same digest whatever the values. Reads of the producer's derived values into Python (an
+`.item()`, a `bool()`, a NumPy copy) and operations whose output shape comes from values are noted:
+a graph of fixed shapes cannot hold that code. The first call of each hop keeps what it takes to
+replay it as a graph of its own (`boundary.glue_graph`).
 """
 
 from __future__ import annotations
@@ -24,22 +25,35 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from omskills.contracts.provenance import _shallow_tensors, _writes_in_place
+from omskills.contracts.provenance import _shallow_tensors, writes_in_place
 from omskills.contracts.reads import function_name, reads_values
-from omskills.contracts.recipes import PLAIN_ARGUMENTS, canonical, op_digest, output_digest, value_digest
+from omskills.contracts.recipes import (
+    PLAIN_ARGUMENTS,
+    canonical,
+    deep_recipes,
+    op_digest,
+    output_digest,
+    slot_digest,
+    value_digest,
+)
 from torch.overrides import TorchFunctionMode
 
 # Operations whose result's shape comes from the values: a graph of fixed shapes cannot hold them.
 DATA_DEPENDENT_SHAPES = frozenset(
     {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "nms", "batched_nms"}
 )
-# Printing reads values but decides nothing.
-_PRINTING = frozenset({"__repr__", "__str__", "__format__"})
+# What gives Python a tensor's values: code after it may branch on them.
+PYTHON_READS = frozenset(
+    {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "__array__",
+     "equal", "allclose", "is_nonzero", "__contains__", "__hash__"}
+)  # fmt: skip
 _HERE = str(Path(__file__).resolve().parents[1])
 _TORCH = str(Path(torch.__file__).resolve().parent)
+
+FlagKind = Literal["data-dependent", "python-state"]
 
 
 @dataclass(frozen=True)
@@ -63,14 +77,14 @@ class GlueOp:
     func: Callable[..., Any]
     name: str
     args: Any  # (args, kwargs) with tensors replaced by Ref / Const
-    results: list[int]  # the nodes of its tensor results, in flat order
+    results: list[int]  # the nodes of its tensor results, in flat order (an in-place target last)
     site: str
     ms: float
     touched: int  # bytes read and written
-    flag: str | None = None  # why no graph can hold it
+    flag: tuple[FlagKind, str] | None = None  # why no graph can hold it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Root:
     """A graph output, as the recording first saw it."""
 
@@ -80,71 +94,98 @@ class Root:
 
 
 @dataclass
-class Recipe:
-    """How the host made one consumer input from graph outputs: its node and what it rests on."""
+class Slot:
+    """Something a consumer's inputs rest on that is not the producer's output."""
 
-    node: int
-    digest: str
-    ops: list[int]  # indices of the ops it takes, in order
-    roots: list[Root]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    value: str | None  # its value digest; None for a value computed before the producer's call
+    nbytes: int
+    key: tuple[str, int | str]  # ("node", n), ("const", v) or ("input", name): where the replay finds it
+    # For a value computed before the producer's call that is an earlier call's output, or what an
+    # earlier call was given: "output:<graph>/<name>" or "input:<graph>/<name>" (a chain composing
+    # that graph computes it inside).
+    source: str | None = None
+
+    @property
+    def digest(self) -> str:
+        return slot_digest(self.dtype, self.shape)
 
 
 @dataclass
 class Observation:
-    """One consumer call: each input's origin, the glue that computed it, and its cost."""
+    """One consumer call: its producer, each input's recipe and slots, and the cost of its glue."""
 
     step: int | None
     consumer: str
     serial: int  # this call's number
-    passed: dict[str, Root] = field(default_factory=dict)  # inputs that are a graph output unchanged
-    glued: dict[str, Recipe] = field(default_factory=dict)
-    host: dict[str, str] = field(default_factory=dict)  # inputs no graph output made -> their value digest
+    producer: str | None = None  # the graph called last among those its inputs derive from
+    producer_serial: int = 0
+    recipes: dict[str, str] = field(default_factory=dict)  # input -> digest (slots by dtype and shape)
+    glued: list[str] = field(default_factory=list)  # inputs computed by host code from the producer's outputs
+    passed: list[str] = field(default_factory=list)  # inputs that are the producer's outputs, unchanged
+    slots: list[Slot] = field(default_factory=list)  # in the recipes' traversal order
     nbytes: dict[str, int] = field(default_factory=dict)
-    reads: list[str] = field(default_factory=list)  # values of graph outputs read into Python before the call
-    flags: list[str] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)  # the producer's derived values read into Python before it
+    flags: list[tuple[FlagKind, str]] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     sites: list[str] = field(default_factory=list)
     ms: float = 0.0
     touched: int = 0
-    program: Program | None = None  # the first observation of a hop keeps what it takes to replay it
+    read_back: list[int] = field(default_factory=list)  # bytes of each producer output its inputs rest on
+    program: Program | None = None  # the first call of a hop keeps what it takes to replay it
+
+    @property
+    def hop(self) -> bool:
+        """Whether host code stands between the producer and this call: an input computed from its
+        outputs, or one that is not its output next to one that is (all its outputs unchanged is a
+        plain merge)."""
+        return bool(self.glued) or 0 < len(self.passed) < len(self.nbytes)
 
 
 @dataclass
 class Program:
-    """What a consumer's glue computes, ready to replay: the ops in order, the values they read, and
-    a copy of the graph outputs it read and of the inputs it made (to export and check a graph)."""
+    """A hop's glue ready to replay: the ops in order (those since the producer's call), the values
+    they read, the producer outputs and slots it starts from, and copies of one call's values."""
 
+    producer: str
     ops: list[GlueOp]
-    values: dict[int, torch.Tensor]
-    roots: dict[int, Root]  # node -> the graph output it is
-    outputs: dict[str, int | torch.Tensor]  # consumer input -> its node, or a constant value
-    root_samples: dict[str, torch.Tensor]  # "<graph>/<output>" -> a copy
+    values: dict[int, torch.Tensor]  # Const index -> a copy
+    roots: dict[int, str]  # node -> the producer output it is
+    slots: list[Slot]
+    outputs: dict[str, int | str]  # consumer input -> its node, or ("input") the slot key's name
+    root_samples: dict[str, torch.Tensor]  # producer output -> a copy
+    slot_samples: list[torch.Tensor]
     input_samples: dict[str, torch.Tensor]  # consumer input -> a copy
 
 
 class GlueRecorder(TorchFunctionMode):
     """Records the host operations on graph outputs during a spliced run (see the module docstring).
 
-    The splice tells it about each graph call (`graph_call`) and marks the calls themselves
-    (`inside_graph`): what a runtime does to bring outputs back is not glue."""
+    The splice tells it of each graph call (`graph_call`) and marks the calls in progress (`inside`):
+    what a runtime does to bring outputs back is not glue."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inside = 0
-        self.step: int | None = None
         self.serial = 0
+        self.steps = 0  # steps the driver reported
+        self.error: str | None = None  # why the capture stopped before the run's end
         self.calls: dict[str, list[int]] = defaultdict(list)  # graph -> serials of its calls
         self.observations: list[Observation] = []
-        self._kept: set[tuple[str, frozenset[str]]] = set()
+        self._kept: set[tuple[str, str]] = set()
         self._tensors: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (its weak ref, its node)
         self._node_of_op: dict[int, tuple[int, int]] = {}  # node -> (op index, position)
+        self._born: dict[int, int] = {}  # node -> the number of graph calls made before it
+        self._meta: dict[int, tuple[torch.dtype, tuple[int, ...], int]] = {}
         self._roots: dict[int, Root] = {}
+        self._given: dict[int, str] = {}  # node -> "input:<graph>/<name>" of the last call given it
         self._ops: list[GlueOp] = []
         self._values: dict[int, torch.Tensor] = {}
         self._value_ids: dict[tuple, tuple[weakref.ref, int]] = {}
-        self._digests: dict[int, str] = {}
         self._value_digests: dict[int, str] = {}
-        self._reads: list[tuple[int, set[int], str]] = []  # (serial, root serials, what and where)
+        self._step_tensors: list[torch.Tensor] = []  # this step's derived tensors, kept to replay a hop
+        self._reads: list[tuple[set[tuple[str, int]], str]] = []  # (graph calls read from, what and where)
         self._next_node = 0
 
     # ------------------------------------------------------------------ events from the splice
@@ -153,25 +194,34 @@ class GlueRecorder(TorchFunctionMode):
         """A call of `graph` with these inputs (by name) returned these outputs (by name)."""
         self.serial += 1
         self.calls[graph].append(self.serial)
-        self.observations.append(self._observe(graph, inputs))
+        if self.error is None:
+            try:
+                with deep_recipes():
+                    self.observations.append(self._observe(graph, inputs))
+            except Exception as err:  # noqa: BLE001 - the capture stops; the run and its counts go on
+                self.error = f"{graph} call {self.serial}: {type(err).__name__}: {str(err)[:200]}"
+        for name, tensor in inputs.items():
+            if (node := self._node(tensor)) is not None:
+                self._given[node] = f"input:{graph}/{name}"
         for name, tensor in outputs.items():
             if isinstance(tensor, torch.Tensor):
-                node = self._new_node(tensor)
-                self._roots[node] = Root(graph, name, self.serial)
+                self._roots[self._new_node(tensor)] = Root(graph, name, self.serial)
 
     def step_done(self, index: int) -> None:
         """Step `index` ended. Its operations are forgotten (a tensor the host keeps across steps is
-        state from then on); graph outputs stay graph outputs while they live."""
+        a slot from then on); graph outputs stay graph outputs while they live."""
+        self.steps += 1
         for observation in self.observations:
             if observation.step is None:
                 observation.step = index
         self._tensors = {key: entry for key, entry in self._tensors.items() if entry[1] in self._roots}
+        self._given.clear()
         self._node_of_op.clear()
         self._ops = []
         self._values = {}
         self._value_ids.clear()
-        self._digests = {node: d for node, d in self._digests.items() if node in self._roots}
         self._value_digests.clear()
+        self._step_tensors = []
         self._reads.clear()
 
     # ------------------------------------------------------------------ recording
@@ -181,22 +231,22 @@ class GlueRecorder(TorchFunctionMode):
         if self.inside:
             return func(*args, **kwargs)
         read = _shallow_tensors((args, kwargs))
-        derived = [self._node(t) for t in read]
-        if not any(node is not None for node in derived) or not reads_values(func):
+        derived = [node for t in read if (node := self._node(t)) is not None]
+        if not derived or not reads_values(func):
             return func(*args, **kwargs)
         started = time.perf_counter()
         out = func(*args, **kwargs)
         ms = (time.perf_counter() - started) * 1e3
         name = function_name(func)
         results = _shallow_tensors(out)
-        if not results and not _writes_in_place(name, kwargs):
-            if name not in _PRINTING:
-                self._read_into_python(name, [n for n in derived if n is not None])
+        if not results and not writes_in_place(name, kwargs):
+            if name in PYTHON_READS:
+                self._read_into_python(name, derived)
             return out
         try:
             self._record(func, name, args, kwargs, read, results, ms)
         except Exception as err:  # noqa: BLE001 - a recording must never change the run
-            self._ops.append(GlueOp(func, name, None, [], _site(), ms, 0, f"not recorded: {err}"))
+            self._ops.append(GlueOp(func, name, None, [], _site(), ms, 0, ("python-state", f"not recorded: {err}")))
         return out
 
     def _record(
@@ -212,28 +262,23 @@ class GlueRecorder(TorchFunctionMode):
         template = self._template((args, kwargs))
         flag = _flag(name, args, kwargs, template)
         written = []
-        if _writes_in_place(name, kwargs):
+        if writes_in_place(name, kwargs):
             target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
-            written = _shallow_tensors(target)
-            if any(t._base is not None for t in written):
-                flag = flag or f"{name} writes in place through a view"
+            written = [t for t in _shallow_tensors(target) if all(t is not r for r in results)]
+            if any(t._base is not None for t in [*written, *results[:1]]):
+                flag = flag or ("python-state", f"{name} writes in place through a view")
         index = len(self._ops)
         touched = sum(int(t.nbytes) for t in read) + sum(int(t.nbytes) for t in results)
         nodes = []
-        for position, tensor in enumerate(results):
+        for tensor in [*results, *written]:  # a written tensor is a new value from now on
             node = self._new_node(tensor)
-            self._node_of_op[node] = (index, position)
+            self._node_of_op[node] = (index, len(nodes))
             nodes.append(node)
-        for tensor in written:  # the written tensor is a new value from now on
-            if all(tensor is not r for r in results):
-                node = self._new_node(tensor)
-                self._node_of_op[node] = (index, len(nodes))
-                nodes.append(node)
         self._ops.append(GlueOp(func, name, template, nodes, _site(), ms, touched, flag))
 
     def _read_into_python(self, name: str, nodes: list[int]) -> None:
-        roots = {root.serial for node in nodes for root in self._roots_of(node)}
-        self._reads.append((self.serial, roots, f"{name} at {_site()}"))
+        calls = {(root.graph, root.serial) for node in nodes for root in self._roots_of(node)}
+        self._reads.append((calls, f"{name} at {_site()}"))
 
     def _template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -241,7 +286,7 @@ class GlueRecorder(TorchFunctionMode):
             return Ref(node) if node is not None else Const(self._value_id(value))
         if isinstance(value, (list, tuple)):
             items = [self._template(v) for v in value]
-            return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         if isinstance(value, dict):
             return {k: self._template(v) for k, v in value.items()}
         return value
@@ -264,6 +309,9 @@ class GlueRecorder(TorchFunctionMode):
         node = self._next_node
         self._next_node += 1
         self._tensors[id(tensor)] = (weakref.ref(tensor), node)
+        self._born[node] = self.serial
+        self._meta[node] = (tensor.dtype, tuple(tensor.shape), int(tensor.nbytes))
+        self._step_tensors.append(tensor)
         return node
 
     def _node(self, tensor: torch.Tensor) -> int | None:
@@ -271,53 +319,6 @@ class GlueRecorder(TorchFunctionMode):
         if entry is None or entry[0]() is not tensor:
             return None
         return entry[1]
-
-    # ------------------------------------------------------------------ what a consumer's inputs rest on
-
-    def _observe(self, consumer: str, inputs: Mapping[str, torch.Tensor]) -> Observation:
-        seen = Observation(step=None, consumer=consumer, serial=self.serial)
-        ops: set[int] = set()
-        nodes = {name: self._node(tensor) for name, tensor in inputs.items()}
-        for name, tensor in inputs.items():
-            seen.nbytes[name] = int(tensor.nbytes)
-            node = nodes[name]
-            if node is None:
-                if any(n is not None for n in nodes.values()):  # only a hop's consumer needs them
-                    seen.host[name] = value_digest(tensor)
-            elif node in self._roots:
-                seen.passed[name] = self._roots[node]
-            else:
-                taken = self._slice(node)
-                seen.glued[name] = Recipe(node, self._digest(node), sorted(taken), self._roots_of(node))
-                ops |= taken
-        for index in sorted(ops):
-            op = self._ops[index]
-            seen.ops.append(op.name)
-            seen.sites.append(op.site)
-            seen.ms += op.ms
-            seen.touched += op.touched
-            if op.flag:
-                seen.flags.append(f"{op.flag} ({op.site})")
-        earliest = min((r.serial for recipe in seen.glued.values() for r in recipe.roots), default=self.serial + 1)
-        seen.reads = [what for serial, roots, what in self._reads if serial >= earliest and roots]
-        key = (consumer, frozenset(r.graph for recipe in seen.glued.values() for r in recipe.roots))
-        if seen.glued and key not in self._kept:
-            self._kept.add(key)
-            seen.program = self._program(seen, inputs, sorted(ops))
-        return seen
-
-    def _slice(self, node: int) -> set[int]:
-        """The ops on the way from graph outputs to `node`."""
-        taken: set[int] = set()
-        todo = [node]
-        while todo:
-            current = todo.pop()
-            made = self._node_of_op.get(current)
-            if made is None or made[0] in taken:
-                continue
-            taken.add(made[0])
-            todo += [ref.node for ref in _refs(self._ops[made[0]].args)]
-        return taken
 
     def _roots_of(self, node: int) -> list[Root]:
         found: dict[int, Root] = {}
@@ -333,57 +334,165 @@ class GlueRecorder(TorchFunctionMode):
                 todo += [ref.node for ref in _refs(self._ops[made[0]].args)]
         return list(found.values())
 
-    def _digest(self, node: int) -> str:
-        """What computed `node`: the same digest for the same ops, arguments and values read."""
+    # ------------------------------------------------------------------ one consumer call
+
+    def _observe(self, consumer: str, inputs: Mapping[str, torch.Tensor]) -> Observation:
+        seen = Observation(step=None, consumer=consumer, serial=self.serial)
+        nodes = {name: self._node(tensor) for name, tensor in inputs.items()}
+        roots = [r for node in nodes.values() if node is not None for r in self._roots_of(node)]
+        if not roots:
+            return seen  # no input derives from a graph's outputs: no hop ends here
+        latest = max(roots, key=lambda r: r.serial)
+        seen.producer, seen.producer_serial = latest.graph, latest.serial
+        walk = _HopWalk(self, latest.graph, latest.serial)
+        for name in sorted(inputs):
+            tensor, node = inputs[name], nodes[name]
+            seen.nbytes[name] = int(tensor.nbytes)
+            seen.recipes[name] = walk.input_digest(name, tensor, node)
+            if node is not None and walk.is_root(node):
+                seen.passed.append(name)
+            elif node is not None and node not in walk.slot_nodes:
+                seen.glued.append(name)
+        seen.slots = walk.slots
+        seen.read_back = [self._meta[node][2] for node in walk.used_roots]
+        for index in sorted(walk.ops):
+            op = self._ops[index]
+            seen.ops.append(op.name)
+            seen.sites.append(op.site)
+            seen.ms += op.ms
+            seen.touched += op.touched
+            if op.flag:
+                seen.flags.append((op.flag[0], f"{op.flag[1]} ({op.site})"))
+        seen.reads = [what for calls, what in self._reads if (latest.graph, latest.serial) in calls]
+        for index in sorted(walk.late_ops - walk.ops):  # host code after the call the inputs also rest on
+            op = self._ops[index]
+            if op.flag:
+                seen.flags.append((op.flag[0], f"{op.flag[1]} ({op.site}, on values it also reads)"))
+        key = (consumer, latest.graph)
+        if seen.hop and key not in self._kept:
+            self._kept.add(key)
+            seen.program = walk.program(seen, inputs)
+        return seen
+
+
+class _HopWalk:
+    """The walk back from one consumer call's inputs to its producer's outputs: digests, slots, ops."""
+
+    def __init__(self, recorder: GlueRecorder, producer: str, serial: int) -> None:
+        self.rec, self.producer, self.serial = recorder, producer, serial
+        self.slots: list[Slot] = []
+        self.slot_nodes: dict[int, int] = {}  # node -> slot index
+        self.slot_consts: dict[int, int] = {}  # Const index -> slot index
+        self.ops: set[int] = set()
+        self.used_roots: set[int] = set()
+        self.late_ops: set[int] = set()
+        self._digests: dict[int, str] = {}
+        self._depending: dict[int, bool] = {}
+
+    def is_root(self, node: int) -> bool:
+        root = self.rec._roots.get(node)
+        return root is not None and (root.graph, root.serial) == (self.producer, self.serial)
+
+    def input_digest(self, name: str, tensor: torch.Tensor, node: int | None) -> str:
+        if node is not None:
+            return self._node_digest(node)
+        index = self._add_slot(tensor.dtype, tuple(tensor.shape), value_digest(tensor), int(tensor.nbytes))
+        self.slots[index].key = ("input", name)
+        return self.slots[index].digest
+
+    def _node_digest(self, node: int) -> str:
         cached = self._digests.get(node)
         if cached is not None:
             return cached
-        if node in self._roots:
-            root = self._roots[node]
-            digest = output_digest(root.graph, root.output)
+        made = self.rec._node_of_op.get(node)
+        if self.is_root(node):
+            self.used_roots.add(node)
+            digest = output_digest(self.producer, self.rec._roots[node].output)
+        elif not self._depends(node):  # made before the producer's call, or without its outputs
+            dtype, shape, nbytes = self.rec._meta[node]
+            index = self._add_slot(dtype, shape, None, nbytes)
+            self._late(node)
+            root = self.rec._roots.get(node)
+            self.slots[index].key = ("node", node)
+            self.slots[index].source = f"output:{root.graph}/{root.output}" if root else self.rec._given.get(node)
+            self.slot_nodes[node] = index
+            digest = self.slots[index].digest
         else:
-            index, position = self._node_of_op[node]
-            op = self._ops[index]
+            index, position = made
+            self.ops.add(index)
+            op = self.rec._ops[index]
             digest = op_digest(op.name, position, canonical(op.args, self._leaf))
         self._digests[node] = digest
         return digest
 
+    def _late(self, node: int) -> None:
+        """The ops made after the producer's call on the way to a slot: host code between the calls
+        that the inputs rest on, though not on the producer's outputs."""
+        todo = [node]
+        while todo:
+            current = todo.pop()
+            made = self.rec._node_of_op.get(current)
+            if made is None or made[0] in self.late_ops or self.rec._born[current] < self.serial:
+                continue
+            self.late_ops.add(made[0])
+            todo += [r.node for r in _refs(self.rec._ops[made[0]].args)]
+
+    def _depends(self, node: int) -> bool:
+        """Whether `node` was computed from this call of the producer (what the host computes apart
+        from it is a slot, whenever it was made)."""
+        if node not in self._depending:
+            made = self.rec._node_of_op.get(node)
+            self._depending[node] = self.is_root(node) or (
+                made is not None
+                and self.rec._born[node] >= self.serial
+                and any(self._depends(r.node) for r in _refs(self.rec._ops[made[0]].args))
+            )
+        return self._depending[node]
+
     def _leaf(self, value: Any) -> str | None:
         if isinstance(value, Ref):
-            return self._digest(value.node)
+            return self._node_digest(value.node)
         if isinstance(value, Const):
-            if value.value not in self._value_digests:
-                self._value_digests[value.value] = value_digest(self._values[value.value])
-            return self._value_digests[value.value]
+            if value.value not in self.slot_consts:
+                tensor = self.rec._values[value.value]
+                digest = self.rec._value_digests.get(value.value) or value_digest(tensor)
+                self.rec._value_digests[value.value] = digest
+                index = self._add_slot(tensor.dtype, tuple(tensor.shape), digest, int(tensor.nbytes))
+                self.slots[index].key = ("const", value.value)
+                self.slot_consts[value.value] = index
+            return self.slots[self.slot_consts[value.value]].digest
         return None
 
-    def _program(self, seen: Observation, inputs: Mapping[str, torch.Tensor], ops: list[int]) -> Program:
-        taken = [self._ops[i] for i in ops]
-        used = {c.value for op in taken for c in _consts(op.args)}
-        roots = {r.node: self._roots[r.node] for op in taken for r in _refs(op.args) if r.node in self._roots}
-        outputs: dict[str, int | torch.Tensor] = {name: recipe.node for name, recipe in seen.glued.items()}
-        for name in seen.passed:
-            node = self._node(inputs[name])
-            outputs[name] = node  # type: ignore[assignment]
-            roots[node] = self._roots[node]  # type: ignore[index]
-        for name in seen.host:
-            outputs[name] = inputs[name].detach().clone()
-        samples = {}
-        for node, root in roots.items():
-            tensor = next((t for ref, t in self._live() if ref == node), None)
-            if tensor is not None:
-                samples[f"{root.graph}/{root.output}"] = tensor.detach().clone()
+    def _add_slot(self, dtype: torch.dtype, shape: tuple[int, ...], value: str | None, nbytes: int) -> int:
+        self.slots.append(Slot(dtype, shape, value, nbytes, ("", 0), None))
+        return len(self.slots) - 1
+
+    def program(self, seen: Observation, inputs: Mapping[str, torch.Tensor]) -> Program | None:
+        live = {node: t for ref, node in self.rec._tensors.values() if (t := ref()) is not None}
+        live |= {node: t for t in self.rec._step_tensors if (node := self.rec._node(t)) is not None}
+        roots = {n: self.rec._roots[n].output for n in self.used_roots}
+        samples: list[torch.Tensor] = []
+        for slot in self.slots:
+            kind, key = slot.key
+            tensor = live.get(key) if kind == "node" else self.rec._values.get(key) if kind == "const" else inputs[key]
+            if tensor is None:
+                return None  # a value it starts from is gone: nothing to replay
+            samples.append(tensor.detach().clone())
+        outputs: dict[str, int | str] = {}
+        for name in inputs:
+            node = self.rec._node(inputs[name])
+            outputs[name] = node if node is not None else name
         return Program(
-            ops=taken,
-            values={v: self._values[v] for v in used},
+            producer=self.producer,
+            ops=[self.rec._ops[i] for i in sorted(self.ops)],
+            values={i: v for i, v in self.rec._values.items()},
             roots=roots,
+            slots=list(self.slots),
             outputs=outputs,
-            root_samples=samples,
+            root_samples={name: live[n].detach().clone() for n, name in roots.items() if n in live},
+            slot_samples=samples,
             input_samples={name: t.detach().clone() for name, t in inputs.items()},
         )
-
-    def _live(self) -> list[tuple[int, torch.Tensor]]:
-        return [(node, t) for ref, node in self._tensors.values() if (t := ref()) is not None]
 
 
 def _refs(value: Any) -> list[Ref]:
@@ -396,26 +505,16 @@ def _refs(value: Any) -> list[Ref]:
     return []
 
 
-def _consts(value: Any) -> list[Const]:
-    if isinstance(value, Const):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [c for v in value for c in _consts(v)]
-    if isinstance(value, dict):
-        return [c for v in value.values() for c in _consts(v)]
-    return []
-
-
-def _flag(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], template: Any) -> str | None:
+def _flag(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], template: Any) -> tuple[FlagKind, str] | None:
     """Why no graph of fixed shapes can hold this op, or None."""
     if name in DATA_DEPENDENT_SHAPES or (name == "where" and len(args) == 1 and not kwargs):
-        return f"{name} makes a shape from values"
-    if name in ("__getitem__", "__setitem__", "index_select", "index", "masked_fill") and name != "masked_fill":
+        return "data-dependent", f"{name} makes a shape from values"
+    if name in ("__getitem__", "__setitem__", "index_select", "index"):
         index = args[1] if len(args) > 1 else None
         if any(t.dtype == torch.bool for t in _shallow_tensors(index)):
-            return f"{name} with a boolean mask makes a shape from values"
+            return "data-dependent", f"{name} with a boolean mask makes a shape from values"
     odd = _odd_arguments(template)
-    return f"{name} takes a {odd} (Python state)" if odd else None
+    return ("python-state", f"{name} takes a {odd}") if odd else None
 
 
 def _odd_arguments(value: Any) -> str | None:
@@ -426,7 +525,7 @@ def _odd_arguments(value: Any) -> str | None:
     if isinstance(value, dict):
         return next((odd for v in value.values() if (odd := _odd_arguments(v))), None)
     if callable(value):
-        return None  # a function argument (a reduction's key) is code, replayed as it is
+        return None  # a function argument is code, replayed as it is
     return type(value).__qualname__
 
 
@@ -435,7 +534,7 @@ def _site() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH, _HERE)) and "<" not in filename[:1]:
+        if not filename.startswith((_TORCH, _HERE)) and not filename.startswith("<"):
             return f"{Path(filename).name}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ from omskills.onnxfiles.onnx_io import save_onnx
 from torch import nn
 
 GLUE_OPSET = 18  # the highest ATC accepts (convert.export)
+GLUE_INPUT = "from_"  # the prefix of the glue graph's inputs that are the producer's outputs
 
 
 class GlueGraphError(ValueError):
@@ -30,72 +32,69 @@ class GlueGraphError(ValueError):
 
 
 class GlueReplay(nn.Module):
-    """Replays a captured glue program: inputs, the producer outputs it reads in `roots` order."""
+    """Replays a captured glue program. Inputs: the producer outputs it reads (`roots`, in order),
+    then the slots that are not constants; the constant slots are held as buffers."""
 
-    def __init__(self, program: Program, roots: list[int], outputs: list[str]) -> None:
+    def __init__(self, program: Program, roots: list[int], fed: list[int], outputs: list[str]) -> None:
         super().__init__()
-        self.program = program
-        self.roots = roots
-        self.output_names = outputs
-        for index, value in program.values.items():
-            self.register_buffer(f"value_{index}", value.clone(), persistent=False)
-        for name, made in program.outputs.items():
-            if isinstance(made, torch.Tensor):
-                self.register_buffer(_constant_name(name), made.clone(), persistent=False)
+        self.program, self.roots, self.fed, self.output_names = program, roots, fed, outputs
+        for index, sample in enumerate(program.slot_samples):
+            if index not in fed:
+                self.register_buffer(f"slot_{index}", sample.clone(), persistent=False)
 
-    def forward(self, *roots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *given: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        roots, fed = given[: len(self.roots)], given[len(self.roots) :]
+        slots = {index: tensor for index, tensor in zip(self.fed, fed)}
+        slots |= {i: getattr(self, f"slot_{i}") for i in range(len(self.program.slots)) if i not in slots}
         env: dict[int, torch.Tensor] = dict(zip(self.roots, roots))
+        consts: dict[int, torch.Tensor] = {}
+        named: dict[str, torch.Tensor] = {}
+        for index, slot in enumerate(self.program.slots):
+            kind, key = slot.key
+            {"node": env, "const": consts, "input": named}[kind][key] = slots[index]  # type: ignore[index]
         for op in self.program.ops:
-            args, kwargs = self._bound(op.args, env)
+            args, kwargs = _bound(op.args, env, consts)
             out = op.func(*args, **kwargs)
             results = _shallow_tensors(out)
             if len(results) < len(op.results):  # an in-place write: the written tensor is a result too
                 results += _shallow_tensors(kwargs.get("out") if kwargs.get("out") is not None else args[:1])
             for node, tensor in zip(op.results, results):
                 env[node] = tensor
-        made = []
-        for name in self.output_names:
-            source = self.program.outputs[name]
-            tensor = getattr(self, _constant_name(name)) if isinstance(source, torch.Tensor) else env[source]
-            made.append(tensor)
-        return tuple(made)
-
-    def _bound(self, value, env):  # type: ignore[no-untyped-def]
-        if isinstance(value, Ref):
-            return env[value.node]
-        if isinstance(value, Const):
-            return getattr(self, f"value_{value.value}")
-        if isinstance(value, (list, tuple)):
-            items = [self._bound(v, env) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, dict):
-            return {k: self._bound(v, env) for k, v in value.items()}
-        return value
+        made = self.program.outputs
+        return tuple(env[made[n]] if isinstance(made[n], int) else named[made[n]] for n in self.output_names)
 
 
-def export_glue(program: Program, producer: str, outputs: list[str], out: Path) -> list[str]:
-    """Write the glue of `program` to `out`: inputs named as the producer's outputs it reads,
-    outputs named `outputs` (the consumer's inputs, in its order). Returns the input names.
-    Raises GlueGraphError if it cannot be exported or does not give what the host computed."""
-    roots = sorted(program.roots, key=lambda node: program.roots[node].output)
-    names = [program.roots[node].output for node in roots]
-    keys = [f"{producer}/{name}" for name in names]
-    if missing := [k for k in keys if k not in program.root_samples]:
-        raise GlueGraphError(f"no copy of {missing} was kept from the captured call")
-    samples = tuple(program.root_samples[k] for k in keys)
-    module = GlueReplay(program, roots, outputs).eval()
+def _bound(value: Any, env: dict[int, torch.Tensor], consts: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, Ref):
+        return env[value.node]
+    if isinstance(value, Const):
+        return consts[value.value]
+    if isinstance(value, (list, tuple)):
+        items = [_bound(v, env, consts) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _bound(v, env, consts) for k, v in value.items()}
+    return value
+
+
+def export_glue(program: Program, constant: list[bool], outputs: list[str], out: Path) -> list[str]:
+    """Write the glue of `program` to `out`. Its inputs: the producer's outputs it reads (named
+    GLUE_INPUT + their names), then each slot not `constant` (named `slot_<k>`, k its index); its outputs: `outputs`
+    (the consumer's inputs, in its order). Returns the input names. Raises GlueGraphError if it
+    cannot be exported, or does not give what the host computed in the captured call."""
+    roots = sorted(program.roots, key=lambda node: program.roots[node])
+    fed = [index for index, is_constant in enumerate(constant) if not is_constant]
+    # Its own input names (the composition maps them): a consumer input may share a producer output's name.
+    names = [GLUE_INPUT + program.roots[node] for node in roots] + [f"slot_{index}" for index in fed]
+    if missing := [program.roots[n] for n in roots if program.roots[n] not in program.root_samples]:
+        raise GlueGraphError(f"no copy of {program.producer}'s {missing} was kept from the captured call")
+    samples = tuple(program.root_samples[program.roots[n]] for n in roots) + tuple(program.slot_samples[i] for i in fed)
+    module = GlueReplay(program, roots, fed, outputs).eval()
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             exported = torch.onnx.export(
-                module,
-                samples,
-                dynamo=True,
-                opset_version=GLUE_OPSET,
-                input_names=names,
-                output_names=outputs,
-                optimize=True,
-                verbose=False,
+                module, samples, dynamo=True, opset_version=GLUE_OPSET, input_names=names, output_names=outputs
             )
         model = exported.model_proto
     except Exception as err:  # noqa: BLE001 - any exporter failure means: the glue stays in Python

@@ -1,10 +1,10 @@
 """Each hop's glue classified and costed, and the cost model's decision on widening its boundary.
 
-From a `GlueRecorder`'s observations: per consumer graph whose inputs host code computed from graph
-outputs, per producer graph, whether the glue can go into a graph (see `records.glue.HopGlue.kind`),
-what it costs per step where it runs now, and what moving it would save on the link and cost on the
-device. Only a tensor-only hop whose predicted link time saved exceeds the predicted device time of
-the moved operations is proposed for widening.
+From a `GlueRecorder`'s observations: per consumer graph whose inputs host code computed from
+another graph's outputs, whether the glue can go into a graph (`records.glue.HopGlue.kind`), what
+it costs per step where it runs now, and what moving it would save on the link and cost on the
+device. Only a tensor-only hop whose predicted link time saved exceeds the predicted device time
+of the moved operations is proposed for widening.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from omskills.boundary.glue import GlueRecorder, Observation, Program
-from omskills.contracts.recipes import output_digest
-from omskills.records.glue import GlueCost, GlueKind, GlueReport, HopGlue
+from omskills.records.glue import GlueCost, GlueKind, GlueReport, HopGlue, SlotUse
 from omskills.records.traffic import LinkCost
 
 # The device's memory bandwidth the moved glue is costed at. Glue is reshapes, scales and joins:
@@ -26,7 +25,7 @@ DEVICE_MEMORY_GB_S = 204.8
 
 @dataclass
 class Hop:
-    """One hop as captured: its record, and the program to replay when it is widened."""
+    """One hop as captured: its record, and the program to replay when it is proposed."""
 
     glue: HopGlue
     program: Program | None
@@ -34,23 +33,24 @@ class Hop:
 
 def hops(recorder: GlueRecorder, link: LinkCost) -> list[Hop]:
     """Every (producer, consumer) pair whose glue the recorder saw, classified and decided."""
-    steps = max(len({o.step for o in recorder.observations if o.step is not None}), 1)
-    by_consumer: dict[str, list[Observation]] = defaultdict(list)
+    steps = max(recorder.steps, 1)
+    by_pair: dict[tuple[str, str], list[Observation]] = defaultdict(list)
     for seen in recorder.observations:
-        by_consumer[seen.consumer].append(seen)
+        if seen.producer is not None:
+            by_pair[(seen.producer, seen.consumer)].append(seen)
+    consumers: dict[str, set[str]] = defaultdict(set)
+    for producer, consumer in by_pair:
+        consumers[consumer].add(producer)
     found = []
-    for consumer, calls in by_consumer.items():
-        if not any(seen.glued for seen in calls):
-            continue  # inputs handed on unchanged (a merge proposal's business) or made by the host alone
-        producers = sorted({r.graph for seen in calls for recipe in seen.glued.values() for r in recipe.roots})
-        for producer in producers:
-            found.append(_hop(recorder, producer, consumer, calls, producers, steps, link))
+    for (producer, consumer), calls in by_pair.items():
+        if not any(seen.hop for seen in calls):
+            continue  # every input handed on unchanged (a merge proposal's business), or none from it
+        found.append(_hop(recorder, producer, consumer, calls, sorted(consumers[consumer]), steps, link))
     return found
 
 
 def glue_report(found: list[Hop], recorder: GlueRecorder) -> GlueReport:
-    steps = len({o.step for o in recorder.observations if o.step is not None})
-    return GlueReport(hops=[hop.glue for hop in found], steps=steps)
+    return GlueReport(hops=[hop.glue for hop in found], steps=recorder.steps, error=recorder.error)
 
 
 def _hop(
@@ -62,28 +62,25 @@ def _hop(
     steps: int,
     link: LinkCost,
 ) -> Hop:
-    first = next(seen for seen in calls if seen.glued)
-    kind, why = _kind(recorder, producer, calls, producers)
-    cost = _cost(calls, steps, link)
-    movable = kind == "tensor-only"
-    if not movable:
+    first = next(seen for seen in calls if seen.hop)
+    kind, why = _kind(recorder, producer, consumer, calls, producers)
+    slots = _slot_uses(calls) if kind == "tensor-only" else []
+    cost = _cost(calls, steps, link, [s for s in slots if not s.constant])
+    proposed = kind == "tensor-only" and cost.link_saved_ms_per_step > cost.device_ms_per_step
+    if kind != "tensor-only":
         decision_why = f"kept in Python: {why}"
-    elif cost.link_saved_ms_per_step <= cost.device_ms_per_step:
-        decision_why = (
-            f"kept in Python: moving it would save {cost.link_saved_ms_per_step:.4f} ms of link time per step "
-            f"and cost {cost.device_ms_per_step:.4f} ms on the device"
-        )
     else:
+        verb = "proposed" if proposed else "kept in Python"
         decision_why = (
-            f"proposed: {cost.link_saved_ms_per_step:.4f} ms of link time saved per step against "
+            f"{verb}: {cost.link_saved_ms_per_step:.4f} ms of link time saved per step against "
             f"{cost.device_ms_per_step:.4f} ms of moved work on the device"
         )
-    proposed = movable and cost.link_saved_ms_per_step > cost.device_ms_per_step
     glue = HopGlue(
         producer=producer,
         consumer=consumer,
-        inputs=sorted(first.glued),
-        passed=sorted(first.passed),
+        inputs=first.glued,
+        passed=first.passed,
+        slots=slots,
         ops=first.ops,
         sites=list(dict.fromkeys(first.sites)),
         kind=kind,
@@ -91,69 +88,84 @@ def _hop(
         cost=cost,
         decision="kept in Python",
         decision_why=decision_why,
-        recipes=_recipes(first) if proposed else {},
+        recipes=first.recipes if proposed else {},
     )
     return Hop(glue, first.program if proposed else None)
 
 
 def _kind(
-    recorder: GlueRecorder, producer: str, calls: list[Observation], producers: list[str]
+    recorder: GlueRecorder, producer: str, consumer: str, calls: list[Observation], producers: list[str]
 ) -> tuple[GlueKind, str]:
     if len(producers) > 1:
-        return "several-sources", (
-            f"its inputs come from {', '.join(producers)}: one widened graph would have to take them all"
-        )
-    changing = _changing_host_inputs(calls)
-    if changing:
-        size = max(calls[0].nbytes.get(name, 0) for name in changing)
-        return "python-state", (
-            f"it also reads {', '.join(changing)} ({size / 1e6:.2f} MB), which no graph output makes and which "
-            "change between calls (user inputs or state kept by Python)"
-        )
+        return "varies-per-call", f"the graph called last before it differs between calls ({', '.join(producers)})"
     for seen in calls:
         if seen.reads:
-            return "data-dependent", f"host code read graph outputs into Python between the calls: {seen.reads[0]}"
+            return (
+                "data-dependent",
+                f"host code reads {producer}'s outputs into Python before the call: {seen.reads[0]}",
+            )
         if seen.flags:
-            return "data-dependent", seen.flags[0]
-    recipes = {tuple(sorted((n, r.digest) for n, r in seen.glued.items())) for seen in calls}
+            return seen.flags[0]
+    recipes = {tuple(sorted(seen.recipes.items())) for seen in calls}
     if len(recipes) > 1:
         return "varies-per-call", (
-            f"the host code differs between calls ({len(recipes)} distinct recipes: shapes or Python arguments "
-            "that change, or tensors read from outside that change)"
+            f"the host code differs between calls ({len(recipes)} distinct recipes: the operations, their Python "
+            "arguments or the shapes they read change)"
         )
-    latest = _latest_call_fed(recorder, producer, calls)
-    if latest is not None:
-        return "varies-per-call", latest
+    if not any(seen.program is not None for seen in calls):
+        return "python-state", "a value it starts from was gone before the call: nothing to replay"
+    unfed = _calls_unfed(recorder, producer, consumer, calls)
+    if unfed is not None:
+        return "varies-per-call", unfed
     ops = ", ".join(dict.fromkeys(calls[0].ops))
-    return "tensor-only", f"torch operations on {producer}'s outputs and constants, the same in every call ({ops})"
+    return "tensor-only", f"torch operations on {producer}'s outputs, the same in every call ({ops})"
 
 
-def _changing_host_inputs(calls: list[Observation]) -> list[str]:
-    names = sorted({name for seen in calls for name in seen.host})
-    return [name for name in names if len({seen.host.get(name) for seen in calls}) > 1]
-
-
-def _latest_call_fed(recorder: GlueRecorder, producer: str, calls: list[Observation]) -> str | None:
-    """Why the consumer's calls are not each fed by the producer's call just before it, or None."""
-    serials = recorder.calls.get(producer, [])
-    if len(serials) != len(calls):
-        return f"called {len(calls)} times against {len(serials)} calls of {producer}"
-    for seen in calls:
-        before = [s for s in serials if s < seen.serial]
-        used = {r.serial for recipe in seen.glued.values() for r in recipe.roots}
-        used |= {root.serial for root in seen.passed.values()}
-        if not before or used != {before[-1]}:
-            return f"a call of {seen.consumer} reads outputs of an earlier call of {producer} than the last one"
+def _calls_unfed(recorder: GlueRecorder, producer: str, consumer: str, calls: list[Observation]) -> str | None:
+    """Why the consumer's calls are not each fed by their own call of the producer, or None."""
+    serials = [seen.producer_serial for seen in calls]
+    if len(set(serials)) != len(serials):
+        return f"{consumer} is called more than once after a call of {producer}"
+    if len(calls) != len(recorder.calls.get(producer, [])):
+        return f"called {len(calls)} times against {len(recorder.calls.get(producer, []))} calls of {producer}"
     return None
 
 
-def _cost(calls: list[Observation], steps: int, link: LinkCost) -> GlueCost:
-    fed = sum(sum(seen.nbytes.values()) for seen in calls) / steps
-    copies = sum(len(seen.nbytes) for seen in calls) / steps
+def _slot_uses(calls: list[Observation]) -> list[SlotUse]:
+    """Each slot of the recipes: a constant when its values are the same in every call, else an input."""
+    uses = []
+    for index, slot in enumerate(calls[0].slots):
+        values = {seen.slots[index].value for seen in calls if index < len(seen.slots)}
+        sources = {seen.slots[index].source for seen in calls if index < len(seen.slots)}
+        constant = len(values) == 1 and None not in values
+        uses.append(
+            SlotUse(
+                dtype=str(slot.dtype).removeprefix("torch."),
+                shape=list(slot.shape),
+                constant=constant,
+                value=next(iter(values)) if constant else None,
+                nbytes=slot.nbytes,
+                source=next(iter(sources)) if len(sources) == 1 and not constant else None,
+            )
+        )
+    return uses
+
+
+def _cost(calls: list[Observation], steps: int, link: LinkCost, fed_slots: list[SlotUse]) -> GlueCost:
+    """Saved: the consumer's launches and input copies, and the copies back of the producer's outputs
+    its inputs rest on (they stay on the device; one the host reads elsewhere crosses then, counted in
+    the merged run); still paid: the slots a widened graph is fed."""
+    back = sum(sum(seen.read_back) for seen in calls) / steps
+    fed = sum(sum(seen.nbytes.values()) for seen in calls) / steps + back
+    copies = sum(len(seen.nbytes) + len(seen.read_back) for seen in calls) / steps
     consumer_calls = len(calls) / steps
     touched = sum(seen.touched for seen in calls) / steps
-    round_trips = consumer_calls + copies  # the consumer's launches and its input copies
-    link_s = round_trips * link.round_trip_us * 1e-6 + (fed / (link.bandwidth_gb_s * 1e9) if link.bandwidth_gb_s else 0)
+    still = consumer_calls * len(fed_slots), consumer_calls * sum(s.nbytes for s in fed_slots)
+    round_trips = consumer_calls + copies - still[0]
+    moved = fed - still[1]
+    link_s = round_trips * link.round_trip_us * 1e-6 + (
+        moved / (link.bandwidth_gb_s * 1e9) if link.bandwidth_gb_s else 0
+    )
     return GlueCost(
         host_ms_per_step=round(sum(seen.ms for seen in calls) / steps, 4),
         fed_bytes_per_step=round(fed, 1),
@@ -163,10 +175,3 @@ def _cost(calls: list[Observation], steps: int, link: LinkCost) -> GlueCost:
         link_saved_ms_per_step=round(link_s * 1e3, 6),
         device_ms_per_step=round(touched / (DEVICE_MEMORY_GB_S * 1e9) * 1e3, 6),
     )
-
-
-def _recipes(seen: Observation) -> dict[str, str]:
-    """Each consumer input -> the digest a widened graph's call checks it against."""
-    recipes = {name: recipe.digest for name, recipe in seen.glued.items()}
-    recipes |= {name: output_digest(root.graph, root.output) for name, root in seen.passed.items()}
-    return recipes | dict(seen.host)

@@ -294,7 +294,7 @@ class ProvenanceTracker:
     def carry_roots(self, op: str, outputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """What op `op` wrote (its results, the tensor an in-place op writes into) gets the roots of
         what it read; a write into a parameter or buffer makes that tensor session state."""
-        in_place = _writes_in_place(op, kwargs)
+        in_place = writes_in_place(op, kwargs)
         written = _written(outputs, args, kwargs, in_place)
         if not written:
             return
@@ -374,7 +374,7 @@ def _written(outputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], in_pla
     return [t for t in results if _storage_ptr(t) not in read] + targets
 
 
-def _writes_in_place(op: str, kwargs: dict[str, Any]) -> bool:
+def writes_in_place(op: str, kwargs: dict[str, Any]) -> bool:
     """Whether the op writes into its first argument (`add_`, `x[i] = v`, `x += y`) or into `out=`."""
     if kwargs.get("out") is not None or op in _IN_PLACE_DUNDERS:
         return True

@@ -33,12 +33,16 @@ def compose_chain(
     io_maps: Sequence[dict[str, str]],
     out: Path,
     internal: Collection[str] = (),
+    free: Sequence[Collection[str]] = (),
+    absolute: bool = False,
 ) -> list[str]:
     """Write to `out` one graph computing `models` in order, each member after the first fed by
     the member before it: `io_maps[k]` maps each input of member k+1 to the output of member k
-    that feeds it (every input must be one). Returns the composed graph's outputs: the first
-    member's, then each later member's with `composed_prefix` of its name, except the members
-    named in `internal` (a hop's glue: only the next member reads it)."""
+    that feeds it (every input must be one, except those in `free[k]`: they become inputs of the
+    composed graph, with the member's prefix). With `absolute`, the maps name outputs of any
+    earlier member as the composed graph names them. Returns the composed graph's outputs: the
+    first member's, then each later member's with `composed_prefix` of its name, except the
+    members named in `internal` (a hop's glue: only the next member reads it)."""
     if len(models) < 2 or len(names) != len(models) or len(io_maps) != len(models) - 1:
         raise ComposeError(
             f"a chain needs two graphs or more, a name each and a map between each two: "
@@ -46,9 +50,12 @@ def compose_chain(
         )
     merged = onnx.load(str(models[0]))
     before = ""
-    for path, name, io_map in zip(models[1:], names[1:], io_maps):
-        merged = _appended(merged, onnx.load(str(path)), io_map, before, composed_prefix(name), path.name)
-        before = composed_prefix(name)
+    unfed = list(free) + [()] * (len(io_maps) - len(free))
+    for path, name, io_map, loose in zip(models[1:], names[1:], io_maps, unfed):
+        member = onnx.load(str(path))
+        prefix = composed_prefix(name)
+        merged = _appended(merged, member, io_map, "" if absolute else before, prefix, path.name, set(loose))
+        before = prefix
     hidden = tuple(composed_prefix(name) for name in internal)
     kept = [o for o in merged.graph.output if not o.name.startswith(hidden)] if hidden else None
     if kept is not None:
@@ -60,12 +67,18 @@ def compose_chain(
 
 
 def _appended(
-    merged: onnx.ModelProto, member: onnx.ModelProto, io_map: dict[str, str], before: str, prefix: str, label: str
+    merged: onnx.ModelProto,
+    member: onnx.ModelProto,
+    io_map: dict[str, str],
+    before: str,
+    prefix: str,
+    label: str,
+    loose: set[str],
 ) -> onnx.ModelProto:
     """`member` (names prefixed) added after `merged`, fed by the outputs of the member before it
-    (whose names carry `before`)."""
+    (whose names carry `before`); its inputs in `loose` become inputs of the composed graph."""
     produced = [o.name for o in merged.graph.output]
-    inputs = {i.name for i in member.graph.input} - {t.name for t in member.graph.initializer}
+    inputs = {i.name for i in member.graph.input} - {t.name for t in member.graph.initializer} - loose
     if unfed := sorted(inputs - set(io_map)):
         raise ComposeError(f"{label}: input(s) {unfed} are not outputs of the graph before it")
     if unknown := sorted(before + o for o in set(io_map.values()) if before + o not in produced):

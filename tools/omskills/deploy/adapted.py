@@ -221,7 +221,7 @@ def _merge_chains(
     for merged in manifest.merged:
         options = {"providers": list(providers)} if providers else {}
         backends.append(open_backend(root / merged.onnx.path, "onnxruntime", **options))
-        handle.merge(merged.graphs, backends[-1], merged.io_maps, merged.prefixes, merged.recipes)
+        handle.merge(merged.graphs, backends[-1], merged.io_maps, merged.prefixes, merged.recipes, merged.slots)
 
 
 def _preload_remembered(manifest: DeployManifest, root: Path, handle: SpliceHandle) -> None:

@@ -75,6 +75,7 @@ def merge_from_record(workdir: Path, merged: MergedGraph) -> DeployedMerge:
         io_maps=merged.io_maps,
         prefixes=merged.prefixes,
         recipes=merged.recipes,
+        slots=merged.slots,
         onnx=Artifact(files=[_file(workdir, path, None) for path in onnx_files(workdir / str(merged.onnx_path))]),
         precision_mode=merged.precision_mode,
         atc_script=merged.atc_script,

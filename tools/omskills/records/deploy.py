@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omskills.records.base import Record
 from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.glue import SlotUse
 from omskills.records.intake import Intake
 from omskills.records.names import RunPath, SafeName
 from omskills.records.toolchain import BatchIndependence, BatchSplit
@@ -80,6 +81,7 @@ class DeployedMerge(Record):
     # Per member after the first: {} for an unchanged hand-off; for a widened boundary, its input -> the
     # digest of the host code computing it (answered inside the composed graph only when that matches).
     recipes: list[dict[str, str]] = Field(default_factory=list)
+    slots: list[list[SlotUse]] = Field(default_factory=list)  # per member after the first: what its recipes rest on
     onnx: Artifact
     precision_mode: str | None = None  # the slowest of the members' chosen modes
     atc_script: RunPath | None = None

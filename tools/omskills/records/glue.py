@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from omskills.records.base import Record
@@ -9,7 +10,7 @@ from omskills.records.details import DETAIL
 from omskills.records.names import RunPath, SafeName
 from pydantic import Field
 
-GlueKind = Literal["tensor-only", "data-dependent", "python-state", "varies-per-call", "several-sources"]
+GlueKind = Literal["tensor-only", "data-dependent", "python-state", "varies-per-call"]
 HopDecision = Literal["widened", "kept in Python"]
 
 
@@ -18,7 +19,10 @@ class GlueCost(Record):
 
     host_ms_per_step: float = Field(description="Host time of the glue's torch operations per step (measured).")
     fed_bytes_per_step: float = Field(
-        description="Bytes per step of the consumer's inputs the glue computes: what crosses the link to it now."
+        description=(
+            "Bytes per step of the consumer's inputs, and of the producer's outputs those rest on: what crosses "
+            "the link for this hop now."
+        )
     )
     fed_copies_per_step: float = Field(description="Input copies per step those inputs take.")
     consumer_calls_per_step: float = Field(description="Calls of the consumer per step.")
@@ -39,6 +43,41 @@ class GlueCost(Record):
     )
 
 
+class SlotUse(Record):
+    """Something a hop's glue rests on that is not the producer's output: a tensor no graph made, or a
+    value computed before the producer's call."""
+
+    dtype: str = Field(description="Its dtype.")
+    shape: list[int] = Field(description="Its shape.")
+    constant: bool = Field(
+        description="True when its values were the same in every call: the widened graph holds it as a constant."
+    )
+    value: str | None = Field(None, description="Its value digest when constant (checked at every call).")
+    nbytes: int = Field(description="Its bytes: what the widened graph is fed per call when it is not a constant.")
+    source: str | None = Field(
+        None,
+        description=(
+            "When it is an earlier graph call's output ('output:<graph>/<name>') or what an earlier graph call was "
+            "given ('input:<graph>/<name>'), the same in every call: a chain composing that graph computes it inside."
+        ),
+    )
+
+    def chained(self, earlier: Sequence[str]) -> tuple[str, str, str] | None:
+        """(kind, graph, name) when a chain whose members before this link are `earlier` computes this
+        slot inside: an output of one of them, or an input of one after the first; else None."""
+        if self.constant or not self.source:
+            return None
+        kind, _, where = self.source.partition(":")
+        graph, _, name = where.partition("/")
+        inside = earlier if kind == "output" else earlier[1:]
+        return (kind, graph, name) if graph in inside else None
+
+
+def glue_name(producer: str, consumer: str) -> str:
+    """The name of the glue graph between two members of a chain (its names' prefix in the composed graph)."""
+    return f"{producer}_glue_{consumer}"
+
+
 class HopGlue(Record):
     """The host code between one deployed graph's outputs and the next graph's inputs."""
 
@@ -48,17 +87,24 @@ class HopGlue(Record):
     passed: list[str] = Field(
         default_factory=list, description="The consumer's inputs that are the producer's outputs, unchanged."
     )
+    slots: Annotated[list[SlotUse], DETAIL] = Field(
+        default_factory=list,
+        description=(
+            "For a tensor-only hop, in the recipes' order: what the glue rests on besides the producer's outputs "
+            "(constants, and inputs such as another graph's earlier outputs)."
+        ),
+    )
     ops: list[str] = Field(description="The glue's torch operations, in order (one call's).")
     sites: Annotated[list[str], DETAIL] = Field(
         default_factory=list, description="Where the host code runs them (file:line, innermost frame outside torch)."
     )
     kind: GlueKind = Field(
         description=(
-            "'tensor-only': torch operations on the producer's outputs and constants, the same in every call (can "
-            "go into a graph); 'data-dependent': host code read values into Python or made a shape from values; "
-            "'python-state': it reads tensors that are not the producer's outputs or constants (state, user "
-            "inputs); 'varies-per-call': the operations differ between calls; 'several-sources': it also reads "
-            "another graph's outputs."
+            "'tensor-only': torch operations on the producer's outputs, constants and values made before the "
+            "producer's call, the same in every call (can go into a graph); 'data-dependent': host code reads the "
+            "producer's values into Python, or makes a shape from values; 'python-state': an operation takes a "
+            "Python object, writes through a view, or a value it starts from is gone; 'varies-per-call': the "
+            "operations, the producer or the call pattern differ between calls."
         )
     )
     why: str = Field(description="What the kind rests on, from the capture.")
@@ -69,8 +115,9 @@ class HopGlue(Record):
     recipes: Annotated[dict[str, str], DETAIL] = Field(
         default_factory=dict,
         description=(
-            "Consumer input -> the digest of the operations that computed it from the producer's outputs: a "
-            "call is answered inside the widened graph only when the host computed its inputs the same way."
+            "When proposed: consumer input -> the digest of the operations that computed it from the producer's "
+            "outputs and the slots (contracts.recipes); a call is answered inside the widened graph only when "
+            "the host computed its inputs the same way and each constant slot holds its value."
         ),
     )
 
@@ -80,6 +127,9 @@ class GlueReport(Record):
 
     hops: list[HopGlue] = Field(description="Per (producer, consumer) pair whose glue the run saw.")
     steps: int = Field(description="Steps of the run the capture saw.")
+    error: str | None = Field(
+        None, description="Why the capture stopped before the run's end (the hops after it are not listed)."
+    )
     label: str = Field(
         "captured from a spliced run of the main path (the deployed graphs on ONNX Runtime); link and device "
         "times predicted by the cost model, not measured on a device",

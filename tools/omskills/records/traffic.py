@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from omskills.records.base import Record
 from omskills.records.details import DETAIL
+from omskills.records.glue import SlotUse
 from omskills.records.names import AtcArgv, RunPath, SafeName
 from omskills.records.precision import EmulatedResult
 from pydantic import Field
@@ -148,6 +149,9 @@ class MergeProposal(Record):
             "input -> the digest of how the host computes it from the upstream graph's outputs (records.glue)."
         ),
     )
+    slots: Annotated[list[SlotUse], DETAIL] = Field(
+        default_factory=list, description="With `recipes`: the slots those recipes rest on (records.glue.SlotUse)."
+    )
 
 
 class TrafficReport(Record):
@@ -217,6 +221,13 @@ class MergedGraph(Record):
             "Per member after the first: {} when it reads the member before it's outputs unchanged; for a widened "
             "boundary, each input -> the digest of the host code the composed graph computes it by (a call is "
             "answered inside the composed graph only when the host computed its inputs that way)."
+        ),
+    )
+    slots: Annotated[list[list[SlotUse]], DETAIL] = Field(
+        default_factory=list,
+        description=(
+            "Per member after the first, for a widened boundary: the slots its recipes rest on, in order; those "
+            "not constant are inputs of the composed graph named '<upstream>_glue_<member>.slot_<k>'."
         ),
     )
     glue_graphs: list[RunPath | None] = Field(

@@ -28,9 +28,11 @@ from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unf
 from omskills.errors import OmskillsError, one_line
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
+from omskills.records.glue import SlotUse
+from omskills.splicing.deferred_chain import DeferredChain
 from omskills.splicing.memo import OutputMemo, memoisable
 from omskills.splicing.traffic import TrafficMeter
-from omskills.splicing.unfetched import GlueWindow, Unfetched
+from omskills.splicing.unfetched import Unfetched
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -244,7 +246,7 @@ class _Route:
         self.calls = 0  # calls this graph answered or, when none could, was held to account for
         self.backend_seconds: list[float] = []
         self.fallback_events: list[FallbackEvent] = []
-        self.merged: MergedChain | None = None  # set on every graph of a merge
+        self.merged: MergedChain | DeferredChain | None = None  # set on every graph of a merge
         # The outputs to copy back: all but those the study saw no host code read. A graph whose
         # calls are remembered keeps every output: the memory answers later calls with them.
         unread = [spec.name for spec in contract.outputs if spec.unread]
@@ -330,6 +332,11 @@ class _Route:
         device = tensors[0].device if tensors else torch.device(self.contract.outputs[0].device)
         names = [spec.name for spec in self.contract.outputs]
         merged = self.merged
+        if isinstance(merged, DeferredChain):
+            deferred = merged.call(self, by_name, device)
+            if deferred is not None:
+                return self._returned(by_name, deferred)
+            merged = None  # this call runs its own graph
         if merged is not None and merged.first is not self:
             k = merged.member(self)
             answered = merged.answer(k, by_name)  # before the feeds: a deferred input is never computed
@@ -356,8 +363,7 @@ class _Route:
             produced, values, resident = self._launch(merged.backend if runs_merged else self.backend, by_name, feeds)
             if key is not None:
                 self.memo.put(key, {name: produced[name] for name in names})
-        quiet = runs_merged and merged.glued  # type: ignore[union-attr]
-        outputs = [self._output_tensor(spec, produced, device, quiet) for spec in self.contract.outputs]
+        outputs = [self._output_tensor(spec, produced, device) for spec in self.contract.outputs]
         if ran:  # a call answered from memory ran nothing and moved nothing
             self.backend_seconds.append(time.perf_counter() - started)
             if runs_merged:
@@ -378,10 +384,8 @@ class _Route:
     ) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
         """One backend call: (outputs as host arrays or held values, the runtime's own values when
         kept, the feeds given as such values). A merged graph's call fetches every output: the
-        later members are answered from them, unless a member's inputs are computed by host code
-        from them (a widened boundary): then every output stays on the device until it is read."""
-        merged = self.merged
-        fetch = self.fetch if backend is self.backend else ([] if merged is not None and merged.glued else None)
+        later members are answered from them."""
+        fetch = self.fetch if backend is self.backend else None
         if self.holds_values and getattr(backend, "holds_values", False):
             values, resident = self._run_values(backend, by_name, feeds, fetch)
             return {name: _host_view(value) for name, value in values.items()}, values, resident
@@ -504,24 +508,14 @@ class MergedChain:
         io_maps: Sequence[Mapping[str, str]],
         prefixes: Sequence[str],
         traffic: TrafficMeter,
-        recipes: Sequence[Mapping[str, str] | None] = (),
     ) -> None:
         self.routes = list(routes)
         self.backend = backend
         self.io_maps = [dict(m) for m in io_maps]  # member k+1's input -> member k's output
         self.prefixes = list(prefixes)  # of members 1..
         self.traffic = traffic
-        # Per link, for a widened boundary: member k+1's input -> the digest of the host code that
-        # computes it from member k's outputs (`contracts.recipes`); None for a direct hand-off.
-        self.recipes = [dict(r) if r else None for r in recipes] or [None] * len(self.io_maps)
         self.answered = [0] * len(self.routes)
-        self._window: GlueWindow | None = None
         self.forget()
-
-    @property
-    def glued(self) -> bool:
-        """Whether host code computes a later member's inputs (its operations deferred while a call waits)."""
-        return any(self.recipes)
 
     @property
     def first(self) -> _Route:
@@ -534,12 +528,6 @@ class MergedChain:
         self._pending: list[dict[str, np.ndarray]] = []
         self._next = 0  # the member whose call may be answered next
         self._given: dict[str, torch.Tensor] = {}
-        self._close_window()
-
-    def _close_window(self) -> None:
-        if self._window is not None:
-            self._window.open = False
-            self._window = None
 
     def keep(self, produced: Mapping[str, np.ndarray], outputs: Mapping[str, torch.Tensor]) -> None:
         """The composed graph's call: every later member's outputs, waiting for its call."""
@@ -554,34 +542,10 @@ class MergedChain:
         """Member k's outputs if this call is the one the composed call computed them for."""
         if k != self._next or not self._pending:
             return None
-        recipes = self.recipes[k - 1]
-        if recipes is not None:
-            return self._answer_glued(k, recipes, by_name)
         for name, given in self._given.items():
             tensor = by_name.get(name)
             produced = self.traffic.handed_output(tensor) if tensor is not None else None
             if tensor is not given or produced is None or produced.graph != self.routes[k - 1].contract.candidate:
-                return None
-        self.answered[k] += 1
-        return self._pending[k - 1]
-
-    def _answer_glued(
-        self, k: int, recipes: Mapping[str, str], by_name: Mapping[str, torch.Tensor]
-    ) -> dict[str, np.ndarray] | None:
-        """Member k's outputs if the host computed each of its inputs from the member before it's
-        outputs (still deferred) the way the widened graph does."""
-        window, self._window = self._window, None
-        if window is None:
-            return None
-        window.open = False  # whatever happens now, the host computes what it reads
-        for name, expected in recipes.items():
-            tensor = by_name.get(name)
-            if tensor is None or window.digest(tensor) != expected:
-                logger.info(
-                    "%s: input %s was not computed as the widened graph computes it; it runs its own graph",
-                    self.routes[k].contract.candidate,
-                    name,
-                )
                 return None
         self.answered[k] += 1
         return self._pending[k - 1]
@@ -595,12 +559,6 @@ class MergedChain:
         self._given = (
             {name: outputs[output] for name, output in self.io_maps[k].items()} if k < len(self.io_maps) else {}
         )
-        self._close_window()
-        if k < len(self.recipes) and self.recipes[k] is not None:
-            self._window = GlueWindow(self.routes[k].contract.candidate)
-            for name, tensor in outputs.items():
-                if isinstance(tensor, Unfetched):
-                    self._window.add_root(tensor, name)
 
 
 class SplicedModule(nn.Module):
@@ -783,11 +741,13 @@ class SpliceHandle:
         io_maps: Sequence[Mapping[str, str]],
         prefixes: Sequence[str],
         recipes: Sequence[Mapping[str, str] | None] = (),
+        slots: Sequence[Sequence[SlotUse]] = (),
     ) -> None:
         """Serve `graphs`, in that order, by one call of `backend`, their composition: its outputs
         are the first graph's, then each later one's with its prefix (`prefixes`, one per later
-        graph); `io_maps[k]`: graph k+1's input -> graph k's output; `recipes[k]`, for a widened
-        boundary: graph k+1's input -> the digest of the host code computing it from graph k's outputs."""
+        graph); `io_maps[k]`: graph k+1's input -> graph k's output. For a widened boundary,
+        `recipes[k]`: graph k+1's input -> the digest of the host code computing it, and `slots[k]`
+        what those recipes rest on (`splicing.deferred_chain`)."""
         routes = {route.contract.candidate: route for spliced in self._spliced for route in spliced.routes}
         where = f"merge {' + '.join(graphs)}"
         if missing := [name for name in graphs if name not in routes]:
@@ -804,7 +764,14 @@ class SpliceHandle:
             raise SpliceError(f"{where}: backend {backend.kind} has no output(s) {missing}")
         if recipes and len(recipes) != len(io_maps):
             raise SpliceError(f"{where}: a recipe map (or None) for each link, or none at all")
-        merged = MergedChain(chain, backend, io_maps, prefixes, self.traffic, recipes)
+        if any(recipes):
+            if varying := [s.name for r in chain for s in r.contract.outputs if s.dynamic_dims]:
+                raise SpliceError(
+                    f"{where}: the shapes of {varying} vary between calls; a deferred call cannot tell them"
+                )
+            merged = DeferredChain(chain, backend, io_maps, recipes, slots, self.traffic)
+        else:
+            merged = MergedChain(chain, backend, io_maps, prefixes, self.traffic)
         for route in chain:
             route.merged = merged
 

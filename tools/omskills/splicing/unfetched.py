@@ -21,14 +21,15 @@ then, from the outputs copied back (counted), so a recipe no graph answers is st
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils._pytree as pt
+from omskills.contracts.provenance import writes_in_place
 from omskills.contracts.reads import function_name, reads_values
-from omskills.contracts.recipes import canonical, op_digest, output_digest, value_digest
+from omskills.contracts.recipes import canonical, deep_recipes, op_digest, output_digest, slot_digest
 
 
 class Unfetched(torch.Tensor):
@@ -73,7 +74,7 @@ class Unfetched(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         window = _open_window((args, kwargs))
-        if window is not None and (deferred := _deferred(func, args, kwargs, window)) is not None:
+        if window is not None and (deferred := _deferred(func, args, kwargs, window)) is not NOT_DEFERRED:
             return deferred
         args, kwargs = pt.tree_map(_value_of, (args, kwargs))
         return func(*args, **kwargs)
@@ -97,14 +98,36 @@ class GlueWindow:
         self.graph = graph
         self.open = True
         self._roots: dict[int, tuple[weakref.ref, str]] = {}
-        self._digests: dict[int, str] = {}
 
     def add_root(self, tensor: Unfetched, output: str) -> None:
         tensor._window = self
         self._roots[id(tensor)] = (weakref.ref(tensor), output)
 
+    def match(self, recipes: Mapping[str, str], inputs: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """The slots (what the inputs rest on besides the outputs, in the recipes' order) when each
+        input's recipe has the digest the capture saw (`boundary.glue`); None when one does not."""
+        walk = _RecipeWalk(self)
+        with deep_recipes():
+            for name in sorted(recipes):
+                tensor = inputs.get(name)
+                if tensor is None or walk.digest(tensor) != recipes[name]:
+                    return None
+        return walk.slots
+
+    def is_root(self, tensor: torch.Tensor) -> str | None:
+        root = self._roots.get(id(tensor))
+        return root[1] if root is not None and root[0]() is tensor else None
+
+
+class _RecipeWalk:
+    """Digests of tensors in one window, as `boundary.glue` takes them at the capture."""
+
+    def __init__(self, window: GlueWindow) -> None:
+        self.window = window
+        self.slots: list[torch.Tensor] = []
+        self._digests: dict[int, str] = {}
+
     def digest(self, value: Any) -> str | None:
-        """How `value` was computed from the outputs (`contracts.recipes`); None for a non-tensor."""
         if not isinstance(value, torch.Tensor):
             return None
         cached = self._digests.get(id(value))
@@ -114,13 +137,13 @@ class GlueWindow:
         return cached
 
     def _digest(self, tensor: torch.Tensor) -> str:
-        root = self._roots.get(id(tensor))
-        if root is not None and root[0]() is tensor:
-            return output_digest(self.graph, root[1])
-        if isinstance(tensor, Deferred) and tensor._window is self:
+        if (output := self.window.is_root(tensor)) is not None:
+            return output_digest(self.window.graph, output)
+        if isinstance(tensor, Deferred) and tensor._window is self.window:
             op = tensor._op
             return op_digest(op.name, tensor._position, canonical((op.args, op.kwargs), self.digest))
-        return value_digest(tensor)
+        self.slots.append(tensor)
+        return slot_digest(tensor.dtype, tuple(tensor.shape))
 
 
 class _DeferredOp:
@@ -134,7 +157,8 @@ class _DeferredOp:
         if self._results is None:
             args, kwargs = pt.tree_map(_value_of, (self.args, self.kwargs))
             out = self.func(*args, **kwargs)
-            self._results = [leaf for leaf in pt.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+            # A write in place that gives nothing back (`x[i] = v`) made its first argument the result.
+            self._results = [leaf for leaf in pt.tree_leaves(out) if isinstance(leaf, torch.Tensor)] or [args[0]]
         return self._results[position]
 
 
@@ -168,27 +192,30 @@ def _nothing(_tensor: torch.Tensor) -> None:
 
 def _open_window(tree: Any) -> GlueWindow | None:
     """The one open window the tensors of an operation's arguments are in, if any."""
-    windows = {id(w): w for leaf in pt.tree_leaves(tree) if isinstance(leaf, Unfetched) and (w := leaf._window)}
+    leaves = pt.tree_leaves(tree)
+    windows = {id(w): w for leaf in leaves if isinstance(leaf, Unfetched) and (w := leaf._window) and w.open}
     if len(windows) != 1:
         return None
-    window = next(iter(windows.values()))
-    return window if window.open else None
+    return next(iter(windows.values()))
+
+
+NOT_DEFERRED = object()  # what an operation that must run now gives (None is what a deferred write gives)
 
 
 def _deferred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], window: GlueWindow) -> Any:
-    """The operation's results as `Deferred` tensors, or None when it cannot wait: it writes in
-    place, it gives something other than tensors, or the meta device cannot tell its shapes."""
+    """The operation's results as `Deferred` tensors, or NOT_DEFERRED when it cannot wait: it gives
+    something other than tensors, or the meta device cannot tell its shapes."""
     name = function_name(func)
-    if name.endswith("_") or name.startswith("__i") or name == "__setitem__" or kwargs.get("out") is not None:
-        return None
+    if writes_in_place(name, kwargs):
+        return _deferred_write(func, args, kwargs, window)
     try:
         with torch._C.DisableTorchFunctionSubclass():
             meta = func(*pt.tree_map(_on_meta, args), **pt.tree_map(_on_meta, kwargs))
     except Exception:  # noqa: BLE001 - an operation the meta device cannot run is computed now
-        return None
+        return NOT_DEFERRED
     leaves = pt.tree_leaves(meta)
     if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        return None
+        return NOT_DEFERRED
     device = next(leaf.device for leaf in pt.tree_leaves((args, kwargs)) if isinstance(leaf, Unfetched))
     op = _DeferredOp(func, args, kwargs)
     positions = iter(range(len(leaves)))
@@ -199,6 +226,27 @@ def _deferred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], window: 
         return made
 
     return pt.tree_map(wrap, meta)
+
+
+def _deferred_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], window: GlueWindow) -> Any:
+    """An in-place write into a deferred value of the window (`x *= s`, `x[i] = v`): the value becomes
+    the write's result, its old recipe the write's input, so every holder of it sees the write, as
+    they would see it in place. Anything else (a write into an output, into a value read already,
+    `out=`) is done now, on the host."""
+    target = args[0] if args else None
+    if kwargs.get("out") is not None or not isinstance(target, Deferred) or target._window is not window:
+        return NOT_DEFERRED
+    if target._value is not None:
+        return NOT_DEFERRED
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            meta = func(*pt.tree_map(_on_meta, args), **pt.tree_map(_on_meta, kwargs))
+    except Exception:  # noqa: BLE001 - a write the meta device cannot run is made now
+        return NOT_DEFERRED
+    before = Deferred(tuple(target.shape), target.dtype, target.device, target._op, target._position)
+    before._window = window
+    target._op, target._position = _DeferredOp(func, (before, *args[1:]), kwargs), 0
+    return None if meta is None else target
 
 
 def _on_meta(item: Any) -> Any:

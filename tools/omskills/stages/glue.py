@@ -34,7 +34,10 @@ def captured_hops(
         handle.traffic.observer = recorder
         with recorder:
             model.run(RunHooks(on_step=handle.traffic.step_done))
-    return hops(recorder, link_cost(record.intake.target)), recorder
+    found = hops(recorder, link_cost(record.intake.target))
+    for seen in recorder.observations:
+        seen.program = None  # copies of values kept to replay a hop: only the proposed ones still need theirs
+    return found, recorder
 
 
 def decided(found: list[Hop], recorder: GlueRecorder, merged: MergedRun | None) -> GlueReport:

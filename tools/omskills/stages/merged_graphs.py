@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from omskills.ascend.atc import AtcOptions, build_atc_command, conversion_script
 from omskills.ascend.link import link_cost
 from omskills.ascend.precision_fix import atc_keep_nodes, emulate_graph, fastest_first, write_keep_dtype
 from omskills.ascend.precision_modes import UNCHECKED_PRECISION_MODE
-from omskills.boundary.glue_graph import GlueGraphError, export_glue
+from omskills.boundary.glue_graph import GLUE_INPUT, GlueGraphError, export_glue
 from omskills.boundary.hops import Hop
 from omskills.convert.compose import compose_chain, composed_prefix
 from omskills.errors import one_line
 from omskills.models.api import MainPathRun, RunHooks
 from omskills.onnxfiles.inspect import graph_inputs
 from omskills.records.contracts import ContractSpec, ShapeStrategy
+from omskills.records.glue import glue_name
 from omskills.records.precision import EmulatedResult, PrecisionGates
 from omskills.records.task import TaskRecord
 from omskills.records.traffic import MergedGraph, MergedRun, MergeProposal
@@ -66,7 +68,7 @@ def merged_run(
     try:
         with splice(model.loaded.root, replacements, strategies=strategies) as handle:
             for graph, opened in zip(built, composed):
-                handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes, graph.recipes)
+                handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes, graph.recipes, graph.slots)
             spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
     finally:
         for opened in composed:
@@ -90,6 +92,7 @@ def widening_proposal(hop: Hop) -> MergeProposal:
         calls_saved_per_step=cost.consumer_calls_per_step,
         bytes_saved_per_step=cost.fed_bytes_per_step,
         recipes=hop.glue.recipes,
+        slots=hop.glue.slots,
     )
 
 
@@ -130,6 +133,7 @@ def _composed(
         io_maps=[link.io_map for link in links],
         prefixes=[composed_prefix(g) for g in names[1:]],
         recipes=[link.recipes for link in links],
+        slots=[link.slots for link in links],
         status="refused",
         reason="",
     )
@@ -144,10 +148,11 @@ def _composed(
             }
         )
     try:
-        members, member_names, maps, glue = _members(record, workdir, names, links, widened)
+        members, member_names, maps, free, glue, slot_feeds = _members(record, workdir, names, links, widened)
         base = base.model_copy(update={"glue_graphs": [RunFolder(workdir).stored(g) if g else None for g in glue]})
-        compose_chain(members, member_names, maps, out, internal=[n for n in member_names if n not in names])
-        mode, keep, emulated = _precision(record, workdir, base, out)
+        internal = [n for n in member_names if n not in names]
+        compose_chain(members, member_names, maps, out, internal=internal, free=free, absolute=True)
+        mode, keep, emulated = _precision(record, workdir, base, out, slot_feeds)
         command, script = _atc(record, workdir, name, names[0], out, mode, keep)
     except Exception as err:  # noqa: BLE001 - a merge is an optimisation: the graphs apart still serve
         return base.model_copy(update={"reason": f"cannot compose: {one_line(err, 300)}"})
@@ -171,33 +176,72 @@ def _members(
     names: list[str],
     links: list[MergeProposal],
     widened: dict[tuple[str, str], Hop],
-) -> tuple[list[Path], list[str], list[dict[str, str]], list[Path | None]]:
-    """The graphs to compose, in order, with their names and the maps between them: each widened
-    link's glue graph (exported now) goes between its two members."""
-    members, member_names, maps, glue = [record.preferred_model(workdir, names[0])], [names[0]], [], []
-    for before, after, link in zip(names, names[1:], links):
+) -> tuple[list[Path], list[str], list[dict[str, str]], list[set[str]], list[Path | None], dict[str, np.ndarray]]:
+    """The graphs to compose, in order, with their names, the maps feeding each (by the composed
+    graph's names), the inputs left to feed and their captured values: each widened link's glue
+    graph (exported now) goes between its two members, its slots computed by earlier members wired
+    to them."""
+    members, member_names = [record.preferred_model(workdir, names[0])], [names[0]]
+    maps: list[dict[str, str]] = []
+    free: list[set[str]] = []
+    glue: list[Path | None] = []
+    slot_feeds: dict[str, np.ndarray] = {}
+    fed_by: dict[str, dict[str, str]] = {}  # member -> its input -> the composed name feeding it
+    for k, (before, after, link) in enumerate(zip(names, names[1:], links)):
         consumer = record.preferred_model(workdir, after)
-        if not link.recipes:
-            members.append(consumer), member_names.append(after), maps.append(link.io_map), glue.append(None)
-            continue
         inputs = graph_inputs(consumer)
-        path = workdir / "onnx" / "merged" / f"{before}_glue_{after}.onnx"
+        if not link.recipes:
+            fed_by[after] = {i: _composed_name(names, before, o) for i, o in link.io_map.items()}
+            members.append(consumer), member_names.append(after), maps.append(fed_by[after])
+            free.append(set()), glue.append(None)
+            continue
+        name = glue_name(before, after)
+        path = workdir / "onnx" / "merged" / f"{name}.onnx"
+        constant = [slot.constant for slot in link.slots]
         try:
-            reads = export_glue(widened[(before, after)].program, before, inputs, path)  # type: ignore[arg-type]
+            reads = export_glue(widened[(before, after)].program, constant, inputs, path)  # type: ignore[arg-type]
         except GlueGraphError as err:
             raise ValueError(f"the glue between {before} and {after} as a graph: {err}") from None
+        wired = _wired(names[: k + 1], link, fed_by)
+        outputs = {r: r.removeprefix(GLUE_INPUT) for r in reads if r.startswith(GLUE_INPUT)}
+        glue_map = {r: _composed_name(names, before, o) for r, o in outputs.items()} | wired
+        fed_by[after] = {i: composed_prefix(name) + i for i in inputs}
         members += [path, consumer]
-        member_names += [f"{before}_glue_{after}", after]
-        maps += [{n: n for n in reads}, {n: n for n in inputs}]
+        member_names += [name, after]
+        maps += [glue_map, fed_by[after]]
+        loose = {r for r in reads if r.startswith("slot_") and r not in wired}
+        free += [loose, set()]
+        program = widened[(before, after)].program
+        slot_feeds |= {
+            composed_prefix(name) + r: program.slot_samples[int(r[5:])].detach().cpu().numpy() for r in loose
+        }  # type: ignore[union-attr]
         glue.append(path)
-    return members, member_names, maps, glue
+    return members, member_names, maps, free, glue, slot_feeds
+
+
+def _wired(earlier: list[str], link: MergeProposal, fed_by: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The glue's slot inputs an earlier member computes -> the composed name that has it."""
+    wired = {}
+    for index, slot in enumerate(link.slots):
+        found = slot.chained(earlier)
+        if found is None:
+            continue
+        kind, graph, name = found
+        wired[f"slot_{index}"] = _composed_name(earlier, graph, name) if kind == "output" else fed_by[graph][name]
+    return wired
+
+
+def _composed_name(names: list[str], graph: str, output: str) -> str:
+    """An output of chain member `graph` as the composed graph names it."""
+    return output if graph == names[0] else composed_prefix(graph) + output
 
 
 def _precision(
-    record: TaskRecord, workdir: Path, graph: MergedGraph, model: Path
+    record: TaskRecord, workdir: Path, graph: MergedGraph, model: Path, slot_feeds: dict[str, np.ndarray]
 ) -> tuple[str, list[str], EmulatedResult | None]:
     """The slowest of the members' chosen modes, each member's keep list (prefixed), and that
-    mode emulated on the composed graph; if the composition fails there, every dtype kept."""
+    mode emulated on the composed graph (fed the first member's first captured inputs and the
+    glue's captured slots); if the composition fails there, every dtype kept."""
     chains = [record.toolchain_of(g) for g in graph.graphs]
     modes = [(c.precision.chosen_mode if c.precision else None) or UNCHECKED_PRECISION_MODE for c in chains]
     mode = fastest_first(modes)[-1]
@@ -209,6 +253,7 @@ def _precision(
         for node in atc_keep_nodes(chain, own)
     ]
     feeds, _ = first_feeds(record, workdir, graph.graphs[0])
+    feeds = {**feeds, **slot_feeds}
     gates = chains[0].precision.gates if chains[0].precision else PrecisionGates()
     emulated = emulation_runner(model, feeds)(emulate_graph, model, mode, keep, feeds, gates)
     if not emulated.passed:

@@ -141,6 +141,8 @@ def _boundaries(
         )
     if recorder is not None:
         report.glue = decided(found, recorder, report.merged)
+        if recorder.error:
+            report.notes.append(f"the capture of the host code between the graphs stopped at {recorder.error}")
 
 
 def _stored(report: VerifyReport):
