@@ -59,6 +59,7 @@ NOT_PATHS = {
     "OpCheckRow.source": "the document a row cites",
     "PitfallHit.source": "the document a pitfall cites",
     "LinkCost.source": "the document a bandwidth cites",
+    "SlotUse.source": "a graph call's input or output a slot is, compared with a chain's members by name",
     "PlanTime.source": "the document a rate cites",
     "ExportResult.fact_source": "the document a fact cites",
     # Files of the model's source tree, found by the inventory and shown to the user, never opened again.

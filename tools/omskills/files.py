@@ -141,3 +141,21 @@ def open_lock_file(path: Path) -> IO[str]:
         os.close(fd)
         raise InputError(f"{path} is not a regular file: refused as a lock file")
     return os.fdopen(fd, "r+", encoding="utf-8")
+
+
+DRIVER_MODULE_PREFIX = "omskills_driver_"
+
+
+def file_module_name(path: Path) -> str:
+    """The module name a Python file loaded by path gets: one per file (its path's hash in it), so
+    its classes pickle and repeat imports share the module."""
+    return f"{DRIVER_MODULE_PREFIX}{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+
+
+def portable_class_name(qualified: str) -> str:
+    """A class's `module.qualname` with the path hash of a file-loaded module left out: the same
+    driver file copied elsewhere (into a bundle) defines the same classes."""
+    module, dot, rest = qualified.partition(".")
+    if dot and module.startswith(DRIVER_MODULE_PREFIX) and len(module) > 9 and module[-9] == "_":
+        return f"{module[:-9]}.{rest}"
+    return qualified

@@ -11,7 +11,6 @@ group (`omskills drivers` lists them). `intake.model.driver` names one directly:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 from omskills.errors import TaskRecordError
+from omskills.files import file_module_name
 from omskills.models.api import ModelDriver, input_files, input_files_from
 from omskills.records.intake import Intake, ModelSpec, allowed_input_roots, confined_path
 from omskills.records.names import is_input_path
@@ -93,7 +93,7 @@ def _module_from_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise TaskRecordError(f"intake.model.driver: driver file not found: {path}")
     # One stable module name per file, so classes defined there pickle and repeat imports share it.
-    name = f"omskills_driver_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+    name = file_module_name(path)
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

@@ -17,6 +17,7 @@ from the outputs before it), so what the host sees is the same values either way
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -191,10 +192,12 @@ class _Pending:
         chain = self.chain
         slot_feeds = {n: np.require(t.detach().cpu().numpy(), requirements="C") for n, t in self.fed.items()}
         feeds = {**self.feeds, **slot_feeds}
+        started = time.perf_counter()
         if getattr(chain.backend, "holds_values", False):
             self.produced = dict(chain.backend.run_values(feeds, fetch=[]))  # type: ignore[attr-defined]
         else:
             self.produced = dict(chain.backend.run(feeds))
+        chain.first.backend_seconds.append(time.perf_counter() - started)
         inputs = [*self.inputs.values(), *self.fed.values()]
         crossed = {n: v for n, v in self.produced.items() if isinstance(v, np.ndarray)}
         out = [torch.from_numpy(np.require(v, requirements="C")) for v in crossed.values()]
@@ -224,7 +227,9 @@ class _Pending:
             route = self.chain.routes[k]
             given = self.given[k]
             feeds = {n: np.require(given[n].detach().cpu().numpy(), requirements="C") for n in route.feed_names}
+            started = time.perf_counter()
             produced = dict(route.backend.run(feeds))
+            route.backend_seconds.append(time.perf_counter() - started)
             self.own[k] = {n: np.asarray(v) for n, v in produced.items()}
             outputs = [torch.from_numpy(np.require(v, requirements="C")) for v in self.own[k].values()]
             self.chain.traffic.record(

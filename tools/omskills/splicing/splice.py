@@ -26,6 +26,7 @@ from omskills.contracts.batch_axes import batch_axes
 from omskills.contracts.layout import TreeLayout, dtype_name, torch_dtype
 from omskills.contracts.pytree import FlatTree, flatten_call, spec_from_str, unflatten
 from omskills.errors import OmskillsError, one_line
+from omskills.files import portable_class_name
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
 from omskills.records.glue import SlotUse
@@ -829,7 +830,10 @@ def _submodule(root: nn.Module, path: str, contract: ContractSpec) -> nn.Module:
 
 def _is_class(module: nn.Module, module_class: str) -> bool:
     cls = type(module)
-    return module_class in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__, cls.__name__)
+    full = f"{cls.__module__}.{cls.__qualname__}"
+    return module_class in (full, cls.__qualname__, cls.__name__) or portable_class_name(module_class) == (
+        portable_class_name(full)
+    )
 
 
 def splice(
