@@ -222,10 +222,13 @@ def test_new_driver_and_validate_driver_give_resnet18_an_adaptation_with_no_edit
     assert report["verdict"] == "pass"
     assert {"layer1", "layer2", "layer3", "layer4"} <= {c["name"] for c in report["candidates"]}
     assert all(c["status"] == "integrated" and c["backend"].startswith("onnxruntime:") for c in report["candidates"])
-    # layer1 feeds layer2, ... layer4 with nothing between them: one composed graph runs the four.
+    # layer1 feeds layer2, ... layer4 with nothing between them, and conv1 feeds layer1 through the
+    # stem's batch norm, relu and max pool (glue, tensor-only): one composed graph runs all five.
     (chain,) = report["merged"]["graphs"]
-    assert chain["graphs"] == ["layer1", "layer2", "layer3", "layer4"] and chain["status"] == "verified"
-    assert report["merged"]["traffic"]["calls_per_step"] == report["traffic"]["calls_per_step"] - 3
+    assert chain["graphs"] == ["conv1", "layer1", "layer2", "layer3", "layer4"] and chain["status"] == "verified"
+    [hop] = [h for h in report["glue"]["hops"] if h["decision"] == "widened"]
+    assert (hop["producer"], hop["consumer"]) == ("conv1", "layer1")
+    assert report["merged"]["traffic"]["calls_per_step"] == report["traffic"]["calls_per_step"] - 4
     assert chain["precision_mode"] == "force_fp16" and chain["precision"]["passed"]  # emulated as one graph too
 
     # The run carries its driver file (as a bundle does): a tool called by hand on the run's record

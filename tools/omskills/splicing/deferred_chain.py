@@ -64,6 +64,13 @@ class DeferredChain:
         self.traffic = traffic
         self.answered = [0] * len(self.routes)
         self._pending: _Pending | None = None
+        # (member, its inputs' shapes) -> its outputs' shapes: a call not launched gives placeholders
+        # of these. From the calls the study saw; each call run adds its own.
+        self.shapes: dict[tuple[int, tuple], list[tuple[int, ...]]] = {
+            (k, _key(call.inputs)): [tuple(o) for o in call.outputs]
+            for k, route in enumerate(self.routes)
+            for call in route.contract.call_shapes
+        }
 
     @property
     def first(self) -> _Route:
@@ -81,16 +88,34 @@ class DeferredChain:
         """The outputs of this call of `route` (placeholders until the launch), or None: it runs its own graph."""
         k = self.member(route)
         if k == 0:
+            self._pending = None
+            if self.output_shapes(0, by_name) is None:
+                return None  # sizes never seen: it runs its own graph, and the chain waits for the next call
             self._pending = _Pending(self, by_name, device)
             return self._pending.placeholders_of(0)
         pending = self._pending
-        if pending is None or pending.next != k:
+        if pending is None or pending.next != k or self.output_shapes(k, by_name) is None:
             return None
         fed = pending.matched(k, by_name)
         if fed is None:
             pending.next = None
             return None
         return pending.virtual_call(k, by_name, fed)
+
+    def output_shapes(self, k: int, by_name: Mapping[str, torch.Tensor]) -> list[tuple[int, ...]] | None:
+        """Member k's output shapes for a call given these inputs, when a call of these sizes was seen."""
+        return self.shapes.get((k, self._input_key(k, by_name)))
+
+    def saw(self, k: int, by_name: Mapping[str, torch.Tensor], outputs: Mapping[str, Any]) -> None:
+        """A call of member k that ran: its sizes, for the next deferred one."""
+        specs = self.routes[k].contract.outputs
+        if all(spec.name in outputs for spec in specs):
+            self.shapes[(k, self._input_key(k, by_name))] = [tuple(outputs[spec.name].shape) for spec in specs]
+
+    def _input_key(self, k: int, by_name: Mapping[str, torch.Tensor]) -> tuple:
+        return _key(
+            [tuple(by_name[spec.name].shape) for spec in self.routes[k].contract.inputs if spec.name in by_name]
+        )
 
     def fed_name(self, k: int, index: int) -> str:
         """The composed graph's input for slot `index` of link k (member k+1's recipes)."""
@@ -118,10 +143,11 @@ class _Pending:
 
     def placeholders_of(self, k: int) -> list[torch.Tensor]:
         route = self.chain.routes[k]
+        shapes = self.chain.output_shapes(k, self.given[k]) or [tuple(spec.shape) for spec in route.contract.outputs]
         made = []
-        for spec in route.contract.outputs:
+        for spec, shape in zip(route.contract.outputs, shapes):
             tensor = Unfetched(
-                tuple(spec.shape), torch_dtype(spec.dtype), self.device, self._copy_back(k, spec.name), self._read(k)
+                shape, torch_dtype(spec.dtype), self.device, self._copy_back(k, spec.name), self._read(k)
             )
             self.placeholders[(k, spec.name)] = tensor
             made.append(tensor)
@@ -202,6 +228,11 @@ class _Pending:
         crossed = {n: v for n, v in self.produced.items() if isinstance(v, np.ndarray)}
         out = [torch.from_numpy(np.require(v, requirements="C")) for v in crossed.values()]
         chain.traffic.record(chain.names[0], inputs, feeds, out, None, [], list(crossed))
+        for k, route in enumerate(chain.routes):
+            prefix = "" if k == 0 else composed_prefix(route.contract.candidate)
+            chain.saw(
+                k, self.given[k], {spec.name: self.produced[prefix + spec.name] for spec in route.contract.outputs}
+            )
         for k, name in enumerate(chain.names[1:], start=1):
             chain.answered[k] += 1
             chain.traffic.record_merged(name, chain.names[0], [], [])
@@ -231,6 +262,7 @@ class _Pending:
             produced = dict(route.backend.run(feeds))
             route.backend_seconds.append(time.perf_counter() - started)
             self.own[k] = {n: np.asarray(v) for n, v in produced.items()}
+            self.chain.saw(k, given, self.own[k])
             outputs = [torch.from_numpy(np.require(v, requirements="C")) for v in self.own[k].values()]
             self.chain.traffic.record(
                 route.contract.candidate,
@@ -252,3 +284,7 @@ class _Pending:
                 self.chain.traffic.record_late_copy(self.chain.names[k], tensor)
 
         return read
+
+
+def _key(shapes: Sequence[Sequence[int]]) -> tuple:
+    return tuple(tuple(int(d) for d in shape) for shape in shapes)

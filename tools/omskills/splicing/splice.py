@@ -766,10 +766,6 @@ class SpliceHandle:
         if recipes and len(recipes) != len(io_maps):
             raise SpliceError(f"{where}: a recipe map (or None) for each link, or none at all")
         if any(recipes):
-            if varying := [s.name for r in chain for s in r.contract.outputs if s.dynamic_dims]:
-                raise SpliceError(
-                    f"{where}: the shapes of {varying} vary between calls; a deferred call cannot tell them"
-                )
             merged = DeferredChain(chain, backend, io_maps, recipes, slots, self.traffic)
         else:
             merged = MergedChain(chain, backend, io_maps, prefixes, self.traffic)

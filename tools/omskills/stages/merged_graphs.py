@@ -35,7 +35,7 @@ from omskills.records.verify import OutputCheck
 from omskills.report.wording import counted
 from omskills.run_folder import RunFolder
 from omskills.runtime import open_backend
-from omskills.splicing.splice import SpliceBackend, splice
+from omskills.splicing.splice import SpliceBackend, SpliceError, splice
 from omskills.splicing.traffic import traffic_report
 from omskills.stages.model import TaskModel
 from omskills.stages.precision import emulation_runner, first_feeds
@@ -65,10 +65,14 @@ def merged_run(
     if not built:
         return MergedRun(graphs=graphs, not_taken=not_taken, verdict="not run", fallbacks=0)
     composed = [open_backend(workdir / str(graph.onnx_path), backend) for graph in built]
+    refused: dict[str, str] = {}
     try:
         with splice(model.loaded.root, replacements, strategies=strategies) as handle:
             for graph, opened in zip(built, composed):
-                handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes, graph.recipes, graph.slots)
+                try:
+                    handle.merge(graph.graphs, opened, graph.io_maps, graph.prefixes, graph.recipes, graph.slots)
+                except SpliceError as err:  # the graphs apart still serve its members
+                    refused[graph.name] = f"cannot serve it: {one_line(err, 300)}"
             spliced = model.run(RunHooks(on_step=handle.traffic.step_done))
     finally:
         for opened in composed:
@@ -76,7 +80,14 @@ def merged_run(
     fallbacks = len(handle.fallbacks())
     main, _ = main_path_parity(checks, reference, spliced, fallbacks)
     answered = {s.candidate: s.merged_hits for s in handle.stats()}
-    judged = [_judged(g, main.verdict, fallbacks, answered) if g.status != "refused" else g for g in graphs]
+    judged = [
+        g.model_copy(update={"status": "refused", "reason": refused[g.name]})
+        if g.name in refused
+        else _judged(g, main.verdict, fallbacks, answered)
+        if g.status != "refused"
+        else g
+        for g in graphs
+    ]
     traffic = None if handle.traffic.error else traffic_report(handle.traffic.steps(), link_cost(record.intake.target))
     return MergedRun(graphs=judged, not_taken=not_taken, verdict=main.verdict, fallbacks=fallbacks, traffic=traffic)
 
