@@ -15,16 +15,12 @@ from pathlib import Path
 import onnx
 import onnx.version_converter
 from omskills.onnxfiles.onnx_io import save_onnx
+from omskills.records.glue import composed_prefix
 from onnx import compose
 
 
 class ComposeError(ValueError):
     """The graphs cannot be composed (the message says why)."""
-
-
-def composed_prefix(member: str) -> str:
-    """The prefix of a later member's names inside the composed graph."""
-    return f"{member}."
 
 
 def compose_chain(

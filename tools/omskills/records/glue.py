@@ -73,6 +73,11 @@ class SlotUse(Record):
         return (kind, graph, name) if graph in inside else None
 
 
+def composed_prefix(member: str) -> str:
+    """The prefix of a later member's names inside a composed graph (`convert.compose`)."""
+    return f"{member}."
+
+
 def glue_name(producer: str, consumer: str) -> str:
     """The name of the glue graph between two members of a chain (its names' prefix in the composed graph)."""
     return f"{producer}_glue_{consumer}"

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from omskills.contracts.layout import torch_dtype
 from omskills.contracts.recipes import value_digest
-from omskills.records.glue import SlotUse, glue_name
+from omskills.records.glue import SlotUse, composed_prefix, glue_name
 from omskills.splicing.unfetched import GlueWindow, Unfetched
 
 if TYPE_CHECKING:
@@ -35,12 +35,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def composed_prefix(member: str) -> str:
-    """A later member's names' prefix in the composed graph (as `convert.compose` writes them)."""
-    return f"{member}."
+class RouteChain:
+    """The routes of graphs composed into one, in call order."""
+
+    def __init__(self, routes: Sequence[_Route]) -> None:
+        self.routes = list(routes)
+
+    @property
+    def first(self) -> _Route:
+        return self.routes[0]
+
+    def member(self, route: _Route) -> int:
+        return next(k for k, r in enumerate(self.routes) if r is route)
 
 
-class DeferredChain:
+class DeferredChain(RouteChain):
     """Serves the members of one composed chain with widened links (see the module docstring)."""
 
     deferred = True
@@ -55,7 +64,7 @@ class DeferredChain:
         slots: Sequence[Sequence[SlotUse]],
         traffic: TrafficMeter,
     ) -> None:
-        self.routes = list(routes)
+        super().__init__(routes)
         self.names = [r.contract.candidate for r in self.routes]
         self.backend = backend
         self.io_maps = [dict(m) for m in io_maps]
@@ -71,13 +80,6 @@ class DeferredChain:
             for k, route in enumerate(self.routes)
             for call in route.contract.call_shapes
         }
-
-    @property
-    def first(self) -> _Route:
-        return self.routes[0]
-
-    def member(self, route: _Route) -> int:
-        return next(k for k, r in enumerate(self.routes) if r is route)
 
     def forget(self) -> None:
         self._pending = None

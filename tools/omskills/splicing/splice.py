@@ -30,7 +30,7 @@ from omskills.files import portable_class_name
 from omskills.records.contracts import ContractSpec, NonTensorArg, ShapeStrategy, TensorSpec
 from omskills.records.export import FallbackEvent, FallbackKind, SpliceStats
 from omskills.records.glue import SlotUse
-from omskills.splicing.deferred_chain import DeferredChain
+from omskills.splicing.deferred_chain import DeferredChain, RouteChain
 from omskills.splicing.memo import OutputMemo, memoisable
 from omskills.splicing.traffic import TrafficMeter
 from omskills.splicing.unfetched import Unfetched
@@ -496,7 +496,7 @@ class _Route:
         )
 
 
-class MergedChain:
+class MergedChain(RouteChain):
     """Graphs composed into one (`convert.compose`), each fed by the one before it: a call of the
     first runs the composed graph, and the calls of the others that follow, each given exactly
     the outputs the member before it gave (unchanged since), are answered from that call without
@@ -510,20 +510,13 @@ class MergedChain:
         prefixes: Sequence[str],
         traffic: TrafficMeter,
     ) -> None:
-        self.routes = list(routes)
+        super().__init__(routes)
         self.backend = backend
         self.io_maps = [dict(m) for m in io_maps]  # member k+1's input -> member k's output
         self.prefixes = list(prefixes)  # of members 1..
         self.traffic = traffic
         self.answered = [0] * len(self.routes)
         self.forget()
-
-    @property
-    def first(self) -> _Route:
-        return self.routes[0]
-
-    def member(self, route: _Route) -> int:
-        return next(k for k, r in enumerate(self.routes) if r is route)
 
     def forget(self) -> None:
         self._pending: list[dict[str, np.ndarray]] = []
