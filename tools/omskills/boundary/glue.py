@@ -179,6 +179,7 @@ class GlueRecorder(TorchFunctionMode):
         self._born: dict[int, int] = {}  # node -> the number of graph calls made before it
         self._meta: dict[int, tuple[torch.dtype, tuple[int, ...], int]] = {}
         self._roots: dict[int, Root] = {}
+        self._node_calls: dict[int, frozenset[tuple[str, int]]] = {}  # node -> the calls it derives from
         self._given: dict[int, str] = {}  # node -> "input:<graph>/<name>" of the last call given it
         self._ops: list[GlueOp] = []
         self._values: dict[int, torch.Tensor] = {}
@@ -205,7 +206,9 @@ class GlueRecorder(TorchFunctionMode):
                 self._given[node] = f"input:{graph}/{name}"
         for name, tensor in outputs.items():
             if isinstance(tensor, torch.Tensor):
-                self._roots[self._new_node(tensor)] = Root(graph, name, self.serial)
+                node = self._new_node(tensor)
+                self._roots[node] = Root(graph, name, self.serial)
+                self._node_calls[node] = frozenset({(graph, self.serial)})
 
     def step_done(self, index: int) -> None:
         """Step `index` ended. Its operations are forgotten (a tensor the host keeps across steps is
@@ -217,6 +220,7 @@ class GlueRecorder(TorchFunctionMode):
         self._tensors = {key: entry for key, entry in self._tensors.items() if entry[1] in self._roots}
         self._given.clear()
         self._node_of_op.clear()
+        self._node_calls = {node: calls for node, calls in self._node_calls.items() if node in self._roots}
         self._ops = []
         self._values = {}
         self._value_ids.clear()
@@ -269,16 +273,18 @@ class GlueRecorder(TorchFunctionMode):
                 flag = flag or ("python-state", f"{name} writes in place through a view")
         index = len(self._ops)
         touched = sum(int(t.nbytes) for t in read) + sum(int(t.nbytes) for t in results)
+        calls = frozenset().union(*(self._calls_of(ref.node) for ref in _refs(template)))
         nodes = []
         for tensor in [*results, *written]:  # a written tensor is a new value from now on
             node = self._new_node(tensor)
             self._node_of_op[node] = (index, len(nodes))
+            self._node_calls[node] = calls
             nodes.append(node)
         self._ops.append(GlueOp(func, name, template, nodes, _site(), ms, touched, flag))
 
     def _read_into_python(self, name: str, nodes: list[int]) -> None:
-        calls = {(root.graph, root.serial) for node in nodes for root in self._roots_of(node)}
-        self._reads.append((calls, f"{name} at {_site()}"))
+        calls = frozenset().union(*(self._calls_of(node) for node in nodes))
+        self._reads.append((set(calls), f"{name} at {_site()}"))
 
     def _template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -320,31 +326,21 @@ class GlueRecorder(TorchFunctionMode):
             return None
         return entry[1]
 
-    def _roots_of(self, node: int) -> list[Root]:
-        found: dict[int, Root] = {}
-        todo, seen = [node], set()
-        while todo:
-            current = todo.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            if current in self._roots:
-                found[current] = self._roots[current]
-            elif (made := self._node_of_op.get(current)) is not None:
-                todo += [ref.node for ref in _refs(self._ops[made[0]].args)]
-        return list(found.values())
+    def _calls_of(self, node: int) -> frozenset[tuple[str, int]]:
+        """The graph calls (graph, call number) whose outputs `node` was computed from."""
+        return self._node_calls.get(node, frozenset())
 
     # ------------------------------------------------------------------ one consumer call
 
     def _observe(self, consumer: str, inputs: Mapping[str, torch.Tensor]) -> Observation:
         seen = Observation(step=None, consumer=consumer, serial=self.serial)
         nodes = {name: self._node(tensor) for name, tensor in inputs.items()}
-        roots = [r for node in nodes.values() if node is not None for r in self._roots_of(node)]
-        if not roots:
+        calls = frozenset().union(*(self._calls_of(node) for node in nodes.values() if node is not None))
+        if not calls:
             return seen  # no input derives from a graph's outputs: no hop ends here
-        latest = max(roots, key=lambda r: r.serial)
-        seen.producer, seen.producer_serial = latest.graph, latest.serial
-        walk = _HopWalk(self, latest.graph, latest.serial)
+        producer, serial = max(calls, key=lambda call: call[1])
+        seen.producer, seen.producer_serial = producer, serial
+        walk = _HopWalk(self, producer, serial)
         for name in sorted(inputs):
             tensor, node = inputs[name], nodes[name]
             seen.nbytes[name] = int(tensor.nbytes)
@@ -363,12 +359,12 @@ class GlueRecorder(TorchFunctionMode):
             seen.touched += op.touched
             if op.flag:
                 seen.flags.append((op.flag[0], f"{op.flag[1]} ({op.site})"))
-        seen.reads = [what for calls, what in self._reads if (latest.graph, latest.serial) in calls]
+        seen.reads = [what for read, what in self._reads if (producer, serial) in read]
         for index in sorted(walk.late_ops - walk.ops):  # host code after the call the inputs also rest on
             op = self._ops[index]
             if op.flag:
                 seen.flags.append((op.flag[0], f"{op.flag[1]} ({op.site}, on values it also reads)"))
-        key = (consumer, latest.graph)
+        key = (consumer, producer)
         if seen.hop and key not in self._kept:
             self._kept.add(key)
             seen.program = walk.program(seen, inputs)
