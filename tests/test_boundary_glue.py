@@ -156,6 +156,8 @@ class Host(torch.nn.Module):
             h = h * (self.step + 1)  # a Python number that changes with the step
         if self.kind == "earlier-value":
             h = h + self.earlier  # a value the host made before the encoder's call
+        if self.kind == "first-call-differs" and self.step == 0:
+            h = h + 0.0  # one more operation in the first call only
         if self.kind == "read-before":
             self.peeked = float(h[0, 0])  # the host reads the glue's result before the decoder's call
         return self.dec(torch.cat([h * 0.5, self.extra], 0))
@@ -221,8 +223,9 @@ def _hop(pair, kind: str):
     [
         ("tensor-only", "tensor-only", "torch operations on enc's outputs, the same in every call (reshape, mul, cat)"),
         ("data-dependent", "data-dependent", "host code reads enc's outputs into Python before the call: item at"),
-        ("varies-per-call", "varies-per-call", "the host code differs between calls (3 distinct recipes"),
+        ("varies-per-call", "varies-per-call", "the host code differs between calls (3 calls, no two alike"),
         ("earlier-value", "tensor-only", "torch operations on enc's outputs, the same in every call"),
+        ("first-call-differs", "tensor-only", "torch operations on enc's outputs, the same in 2 of 3 calls"),
     ],
 )
 def test_the_capture_says_whether_the_glue_can_go_into_a_graph_and_why(pair, kind, expected, why):
@@ -273,6 +276,15 @@ def test_a_widened_hop_is_one_call_per_step_with_the_same_values(pair, kind, tmp
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     calls = [sum(g.calls for g in step.graphs) for step in after.traffic.steps()]
     assert calls == [1, 1, 1]
+
+
+def test_calls_whose_host_code_is_not_the_commonest_run_apart_and_the_others_in_one_call(pair, tmp_path):
+    apart, _ = _run(pair, "first-call-differs")
+    merged, handle = _run(pair, "first-call-differs", merge=_widened(pair, "first-call-differs", tmp_path))
+    stats = {s.candidate: s for s in handle.stats()}
+    assert (stats["dec"].merged_hits, stats["dec"].backend_calls) == (2, 1)
+    for a, b in zip(merged, apart):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_value_the_host_reads_before_the_consumers_call_runs_the_graphs_apart_with_the_same_values(pair, tmp_path):

@@ -173,7 +173,7 @@ class GlueRecorder(TorchFunctionMode):
         self.error: str | None = None  # why the capture stopped before the run's end
         self.calls: dict[str, list[int]] = defaultdict(list)  # graph -> serials of its calls
         self.observations: list[Observation] = []
-        self._kept: set[tuple[str, str]] = set()
+        self._kept: set[tuple[str, str, tuple]] = set()
         self._tensors: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (its weak ref, its node)
         self._node_of_op: dict[int, tuple[int, int]] = {}  # node -> (op index, position)
         self._born: dict[int, int] = {}  # node -> the number of graph calls made before it
@@ -364,7 +364,7 @@ class GlueRecorder(TorchFunctionMode):
             op = self._ops[index]
             if op.flag:
                 seen.flags.append((op.flag[0], f"{op.flag[1]} ({op.site}, on values it also reads)"))
-        key = (consumer, producer)
+        key = (consumer, producer, tuple(sorted(seen.recipes.items())))  # one program per way of computing
         if seen.hop and key not in self._kept:
             self._kept.add(key)
             seen.program = walk.program(seen, inputs)

@@ -38,14 +38,11 @@ def hops(recorder: GlueRecorder, link: LinkCost) -> list[Hop]:
     for seen in recorder.observations:
         if seen.producer is not None:
             by_pair[(seen.producer, seen.consumer)].append(seen)
-    consumers: dict[str, set[str]] = defaultdict(set)
-    for producer, consumer in by_pair:
-        consumers[consumer].add(producer)
     found = []
     for (producer, consumer), calls in by_pair.items():
         if not any(seen.hop for seen in calls):
             continue  # every input handed on unchanged (a merge proposal's business), or none from it
-        found.append(_hop(recorder, producer, consumer, calls, sorted(consumers[consumer]), steps, link))
+        found.append(_hop(recorder, producer, consumer, calls, steps, link))
     return found
 
 
@@ -58,14 +55,14 @@ def _hop(
     producer: str,
     consumer: str,
     calls: list[Observation],
-    producers: list[str],
     steps: int,
     link: LinkCost,
 ) -> Hop:
-    first = next(seen for seen in calls if seen.hop)
-    kind, why = _kind(recorder, producer, consumer, calls, producers)
-    slots = _slot_uses(calls) if kind == "tensor-only" else []
-    cost = _cost(calls, steps, link, [s for s in slots if not s.constant])
+    served = _commonest_recipe(calls)
+    first = next((seen for seen in served if seen.program is not None), served[0])
+    kind, why = _kind(recorder, producer, consumer, calls, served)
+    slots = _slot_uses(served) if kind == "tensor-only" else []
+    cost = _cost(served, steps, link, [s for s in slots if not s.constant])
     proposed = kind == "tensor-only" and cost.link_saved_ms_per_step > cost.device_ms_per_step
     if kind != "tensor-only":
         decision_why = f"kept in Python: {why}"
@@ -93,12 +90,19 @@ def _hop(
     return Hop(glue, first.program if proposed else None)
 
 
-def _kind(
-    recorder: GlueRecorder, producer: str, consumer: str, calls: list[Observation], producers: list[str]
-) -> tuple[GlueKind, str]:
-    if len(producers) > 1:
-        return "varies-per-call", f"the graph called last before it differs between calls ({', '.join(producers)})"
+def _commonest_recipe(calls: list[Observation]) -> list[Observation]:
+    """The calls whose host code is the one most calls ran (the earliest of equals): those a widened
+    graph serves; the others run apart."""
+    groups: dict[tuple, list[Observation]] = {}
     for seen in calls:
+        groups.setdefault(tuple(sorted(seen.recipes.items())), []).append(seen)
+    return max(groups.values(), key=len)
+
+
+def _kind(
+    recorder: GlueRecorder, producer: str, consumer: str, calls: list[Observation], served: list[Observation]
+) -> tuple[GlueKind, str]:
+    for seen in served:
         if seen.reads:
             return (
                 "data-dependent",
@@ -106,19 +110,21 @@ def _kind(
             )
         if seen.flags:
             return seen.flags[0]
-    recipes = {tuple(sorted(seen.recipes.items())) for seen in calls}
-    if len(recipes) > 1:
+    if len(served) < len(calls) and len(served) < 2:
         return "varies-per-call", (
-            f"the host code differs between calls ({len(recipes)} distinct recipes: the operations, their Python "
-            "arguments or the shapes they read change)"
+            f"the host code differs between calls ({len(calls)} calls, no two alike: the operations, their "
+            "Python arguments or the shapes they read change)"
         )
-    if not any(seen.program is not None for seen in calls):
+    if not any(seen.program is not None for seen in served):
         return "python-state", "a value it starts from was gone before the call: nothing to replay"
     unfed = _calls_unfed(recorder, producer, consumer, calls)
     if unfed is not None:
         return "varies-per-call", unfed
-    ops = ", ".join(dict.fromkeys(calls[0].ops))
-    return "tensor-only", f"torch operations on {producer}'s outputs, the same in every call ({ops})"
+    ops = ", ".join(dict.fromkeys(served[0].ops))
+    alike = (
+        "the same in every call" if len(served) == len(calls) else f"the same in {len(served)} of {len(calls)} calls"
+    )
+    return "tensor-only", f"torch operations on {producer}'s outputs, {alike} ({ops})"
 
 
 def _calls_unfed(recorder: GlueRecorder, producer: str, consumer: str, calls: list[Observation]) -> str | None:
