@@ -50,6 +50,9 @@ PYTHON_READS = frozenset(
     {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "__array__",
      "equal", "allclose", "is_nonzero", "__contains__", "__hash__"}
 )  # fmt: skip
+# What a step's derived tensors may hold on to so a hop can be replayed (a value dropped by the host is
+# kept alive until the step ends). Beyond it, a hop whose values are gone is not replayed, and says so.
+KEPT_BYTES = 2 << 30
 _HERE = str(Path(__file__).resolve().parents[1])
 _TORCH = str(Path(torch.__file__).resolve().parent)
 
@@ -186,6 +189,7 @@ class GlueRecorder(TorchFunctionMode):
         self._value_ids: dict[tuple, tuple[weakref.ref, int]] = {}
         self._value_digests: dict[int, str] = {}
         self._step_tensors: list[torch.Tensor] = []  # this step's derived tensors, kept to replay a hop
+        self._kept_bytes = 0
         self._reads: list[tuple[set[tuple[str, int]], str]] = []  # (graph calls read from, what and where)
         self._next_node = 0
 
@@ -225,7 +229,7 @@ class GlueRecorder(TorchFunctionMode):
         self._values = {}
         self._value_ids.clear()
         self._value_digests.clear()
-        self._step_tensors = []
+        self._step_tensors, self._kept_bytes = [], 0
         self._reads.clear()
 
     # ------------------------------------------------------------------ recording
@@ -317,7 +321,9 @@ class GlueRecorder(TorchFunctionMode):
         self._tensors[id(tensor)] = (weakref.ref(tensor), node)
         self._born[node] = self.serial
         self._meta[node] = (tensor.dtype, tuple(tensor.shape), int(tensor.nbytes))
-        self._step_tensors.append(tensor)
+        if self._kept_bytes + int(tensor.nbytes) <= KEPT_BYTES:
+            self._step_tensors.append(tensor)
+            self._kept_bytes += int(tensor.nbytes)
         return node
 
     def _node(self, tensor: torch.Tensor) -> int | None:
