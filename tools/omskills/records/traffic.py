@@ -280,6 +280,9 @@ class MergedRun(Record):
         "'not run' when nothing could be built)."
     )
     fallbacks: int = Field(description="Calls PyTorch ran in that run.")
+    checks: str = Field(
+        "", description="Each check's worst figure in that run, as the main verification prints its own."
+    )
     traffic: TrafficReport | None = Field(
         None, description="Its traffic (the 'after' of the merge), None if not counted."
     )

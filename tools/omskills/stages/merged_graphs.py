@@ -89,7 +89,14 @@ def merged_run(
         for g in graphs
     ]
     traffic = None if handle.traffic.error else traffic_report(handle.traffic.steps(), link_cost(record.intake.target))
-    return MergedRun(graphs=judged, not_taken=not_taken, verdict=main.verdict, fallbacks=fallbacks, traffic=traffic)
+    return MergedRun(
+        graphs=judged,
+        not_taken=not_taken,
+        verdict=main.verdict,
+        fallbacks=fallbacks,
+        checks=main.summary(),
+        traffic=traffic,
+    )
 
 
 def widening_proposal(hop: Hop) -> MergeProposal:
