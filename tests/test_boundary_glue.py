@@ -94,7 +94,7 @@ def test_two_graphs_joined_by_tensor_only_glue_end_as_one_composed_graph_and_one
         "pass",
         0,
     )
-    assert report["merged"]["checks"].startswith("scores worst ")  # judged by the same checks
+    assert report["merged"]["checks"].startswith("scores (tensor) worst ")  # judged by the same checks
     assert report["traffic"]["calls_per_step"] == 2.0 and report["merged"]["traffic"]["calls_per_step"] == 1.0
     # Neither the encoder's output nor the decoder's input crosses: only x in and the scores out.
     assert report["merged"]["traffic"]["bytes_per_step"] == (4 * 16 + 17 * 4) * 4
