@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +51,8 @@ PYTHON_READS = frozenset(
      "equal", "allclose", "is_nonzero", "__contains__", "__hash__"}
 )  # fmt: skip
 # What a step's derived tensors may hold on to so a hop can be replayed (a value dropped by the host is
-# kept alive until the step ends). Beyond it, a hop whose values are gone is not replayed, and says so.
+# kept alive until the step ends, the oldest let go first beyond this). A hop whose values are gone is
+# not replayed, and says so.
 KEPT_BYTES = 2 << 30
 _HERE = str(Path(__file__).resolve().parents[1])
 _TORCH = str(Path(torch.__file__).resolve().parent)
@@ -188,7 +189,7 @@ class GlueRecorder(TorchFunctionMode):
         self._values: dict[int, torch.Tensor] = {}
         self._value_ids: dict[tuple, tuple[weakref.ref, int]] = {}
         self._value_digests: dict[int, str] = {}
-        self._step_tensors: list[torch.Tensor] = []  # this step's derived tensors, kept to replay a hop
+        self._step_tensors: deque[torch.Tensor] = deque()  # this step's derived tensors, kept to replay a hop
         self._kept_bytes = 0
         self._reads: list[tuple[set[tuple[str, int]], str]] = []  # (graph calls read from, what and where)
         self._next_node = 0
@@ -229,7 +230,7 @@ class GlueRecorder(TorchFunctionMode):
         self._values = {}
         self._value_ids.clear()
         self._value_digests.clear()
-        self._step_tensors, self._kept_bytes = [], 0
+        self._step_tensors, self._kept_bytes = deque(), 0
         self._reads.clear()
 
     # ------------------------------------------------------------------ recording
@@ -321,9 +322,12 @@ class GlueRecorder(TorchFunctionMode):
         self._tensors[id(tensor)] = (weakref.ref(tensor), node)
         self._born[node] = self.serial
         self._meta[node] = (tensor.dtype, tuple(tensor.shape), int(tensor.nbytes))
-        if self._kept_bytes + int(tensor.nbytes) <= KEPT_BYTES:
-            self._step_tensors.append(tensor)
-            self._kept_bytes += int(tensor.nbytes)
+        self._step_tensors.append(tensor)
+        self._kept_bytes += int(tensor.nbytes)
+        while (
+            self._kept_bytes > KEPT_BYTES and self._step_tensors
+        ):  # the oldest go first: the next call needs the newest
+            self._kept_bytes -= int(self._step_tensors.popleft().nbytes)
         return node
 
     def _node(self, tensor: torch.Tensor) -> int | None:

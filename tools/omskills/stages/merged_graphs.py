@@ -5,14 +5,18 @@ as often, can run inside that graph's call. Proposals link into chains (A feeds 
 each chain's exported graphs are composed into one ONNX graph (`convert.compose`). The main path
 runs again with each composed graph spliced in (`SpliceHandle.merge`). A chain is verified when
 that run passes the same checks as the main verification with no fallback and the composed graph
-answered the calls of every later member. Its ATC command is written beside the candidates' OMs
-in the slowest of the members' chosen precision modes, keeping each member's kept nodes; that mode
+answered the calls of every later member. A link whose inputs host code computes (a widened
+boundary, `stages.glue`) has that glue exported and composed between its two members, and the
+chain is served as one deferred call (`splicing.deferred_chain`). Its ATC command is written
+beside the candidates' OMs in the slowest of the members' chosen precision modes, keeping each
+member's kept nodes; that mode
 is emulated once more on the composed graph (rounding at the joins can add up), and if the
 composition fails there, the command keeps every dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +56,7 @@ def merged_run(
     proposals: list[MergeProposal],
     checks: list[OutputCheck],
     backend: str,
-    hops: list[Hop] = (),  # type: ignore[assignment]
+    hops: Sequence[Hop] = (),
 ) -> MergedRun | None:
     """The main path with every chain of mergeable graphs composed into one, the glue of each
     widened hop between its two members; None when none can merge."""
@@ -80,14 +84,11 @@ def merged_run(
     fallbacks = len(handle.fallbacks())
     main, _ = main_path_parity(checks, reference, spliced, fallbacks)
     answered = {s.candidate: s.merged_hits for s in handle.stats()}
-    judged = [
-        g.model_copy(update={"status": "refused", "reason": refused[g.name]})
-        if g.name in refused
-        else _judged(g, main.verdict, fallbacks, answered)
-        if g.status != "refused"
-        else g
-        for g in graphs
-    ]
+    judged = []
+    for graph in graphs:
+        if graph.name in refused:
+            graph = graph.model_copy(update={"status": "refused", "reason": refused[graph.name]})
+        judged.append(graph if graph.status == "refused" else _judged(graph, main.verdict, fallbacks, answered))
     traffic = None if handle.traffic.error else traffic_report(handle.traffic.steps(), link_cost(record.intake.target))
     return MergedRun(
         graphs=judged,
