@@ -365,7 +365,7 @@ def test_the_public_api_runs_the_adapted_main_path_in_a_fresh_process_exactly_as
     integrated = {c.name for c in record.verification.candidates if c.status == "integrated"}
     assert set(seen["backends"]) == integrated and len(integrated) >= 4
     assert all(b.startswith("onnxruntime:CPUExecutionProvider") for b in seen["backends"].values())
-    _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+    _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_deployed))
 
 
 def test_two_runs_with_the_same_prompt_in_one_process_encode_the_prompt_once(tiny_adaptation):
@@ -414,7 +414,7 @@ def test_a_bundle_moved_to_another_folder_runs_its_example_exactly_as_verify_did
     assert example.returncode == 0, example.stderr[-3000:]
     summary = json.loads(example.stdout[example.stdout.index("\n{") + 1 :])
     assert summary["fallbacks"] == 0 and summary["steps"] == 2 and summary["backend"] == "onnxruntime"
-    _same_steps(load_run(tmp_path / "example.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+    _same_steps(load_run(tmp_path / "example.npz"), load_run(tiny_adaptation / record.verification.outputs_deployed))
 
 
 def test_a_bundle_with_the_prompt_computed_ahead_answers_the_text_encoder_from_memory(tiny_adaptation, tmp_path):
@@ -436,7 +436,7 @@ def test_a_bundle_with_the_prompt_computed_ahead_answers_the_text_encoder_from_m
         save_run(model.run_main_path(), tmp_path / "outputs.npz")
         text = {s.candidate: s for s in model.stats()}["text_encoder"]
     assert text.backend_calls == 0 and text.memo_hits == text.calls > 0
-    _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_spliced))
+    _same_steps(load_run(tmp_path / "outputs.npz"), load_run(tiny_adaptation / record.verification.outputs_deployed))
 
 
 def test_a_bundle_checks_its_files_format_and_contract_schema_on_load(tiny_adaptation, tmp_path):

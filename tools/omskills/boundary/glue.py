@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from omskills.contracts.provenance import _shallow_tensors, writes_in_place
-from omskills.contracts.reads import function_name, reads_values
+from omskills.contracts.provenance import _shallow_tensors
+from omskills.contracts.reads import function_name, reads_values, writes_in_place
 from omskills.contracts.recipes import (
     PLAIN_ARGUMENTS,
     canonical,

@@ -41,7 +41,7 @@ from typing import Any, get_args
 import torch
 import torch.utils._pytree as pt
 from omskills.contracts import pytree
-from omskills.contracts.reads import reads_values
+from omskills.contracts.reads import reads_values, writes_in_place
 from omskills.records.contracts import LineageRoot, Provenance, ProvenanceKind, is_ancestor
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -354,12 +354,6 @@ _DROPOUT_OPS: dict[str, tuple[int, str, float, int | None, str | None]] = {
     "scaled_dot_product_attention": (4, "dropout_p", 0.0, None, None),
     "multi_head_attention_forward": (10, "dropout_p", 0.0, 13, "training"),
 }
-# Names ending in "_" that write no values.
-_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_", "refine_names_"})
-_IN_PLACE_DUNDERS = frozenset(
-    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
-)  # fmt: skip
 
 
 def _written(outputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], in_place: bool) -> list[torch.Tensor]:
@@ -372,13 +366,6 @@ def _written(outputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], in_pla
     out = kwargs.get("out")
     targets = _shallow_tensors(out if out is not None else list(args[:1])) if in_place else []
     return [t for t in results if _storage_ptr(t) not in read] + targets
-
-
-def writes_in_place(op: str, kwargs: dict[str, Any]) -> bool:
-    """Whether the op writes into its first argument (`add_`, `x[i] = v`, `x += y`) or into `out=`."""
-    if kwargs.get("out") is not None or op in _IN_PLACE_DUNDERS:
-        return True
-    return op.endswith("_") and not op.startswith("__") and op not in _NOT_WRITES
 
 
 def _draws_random(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -286,6 +286,13 @@ class MergedRun(Record):
     traffic: TrafficReport | None = Field(
         None, description="Its traffic (the 'after' of the merge), None if not counted."
     )
+    outputs: RunPath | None = Field(
+        None,
+        description=(
+            "Run-folder path of the .npz with every step's outputs of that run: what a deployment serving the "
+            "verified chains gives, bit for bit (a composed graph may round differently from its graphs apart)."
+        ),
+    )
     label: str = Field(
         "the same backend as the main verification; merged graphs composed from the exported graphs",
         description="What ran.",

@@ -286,6 +286,16 @@ class VerifyReport(Record):
     outputs_spliced: RunPath | None = Field(
         None, description="Run-folder path of the .npz with every step's outputs of the spliced run."
     )
+
+    @property
+    def outputs_deployed(self) -> str | None:
+        """The outputs a deployment on ONNX Runtime gives: the merged run's when a chain was verified
+        (it serves the chains), else the spliced run's."""
+        merged = self.merged
+        if merged is not None and merged.outputs and any(g.status == "verified" for g in merged.graphs):
+            return merged.outputs
+        return self.outputs_spliced
+
     item_figures: Annotated[list[ItemFigure], DETAIL] = Field(
         default_factory=list,
         description=(

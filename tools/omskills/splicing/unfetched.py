@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils._pytree as pt
-from omskills.contracts.provenance import writes_in_place
-from omskills.contracts.reads import function_name, reads_values
+from omskills.contracts.reads import function_name, reads_values, writes_in_place
 from omskills.contracts.recipes import canonical, deep_recipes, op_digest, output_digest, slot_digest
 
 

@@ -28,7 +28,7 @@ from omskills.boundary.glue_graph import GLUE_INPUT, GlueGraphError, export_glue
 from omskills.boundary.hops import Hop
 from omskills.convert.compose import compose_chain, composed_prefix
 from omskills.errors import one_line
-from omskills.models.api import MainPathRun, RunHooks
+from omskills.models.api import MainPathRun, RunHooks, save_run
 from omskills.onnxfiles.inspect import graph_inputs
 from omskills.records.contracts import ContractSpec, ShapeStrategy
 from omskills.records.glue import glue_name
@@ -44,6 +44,8 @@ from omskills.splicing.traffic import traffic_report
 from omskills.stages.model import TaskModel
 from omskills.stages.precision import emulation_runner, first_feeds
 from omskills.stages.spliced_runs import main_path_parity
+
+MERGED_OUTPUTS = "verify/outputs-merged.npz"
 
 
 def merged_run(
@@ -90,6 +92,7 @@ def merged_run(
             graph = graph.model_copy(update={"status": "refused", "reason": refused[graph.name]})
         judged.append(graph if graph.status == "refused" else _judged(graph, main.verdict, fallbacks, answered))
     traffic = None if handle.traffic.error else traffic_report(handle.traffic.steps(), link_cost(record.intake.target))
+    save_run(spliced, workdir / MERGED_OUTPUTS)
     return MergedRun(
         graphs=judged,
         not_taken=not_taken,
@@ -97,6 +100,7 @@ def merged_run(
         fallbacks=fallbacks,
         checks=main.summary(),
         traffic=traffic,
+        outputs=MERGED_OUTPUTS,
     )
 
 
